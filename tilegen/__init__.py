@@ -1,0 +1,12 @@
+"""tilegen: generated, autotuned Triton kernels for I/O-aware attention.
+
+    import tilegen
+    out = tilegen.attention(q, k, v, causal=True)
+"""
+
+__version__ = "0.1.0"
+
+from tilegen.ir import AttentionSpec, SpecError, spec_from_json  # noqa: E402
+from tilegen.ops.attention import attention, explain  # noqa: E402
+
+__all__ = ["AttentionSpec", "SpecError", "attention", "explain", "spec_from_json", "__version__"]

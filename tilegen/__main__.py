@@ -1,0 +1,3 @@
+from tilegen.cli import main
+
+main()

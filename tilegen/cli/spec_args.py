@@ -1,0 +1,46 @@
+"""Reading a spec from the command line: flags, inline JSON, a JSON file, or a preset name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from tilegen.ir import AttentionSpec, SpecError, spec_from_json
+
+__all__ = ["PRESETS", "resolve_spec"]
+
+#: Named variants users tune most; ``tilegen tune`` with no spec uses "default".
+PRESETS: dict[str, AttentionSpec] = {
+    "default": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
+    "llama-prefill": AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
+    "mha-d128-causal": AttentionSpec(head_dim=128, mask="causal", dtype="bf16"),
+    "mha-d128": AttentionSpec(head_dim=128, mask="none", dtype="bf16"),
+    "mha-d64-causal": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
+    "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
+}
+
+
+def resolve_spec(
+    spec: str | None,
+    preset: str | None,
+    head_dim: int | None = None,
+    **flags,
+) -> AttentionSpec:
+    """One spec from exactly one source; a bad one exits with a message naming the field."""
+    given = [name for name, value in (("--spec", spec), ("--preset", preset), ("--head-dim", head_dim)) if value is not None]
+    if len(given) > 1:
+        raise typer.BadParameter(f"give one of --spec, --preset or --head-dim, not {' and '.join(given)}")
+    try:
+        if spec is not None:
+            text = Path(spec).read_text() if not spec.lstrip().startswith("{") else spec
+            return spec_from_json(text)
+        if head_dim is not None:
+            return AttentionSpec(head_dim=head_dim, **{k: v for k, v in flags.items() if v is not None})
+        name = preset or "default"
+        if name not in PRESETS:
+            raise typer.BadParameter(f"unknown preset {name!r}; known: {', '.join(PRESETS)}", param_hint="--preset")
+        return PRESETS[name]
+    except (SpecError, json.JSONDecodeError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--spec") from None

@@ -1,0 +1,68 @@
+"""Generated sources on disk: rendered once, written atomically, imported once per process.
+
+A file is named by the spec (readable name and hash) and the template hash, inside
+a folder per tilegen and Triton version, so any change that could change the code
+gives a new file rather than a stale one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import triton
+
+import tilegen
+from tilegen import env
+from tilegen.codegen import attention_fwd
+from tilegen.codegen.render import render, template_hash
+from tilegen.ir import AttentionSpec
+
+__all__ = ["source_for", "source_path", "module_for"]
+
+
+def source_for(spec: AttentionSpec) -> str:
+    """The generated Python source of the kernel and launcher for ``spec``."""
+    return render(attention_fwd.TEMPLATE, attention_fwd.lower(spec))
+
+
+def source_path(spec: AttentionSpec) -> Path:
+    folder = env.cache_dir() / f"tilegen-{tilegen.__version__}_triton-{triton.__version__}"
+    return folder / f"{spec.name}_{spec.hash}_{template_hash(attention_fwd.TEMPLATE)}.py"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a torn one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@functools.cache
+def module_for(spec: AttentionSpec) -> ModuleType:
+    """Import the generated module for ``spec``, rendering and caching it first if needed."""
+    if env.interpreting():
+        from tilegen.interpreter import patch_interpreter
+
+        patch_interpreter()
+    path = source_path(spec)
+    text = source_for(spec)
+    # Rewrite when absent or different (a hand-edited or truncated file must not be trusted).
+    if not path.exists() or path.read_text() != text:
+        _write_atomically(path, text)
+    name = f"tilegen_generated.{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # Triton reads kernel source through the module's file
+    module_spec.loader.exec_module(module)
+    return module

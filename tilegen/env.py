@@ -1,0 +1,45 @@
+"""Every path tilegen reads or writes, and the environment variables that move them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+__all__ = ["cache_dir", "db_path", "shipped_db_path", "template_dir", "interpreting"]
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def cache_dir() -> Path:
+    """Where generated kernel sources go (``TILEGEN_CACHE_DIR`` overrides)."""
+    override = os.environ.get("TILEGEN_CACHE_DIR")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("tilegen"))
+
+
+def db_path() -> Path:
+    """The user's tuning database (``TILEGEN_DB`` overrides; ``--db`` overrides both)."""
+    override = os.environ.get("TILEGEN_DB")
+    return Path(override) if override else Path(platformdirs.user_data_dir("tilegen")) / "tuning.sqlite"
+
+
+def shipped_db_path() -> Path:
+    """The read-only database that ships with tilegen, consulted after the user's."""
+    for candidate in (_PACKAGE / "tuning_db" / "tuned.sqlite", _PACKAGE.parent / "tuning_db" / "tuned.sqlite"):
+        if candidate.exists():
+            return candidate
+    return _PACKAGE / "tuning_db" / "tuned.sqlite"
+
+
+def template_dir() -> Path:
+    """Templates ship inside the wheel as ``tilegen/templates``; a source checkout keeps them at the top."""
+    for candidate in (_PACKAGE / "templates", _PACKAGE.parent / "templates"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"tilegen templates not found next to {_PACKAGE}")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,203 @@
+"""``tilegen.attention``: a drop-in for ``F.scaled_dot_product_attention`` on [batch, heads, seq, dim].
+
+Eager calls go straight to the launcher; under ``torch.compile`` the call goes through
+the ``tilegen::attention_fwd`` custom op, whose fake implementation lets Dynamo trace
+it with ``fullgraph=True``. The custom-op layer costs microseconds that eager callers
+need not pay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tilegen import dispatch
+from tilegen.codegen import module_for
+from tilegen.device import device_info
+from tilegen.env import interpreting
+from tilegen.ir import AttentionSpec, SpecError, spec_from_json
+
+__all__ = ["attention", "explain"]
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
+_MAX_SEQLEN = 1 << 29
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention forward.
+
+    Args:
+        q: ``[batch, heads_q, n_q, head_dim]``.
+        k: ``[batch, heads_kv, n_k, head_dim]``; ``heads_q`` must be a multiple of ``heads_kv``
+            (GQA; one KV head is MQA).
+        v: ``[batch, heads_kv, n_k, head_dim_v]``.
+        causal: mask keys after the diagonal, aligned bottom-right when ``n_q != n_k``
+            (query ``i`` sees keys ``<= i + n_k - n_q``), as FlashAttention does.
+        window: ``(left, right)``: keys at most ``left`` before and ``right`` after the
+            diagonal; ``None`` on a side leaves it unbounded. Rows that see no key give zeros.
+        softcap: logits become ``softcap * tanh(logits / softcap)``.
+        scale: softmax scale, ``1/sqrt(head_dim)`` by default.
+        return_lse: also return the natural-log log-sum-exp, fp32 ``[batch, heads_q, n_q]``
+            (``-inf`` for rows that see no key).
+
+    Returns:
+        ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype, and ``lse``
+        when asked for.
+
+    Example:
+        >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
+    """
+    spec, left, right, scale, softcap = _prepare(q, k, v, causal, window, softcap, scale, return_lse)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.tilegen.attention_fwd(q, k, v, spec.to_json(), scale, softcap, left, right)
+    else:
+        out, lse = _run(spec, q, k, v, scale, softcap, left, right)
+    return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
+    """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
+    spec, *_ = _prepare(q, k, v, causal, window, softcap, scale, return_lse)
+    table = dispatch.table_for(spec, device_info(_device_index(q)))
+    return table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2])))
+
+
+def _run(spec, q, k, v, scale, softcap, left, right):
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
+    out = q.new_empty(batch, heads, n_q, v.shape[3])
+    lse = q.new_empty((batch, heads, n_q) if spec.return_lse else (0,), dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    table = dispatch.table_for(spec, device_info(_device_index(q)))
+    config = table.choose(dispatch.bucket_of(max(n_q, n_k))).config
+    module_for(spec).launch(
+        q, k, v, out, lse if spec.return_lse else out,
+        scale=scale, softcap=softcap, window_left=left, window_right=right,
+        block_m=config.block_m, block_n=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse
+
+
+def _device_index(t: torch.Tensor) -> int | None:
+    return t.device.index if t.is_cuda else None
+
+
+@torch.library.custom_op("tilegen::attention_fwd", mutates_args=())
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_json: str,
+    scale: float, softcap: float, window_left: int, window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(spec_from_json(spec_json), q, k, v, scale, softcap, window_left, window_right)
+
+
+@_attention_op.register_fake
+def _(q, k, v, spec_json, scale, softcap, window_left, window_right):
+    batch, heads, n_q, _ = q.shape
+    out = q.new_empty(batch, heads, n_q, v.shape[3])
+    lse_shape = (batch, heads, n_q) if spec_from_json(spec_json).return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _prepare(q, k, v, causal, window, softcap, scale, return_lse):
+    """Check every argument and derive the spec and the launch values from them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} while q is on {q.device}; all inputs must share a device")
+    if q.device.type == "cpu" and not interpreting():
+        raise ValueError("q: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: device {q.device} is not supported; expected cuda")
+    batch, heads_q, n_q, dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"k, v: batch sizes {k.shape[0]}, {v.shape[0]} differ from q's {batch}")
+    if k.shape[3] != dim:
+        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {dim}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        raise ValueError(f"v: heads and seq {tuple(v.shape[1:3])} differ from k's {tuple(k.shape[1:3])}")
+    heads_kv = k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"q: {heads_q} query heads is not a multiple of k's {heads_kv} KV heads")
+    n_k = k.shape[2]
+    if max(n_q, n_k) >= _MAX_SEQLEN:
+        raise ValueError(f"q, k: sequence lengths {n_q}, {n_k} exceed the supported {_MAX_SEQLEN - 1}")
+
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
+    ):
+        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    left, right = _window_bounds(window, causal)
+    mask = _mask_kind(causal, left, right)
+    unbounded = n_q + n_k  # wide enough to reach every key from every row
+    try:
+        spec = AttentionSpec(
+            head_dim=dim,
+            head_dim_v=None if v.shape[3] == dim else v.shape[3],
+            q_per_kv=heads_q // heads_kv,
+            mask=mask,
+            softcap=softcap is not None,
+            dtype=_DTYPES[q.dtype],
+            return_lse=bool(return_lse),
+        )
+    except SpecError as e:
+        arg = {"head_dim": "q", "head_dim_v": "v"}.get(e.field, e.field)
+        raise ValueError(f"{arg}: {e}") from None
+    return (
+        spec,
+        unbounded if left is None else left,
+        0 if mask == "causal" else (unbounded if right is None else right),
+        float(scale),
+        float(softcap) if softcap is not None else 0.0,
+    )
+
+
+def _window_bounds(window, causal):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {causal!r}")
+    if window is None:
+        return None, (0 if causal else None)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected (left, right), each an int >= 0 or None, got {window!r}")
+    left, right = window
+    for side, value in (("left", left), ("right", right)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"window: {side} must be an int >= 0 or None (unbounded), got {value!r}")
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"window: causal=True sees no key right of the diagonal, but right={right}")
+        right = 0
+    return left, right
+
+
+def _mask_kind(causal: bool, left: int | None, right: int | None) -> str:
+    # Canonical forms: an unbounded window is no mask, (None, 0) is causal.
+    if left is None and right is None:
+        return "none"
+    if left is None and right == 0:
+        return "causal"
+    return "window"

@@ -1,0 +1,59 @@
+"""Plain torch attention that defines tilegen's semantics; tests and the tuner's gate use it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_reference", "allowed_keys"]
+
+
+def allowed_keys(n_q: int, n_k: int, *, causal: bool, window: tuple[int | None, int | None] | None, device=None):
+    """Boolean [n_q, n_k]: which keys each query sees.
+
+    The diagonal is bottom-right aligned (query i sits at key i + n_k - n_q), as in
+    FlashAttention; ``window=(left, right)`` keeps keys within ``left`` before and
+    ``right`` after it, ``None`` meaning unbounded; causal means right = 0.
+    """
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
+    rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    cols = torch.arange(n_k, device=device)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if right is not None:
+        keep &= cols <= rows + right
+    if left is not None:
+        keep &= cols >= rows - left
+    return keep
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(out, lse)`` in ``compute_dtype``; rows that see no key give 0 and -inf."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = (t.to(compute_dtype) for t in (q, k, v))
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bhmd,bhnd->bhmn", qf, kf) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keep = allowed_keys(n_q, n_k, causal=causal, window=window, device=q.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(compute_dtype).min))
+    p = torch.nan_to_num(p, nan=0.0)  # rows with no key: exp(-inf - -inf)
+    out = torch.einsum("bhmn,bhnd->bhmd", p, vf)
+    return out, lse
