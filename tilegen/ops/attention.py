@@ -18,7 +18,7 @@ from tilegen.device import device_info
 from tilegen.env import interpreting
 from tilegen.ir import AttentionSpec, SpecError, spec_from_json
 
-__all__ = ["attention", "explain"]
+__all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -59,7 +59,7 @@ def attention(
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
-    spec, left, right, scale, softcap = _prepare(q, k, v, causal, window, softcap, scale, return_lse)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.tilegen.attention_fwd(q, k, v, spec.to_json(), scale, softcap, left, right)
     else:
@@ -69,20 +69,29 @@ def attention(
 
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
-    spec, *_ = _prepare(q, k, v, causal, window, softcap, scale, return_lse)
+    spec, *_ = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     table = dispatch.table_for(spec, device_info(_device_index(q)))
     return table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2])))
 
 
 def _run(spec, q, k, v, scale, softcap, left, right):
+    table = dispatch.table_for(spec, device_info(_device_index(q)))
+    config = table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2]))).config
+    return run_with_config(spec, config, q, k, v, scale, softcap, left, right)
+
+
+def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None):
+    """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
+
+    The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
+    preallocated (poisoned) output.
+    """
     batch, heads, n_q, _ = q.shape
-    n_k = k.shape[2]
-    out = q.new_empty(batch, heads, n_q, v.shape[3])
+    if out is None:
+        out = q.new_empty(batch, heads, n_q, v.shape[3])
     lse = q.new_empty((batch, heads, n_q) if spec.return_lse else (0,), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    table = dispatch.table_for(spec, device_info(_device_index(q)))
-    config = table.choose(dispatch.bucket_of(max(n_q, n_k))).config
     module_for(spec).launch(
         q, k, v, out, lse if spec.return_lse else out,
         scale=scale, softcap=softcap, window_left=left, window_right=right,
@@ -112,8 +121,8 @@ def _(q, k, v, spec_json, scale, softcap, window_left, window_right):
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _prepare(q, k, v, causal, window, softcap, scale, return_lse):
-    """Check every argument and derive the spec and the launch values from them."""
+def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
+    """Check every argument; return ``(spec, window_left, window_right, scale, softcap)`` for the launcher."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
