@@ -1,0 +1,194 @@
+"""Attention-forward benchmark: tilegen against SDPA (flash, cuDNN) and FlexAttention, in one run.
+
+    python -m tilegen.bench.attention                    # the BENCHMARKS.md table
+    python -m tilegen.bench.attention --sweep            # also time every feasible config
+
+Every provider is checked against SDPA's math-free flash output (relative error) before
+it is timed; timings are ``triton.testing.do_bench`` medians. FLOPs are counted as
+4*B*H*N*N*D, halved for causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import tilegen
+from tilegen import dispatch
+from tilegen.codegen import attention_fwd
+from tilegen.device import device_info
+from tilegen.ops.attention import prepare_call, run_with_config
+
+__all__ = ["main"]
+
+TOKENS = 16384
+HEADS = 32
+
+
+@dataclass(frozen=True)
+class Case:
+    seqlen: int
+    head_dim: int
+    causal: bool
+    heads_kv: int = HEADS
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.seqlen)
+
+    @property
+    def flops(self) -> float:
+        f = 4.0 * self.batch * HEADS * self.seqlen * self.seqlen * self.head_dim
+        return f / 2 if self.causal else f
+
+    def __str__(self) -> str:
+        gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
+        return f"N={self.seqlen} d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}"
+
+
+def _inputs(case: Case, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape_q = (case.batch, HEADS, case.seqlen, case.head_dim)
+    shape_kv = (case.batch, case.heads_kv, case.seqlen, case.head_dim)
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def _providers(case: Case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gqa = case.heads_kv != HEADS
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa)
+        return run
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if case.causal:
+        block_mask = create_block_mask(
+            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, case.seqlen, case.seqlen, device="cuda"
+        )
+
+    return {
+        "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "flex": lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa),
+    }
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_case(case: Case) -> dict:
+    q, k, v = _inputs(case)
+    providers = _providers(case)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+    row = {"case": str(case), "batch": case.batch, "config": str(tilegen.explain(q, k, v, causal=case.causal).config)}
+    for name, fn in providers.items():
+        try:
+            err = _rel_err(fn(q, k, v), ref)
+            ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+            row[name] = {"ms": ms, "tflops": case.flops / ms * 1e-9, "rel_err": err}
+        except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    return row
+
+
+def sweep_case(case: Case) -> list[dict]:
+    """Time every feasible config of the case's spec (to pick defaults and check the search space)."""
+    q, k, v = _inputs(case)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, None, False)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+    results = []
+    for config in attention_fwd.candidates(spec, device_info()):
+        entry = {"case": str(case), "config": str(config)}
+        try:
+            run = lambda: run_with_config(spec, config, q, k, v, scale, softcap, left, right)[0]  # noqa: E731
+            entry["rel_err"] = _rel_err(run(), ref)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
+            entry.update(ms=ms, tflops=case.flops / ms * 1e-9)
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+    return results
+
+
+def _table(rows: list[dict]) -> str:
+    names = ["tilegen", "sdpa-flash", "sdpa-cudnn", "flex"]
+    lines = [
+        "| case | batch | tilegen config | " + " | ".join(f"{n} TFLOP/s" for n in names) + " | tilegen / flash |",
+        "|" + "---|" * (len(names) + 4),
+    ]
+    for r in rows:
+        cells = []
+        for n in names:
+            p = r.get(n, {})
+            cells.append(f"{p['tflops']:.0f}" if "tflops" in p else "err")
+        ratio = (
+            f"{r['tilegen']['tflops'] / r['sdpa-flash']['tflops']:.2f}"
+            if "tflops" in r.get("tilegen", {}) and "tflops" in r.get("sdpa-flash", {})
+            else "-"
+        )
+        lines.append(f"| {r['case']} | {r['batch']} | {r['config']} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--sweep", action="store_true", help="time every feasible config too")
+    parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tilegen.bench.attention needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dispatch.reset()
+    cases = [
+        Case(int(n), int(d), m == "causal")
+        for d in args.head_dims.split(",")
+        for m in args.masks.split(",")
+        for n in args.seqlens.split(",")
+    ]
+    info = device_info()
+    print(f"# {info.name}, torch {torch.__version__}, triton {triton.__version__}, tilegen {tilegen.__version__}")
+    out_dir = os.environ.get("OUT")
+    rows, sweeps = [], []
+    for case in cases:
+        if args.sweep or args.sweep_only:
+            sweeps += sweep_case(case)
+        if not args.sweep_only:
+            rows.append(bench_case(case))
+            print(json.dumps(rows[-1]), flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+            json.dump({"device": info.name, "rows": rows, "sweep": sweeps}, f, indent=1)
+    if rows:
+        print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
