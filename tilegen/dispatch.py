@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import triton
 
-from tilegen.codegen import attention_fwd
+from tilegen.codegen import attention_fwd, module_for
 from tilegen.codegen.render import template_hash
 from tilegen.device import DeviceInfo
 from tilegen.ir import AttentionSpec
@@ -30,7 +30,7 @@ MIN_BUCKET = 16
 
 def bucket_of(n: int) -> int:
     """Sequence-length bucket: the next power of two, at least ``MIN_BUCKET``."""
-    return max(MIN_BUCKET, triton.next_power_of_2(max(int(n), 1)))
+    return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class Table:
         self.rows = dict(rows)
         self._choices: dict[int, Choice] = {}
         self._default = attention_fwd.default_config(spec, device)
+        self.launch = module_for(spec).launch
+        self.stale = False  # set by reset(): holders of this table fetch a fresh one
 
     def choose(self, bucket: int) -> Choice:
         choice = self._choices.get(bucket)
@@ -88,6 +90,8 @@ def table_for(spec: AttentionSpec, device: DeviceInfo) -> Table:
 
 def reset() -> None:
     """Forget loaded tables, so the next call reads the databases again (after a tune, say)."""
+    for table in _tables.values():
+        table.stale = True
     _tables.clear()
 
 

@@ -8,6 +8,7 @@ need not pay.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,17 +71,27 @@ def attention(
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
     spec, *_ = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
-    table = dispatch.table_for(spec, device_info(_device_index(q)))
-    return table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2])))
+    return _table(spec, q.device).choose(dispatch.bucket_of(max(q.shape[2], k.shape[2])))
+
+
+_tables: dict[tuple[AttentionSpec, torch.device], dispatch.Table] = {}
+
+
+def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
+    table = _tables.get((spec, device))
+    if table is None or table.stale:
+        table = _tables[(spec, device)] = dispatch.table_for(spec, device_info(_device_index(device)))
+    return table
 
 
 def _run(spec, q, k, v, scale, softcap, left, right):
-    table = dispatch.table_for(spec, device_info(_device_index(q)))
+    # The hot path: two dictionary lookups, then the launch.
+    table = _table(spec, q.device)
     config = table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2]))).config
-    return run_with_config(spec, config, q, k, v, scale, softcap, left, right)
+    return run_with_config(spec, config, q, k, v, scale, softcap, left, right, launch=table.launch)
 
 
-def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None):
+def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
     """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
 
     The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
@@ -92,7 +103,7 @@ def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None
     lse = q.new_empty((batch, heads, n_q) if spec.return_lse else (0,), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    module_for(spec).launch(
+    (launch or module_for(spec).launch)(
         q, k, v, out, lse if spec.return_lse else out,
         scale=scale, softcap=softcap, window_left=left, window_right=right,
         block_m=config.block_m, block_n=config.block_n,
@@ -101,8 +112,8 @@ def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None
     return out, lse
 
 
-def _device_index(t: torch.Tensor) -> int | None:
-    return t.device.index if t.is_cuda else None
+def _device_index(device: torch.device) -> int | None:
+    return device.index if device.type == "cuda" else None
 
 
 @torch.library.custom_op("tilegen::attention_fwd", mutates_args=())
@@ -123,6 +134,68 @@ def _(q, k, v, spec_json, scale, softcap, window_left, window_right):
 
 def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
     """Check every argument; return ``(spec, window_left, window_right, scale, softcap)`` for the launcher."""
+    # One compound test for the common case; only a failing call pays for the
+    # step-by-step checks that name the offending argument.
+    try:
+        batch, heads_q, n_q, dim = q.shape
+        _, heads_kv, n_k, _ = k.shape
+        dtype, device = q.dtype, q.device
+        ok = (
+            device.type == "cuda" and k.device == device and v.device == device
+            and dtype in _DTYPES and k.dtype == dtype and v.dtype == dtype
+            and k.shape[0] == batch and k.shape[3] == dim and v.dim() == 4
+            and v.shape[0] == batch and v.shape[1] == heads_kv and v.shape[2] == n_k
+            and heads_kv > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
+        )
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        _check_tensors(q, k, v)
+        batch, heads_q, n_q, dim = q.shape
+        heads_kv, n_k = k.shape[1], k.shape[2]
+        dtype = q.dtype
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
+    ):
+        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    left, right = _window_bounds(window, causal)
+    mask = _mask_kind(left, right)
+    spec = _spec_for(dtype, dim, v.shape[3], heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
+    unbounded = n_q + n_k  # wide enough to reach every key from every row
+    return (
+        spec,
+        unbounded if left is None else left,
+        0 if mask == "causal" else (unbounded if right is None else right),
+        float(scale),
+        float(softcap) if softcap is not None else 0.0,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse) -> AttentionSpec:
+    # Memoized: building and validating a spec costs microseconds every call would pay.
+    try:
+        return AttentionSpec(
+            head_dim=dim,
+            head_dim_v=None if dim_v == dim else dim_v,
+            q_per_kv=q_per_kv,
+            mask=mask,
+            softcap=softcap,
+            dtype=_DTYPES[dtype],
+            return_lse=return_lse,
+        )
+    except SpecError as e:
+        arg = {"head_dim": "q", "head_dim_v": "v"}.get(e.field, e.field)
+        raise ValueError(f"{arg}: {e}") from None
+
+
+def _check_tensors(q, k, v) -> None:
+    """The checks one by one, raising with the argument's name at the first that fails."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -153,37 +226,6 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
     if max(n_q, n_k) >= _MAX_SEQLEN:
         raise ValueError(f"q, k: sequence lengths {n_q}, {n_k} exceed the supported {_MAX_SEQLEN - 1}")
 
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
-    ):
-        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
-    left, right = _window_bounds(window, causal)
-    mask = _mask_kind(causal, left, right)
-    unbounded = n_q + n_k  # wide enough to reach every key from every row
-    try:
-        spec = AttentionSpec(
-            head_dim=dim,
-            head_dim_v=None if v.shape[3] == dim else v.shape[3],
-            q_per_kv=heads_q // heads_kv,
-            mask=mask,
-            softcap=softcap is not None,
-            dtype=_DTYPES[q.dtype],
-            return_lse=bool(return_lse),
-        )
-    except SpecError as e:
-        arg = {"head_dim": "q", "head_dim_v": "v"}.get(e.field, e.field)
-        raise ValueError(f"{arg}: {e}") from None
-    return (
-        spec,
-        unbounded if left is None else left,
-        0 if mask == "causal" else (unbounded if right is None else right),
-        float(scale),
-        float(softcap) if softcap is not None else 0.0,
-    )
-
 
 def _window_bounds(window, causal):
     if not isinstance(causal, bool):
@@ -203,7 +245,7 @@ def _window_bounds(window, causal):
     return left, right
 
 
-def _mask_kind(causal: bool, left: int | None, right: int | None) -> str:
+def _mask_kind(left: int | None, right: int | None) -> str:
     # Canonical forms: an unbounded window is no mask, (None, 0) is causal.
     if left is None and right is None:
         return "none"
