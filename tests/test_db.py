@@ -1,0 +1,327 @@
+"""The tuning database: schema and migrations, merging rules, lookup precedence, bad files, concurrency."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+import triton
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine
+
+from tilegen import env
+from tilegen.codegen.attention_fwd import TEMPLATE, Config
+from tilegen.codegen.render import template_hash
+from tilegen.db import SCHEMA_REVISION, DatabaseError, TuningDB, studies_url, tuned_rows
+from tilegen.db.migrate import known_revisions
+from tilegen.db.models import Base
+from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.ir import AttentionSpec
+
+SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
+OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_000_000_000, 232_448)
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+TABLES = {"tg_gpus", "tg_variants", "tg_tuned_configs", "tg_trials", "tg_alembic_version"}
+
+
+def config(block_m: int = 32, block_n: int = 32) -> dict[str, int]:
+    return Config(block_m, block_n, 4, 1).to_dict()
+
+
+def record(db: TuningDB, bucket: int, time_ms: float, *, trials: int = 10, **key) -> bool:
+    key = {**KEY, **key}
+    return db.record_best(
+        **key, bucket=bucket, config=config(), time_ms=time_ms, max_error=1e-3, trials=trials,
+    )
+
+
+def trial(db: TuningDB, number: int, *, status: str = "ok", study: str = "study", **key) -> None:
+    key = {**KEY, **key}
+    db.record_trial(
+        **key, bucket=64, study_name=study, trial_number=number, config=config(16 * (number % 3 + 1)),
+        status=status, time_ms=1.0 + number if status == "ok" else None, reason=None if status == "ok" else "boom",
+    )
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "tuning.sqlite") as database:
+        yield database
+
+
+def test_opening_an_empty_file_creates_the_schema_at_head(tmp_path):
+    path = tmp_path / "empty.sqlite"
+    path.touch()
+    TuningDB(path).close()
+    with sqlite3.connect(path) as conn:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert tables == TABLES  # prefixed, so Optuna's tables can share the file
+        assert conn.execute("SELECT version_num FROM tg_alembic_version").fetchall() == [(SCHEMA_REVISION,)]
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_opening_creates_missing_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "tuning.sqlite"
+    TuningDB(path).close()
+    assert path.is_file()
+
+
+def test_schema_revision_is_the_newest_migration():
+    assert known_revisions()[-1] == SCHEMA_REVISION
+
+
+def test_migrations_create_exactly_the_models_schema(db):
+    engine = create_engine(f"sqlite:///{db.path}")
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={"version_table": "tg_alembic_version"})
+        assert compare_metadata(context, Base.metadata) == []
+    engine.dispose()
+
+
+def test_record_best_keeps_the_faster_row_and_the_larger_trial_count(db):
+    assert record(db, 64, 2.0, trials=10) is True
+    assert record(db, 64, 3.0, trials=25) is False  # slower: not stored, but the trial count grows
+    assert db.best(**KEY)[64].time_ms == 2.0
+    assert db.best(**KEY)[64].trials == 25
+    assert record(db, 64, 1.5, trials=5) is True
+    row = db.best(**KEY)[64]
+    assert (row.time_ms, row.trials) == (1.5, 25)
+
+
+def test_best_is_keyed_by_gpu_triton_and_template(db):
+    record(db, 64, 1.0)
+    record(db, 128, 1.0, device=H100)
+    record(db, 256, 1.0, triton_version="3.5.0")
+    record(db, 512, 1.0, template_hash="0" * 16)
+    record(db, 1024, 1.0, spec=OTHER_SPEC)
+    assert list(db.best(**KEY)) == [64]
+    assert list(db.best(**{**KEY, "device": H100})) == [128]
+    assert len(db.list_tuned()) == 5
+
+
+def test_record_trial_is_idempotent_on_study_and_number(db):
+    trial(db, 0, status="compile_error")
+    trial(db, 1)
+    trial(db, 0)  # the same trial again: replaces, never duplicates
+    trials = db.trials_for(SPEC.hash)
+    assert [(t.trial_number, t.status, t.time_ms) for t in trials] == [(0, "ok", 1.0), (1, "ok", 2.0)]
+
+
+def test_record_trial_rejects_an_unknown_status(db):
+    with pytest.raises(ValueError, match="status: expected one of ok, wrong, compile_error"):
+        trial(db, 0, status="crashed")
+
+
+def test_tuned_rows_prefer_the_user_database_per_bucket(tmp_path, monkeypatch):
+    shipped, user = tmp_path / "shipped.sqlite", tmp_path / "user.sqlite"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+        record(db, 128, 1.0)
+    with TuningDB(user) as db:
+        record(db, 128, 9.0)  # slower than the shipped row, and still the one used: the user's file wins
+        record(db, 256, 1.0)
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    monkeypatch.setenv("TILEGEN_DB", str(user))
+    rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+    assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped), 128: str(user), 256: str(user)}
+    assert all(isinstance(cfg, Config) for cfg, _ in rows.values())
+
+
+def test_tuned_rows_never_create_a_missing_user_database(tmp_path, monkeypatch):
+    monkeypatch.setattr(env, "shipped_db_path", lambda: tmp_path / "no-shipped.sqlite")
+    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "missing" / "tuning.sqlite"))
+    assert tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"]) == {}
+    assert not (tmp_path / "missing").exists()
+
+
+def test_tuned_rows_warn_once_on_a_broken_user_database_and_use_the_shipped_one(tmp_path, monkeypatch, caplog):
+    shipped, user = tmp_path / "shipped.sqlite", tmp_path / "user.sqlite"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+    user.write_bytes(os.urandom(4096))
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    monkeypatch.setenv("TILEGEN_DB", str(user))
+    with caplog.at_level(logging.WARNING, logger="tilegen.db"):
+        for _ in range(2):
+            rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+            assert {b: s for b, (_, s) in rows.items()} == {64: str(shipped)}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and f"not a tilegen database / corrupt: {user}" in warnings[0]
+
+
+def test_export_import_round_trip_into_a_fresh_database(db, tmp_path):
+    record(db, 64, 1.0)
+    record(db, 128, 2.0, device=H100, spec=OTHER_SPEC)
+    trial(db, 0)
+    trial(db, 1, status="wrong")
+    exported = json.loads(json.dumps(db.export_json()))  # through text, as the CLI does
+    with TuningDB(tmp_path / "fresh.sqlite") as fresh:
+        assert fresh.import_json(exported) == 4
+        assert fresh.export_json() == exported
+        assert fresh.import_json(exported) == 0  # nothing new the second time
+
+
+def test_import_merges_keeping_the_faster_row(db, tmp_path):
+    record(db, 64, 1.0)
+    record(db, 128, 5.0)
+    with TuningDB(tmp_path / "other.sqlite") as other:
+        record(other, 64, 2.0)
+        record(other, 128, 4.0)
+        assert other.import_json(db.export_json()) == 1  # only bucket 64 improves
+        assert {b: r.time_ms for b, r in other.best(**KEY).items()} == {64: 1.0, 128: 4.0}
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        pytest.param(lambda d: [], "expected a JSON object", id="not-an-object"),
+        pytest.param(lambda d: {**d, "format": "other"}, "expected a JSON object with \"format\"", id="foreign-format"),
+        pytest.param(lambda d: {**d, "format_version": 99}, "format_version: this tilegen reads", id="newer-format"),
+        pytest.param(lambda d: {**d, "tuned": {}}, "tuned: expected a list", id="section-not-a-list"),
+        pytest.param(lambda d: _drop(d, "tuned", "time_ms"), "tuned[0].time_ms: missing", id="missing-field"),
+        pytest.param(lambda d: _set(d, "tuned", bucket="64"), "tuned[0].bucket: expected an integer", id="wrong-type"),
+        pytest.param(lambda d: _set(d, "tuned", gpu_key="nope"), "tuned[0].gpu_key: 'nope' is not in", id="unknown-gpu"),
+        pytest.param(lambda d: _set(d, "trials", status="meh"), "trials[0].status: expected one of", id="bad-status"),
+        pytest.param(lambda d: _set(d, "variants", spec_hash="0" * 16), "is not the hash of its spec", id="bad-hash"),
+        pytest.param(lambda d: _set(d, "tuned", config={"block_m": 16}), "tuned[0].config: block_n", id="bad-config"),
+    ],
+)
+def test_import_rejects_a_malformed_document_and_writes_nothing(db, tmp_path, mutate, message):
+    record(db, 64, 1.0)
+    trial(db, 0)
+    data = mutate(db.export_json())
+    with TuningDB(tmp_path / "fresh.sqlite") as fresh:
+        with pytest.raises(ValueError, match="malformed tilegen export") as error:
+            fresh.import_json(data)
+        assert message in str(error.value)
+        assert fresh.list_tuned() == [] and fresh.variants() == []
+
+
+def _set(data: dict, section: str, **changes) -> dict:
+    data[section][0].update(changes)
+    return data
+
+
+def _drop(data: dict, section: str, field: str) -> dict:
+    del data[section][0][field]
+    return data
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "readonly"])
+def test_a_newer_schema_is_refused_with_both_revisions(db, readonly):
+    db.close()
+    with sqlite3.connect(db.path) as conn:
+        conn.execute("UPDATE tg_alembic_version SET version_num = '9999_future'")
+    with pytest.raises(DatabaseError) as error:
+        TuningDB(db.path, readonly=readonly)
+    assert str(error.value) == (
+        f"{db.path} was written by a newer tilegen schema (revision 9999_future); this tilegen knows up to "
+        f"revision {SCHEMA_REVISION}. Upgrade tilegen or use another database file"
+    )
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "readonly"])
+def test_a_corrupt_file_is_refused(tmp_path, readonly):
+    path = tmp_path / "junk.sqlite"
+    junk = os.urandom(8192)
+    path.write_bytes(junk)
+    with pytest.raises(DatabaseError, match="not a tilegen database / corrupt: .*junk.sqlite"):
+        TuningDB(path, readonly=readonly)
+    assert path.read_bytes() == junk
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-folder"])
+def test_an_unusable_location_is_refused_naming_the_path(tmp_path, where):
+    (tmp_path / "file").write_text("not a folder")
+    path = tmp_path / "file" / "tuning.sqlite" if where == "under-a-file" else tmp_path
+    with pytest.raises(DatabaseError, match=f"cannot .*{re.escape(str(path))}"):
+        TuningDB(path)
+
+
+def test_readonly_open_never_writes(db, tmp_path):
+    record(db, 64, 1.0)
+    db.close()
+    before = db.path.read_bytes()
+    with TuningDB(db.path, readonly=True) as ro:
+        assert list(ro.best(**KEY)) == [64]
+        with pytest.raises(DatabaseError, match="is open read-only"):
+            record(ro, 128, 1.0)
+    assert db.path.read_bytes() == before
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    with pytest.raises(DatabaseError, match="not a tilegen database"):
+        TuningDB(empty, readonly=True)  # no migration on a read-only open
+    assert empty.stat().st_size == 0
+    with pytest.raises(DatabaseError, match="no tilegen database at"):
+        TuningDB(tmp_path / "missing.sqlite", readonly=True)
+
+
+def test_prune_removes_stale_rows_only(db):
+    record(db, 64, 1.0)
+    record(db, 64, 1.0, device=H100)  # another GPU: not stale
+    record(db, 128, 1.0, triton_version="3.5.0")
+    record(db, 256, 1.0, template_hash="0" * 16, spec=OTHER_SPEC)
+    trial(db, 0)
+    trial(db, 1, triton_version="3.5.0")
+    trial(db, 2, template_hash="0" * 16)
+    assert db.prune() == 4
+    assert {(r.gpu_key, r.bucket) for r in db.list_tuned()} == {(CPU_INTERPRETER.key, 64), (H100.key, 64)}
+    assert [t.trial_number for t in db.trials_for(SPEC.hash)] == [0]
+    assert db.variants(OTHER_SPEC.hash) == []  # left without rows: gone too
+    assert db.prune() == 0
+
+
+def test_prune_by_tilegen_version_keeps_only_that_version(db):
+    record(db, 64, 1.0)
+    assert db.prune(keep_tilegen="0.0.1") == 1
+    assert db.list_tuned() == []
+
+
+def test_studies_live_beside_the_database():
+    assert studies_url("/data/tilegen/tuning.sqlite") == "sqlite:////data/tilegen/tuning.optuna.sqlite"
+
+
+def _writer(path: Path, name: str, n: int, bases: tuple[float, float], start) -> None:
+    """One writer process: n trials of its own study and n best rows on buckets both processes share."""
+    start.wait()  # both open (and migrate) the fresh file at the same moment
+    key = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash="t", triton_version="x")
+    with TuningDB(path) as db:
+        for i in range(n):
+            db.record_trial(**key, bucket=64, study_name=name, trial_number=i, config=config(), status="ok", time_ms=i)
+            db.record_best(
+                **key, bucket=16 << (i % 4), config=config(), time_ms=bases[i % 2] + i, max_error=0.0, trials=i
+            )
+
+
+def test_two_writer_processes_lose_nothing(tmp_path):
+    path, n = tmp_path / "shared.sqlite", 40
+    # Best times are base + i, the base differing per process and parity of i: the fastest per bucket is known.
+    bases = {"a": (100.0, 50.0), "b": (70.0, 200.0)}
+    # Forked, so the writers start without paying tilegen's import again; each opens its own connections.
+    context = multiprocessing.get_context("fork")
+    start = context.Barrier(len(bases))
+    writers = [context.Process(target=_writer, args=(path, name, n, base, start)) for name, base in bases.items()]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        assert writer.exitcode == 0
+    with TuningDB(path, readonly=True) as db:
+        trials = db.trials_for(SPEC.hash)
+        assert sorted((t.study_name, t.trial_number) for t in trials) == [(s, i) for s in "ab" for i in range(n)]
+        best = {r.bucket: (r.time_ms, r.trials) for r in db.list_tuned()}
+    expected = {}
+    for i in range(n):
+        bucket = 16 << (i % 4)
+        fastest = min(base[i % 2] + i for base in bases.values())
+        time_ms, trials_count = expected.get(bucket, (float("inf"), 0))
+        expected[bucket] = (min(time_ms, fastest), max(trials_count, i))
+    assert best == expected

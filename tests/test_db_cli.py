@@ -1,0 +1,270 @@
+"""``tilegen db`` and ``tilegen emit --tuned``: happy paths, one-line errors, and the standalone module."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from typer.testing import CliRunner
+
+from tilegen import dispatch
+from tilegen.cli import app
+from tilegen.codegen.attention_fwd import TEMPLATE, Config, default_config
+from tilegen.codegen.render import template_hash
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.ir import AttentionSpec
+from tilegen.reference import attention_reference
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
+OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
+CURRENT = dict(template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+runner = CliRunner()
+
+
+def _best(db: TuningDB, spec: AttentionSpec, bucket: int, time_ms: float, cfg: Config, device=CPU_INTERPRETER, **key):
+    db.record_best(
+        spec=spec, device=device, **{**CURRENT, **key}, bucket=bucket, config=cfg.to_dict(), time_ms=time_ms,
+        max_error=1e-3, trials=12, tflops=1.5,
+    )
+
+
+@pytest.fixture
+def populated(tmp_path) -> Path:
+    """Two variants with tuned rows; three trials of SPEC, the fastest one recorded second."""
+    path = tmp_path / "tuning.sqlite"
+    with TuningDB(path) as db:
+        _best(db, SPEC, 64, 1.0, Config(32, 16, 4, 1))
+        _best(db, SPEC, 128, 2.0, Config(64, 32, 4, 1))
+        _best(db, OTHER_SPEC, 64, 3.0, Config(16, 16, 4, 1))
+        _best(db, SPEC, 64, 1.0, Config(16, 16, 4, 1), triton_version="0.0-old")  # stale: prune removes it
+        for number, status, time_ms in ((0, "ok", 3.0), (1, "ok", 1.0), (2, "compile_error", None)):
+            db.record_trial(
+                spec=SPEC, device=CPU_INTERPRETER, **CURRENT, bucket=64, study_name="s", trial_number=number,
+                config=Config(16 * (number + 1), 16, 4, 1).to_dict(), status=status, time_ms=time_ms,
+                reason="ptxas: out of resources" if time_ms is None else None,
+            )
+    return path
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, message: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)  # not an uncaught exception
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_help_names_the_dashboard_for_the_studies():
+    result = invoke("db", "--help")
+    assert result.exit_code == 0
+    assert "optuna-dashboard sqlite:///" in result.stdout and ".optuna.sqlite" in result.stdout
+
+
+def test_list_prints_every_tuned_row(populated):
+    result = invoke("db", "--db", populated, "list")
+    assert result.exit_code == 0, result.output
+    for text in (SPEC.name, SPEC.hash, OTHER_SPEC.hash, CPU_INTERPRETER.key, "BM32-BN16-w4-s1", "BM64-BN32-w4-s1",
+                 "0.0-old", "1.0000", "1.5", "1.00e-03"):
+        assert text in result.stdout
+
+
+def test_list_reads_tilegen_db_by_default(populated, monkeypatch):
+    monkeypatch.setenv("TILEGEN_DB", str(populated))
+    result = invoke("db", "list")
+    assert result.exit_code == 0 and SPEC.hash in result.stdout
+
+
+def test_show_prints_the_spec_the_tuned_rows_and_the_trials_fastest_first(populated):
+    result = invoke("db", "--db", populated, "show", SPEC.hash[:6])
+    assert result.exit_code == 0, result.output
+    assert '"mask": "causal"' in result.stdout and OTHER_SPEC.hash not in result.stdout
+    assert "BM32-BN16-w4-s1" in result.stdout and "BM64-BN32-w4-s1" in result.stdout
+    trials = result.stdout[result.stdout.index("trials"):]
+    order = [trials.index(config) for config in ("BM32-BN16-w4-s1", "BM16-BN16-w4-s1", "BM48-BN16-w4-s1")]
+    assert order == sorted(order)  # 1.0 ms, 3.0 ms, then the compile error
+    assert "ptxas: out of resources" in trials
+
+
+def test_export_then_import_into_a_fresh_database(populated, tmp_path):
+    exported, fresh = tmp_path / "export.json", tmp_path / "fresh.sqlite"
+    result = invoke("db", "--db", populated, "export", exported)
+    assert result.exit_code == 0, result.output
+    assert "exported 4 tuned configs and 3 trials" in result.stderr
+    result = invoke("db", "--db", fresh, "import", exported)
+    assert result.exit_code == 0, result.output
+    assert "imported 7 rows" in result.stderr
+    with TuningDB(populated) as a, TuningDB(fresh) as b:
+        assert a.export_json() == b.export_json()
+
+
+def test_prune_drops_rows_of_another_triton(populated):
+    result = invoke("db", "--db", populated, "prune")
+    assert result.exit_code == 0, result.output
+    assert "pruned 1 rows" in result.stderr
+    with TuningDB(populated) as db:
+        assert {r.triton_version for r in db.list_tuned()} == {triton.__version__}
+
+
+def _newer_schema(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE tg_alembic_version SET version_num = '9999_future'")
+
+
+def _specs_sharing_a_prefix() -> tuple[AttentionSpec, AttentionSpec]:
+    # 17 specs over 16 hex digits: two share a first digit.
+    seen: dict[str, AttentionSpec] = {}
+    for head_dim in range(16, 257, 8):
+        spec = AttentionSpec(head_dim=head_dim)
+        if spec.hash[0] in seen:
+            return seen[spec.hash[0]], spec
+        seen[spec.hash[0]] = spec
+    raise AssertionError("unreachable")
+
+
+def _ambiguous(path: Path) -> str:
+    with TuningDB(path) as db:
+        for spec in _specs_sharing_a_prefix():
+            _best(db, spec, 64, 1.0, Config(16, 16, 4, 1))
+    return _specs_sharing_a_prefix()[0].hash[0]
+
+
+# Each case: how to break the setup, the command, and what the one-line error says.
+ERROR_CASES = {
+    "missing-db": (lambda db, tmp: None, ["--db", "{tmp}/missing.sqlite", "list"], "no tilegen database at"),
+    "corrupt-db": (lambda db, tmp: db.write_bytes(os.urandom(4096)), ["list"], "not a tilegen database / corrupt"),
+    "newer-schema": (lambda db, tmp: _newer_schema(db), ["list"], "newer tilegen schema (revision 9999_future)"),
+    "unknown-hash": (lambda db, tmp: None, ["show", "ffffffff"], "no variant with spec hash 'ffffffff'"),
+    "ambiguous-prefix": (lambda db, tmp: _ambiguous(db), ["show", "{prefix}"], "give more of the hash"),
+    "import-not-json": (
+        lambda db, tmp: (tmp / "bad.json").write_text("{oops"), ["import", "{tmp}/bad.json"], "bad.json is not JSON"
+    ),
+    "import-malformed": (
+        lambda db, tmp: (tmp / "bad.json").write_text('{"format": "tilegen-tuning-db", "format_version": 1}'),
+        ["import", "{tmp}/bad.json"], "malformed tilegen export: gpus: expected a list",
+    ),
+    "import-missing-file": (lambda db, tmp: None, ["import", "{tmp}/nope.json"], "No such file or directory"),
+}
+
+
+def _prepare(case: str, populated: Path) -> tuple[list[str], str]:
+    breaks, args, message = ERROR_CASES[case]
+    prefix = breaks(populated, populated.parent)
+    return [a.format(tmp=populated.parent, prefix=prefix) for a in args], message
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_db_errors_end_in_one_line_and_exit_1(populated, case):
+    args, message = _prepare(case, populated)
+    args = args if args[0] == "--db" else ["--db", str(populated), *args]
+    assert_one_line_error(invoke("db", *args), message)
+
+
+def _tilegen(*args: str, db: Path) -> subprocess.Popen:
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(db)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tilegen", *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_the_real_command_lists_and_fails_without_a_traceback(populated, tmp_path):
+    # One happy and a few broken invocations of `python -m tilegen`, run side by side (each pays torch's import).
+    broken = {}
+    for case in ("newer-schema", "import-malformed"):
+        copy = tmp_path / case / "tuning.sqlite"
+        copy.parent.mkdir()
+        copy.write_bytes(populated.read_bytes())
+        breaks, args, message = ERROR_CASES[case]
+        breaks(copy, copy.parent)
+        broken[case] = (_tilegen("db", *[a.format(tmp=copy.parent) for a in args], db=copy), message)
+    listing = _tilegen("db", "list", db=populated)
+    stdout, stderr = listing.communicate(timeout=120)
+    assert listing.returncode == 0, stderr
+    assert SPEC.hash in stdout and "BM32-BN16-w4-s1" in stdout
+    for case, (process, message) in broken.items():
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode != 0, case
+        assert "Traceback" not in stderr and message in stderr, (case, stderr)
+
+
+def test_emit_tuned_needs_an_existing_database(tmp_path):
+    result = invoke("emit", "--tuned", "--db", tmp_path / "missing.sqlite", "--head-dim", "64")
+    assert_one_line_error(result, "no tilegen database at")
+
+
+STANDALONE_SPEC = AttentionSpec(head_dim=32, q_per_kv=2, mask="window", softcap=True, dtype="fp32", return_lse=True)
+TUNED_CONFIG = Config(16, 16, 4, 1)
+
+
+@pytest.fixture
+def emitted(tmp_path) -> Path:
+    db = tmp_path / "tuning.sqlite"
+    with TuningDB(db) as database:
+        _best(database, STANDALONE_SPEC, 64, 1.0, TUNED_CONFIG, device=device_info())
+    module = tmp_path / "standalone_attention.py"
+    result = invoke("emit", "--tuned", "--db", db, "--spec", STANDALONE_SPEC.to_json(), "-o", module)
+    assert result.exit_code == 0, result.output
+    return module
+
+
+def test_emit_tuned_bakes_the_table_and_imports_no_tilegen(emitted):
+    text = emitted.read_text()
+    assert f"TUNED = {{\n    64: {TUNED_CONFIG.to_dict()!r}," in text
+    assert "DEFAULT = {" in text and "def attention(q, k, v, *, scale=None, softcap=None" in text
+    assert not re.search(r"^\s*(import|from)\s+tilegen\b", text, re.MULTILINE)
+
+
+def test_emit_tuned_picks_buckets_as_dispatch_does(emitted):
+    module_spec = importlib.util.spec_from_file_location("standalone_attention", emitted)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    rows = {b: (Config(16 * i, 16, 4, 1), "db") for i, b in enumerate((64, 256, 4096), start=1)}
+    module.TUNED = {b: cfg.to_dict() for b, (cfg, _) in rows.items()}
+    table = dispatch.Table(STANDALONE_SPEC, device_info(), rows)
+    for n in (0, 1, 16, 17, 64, 65, 128, 129, 512, 1000, 2048, 5000, 10**6):
+        assert Config(**module.config_for(n)) == table.choose(dispatch.bucket_of(n)).config, n
+    module.TUNED = {}
+    assert module.config_for(100) == default_config(STANDALONE_SPEC, device_info()).to_dict()
+
+
+def test_emit_tuned_module_runs_without_tilegen_and_matches_the_reference(emitted, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 32, generator=gen) for h, n in ((4, 40), (2, 50), (2, 50)))
+    torch.save((q, k, v), tmp_path / "inputs.pt")
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        import standalone_attention as m
+        q, k, v = torch.load("inputs.pt")
+        out, lse = m.attention(q, k, v, softcap=20.0, window_left=7, window_right=3)
+        torch.save((out, lse), "outputs.pt")
+        assert not any(name.split(".")[0] == "tilegen" for name in sys.modules), "tilegen was imported"
+        """
+    )
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    environment["TRITON_INTERPRET"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out, lse = torch.load(tmp_path / "outputs.pt")
+    ref_out, ref_lse = attention_reference(q, k, v, softcap=20.0, window=(7, 3))
+    assert (out.double() - ref_out).abs().max() < 1e-4
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert (lse.double() - ref_lse)[finite].abs().max() < 1e-5

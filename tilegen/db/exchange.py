@@ -1,0 +1,133 @@
+"""The JSON form of a tuning database, written by ``tilegen db export`` and read by ``import``.
+
+Rows name their variant by ``(spec_hash, template_hash)`` and their GPU by ``key``,
+never by row id, so a file moves between databases::
+
+    {"format": "tilegen-tuning-db", "format_version": 1,
+     "gpus":     [{"key", "name", "capability", "sm_count", "memory_bytes"}],
+     "variants": [{"spec_hash", "template_hash", "family", "name", "spec_json"}],
+     "tuned":    [{"spec_hash", "template_hash", "gpu_key", "bucket", "config", "time_ms", ...}],
+     "trials":   [{"spec_hash", "template_hash", "gpu_key", "study_name", "trial_number", ...}]}
+
+Keys a reader does not know are ignored, so a file can carry readable extras.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from tilegen.codegen.attention_fwd import Config
+from tilegen.db.models import TRIAL_STATUSES
+from tilegen.ir import SpecError, spec_from_json
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
+
+FORMAT = "tilegen-tuning-db"
+FORMAT_VERSION = 1
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    # Infinity passes (a trial may record an infinite error); NaN cannot be stored in SQLite.
+    "num": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)),
+    "dict": ("an object", lambda v: isinstance(v, dict)),
+}
+
+# Field -> kind; a trailing "?" allows null.
+_VARIANT_KEY = {"spec_hash": "str", "template_hash": "str", "gpu_key": "str", "bucket": "int"}
+SECTIONS: dict[str, dict[str, str]] = {
+    "gpus": {"key": "str", "name": "str", "capability": "str", "sm_count": "int", "memory_bytes": "int"},
+    "variants": {"spec_hash": "str", "template_hash": "str", "family": "str", "name": "str", "spec_json": "str"},
+    "tuned": {
+        **_VARIANT_KEY, "triton_version": "str", "torch_version": "str", "tilegen_version": "str",
+        "config": "dict", "time_ms": "num", "tflops": "num?", "gbps": "num?", "max_error": "num",
+        "trials": "int", "created_at": "str",
+    },
+    "trials": {
+        **_VARIANT_KEY, "triton_version": "str", "study_name": "str", "trial_number": "int", "config": "dict",
+        "status": "str", "time_ms": "num?", "max_error": "num?", "reason": "str?", "created_at": "str",
+    },
+}
+
+
+def check(data: Any) -> dict[str, list[dict[str, Any]]]:
+    """Validate an export and return its sections, ``created_at`` parsed; a ``ValueError`` names the bad field.
+
+    Example:
+        >>> check({"format": FORMAT, "format_version": 1, "gpus": [], "variants": [], "tuned": [], "trials": []})
+        {'gpus': [], 'variants': [], 'tuned': [], 'trials': []}
+    """
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise _malformed("", f"expected a JSON object with \"format\": \"{FORMAT}\"")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise _malformed(
+            "format_version", f"this tilegen reads version {FORMAT_VERSION}, got {data.get('format_version')!r}"
+        )
+    sections = {name: [_entry(data, name, i, fields) for i in range(_length(data, name))]
+                for name, fields in SECTIONS.items()}
+    gpus = {g["key"] for g in sections["gpus"]}
+    variants: set[tuple[str, str]] = set()
+    for i, variant in enumerate(sections["variants"]):
+        where = f"variants[{i}]"
+        try:
+            spec_hash = spec_from_json(variant["spec_json"]).hash
+        except (SpecError, ValueError, TypeError) as e:
+            raise _malformed(f"{where}.spec_json", str(e)) from None
+        if spec_hash != variant["spec_hash"]:
+            raise _malformed(f"{where}.spec_hash", f"{variant['spec_hash']} is not the hash of its spec ({spec_hash})")
+        variants.add((variant["spec_hash"], variant["template_hash"]))
+    for name in ("tuned", "trials"):
+        for i, row in enumerate(sections[name]):
+            where = f"{name}[{i}]"
+            if (row["spec_hash"], row["template_hash"]) not in variants:
+                raise _malformed(where, f"variant {row['spec_hash']}/{row['template_hash']} is not in \"variants\"")
+            if row["gpu_key"] not in gpus:
+                raise _malformed(f"{where}.gpu_key", f"{row['gpu_key']!r} is not in \"gpus\"")
+            if row["bucket"] < 1:
+                raise _malformed(f"{where}.bucket", f"expected a positive integer, got {row['bucket']}")
+    for i, row in enumerate(sections["tuned"]):
+        try:
+            Config.from_dict(row["config"])
+        except ValueError as e:
+            raise _malformed(f"tuned[{i}].config", str(e)) from None
+    for i, row in enumerate(sections["trials"]):
+        if row["status"] not in TRIAL_STATUSES:
+            raise _malformed(f"trials[{i}].status", f"expected one of {', '.join(TRIAL_STATUSES)}, got {row['status']!r}")
+    return sections
+
+
+def _length(data: dict[str, Any], name: str) -> int:
+    if not isinstance(data.get(name), list):
+        raise _malformed(name, "expected a list")
+    return len(data[name])
+
+
+def _entry(data: dict[str, Any], name: str, index: int, fields: dict[str, str]) -> dict[str, Any]:
+    where = f"{name}[{index}]"
+    entry = data[name][index]
+    if not isinstance(entry, dict):
+        raise _malformed(where, "expected an object")
+    out = {}
+    for field, kind in fields.items():
+        optional = kind.endswith("?")
+        what, accepts = _KINDS[kind.rstrip("?")]
+        if field not in entry:
+            raise _malformed(f"{where}.{field}", "missing")
+        value = entry[field]
+        if not (accepts(value) or (optional and value is None)):
+            raise _malformed(f"{where}.{field}", f"expected {what}{' or null' if optional else ''}, got {value!r}")
+        out[field] = value
+    if "created_at" in out:
+        try:
+            created = datetime.fromisoformat(out["created_at"])
+        except ValueError:
+            raise _malformed(f"{where}.created_at", f"expected an ISO date, got {out['created_at']!r}") from None
+        # Stored times are naive UTC (see models.utcnow).
+        out["created_at"] = created.astimezone(timezone.utc).replace(tzinfo=None) if created.tzinfo else created
+    return out
+
+
+def _malformed(where: str, message: str) -> ValueError:
+    return ValueError(f"malformed tilegen export: {where + ': ' if where else ''}{message}")

@@ -1,0 +1,57 @@
+"""``tuned_rows``: what dispatch reads, once per (spec, device), from the user's and the shipped database.
+
+The op must run even when a database cannot be read: a broken, foreign or newer file
+costs one warning and its rows, never an exception. Both files are opened read-only,
+so an inference process never creates, migrates or locks a database.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tilegen import env
+from tilegen.codegen.attention_fwd import Config, ConfigError
+from tilegen.db.errors import DatabaseError
+from tilegen.db.store import TuningDB
+from tilegen.device import DeviceInfo
+from tilegen.ir import AttentionSpec
+
+__all__ = ["tuned_rows"]
+
+log = logging.getLogger("tilegen.db")
+
+_warned: set[str] = set()
+
+
+def tuned_rows(
+    spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, *, user_db: Path | None = None
+) -> dict[int, tuple[Config, str]]:
+    """Tuned configs by bucket, each with the database file it came from; the user's rows win per bucket.
+
+    ``user_db`` defaults to ``tilegen.env.db_path()``; a file that does not exist is skipped
+    (and not created), as is a missing shipped database.
+    """
+    rows: dict[int, tuple[Config, str]] = {}
+    # Shipped first, so the user's rows overwrite it bucket by bucket.
+    for path in (env.shipped_db_path(), user_db if user_db is not None else env.db_path()):
+        if not path.exists():
+            continue
+        try:
+            with TuningDB(path, readonly=True) as db:
+                found = db.best(spec=spec, device=device, template_hash=template_hash, triton_version=triton_version)
+        except DatabaseError as e:
+            _warn_once(f"tilegen: ignoring the tuning database: {e}")
+            continue
+        for bucket, row in found.items():
+            try:
+                rows[bucket] = (Config.from_dict(row.config), str(path))
+            except ConfigError as e:
+                _warn_once(f"tilegen: ignoring a tuned row of {spec.name} (bucket {bucket}) in {path}: {e}")
+    return rows
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)

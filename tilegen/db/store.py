@@ -1,0 +1,369 @@
+"""``TuningDB``: tuned configs and every trial behind them, in one SQLite file.
+
+Example::
+
+    >>> import triton
+    >>> from tilegen.codegen.attention_fwd import TEMPLATE, Config
+    >>> from tilegen.codegen.render import template_hash
+    >>> from tilegen.device import CPU_INTERPRETER
+    >>> key = dict(spec=AttentionSpec(head_dim=64), device=CPU_INTERPRETER,
+    ...            template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+    >>> with TuningDB("tuning.sqlite") as db:  # doctest: +SKIP
+    ...     db.record_best(**key, bucket=1024, config=Config(64, 32, 4, 1).to_dict(),
+    ...                    time_ms=0.41, max_error=2e-3, trials=40)
+    ...     db.best(**key)[1024].time_ms
+    True
+    0.41
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import triton
+from sqlalchemy import ColumnElement, Select, delete, or_, select, true
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+import tilegen
+from tilegen import env
+from tilegen.codegen import attention_fwd, render
+from tilegen.db.errors import DatabaseError
+from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
+from tilegen.db.migrate import WRITE, explain_error, open_engine
+from tilegen.db.models import TRIAL_STATUSES, Base, Gpu, Trial, TunedConfig, Variant, utcnow
+from tilegen.db.rows import TrialRow, TunedRow, VariantRow
+from tilegen.device import DeviceInfo
+from tilegen.ir import AttentionSpec
+
+__all__ = ["TuningDB", "studies_url"]
+
+_M = TypeVar("_M", bound=Base)
+_GPUS_BY_KEY = select(Gpu).order_by(Gpu.key)
+
+
+def studies_url(db_path: str | os.PathLike[str]) -> str:
+    """Optuna storage URL of the studies kept beside a tuning database: ``<stem>.optuna.sqlite``.
+
+    >>> studies_url("/data/tuning.sqlite")
+    'sqlite:////data/tuning.optuna.sqlite'
+    """
+    path = Path(db_path).expanduser().absolute()
+    return f"sqlite:///{path.with_name(path.stem + '.optuna.sqlite')}"
+
+
+class TuningDB:
+    """One tuning database file; safe to share between threads and between processes.
+
+    ``path=None`` opens ``tilegen.env.db_path()``. A writable open creates the file and its
+    folder and upgrades the schema; ``readonly=True`` never writes (the shipped database).
+    Every failure to open, read or write raises ``DatabaseError`` naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, readonly: bool = False):
+        self.path = Path(path if path is not None else env.db_path()).expanduser()
+        self.readonly = readonly
+        if readonly and not self.path.is_file():
+            raise DatabaseError(f"no tilegen database at {self.path}")
+        if not readonly:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DatabaseError(f"cannot create the tilegen database {self.path}: {e.strerror or e}") from e
+        self._engine = open_engine(self.path, readonly=readonly)
+        self._writer = self._engine.execution_options(**WRITE)
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r}{', readonly=True' if self.readonly else ''})"
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    # -- writing -------------------------------------------------------------------------
+
+    def record_trial(
+        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
+        study_name: str, trial_number: int, config: dict[str, Any], status: str,
+        time_ms: float | None = None, max_error: float | None = None, reason: str | None = None,
+    ) -> None:
+        """Store one trial's outcome; recording ``(study_name, trial_number)`` again overwrites it."""
+        if status not in TRIAL_STATUSES:
+            raise ValueError(f"status: expected one of {', '.join(TRIAL_STATUSES)}, got {status!r}")
+        with self._session(write=True) as session:
+            values = dict(
+                **_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version,
+                config_json=_canonical(config), status=status, time_ms=time_ms, max_error=max_error,
+                reason=reason, created_at=utcnow(),
+            )
+            key = {"study_name": study_name, "trial_number": trial_number}
+            row, created = _insert_or_fetch(session, Trial, key, values)
+            if not created:
+                for name, value in values.items():
+                    setattr(row, name, value)
+
+    def record_best(
+        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
+        config: dict[str, Any], time_ms: float, max_error: float, trials: int,
+        tflops: float | None = None, gbps: float | None = None,
+    ) -> bool:
+        """Keep the faster of the stored row and this one; ``True`` when this one was stored.
+
+        The trial count only grows (the larger of the two), whichever row wins.
+        """
+        with self._session(write=True) as session:
+            key = dict(**_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version)
+            values = dict(
+                torch_version=torch.__version__, tilegen_version=tilegen.__version__,
+                config_json=_canonical(config), time_ms=time_ms, tflops=tflops, gbps=gbps,
+                max_error=max_error, trials=trials, created_at=utcnow(),
+            )
+            return _merge_best(session, key, values)
+
+    def import_json(self, data: dict[str, Any]) -> int:
+        """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
+
+        Tuned rows merge as ``record_best`` does; trials already here are kept as they are.
+        A malformed document raises ``ValueError`` before anything is written.
+        """
+        sections = check(data)
+        changed = 0
+        with self._session(write=True) as session:
+            gpu_ids = {g["key"]: _insert_or_fetch(session, Gpu, {"key": g["key"]}, g)[0].id for g in sections["gpus"]}
+            variant_ids = {
+                (v["spec_hash"], v["template_hash"]): _variant_id(session, **v) for v in sections["variants"]
+            }
+            for entry in sections["tuned"]:
+                ids = _entry_ids(entry, gpu_ids, variant_ids)
+                key = dict(**ids, bucket=entry["bucket"], triton_version=entry["triton_version"])
+                values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
+                                                "max_error", "trials", "created_at")}
+                changed += _merge_best(session, key, dict(values, config_json=_canonical(entry["config"])))
+            for entry in sections["trials"]:
+                key = {"study_name": entry["study_name"], "trial_number": entry["trial_number"]}
+                values = {n: entry[n] for n in ("bucket", "triton_version", "status", "time_ms", "max_error",
+                                                "reason", "created_at")}
+                values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]))
+                changed += _insert_or_fetch(session, Trial, key, values)[1]
+        return changed
+
+    def prune(
+        self, *, keep_triton: str | None = None, keep_templates: Iterable[str] | None = None,
+        keep_tilegen: str | None = None,
+    ) -> int:
+        """Delete rows that dispatch can never read again; returns how many tuned rows and trials went.
+
+        Dispatch keys on the Triton version and the template hash, so a tuned row or trial is
+        stale when its Triton version is not ``keep_triton`` (default: the installed Triton) or
+        its variant's template hash is not in ``keep_templates`` (default: the templates this
+        tilegen ships). The tilegen version is not part of that key, so rows tuned by another
+        tilegen release stay unless ``keep_tilegen`` names the one to keep (trials carry no
+        tilegen version and are kept then). Variants and GPUs left without rows go too.
+        """
+        triton_version = keep_triton or triton.__version__
+        templates = sorted(keep_templates) if keep_templates is not None else _current_templates()
+        with self._session(write=True) as session:
+            stale_variants = select(Variant.id).where(Variant.template_hash.not_in(templates))
+            stale_tuned = [TunedConfig.triton_version != triton_version, TunedConfig.variant_id.in_(stale_variants)]
+            if keep_tilegen is not None:
+                stale_tuned.append(TunedConfig.tilegen_version != keep_tilegen)
+            removed = _delete(session, TunedConfig, or_(*stale_tuned))
+            removed += _delete(
+                session, Trial, or_(Trial.triton_version != triton_version, Trial.variant_id.in_(stale_variants))
+            )
+            for model, column in ((Variant, "variant_id"), (Gpu, "gpu_id")):
+                in_use = or_(*(model.id.in_(select(getattr(table, column))) for table in (TunedConfig, Trial)))
+                _delete(session, model, ~in_use)
+        return removed
+
+    # -- reading -------------------------------------------------------------------------
+
+    def best(
+        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str
+    ) -> dict[int, TunedRow]:
+        """The tuned rows of one variant on one GPU and Triton, by bucket."""
+        query = _tuned_query().where(
+            Variant.spec_hash == spec.hash, Variant.template_hash == template_hash,
+            Gpu.key == device.key, TunedConfig.triton_version == triton_version,
+        )
+        with self._session() as session:
+            return {row.bucket: row for row in map(_tuned_row, session.execute(query))}
+
+    def list_tuned(self) -> list[TunedRow]:
+        """Every tuned row, by variant name, spec, GPU, Triton version and bucket."""
+        with self._session() as session:
+            return _list_tuned(session)
+
+    def variants(self, prefix: str = "") -> list[VariantRow]:
+        """Variants whose spec hash starts with ``prefix``, by spec hash and template hash."""
+        with self._session() as session:
+            return _variants(session, prefix)
+
+    def trials_for(self, spec_hash: str) -> list[TrialRow]:
+        """Every trial of a spec (all template versions, GPUs and Tritons), by study and trial number."""
+        with self._session() as session:
+            return _trials(session, Variant.spec_hash == spec_hash)
+
+    def export_json(self) -> dict[str, Any]:
+        """The whole database in the JSON form ``import_json`` reads (see ``tilegen.db.exchange``)."""
+        with self._session() as session:  # one transaction: a consistent snapshot under concurrent writers
+            return {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "gpus": [{n: getattr(g, n) for n in SECTIONS["gpus"]} for g in session.scalars(_GPUS_BY_KEY)],
+                "variants": [dataclasses.asdict(v) for v in _variants(session, "")],
+                "tuned": [_jsonable(row) for row in _list_tuned(session)],
+                "trials": [_jsonable(row) for row in _trials(session, true())],
+            }
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _session(self, *, write: bool = False) -> Iterator[Session]:
+        """One transaction: committed on success, rolled back on any error."""
+        if write and self.readonly:
+            raise DatabaseError(f"{self.path} is open read-only")
+        try:
+            with Session(self._writer if write else self._engine, expire_on_commit=False) as session, session.begin():
+                yield session
+        except SQLAlchemyError as e:
+            raise explain_error(e, self.path, self.readonly) from e
+
+
+def _insert_or_fetch(
+    session: Session, model: type[_M], key: dict[str, Any], values: dict[str, Any]
+) -> tuple[_M, bool]:
+    """The row with unique ``key``, inserted with ``values`` when absent; ``True`` when inserted."""
+    query = select(model).filter_by(**key)
+    row = session.scalars(query).one_or_none()
+    if row is not None:
+        return row, False
+    row = model(**{**values, **key})
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        # Another writer stored the key between our read and our insert. BEGIN IMMEDIATE rules
+        # that out among tilegen processes; a writer that does not lock first still can.
+        return session.scalars(query).one(), False
+    return row, True
+
+
+def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any]) -> bool:
+    row, created = _insert_or_fetch(session, TunedConfig, key, values)
+    if created:
+        return True
+    trials = max(row.trials, values["trials"])
+    faster = values["time_ms"] < row.time_ms
+    if faster:
+        for name, value in values.items():
+            setattr(row, name, value)
+    row.trials = trials
+    return faster
+
+
+def _variant_id(session: Session, *, spec_hash: str, template_hash: str, **values: Any) -> int:
+    key = {"spec_hash": spec_hash, "template_hash": template_hash}
+    return _insert_or_fetch(session, Variant, key, values)[0].id
+
+
+def _ids(session: Session, spec: AttentionSpec, device: DeviceInfo, template_hash: str) -> dict[str, int]:
+    gpu = dict(
+        name=device.name, capability=f"{device.capability[0]}.{device.capability[1]}",
+        sm_count=device.sm_count, memory_bytes=device.memory_bytes,
+    )
+    variant = dict(family=spec.family, name=spec.name, spec_json=spec.to_json())
+    return {
+        "variant_id": _variant_id(session, spec_hash=spec.hash, template_hash=template_hash, **variant),
+        "gpu_id": _insert_or_fetch(session, Gpu, {"key": device.key}, gpu)[0].id,
+    }
+
+
+def _entry_ids(
+    entry: dict[str, Any], gpu_ids: dict[str, int], variant_ids: dict[tuple[str, str], int]
+) -> dict[str, int]:
+    """Row ids of an export entry's variant and GPU, in the database it is imported into."""
+    return {"variant_id": variant_ids[entry["spec_hash"], entry["template_hash"]], "gpu_id": gpu_ids[entry["gpu_key"]]}
+
+
+def _delete(session: Session, model: type[Base], where: ColumnElement[bool]) -> int:
+    result = session.execute(delete(model).where(where), execution_options={"synchronize_session": False})
+    return result.rowcount
+
+
+def _tuned_query() -> Select:
+    return (
+        select(TunedConfig, Variant, Gpu)
+        .join(Variant, TunedConfig.variant_id == Variant.id)
+        .join(Gpu, TunedConfig.gpu_id == Gpu.id)
+    )
+
+
+def _trial_query() -> Select:
+    return select(Trial, Variant, Gpu).join(Variant, Trial.variant_id == Variant.id).join(Gpu, Trial.gpu_id == Gpu.id)
+
+
+def _list_tuned(session: Session) -> list[TunedRow]:
+    query = _tuned_query().order_by(
+        Variant.name, Variant.spec_hash, Gpu.key, TunedConfig.triton_version, TunedConfig.bucket
+    )
+    return [_tuned_row(row) for row in session.execute(query)]
+
+
+def _variants(session: Session, prefix: str) -> list[VariantRow]:
+    query = (
+        select(Variant)
+        .where(Variant.spec_hash.startswith(prefix, autoescape=True))
+        .order_by(Variant.spec_hash, Variant.template_hash)
+    )
+    return [VariantRow(v.spec_hash, v.template_hash, v.family, v.name, v.spec_json) for v in session.scalars(query)]
+
+
+def _trials(session: Session, where: ColumnElement[bool]) -> list[TrialRow]:
+    query = _trial_query().where(where).order_by(Trial.study_name, Trial.trial_number)
+    return [_trial_row(row) for row in session.execute(query)]
+
+
+def _tuned_row(row: Any) -> TunedRow:
+    tuned, variant, gpu = row
+    return TunedRow(
+        spec_hash=variant.spec_hash, template_hash=variant.template_hash, variant_name=variant.name, gpu_key=gpu.key,
+        bucket=tuned.bucket, triton_version=tuned.triton_version, torch_version=tuned.torch_version,
+        tilegen_version=tuned.tilegen_version, config=json.loads(tuned.config_json), time_ms=tuned.time_ms,
+        tflops=tuned.tflops, gbps=tuned.gbps, max_error=tuned.max_error, trials=tuned.trials,
+        created_at=tuned.created_at,
+    )
+
+
+def _trial_row(row: Any) -> TrialRow:
+    trial, variant, gpu = row
+    return TrialRow(
+        spec_hash=variant.spec_hash, template_hash=variant.template_hash, gpu_key=gpu.key, bucket=trial.bucket,
+        triton_version=trial.triton_version, study_name=trial.study_name, trial_number=trial.trial_number,
+        config=json.loads(trial.config_json), status=trial.status, time_ms=trial.time_ms,
+        max_error=trial.max_error, reason=trial.reason, created_at=trial.created_at,
+    )
+
+
+def _jsonable(row: TunedRow | TrialRow) -> dict[str, Any]:
+    return dict(dataclasses.asdict(row), created_at=row.created_at.isoformat())
+
+
+def _canonical(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _current_templates() -> list[str]:
+    return [render.template_hash(attention_fwd.TEMPLATE)]
