@@ -1,0 +1,248 @@
+"""Every bad argument to ``tilegen.attention`` is refused with an error that names it.
+
+The checks run before any kernel is generated or launched, so these tests are fast.
+Messages start with the argument's name (``"q: ..."``, ``"window: ..."``); the tests
+match that prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tilegen
+
+
+def qkv(device, *, b=1, hq=2, hkv=2, nq=8, nk=8, d=64, dv=None, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    return randn(b, hq, nq, d), randn(b, hkv, nk, d), randn(b, hkv, nk, d if dv is None else dv)
+
+
+def raises(exc, prefix):
+    """``pytest.raises`` for a message that starts with ``prefix`` (an argument name and a colon)."""
+    import re
+
+    return pytest.raises(exc, match="^" + re.escape(prefix))
+
+
+# ------------------------------------------------------------------------------ tensors
+
+@pytest.mark.parametrize(
+    "which,shape",
+    [
+        pytest.param("q", (2, 8, 64), id="q-rank3"),
+        pytest.param("k", (1, 2, 2, 8, 64), id="k-rank5"),
+        pytest.param("v", (8, 64), id="v-rank2"),
+    ],
+)
+def test_wrong_rank(device, which, shape):
+    args = dict(zip("qkv", qkv(device)))
+    args[which] = torch.randn(*shape, device=device, dtype=torch.float16)
+    with raises(ValueError, f"{which}: expected 4 dims"):
+        tilegen.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_not_a_tensor(device, which):
+    args = dict(zip("qkv", qkv(device)))
+    args[which] = args[which].cpu().numpy()
+    with raises(TypeError, f"{which}: expected a torch.Tensor"):
+        tilegen.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.int32, torch.bool, torch.float8_e4m3fn], ids=lambda d: str(d).split(".")[-1]
+)
+def test_unsupported_dtype(device, dtype):
+    q, k, v = (t.to(dtype) for t in qkv(device, dtype=torch.float32))
+    with raises(TypeError, "q: expected dtype float16, bfloat16 or float32"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_dtype_mismatch(device, which):
+    args = dict(zip("qkv", qkv(device)))
+    args[which] = args[which].to(torch.bfloat16)
+    with raises(TypeError, f"{which}: dtype torch.bfloat16 differs from q's torch.float16"):
+        tilegen.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_device_mismatch(device, which):
+    """A KV tensor elsewhere than q; the meta device stands in for a second device without one."""
+    args = dict(zip("qkv", qkv(device)))
+    args[which] = args[which].to("meta")
+    with raises(ValueError, f"{which}: on meta while q is on {device}"):
+        tilegen.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.gpu
+def test_device_mismatch_cpu_and_cuda():
+    q, k, v = qkv("cuda")
+    with raises(ValueError, "k: on cpu while q is on cuda"):
+        tilegen.attention(q, k.cpu(), v)
+
+
+def test_unsupported_device():
+    q, k, v = (t.to("meta") for t in qkv("cpu"))
+    with raises(ValueError, "q: device meta is not supported"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize("value", ["0", ""], ids=["zero", "empty"])
+def test_cpu_tensors_without_the_interpreter(monkeypatch, value):
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    q, k, v = qkv("cpu")
+    with raises(ValueError, "q: tensors are on the CPU") as info:
+        tilegen.attention(q, k, v)
+    assert "TRITON_INTERPRET=1" in str(info.value)
+
+
+# ------------------------------------------------------------------------------- shapes
+
+def test_batch_mismatch_k(device):
+    q, _, _ = qkv(device, b=2)
+    _, k, v = qkv(device, b=3)
+    with raises(ValueError, "k, v: batch sizes 3, 3 differ from q's 2"):
+        tilegen.attention(q, k, v)
+
+
+def test_batch_mismatch_v(device):
+    q, k, _ = qkv(device, b=2)
+    _, _, v = qkv(device, b=1)
+    with raises(ValueError, "k, v: batch sizes 2, 1 differ from q's 2"):
+        tilegen.attention(q, k, v)
+
+
+def test_head_dim_mismatch_q_k(device):
+    q, _, v = qkv(device, d=64)
+    _, k, _ = qkv(device, d=128)
+    with raises(ValueError, "k: head_dim 128 differs from q's 64"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    "heads,seq", [pytest.param(1, 8, id="heads"), pytest.param(2, 9, id="seq")]
+)
+def test_v_heads_or_seq_mismatch(device, heads, seq):
+    q, k, _ = qkv(device, hkv=2, nk=8)
+    _, _, v = qkv(device, hkv=heads, nk=seq)
+    with raises(ValueError, "v: heads and seq"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 4), (3, 2), (1, 2), (4, 0)], ids=lambda x: str(x))
+def test_query_heads_not_a_multiple_of_kv_heads(device, hq, hkv):
+    q, _, _ = qkv(device, hq=hq)
+    _, k, v = qkv(device, hkv=hkv)
+    with raises(ValueError, f"q: {hq} query heads is not a multiple of k's {hkv} KV heads"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize("d", [65, 8, 12, 264, 512])
+def test_unsupported_head_dim(device, d):
+    q, k, v = qkv(device, d=d)
+    with raises(ValueError, "q: head_dim:"):
+        tilegen.attention(q, k, v)
+
+
+@pytest.mark.parametrize("dv", [65, 4, 512])
+def test_unsupported_value_head_dim(device, dv):
+    q, k, v = qkv(device, d=64, dv=dv)
+    with raises(ValueError, "v: head_dim_v:"):
+        tilegen.attention(q, k, v)
+
+
+def test_sequence_too_long(device):
+    # Expanded views: the huge sequence is never allocated.
+    q = torch.zeros(1, 1, 1, 64, device=device, dtype=torch.float16).expand(1, 1, 1 << 29, 64)
+    k = torch.zeros(1, 1, 1, 64, device=device, dtype=torch.float16).expand(1, 1, 16, 64)
+    with raises(ValueError, "q, k: sequence lengths"):
+        tilegen.attention(q, k, k)
+
+
+# ------------------------------------------------------------------------------ numbers
+
+@pytest.mark.parametrize(
+    "window,prefix",
+    [
+        pytest.param((-1, 0), "window: left must be", id="negative-left"),
+        pytest.param((0, -3), "window: right must be", id="negative-right"),
+        pytest.param((1.5, 2), "window: left must be", id="float-left"),
+        pytest.param((4, True), "window: right must be", id="bool-right"),
+        pytest.param((4, "2"), "window: right must be", id="str-right"),
+        pytest.param(5, "window: expected (left, right)", id="int"),
+        pytest.param((1, 2, 3), "window: expected (left, right)", id="three-values"),
+        pytest.param("ab", "window: expected (left, right)", id="str"),
+        pytest.param({"left": 1, "right": 2}, "window: expected (left, right)", id="dict"),
+    ],
+)
+def test_bad_window(device, window, prefix):
+    q, k, v = qkv(device)
+    with pytest.raises((TypeError, ValueError)) as info:
+        tilegen.attention(q, k, v, window=window)
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+@pytest.mark.parametrize("right", [1, 7])
+def test_causal_with_right_window(device, right):
+    q, k, v = qkv(device)
+    with raises(ValueError, f"window: causal=True sees no key right of the diagonal, but right={right}"):
+        tilegen.attention(q, k, v, causal=True, window=(4, right))
+
+
+@pytest.mark.parametrize("causal", [1, "yes", None], ids=["int", "str", "none"])
+def test_causal_not_a_bool(device, causal):
+    q, k, v = qkv(device)
+    with raises(TypeError, "causal: expected a bool"):
+        tilegen.attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [math.nan, math.inf, -math.inf, "0.1", True, torch.tensor(0.1)],
+    ids=["nan", "inf", "-inf", "str", "bool", "tensor"],
+)
+def test_bad_scale(device, scale):
+    q, k, v = qkv(device)
+    with raises(ValueError, "scale: expected a finite number"):
+        tilegen.attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize(
+    "softcap",
+    [0.0, -1.0, 0, math.nan, math.inf, "30", True],
+    ids=["zero", "negative", "int-zero", "nan", "inf", "str", "bool"],
+)
+def test_bad_softcap(device, softcap):
+    q, k, v = qkv(device)
+    with raises(ValueError, "softcap: expected None or a finite positive number"):
+        tilegen.attention(q, k, v, softcap=softcap)
+
+
+def test_bad_input_is_refused_before_any_kernel_is_generated(device, monkeypatch):
+    """Validation comes first: a refused call never renders or imports a kernel."""
+    import tilegen.ops.attention as attention_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel was launched for a bad call")
+
+    monkeypatch.setattr(attention_module, "run_with_config", fail)
+    monkeypatch.setattr(attention_module, "_run", fail)
+    q, k, v = qkv(device)
+    with raises(ValueError, "softcap:"):
+        tilegen.attention(q, k, v, softcap=-2.0)
+    with raises(ValueError, "window:"):
+        tilegen.attention(q, k, v, window=(-1, None))
+
+
+def test_explain_validates_like_the_op(device):
+    q, k, v = qkv(device)
+    with raises(ValueError, "window: left must be"):
+        tilegen.explain(q, k, v, window=(-2, 0))
