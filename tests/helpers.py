@@ -141,58 +141,15 @@ def effective_mask(causal: bool, window) -> str:
     return "window"
 
 
-def causal_short_query_bug(mask: str, n_q: int, n_k: int, block_m: int) -> str | None:
-    """Known tilegen bug: with mask "causal", a query shorter than about block_m/2 misses keys.
-
-    templates/attention_fwd.py.jinja computes the first key every row of a tile sees
-    (``all_first``) from the tile's last row ``m0 + BLOCK_M - 1``, padding rows past
-    ``n_q`` included; with the "unbounded" left bound ``n_q + n_k`` that the op passes
-    for causal, it is positive when ``2 * n_q + 2 <= BLOCK_M``. ``mid_lo`` is then
-    rounded up past it, and since only the "window" mask emits the left-edge masked
-    loop over ``[lo, mid_lo)``, keys ``[0, mid_lo)`` are never read: every row that
-    should see key 0 gives a wrong output and LSE (all zeros and -inf when
-    ``n_k <= mid_lo``).
-    """
-    if mask == "causal" and n_q >= 1 and n_k >= 1 and 2 * n_q + 2 <= block_m:
-        return (
-            "tilegen bug: causal attention with n_q <= BLOCK_M/2 - 1 skips keys [0, mid_lo) "
-            "(templates/attention_fwd.py.jinja: all_first uses padding rows; no left-edge loop for causal)"
-        )
-    return None
-
-
-def expect_known_bugs(request, *, mask: str, n_q: int, n_k: int, block_m: int) -> None:
-    """Mark the running test as a strict expected failure when it falls in a known tilegen bug."""
-    reason = causal_short_query_bug(mask, n_q, n_k, block_m)
-    if reason:
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
-
-
-#: Known tilegen bug: ``torch.compile(fullgraph=True)`` cannot trace ``tilegen.attention``.
-TORCH_COMPILE_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.TorchDynamoException,
-    reason=(
-        "tilegen bug: tilegen.attention calls spec.to_json() inside the traced region "
-        "(tilegen/ops/attention.py, attention()); Dynamo cannot trace dataclasses.asdict "
-        "(copy.deepcopy -> id()) nor json.dumps, so fullgraph=True fails"
-    ),
-)
-
-
 def chosen_config(q, k, v, **kwargs):
     """The config the public op will run these arguments with."""
     return tilegen.explain(q, k, v, **kwargs).config
 
 
 def run_public(request, case: Case, device, *, return_lse=True):
-    """Call ``tilegen.attention`` for a case, marking known bugs from the config it will use."""
+    """Call ``tilegen.attention`` for a case."""
     q, k, v = case.inputs(device)
     kwargs = case.mask_kwargs()
-    config = chosen_config(q, k, v, **kwargs)
-    expect_known_bugs(
-        request, mask=effective_mask(case.causal, case.window), n_q=case.n_q, n_k=case.nk, block_m=config.block_m
-    )
     result = tilegen.attention(q, k, v, return_lse=return_lse, **kwargs)
     return (q, k, v), result
 

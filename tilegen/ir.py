@@ -78,11 +78,15 @@ class AttentionSpec:
     return_lse: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
+            # One canonical form per kernel: an explicit V dim equal to head_dim is the default.
+            object.__setattr__(self, "head_dim_v", None)
         _check_int("head_dim", self.head_dim)
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise SpecError("head_dim", f"expected a multiple of 8 in [16, 256], got {self.head_dim}")
         if self.head_dim_v is not None:
             _check_int("head_dim_v", self.head_dim_v)
+
             if self.head_dim_v not in SUPPORTED_HEAD_DIMS:
                 raise SpecError(
                     "head_dim_v", f"expected None or a multiple of 8 in [16, 256], got {self.head_dim_v}"
@@ -149,7 +153,7 @@ def spec_from_json(text: str | dict[str, Any]) -> AttentionSpec:
     if family != "attention_fwd":
         raise SpecError("family", f"unknown kernel family {family!r}; known: 'attention_fwd'")
     version = data.pop("ir_version", IR_VERSION)
-    if version != IR_VERSION:
+    if type(version) is not int or version != IR_VERSION:
         raise SpecError("ir_version", f"this tilegen reads IR version {IR_VERSION}, got {version}")
     fields = {f.name for f in dataclasses.fields(AttentionSpec)}
     unknown = sorted(set(data) - fields)

@@ -19,6 +19,9 @@ def allowed_keys(n_q: int, n_k: int, *, causal: bool, window: tuple[int | None, 
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0
+    # Sides past n_q + n_k reach every key anyway; clamping keeps the index arithmetic in range.
+    left = None if left is None else min(left, n_q + n_k)
+    right = None if right is None else min(right, n_q + n_k)
     rows = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
     cols = torch.arange(n_k, device=device)[None, :]
     keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)

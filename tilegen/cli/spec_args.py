@@ -43,4 +43,5 @@ def resolve_spec(
             raise typer.BadParameter(f"unknown preset {name!r}; known: {', '.join(PRESETS)}", param_hint="--preset")
         return PRESETS[name]
     except (SpecError, json.JSONDecodeError, OSError) as e:
-        raise typer.BadParameter(str(e), param_hint="--spec") from None
+        source = "--spec" if spec is not None else "--" + getattr(e, "field", "spec").replace("_", "-")
+        raise typer.BadParameter(str(e), param_hint=source) from None

@@ -17,7 +17,7 @@ from tilegen import dispatch
 from tilegen.codegen import module_for
 from tilegen.device import device_info
 from tilegen.env import interpreting
-from tilegen.ir import AttentionSpec, SpecError, spec_from_json
+from tilegen.ir import AttentionSpec, SpecError
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 
@@ -62,7 +62,10 @@ def attention(
     """
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     if torch.compiler.is_compiling():
-        out, lse = torch.ops.tilegen.attention_fwd(q, k, v, spec.to_json(), scale, softcap, left, right)
+        # The spec travels as plain fields: Dynamo traces these, not JSON encoding.
+        out, lse = torch.ops.tilegen.attention_fwd(
+            q, k, v, spec.dv, spec.mask, spec.softcap, spec.return_lse, scale, softcap, left, right
+        )
     else:
         out, lse = _run(spec, q, k, v, scale, softcap, left, right)
     return (out, lse) if return_lse else out
@@ -118,18 +121,18 @@ def _device_index(device: torch.device) -> int | None:
 
 @torch.library.custom_op("tilegen::attention_fwd", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec_json: str,
-    scale: float, softcap: float, window_left: int, window_right: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_v: int, mask: str, has_softcap: bool,
+    return_lse: bool, scale: float, softcap: float, window_left: int, window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(spec_from_json(spec_json), q, k, v, scale, softcap, window_left, window_right)
+    spec = _spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, return_lse)
+    return _run(spec, q, k, v, scale, softcap, window_left, window_right)
 
 
 @_attention_op.register_fake
-def _(q, k, v, spec_json, scale, softcap, window_left, window_right):
+def _(q, k, v, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left, window_right):
     batch, heads, n_q, _ = q.shape
-    out = q.new_empty(batch, heads, n_q, v.shape[3])
-    lse_shape = (batch, heads, n_q) if spec_from_json(spec_json).return_lse else (0,)
-    return out, q.new_empty(lse_shape, dtype=torch.float32)
+    out = q.new_empty(batch, heads, n_q, head_dim_v)
+    return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
 
 
 def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
@@ -166,11 +169,13 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
     left, right = _window_bounds(window, causal)
     mask = _mask_kind(left, right)
     spec = _spec_for(dtype, dim, v.shape[3], heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
-    unbounded = n_q + n_k  # wide enough to reach every key from every row
+    # Wide enough to reach every key from every row; larger sides are clamped to it so
+    # the kernel's index arithmetic cannot overflow.
+    unbounded = n_q + n_k
     return (
         spec,
-        unbounded if left is None else left,
-        0 if mask == "causal" else (unbounded if right is None else right),
+        unbounded if left is None else min(left, unbounded),
+        0 if mask == "causal" else (unbounded if right is None else min(right, unbounded)),
         float(scale),
         float(softcap) if softcap is not None else 0.0,
     )
