@@ -17,6 +17,7 @@ def _root() -> None:
     """Generated, autotuned attention kernels."""
 
 from tilegen.cli import emit  # noqa: E402,F401  (registers its command)
+from tilegen.cli import tune  # noqa: E402,F401  (registers its command)
 from tilegen.cli import db  # noqa: E402,F401  (registers its commands)
 
 

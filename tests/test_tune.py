@@ -1,0 +1,213 @@
+"""``tilegen tune`` and the tuner: studies, failures, resumption, concurrency, and dispatch of the result.
+
+Everything runs under Triton's interpreter at tiny lengths (buckets 16 to 64), where
+the search space is nine block-size configs and a trial takes well under a second.
+Tests that need a process of their own (a kill, two tunes at once, a fresh dispatch)
+start ``python -m tilegen``; the rest drive ``Tuner`` in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import triton
+from typer.testing import CliRunner
+
+from tilegen.cli import app
+from tilegen.cli.spec_args import PRESETS
+from tilegen.codegen.attention_fwd import TEMPLATE, Config, candidates, default_config
+from tilegen.codegen.render import template_hash
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.tuning import INJECT_ENV, Tuner, TuningKey
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = PRESETS["default"]  # bf16, head dim 64, causal
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+
+pytestmark = pytest.mark.skipif(not device_info().is_interpreter, reason="CPU-interpreter tuning tests")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment (interpreter, cache folder) with the checkout importable."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
+def _tune_cmd(db: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "tilegen", "tune", "--preset", "default", "--db", str(db), *args]
+
+
+def _trials(db: Path, bucket: int) -> list:
+    with TuningDB(db) as tdb:
+        return [t for t in tdb.trials_for(SPEC.hash) if t.bucket == bucket]
+
+
+def _configs(trials) -> Counter:
+    return Counter(str(Config.from_dict(t.config)) for t in trials)
+
+
+def test_study_name_spells_out_every_part_of_the_key():
+    key = TuningKey.current(SPEC, CPU_INTERPRETER, 1024)
+    assert key.study_name == (
+        f"{SPEC.name}-{SPEC.hash}-cpu-interpreter-sm00-tpl{KEY['template_hash']}-triton{triton.__version__}-n1024"
+    )
+    assert key.fields() == {**KEY, "bucket": 1024}
+
+
+def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    run = subprocess.run(_tune_cmd(db, "--seqlens", "16,32", "--trials", "3"), env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Triton interpreter" in run.stderr
+    with TuningDB(db) as tdb:
+        best = {bucket: str(Config.from_dict(row.config)) for bucket, row in tdb.best(**KEY).items()}
+    assert sorted(best) == [16, 32]
+
+    script = textwrap.dedent("""
+        import json, torch, tilegen
+        from tilegen.reference import attention_reference
+        seen = {}
+        for n in (16, 32):
+            q, k, v = (torch.randn(1, 2, n, 64, dtype=torch.bfloat16) for _ in range(3))
+            choice = tilegen.explain(q, k, v, causal=True)
+            out = tilegen.attention(q, k, v, causal=True)
+            ref, _ = attention_reference(q, k, v, causal=True)
+            error = float((out.double() - ref).norm() / ref.norm())
+            seen[n] = {"config": str(choice.config), "source": choice.source,
+                       "tuned_bucket": choice.tuned_bucket, "error": error}
+        print(json.dumps(seen))
+    """)
+    fresh = subprocess.run([sys.executable, "-c", script], env=_env(TILEGEN_DB=str(db)), cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    seen = {int(n): choice for n, choice in json.loads(fresh.stdout.splitlines()[-1]).items()}
+    for n in (16, 32):
+        assert seen[n]["config"] == best[n]
+        assert seen[n]["source"] == str(db)
+        assert seen[n]["tuned_bucket"] == n
+        assert seen[n]["error"] < 1e-2
+
+
+def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
+    # The grid reaches every injected config. The default config fails too, so the best
+    # cannot be the config dispatch would use anyway.
+    failures = {str(default_config(SPEC, CPU_INTERPRETER)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+                "BM64-BN32-w4-s1": "crash", "BM32-BN16-w4-s1": "hang"}
+    monkeypatch.setenv(INJECT_ENV, json.dumps(failures))
+    with (
+        TuningDB(tmp_path / "tuning.sqlite") as tdb,
+        Tuner(tdb, CPU_INTERPRETER, sampler="grid", trial_timeout=5) as tuner,
+    ):
+        result = tuner.tune(SPEC, 32)
+        trials = _trials(tdb.path, 32)
+        best = tdb.best(**KEY)[32]
+
+    status = {str(Config.from_dict(t.config)): t.status for t in trials}
+    reason = {str(Config.from_dict(t.config)): t.reason for t in trials}
+    assert {c: status[c] for c in failures} == {
+        str(default_config(SPEC, CPU_INTERPRETER)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+        "BM64-BN32-w4-s1": "fault", "BM32-BN16-w4-s1": "timeout",
+    }
+    assert "PassManager::run failed" in reason[str(default_config(SPEC, CPU_INTERPRETER))]
+    assert "relative error" in reason["BM16-BN16-w4-s1"]
+    assert "exit code 1" in reason["BM64-BN32-w4-s1"]
+    # The worker was replaced after the crash and the hang: every other config still ran.
+    assert all(s == "ok" for c, s in status.items() if c not in failures)
+    assert len(status) == len(candidates(SPEC, CPU_INTERPRETER))
+    assert str(result.best.config) not in failures
+    assert str(Config.from_dict(best.config)) == str(result.best.config)
+    assert best.time_ms == min(t.time_ms for t in trials if t.status == "ok")
+
+
+def test_grid_measures_every_feasible_config_once(tmp_path):
+    with TuningDB(tmp_path / "tuning.sqlite") as tdb, Tuner(tdb, CPU_INTERPRETER, sampler="grid") as tuner:
+        tuner.tune(SPEC, 32)
+        again = tuner.tune(SPEC, 32)  # a finished study: nothing left to measure
+        trials = _trials(tdb.path, 32)
+    assert _configs(trials) == Counter(str(c) for c in candidates(SPEC, CPU_INTERPRETER))
+    assert sum(again.statuses.values()) == len(trials)
+
+
+def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
+    with TuningDB(tmp_path / "tuning.sqlite") as tdb:
+        neighbour = Config(64, 64, 4, 1)
+        tdb.record_best(**KEY, bucket=16, config=neighbour.to_dict(), time_ms=1.0, max_error=0.0, trials=1)
+        with Tuner(tdb, CPU_INTERPRETER, trials=2) as tuner:
+            tuner.tune(SPEC, 32)
+        trials = sorted(_trials(tdb.path, 32), key=lambda t: t.trial_number)
+    order = [str(Config.from_dict(t.config)) for t in trials]
+    assert order == [str(default_config(SPEC, CPU_INTERPRETER)), str(neighbour)]
+
+
+def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "100")
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (db.exists() and len(_trials(db, 32)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the tune ended before it could be killed"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the tune and its worker, as a kill of the job would
+        proc.wait()
+    before = _configs(_trials(db, 32))
+    assert 2 <= sum(before.values()) < len(candidates(SPEC, CPU_INTERPRETER))
+
+    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    after = _configs(_trials(db, 32))
+    assert after == Counter(str(c) for c in candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
+    assert all(after[c] == n for c, n in before.items())
+
+
+def test_concurrent_tunes_on_one_database_both_complete(tmp_path):
+    db = tmp_path / "tuning.sqlite"  # fresh: both processes create the database and the studies file
+    procs = [
+        subprocess.Popen(_tune_cmd(db, "--seqlens", n, "--trials", "4"), env=_env(), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in ("16", "32")
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+    for bucket in (16, 32):
+        assert sum(_configs(_trials(db, bucket)).values()) == 4
+    with TuningDB(db) as tdb:
+        assert sorted(tdb.best(**KEY)) == [16, 32]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        pytest.param(["--preset", "nope"], "unknown preset 'nope'", id="unknown-preset"),
+        pytest.param(["--seqlens", "abc"], "--seqlens", id="seqlens-not-a-number"),
+        pytest.param(["--seqlens", "0"], "--seqlens", id="seqlens-zero"),
+        pytest.param(["--seqlens", "16,,32"], "--seqlens", id="seqlens-empty-item"),
+        pytest.param(["--sampler", "random"], "--sampler", id="unknown-sampler"),
+        pytest.param(["--trials", "0"], "--trials", id="trials-zero"),
+        pytest.param(["--db", "{tmp}/corrupt.sqlite"], "corrupt", id="corrupt-db"),
+        pytest.param(["--db", "{tmp}/ok.sqlite"], "Optuna studies file", id="corrupt-studies-file"),
+    ],
+)
+def test_bad_input_exits_with_one_line_and_no_traceback(tmp_path, args, message):
+    (tmp_path / "corrupt.sqlite").write_bytes(b"this is not an SQLite database" * 100)
+    (tmp_path / "ok.optuna.sqlite").write_bytes(b"this is not an SQLite database" * 100)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "fresh.sqlite"), *args])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit)  # a clean exit, not an escaped exception
+    assert result.stderr.splitlines()[-1].startswith("error: ")
+    assert message in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.output

@@ -1,0 +1,352 @@
+"""Tuning benchmark: TPE against an exhaustive grid, a full tune's wall time, dispatch overhead,
+and Triton's own ``@triton.autotune`` over the same configs.
+
+    python -m tilegen.bench.tuning                            # every part
+    python -m tilegen.bench.tuning --parts grid-vs-tpe --tpe-seeds 0,1,2
+    python -m tilegen.bench.tuning --parts dispatch,autotune
+
+The parts: grid-vs-tpe (per length, an exhaustive grid, then TPE from a cold start: how
+many trials it needs to come within 3% of the grid's best), full-tune (``tilegen tune``'s
+defaults over 7 length buckets, into a fresh database), dispatch (host time per call of
+``tilegen.attention`` against the generated launcher with the same config) and autotune
+(Triton's autotuner over our feasible configs: its choice and time against our grid's).
+
+Targets on the H200 (dense forward, head dim 128, causal, bf16 by default): TPE within 3%
+of the grid's best in at most 25% of the grid's trials; a 7-bucket tune in at most
+10 minutes; ``tilegen.attention`` at most 5 us per call above the direct launch. Every part
+together fits one 10-minute command; ``--bucket-timeout`` caps each tuned bucket. Tunes
+write to fresh databases under ``--workdir`` (a new temporary folder by default), never
+the user's. Prints a markdown table per part and writes ``bench_tuning.json`` under
+``$OUT`` when it is set.
+
+Under ``TRITON_INTERPRET=1`` (no GPU) it runs at the interpreter's tiny lengths to check
+the script itself; its numbers mean nothing then, and the autotune part is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import torch
+import triton
+
+import tilegen
+from tilegen.cli.spec_args import PRESETS
+from tilegen.codegen import module_for
+from tilegen.codegen.attention_fwd import candidates
+from tilegen.db import TuningDB
+from tilegen.device import device_info
+from tilegen.env import interpreting
+from tilegen.ops.attention import prepare_call, run_with_config
+from tilegen.tuning import Reporter, Tuner
+from tilegen.tuning.measure import Problem, time_ms
+
+__all__ = ["main"]
+
+PARTS = ("grid-vs-tpe", "full-tune", "dispatch", "autotune")
+#: TPE has found the grid's best when its best is within this factor of it (timing noise is ~1%).
+WITHIN = 1.03
+
+
+class _Recorder(Reporter):
+    """Keeps every measured result per bucket, in order (infeasible proposals cost nothing: left out)."""
+
+    def __init__(self):
+        self.results = collections.defaultdict(list)
+
+    def trial(self, key, result, best) -> None:
+        if result.status != "infeasible":
+            self.results[key.bucket].append(result)
+
+
+def grid_vs_tpe(spec, device, seqlens, seeds, tpe_trials, workdir: Path, bucket_timeout) -> list[dict]:
+    """For each length: the grid's best, then how many trials TPE needs to come within 3% of it.
+
+    TPE runs twice per seed: "cold", one database per length, seeded only by the heuristic
+    default; and "warm", the lengths tuned in ascending order into one database, as
+    ``tilegen tune`` does, so each also starts from the best configs of the lengths before it.
+    """
+    grid_size = len(candidates(spec, device))
+    trials = tpe_trials or math.ceil(grid_size / 2)
+    grid = _tune_lengths(spec, device, seqlens, workdir / "grid.sqlite", sampler="grid", timeout=bucket_timeout)
+    runs = []
+    for seed in seeds:
+        for n in seqlens:
+            cold = _tune_lengths(spec, device, [n], workdir / f"tpe-cold-n{n}-seed{seed}.sqlite",
+                                 trials=trials, seed=seed, timeout=bucket_timeout)
+            runs.append(("cold", seed, n, cold[n]))
+        warm = _tune_lengths(spec, device, seqlens, workdir / f"tpe-warm-seed{seed}.sqlite",
+                             trials=trials, seed=seed, timeout=bucket_timeout)
+        runs += [("warm", seed, n, warm[n]) for n in seqlens]
+    rows = []
+    for start, seed, n, (tpe, measured, _) in runs:
+        exhaustive, _, grid_wall = grid[n]
+        if exhaustive.best is None:
+            rows.append({"seqlen": n, "grid_configs": grid_size, "error": "no correct config in the grid"})
+            continue
+        needed = _trials_to_reach(measured, exhaustive.best.time_ms * WITHIN)
+        rows.append({
+            "seqlen": n, "start": start, "seed": seed, "grid_configs": grid_size,
+            "grid_best": str(exhaustive.best.config), "grid_ms": exhaustive.best.time_ms,
+            "grid_tflops": exhaustive.tflops, "grid_wall_s": grid_wall, "tpe_trials": len(measured),
+            "tpe_best": str(tpe.best.config) if tpe.best else None, "tpe_ms": tpe.best.time_ms if tpe.best else None,
+            "trials_to_3pct": needed, "fraction_of_grid": needed / grid_size if needed else None,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _tune_lengths(spec, device, seqlens, db_path: Path, **settings) -> dict[int, tuple]:
+    """Tune each length in order into one database: ``{n: (BucketResult, measured results, wall s)}``."""
+    recorder = _Recorder()
+    out = {}
+    with TuningDB(db_path) as db, Tuner(db, device, reporter=recorder, **settings) as tuner:
+        for n in seqlens:
+            start = time.perf_counter()
+            result = tuner.tune(spec, n)
+            out[n] = (result, recorder.results[n], time.perf_counter() - start)
+    return out
+
+
+def _trials_to_reach(results, target_ms: float) -> int | None:
+    for i, result in enumerate(results, 1):
+        if result.status == "ok" and result.time_ms <= target_ms:
+            return i
+    return None
+
+
+def full_tune(spec, device, seqlens, trials, workdir: Path, bucket_timeout) -> list[dict]:
+    """Wall time of ``tilegen tune`` over every bucket, into a fresh database (as a first tune on a machine is)."""
+    tuned = _tune_lengths(spec, device, seqlens, workdir / "full.sqlite", trials=trials, timeout=bucket_timeout)
+    rows, total = [], 0.0
+    for n, (result, measured, wall) in tuned.items():
+        total += wall
+        rows.append({
+            "seqlen": n, "best": str(result.best.config) if result.best else None,
+            "ms": result.best.time_ms if result.best else None, "tflops": result.tflops,
+            "measured": len(measured), "wall_s": wall, "total_wall_s": total,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
+    """Host time per call of ``tilegen.attention`` and of the generated launcher with the same config.
+
+    The shapes are tiny so that launching, not the kernel, bounds a back-to-back loop: the
+    difference is what dispatch (checks, spec, table lookup) adds per call.
+    """
+    on_gpu = not device.is_interpreter
+    problem = Problem(batch=1, heads_kv=1, q_per_kv=spec.q_per_kv, seq=128 if on_gpu else 16, on_gpu=on_gpu)
+    q, k, v = problem.inputs(spec, seed=0)
+    kwargs = problem.call_kwargs(spec)
+    config = tilegen.explain(q, k, v, **kwargs).config
+    call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **kwargs)
+    launch = module_for(call_spec).launch
+    out = torch.empty((*q.shape[:3], call_spec.dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if call_spec.return_lse else out
+
+    def direct():
+        launch(q, k, v, out, lse, scale=scale, softcap=softcap, window_left=left, window_right=right,
+               block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
+               num_stages=config.num_stages)
+
+    def op():
+        tilegen.attention(q, k, v, **kwargs)
+
+    def per_call_us(fn) -> float:
+        for _ in range(min(calls, 50)):
+            fn()  # compile and warm every cache first
+        samples = []
+        for _ in range(repeats):
+            _sync(problem.on_gpu)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(problem.on_gpu)
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+        return statistics.median(samples)
+
+    direct_us, op_us = per_call_us(direct), per_call_us(op)
+    row = {"config": str(config), "calls": calls, "launch_us": direct_us, "attention_us": op_us,
+           "overhead_us": op_us - direct_us}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _sync(on_gpu: bool) -> None:
+    if on_gpu:
+        torch.cuda.synchronize()
+
+
+def triton_autotune(spec, device, seqlens, workdir: Path, bucket_timeout) -> list[dict]:
+    """Triton's ``@triton.autotune`` over our feasible configs, against our grid's choice, timed alike."""
+    configs = candidates(spec, device)
+    kernel = getattr(module_for(spec), f"_{spec.name}_kernel")
+    rows = []
+    # The grid database of grid-vs-tpe when that part ran first: the study is then finished and instant.
+    with TuningDB(workdir / "grid.sqlite") as db, Tuner(db, device, sampler="grid", timeout=bucket_timeout) as tuner:
+        for n in seqlens:
+            start = time.perf_counter()
+            ours = tuner.tune(spec, n)
+            ours_wall = time.perf_counter() - start
+            problem = Problem.for_bucket(spec, n, on_gpu=True)
+            q, k, v = problem.inputs(spec, seed=0)
+            call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **problem.call_kwargs(spec))
+            autotuned = _autotuned(kernel, configs, left, right, scale, softcap)
+            start = time.perf_counter()
+            autotuned(q, k, v)  # the first call tunes
+            torch.cuda.synchronize()
+            theirs_wall = time.perf_counter() - start
+            row = {"seqlen": n, "triton_config": str(autotuned.best_config()), "triton_tune_s": theirs_wall,
+                   "triton_ms": time_ms(lambda: autotuned(q, k, v), True)}
+            if ours.best is not None:
+                row.update(ours_config=str(ours.best.config), ours_tune_s=ours_wall, ours_ms=time_ms(
+                    lambda: run_with_config(call_spec, ours.best.config, q, k, v, scale, softcap, left, right), True))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _autotuned(kernel, configs, left, right, scale, softcap):
+    """Wrap the generated kernel in ``triton.autotune``; the call mirrors the template's ``launch``."""
+    log2e = 1.4426950408889634
+    tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs
+        ],
+        key=["n_q", "n_k"],
+    )(kernel)
+    qk_scale, softcap_scale = (2.0 * scale / softcap, softcap * log2e) if softcap else (scale * log2e, 1.0)
+
+    def run(q, k, v):
+        batch, heads, n_q, _ = q.shape
+        n_k = k.shape[2]
+        out = torch.empty((batch, heads, n_q, v.shape[3]), device=q.device, dtype=q.dtype)
+        tuned[lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), batch * heads)](
+            q, k, v, out, out,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            heads, n_q, n_k, n_k - n_q, left, right, qk_scale, softcap_scale,
+        )
+        return out
+
+    run.best_config = lambda: _config_name(tuned.best_config)
+    return run
+
+
+def _config_name(config: triton.Config) -> str:
+    return f"BM{config.kwargs['BLOCK_M']}-BN{config.kwargs['BLOCK_N']}-w{config.num_warps}-s{config.num_stages}"
+
+
+def _tables(results: dict) -> str:
+    out = []
+    if "grid-vs-tpe" in results:
+        out += ["| N | grid configs | grid best | grid ms | grid TFLOP/s | TPE start | seed | TPE trials to within 3% "
+                "| % of grid (target <= 25) | TPE best |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(results["grid-vs-tpe"], key=lambda r: (r["seqlen"], r.get("start", ""), r.get("seed", 0))):
+            if "error" in r:
+                out.append(f"| {r['seqlen']} | {r['grid_configs']} | {r['error']} | | | | | | | |")
+                continue
+            needed = r["trials_to_3pct"]
+            reached = (str(needed), f"{100 * r['fraction_of_grid']:.0f}%") if needed else (f"> {r['tpe_trials']}", "-")
+            out.append(
+                f"| {r['seqlen']} | {r['grid_configs']} | {r['grid_best']} | {r['grid_ms']:.4g} "
+                f"| {r['grid_tflops']:.4g} "
+                f"| {r['start']} | {r['seed']} | {reached[0]} | {reached[1]} | {r['tpe_best']} |"
+            )
+        out.append("")
+    if "full-tune" in results:
+        rows = results["full-tune"]
+        out += ["| N | best | ms | TFLOP/s | configs measured | wall s |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['seqlen']} | {r['best']} | {r['ms'] or float('nan'):.4g} | {r['tflops'] or float('nan'):.4g} "
+                f"| {r['measured']} | {r['wall_s']:.0f} |" for r in rows]
+        if rows:
+            out.append(f"\nfull tune over {len(rows)} buckets: {rows[-1]['total_wall_s'] / 60:.1f} min (target <= 10)")
+        out.append("")
+    if "dispatch" in results:
+        r = results["dispatch"]
+        out += ["| config | direct launch us/call | tilegen.attention us/call | dispatch overhead us (target <= 5) |",
+                "|---|---|---|---|",
+                f"| {r['config']} | {r['launch_us']:.2f} | {r['attention_us']:.2f} | {r['overhead_us']:.2f} |", ""]
+    if "autotune" in results:
+        out += ["| N | triton.autotune config | ms | tune s | tilegen config | ms | tune s |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['seqlen']} | {r['triton_config']} | {r['triton_ms']:.4g} | {r['triton_tune_s']:.1f} "
+                f"| {r.get('ours_config', '-')} | {r.get('ours_ms', math.nan):.4g} "
+                f"| {r.get('ours_tune_s', math.nan):.1f} |" for r in results["autotune"]]
+    return "\n".join(out)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    parser.add_argument("--preset", default="mha-d128-causal", choices=list(PRESETS), help="the variant to tune")
+    parser.add_argument("--seqlens", default="1024,4096,16384", help="lengths of grid-vs-tpe and autotune")
+    parser.add_argument("--tpe-seeds", default="0", help="TPE seeds per length (comma list)")
+    parser.add_argument("--tpe-trials", type=int, default=None, help="TPE trials per run (default: half the grid)")
+    parser.add_argument("--full-seqlens", default="512,1024,2048,4096,8192,16384,32768", help="buckets of full-tune")
+    parser.add_argument("--full-trials", type=int, default=30, help="trials per bucket of full-tune (tune's default)")
+    parser.add_argument("--bucket-timeout", type=float, default=None, help="seconds per tuned bucket")
+    parser.add_argument("--calls", type=int, default=2000, help="back-to-back calls per dispatch sample")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the tuning databases go (default: a new temporary folder)")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown part {unknown[0]!r}; known: {', '.join(PARTS)}")
+    if not torch.cuda.is_available() and not interpreting():
+        # Triton reads it when imported, which ``python -m`` has done before this line runs.
+        print("tilegen.bench.tuning needs a CUDA GPU, or TRITON_INTERPRET=1 to check the script", file=sys.stderr)
+        return 2
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the per-part rows say what its INFO lines would
+    device = device_info()
+    spec = PRESETS[args.preset]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tilegen-bench-tuning-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.environ["TILEGEN_DB"] = str(workdir / "grid.sqlite")  # dispatch reads the grid's rows, not the user's
+    seqlens, full_seqlens = _ints(args.seqlens), _ints(args.full_seqlens)
+    if device.is_interpreter:
+        print("# no GPU: interpreter lengths and wall-clock timing; these numbers only check the script")
+        seqlens, full_seqlens = [16, 32], [16, 32]
+    print(f"# {device.name}, torch {torch.__version__}, triton {triton.__version__}, tilegen {tilegen.__version__}, "
+          f"{spec.name}, databases in {workdir}", flush=True)
+
+    results: dict = {}
+    if "grid-vs-tpe" in parts:
+        results["grid-vs-tpe"] = grid_vs_tpe(spec, device, seqlens, _ints(args.tpe_seeds), args.tpe_trials, workdir,
+                                             args.bucket_timeout)
+    if "full-tune" in parts:
+        results["full-tune"] = full_tune(spec, device, full_seqlens, args.full_trials, workdir, args.bucket_timeout)
+    if "dispatch" in parts:
+        results["dispatch"] = dispatch_overhead(spec, device, args.calls if not device.is_interpreter else 3, repeats=5)
+    if "autotune" in parts:
+        if device.is_interpreter:
+            print("# autotune: skipped, triton.autotune times kernels on a GPU", file=sys.stderr)
+        else:
+            results["autotune"] = triton_autotune(spec, device, seqlens, workdir, args.bucket_timeout)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_tuning.json"), "w") as f:
+            json.dump({"device": device.key, "spec": spec.to_json(), "results": results}, f, indent=1)
+    print(_tables(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""``tilegen tune``: tune a spec's configs per sequence-length bucket into the tuning database."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn, Optional
+
+import torch
+import typer
+from rich.console import Console
+
+from tilegen.cli import app
+from tilegen.cli.spec_args import PRESETS, resolve_spec
+from tilegen.codegen.attention_fwd import lower
+from tilegen.device import device_info
+from tilegen.dispatch import bucket_of
+
+_GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+_INTERPRETER_SEQLENS = (16, 32)  # the interpreter is slow: tiny lengths finish in seconds
+_GPU_TRIALS = 30
+_INTERPRETER_TRIALS = 6
+
+
+@app.command()
+def tune(
+    spec: Optional[str] = typer.Option(None, help="Spec as inline JSON or a path to a JSON file."),
+    preset: Optional[str] = typer.Option(None, help=f"A named preset: {', '.join(PRESETS)} (default: default)."),
+    head_dim: Optional[int] = typer.Option(None, help="Build the spec from flags: head dim."),
+    head_dim_v: Optional[int] = typer.Option(None, help="Value head dim (default: head dim)."),
+    q_per_kv: Optional[int] = typer.Option(None, help="Query heads per KV head."),
+    mask: Optional[str] = typer.Option(None, help="none, causal or window."),
+    softcap: Optional[bool] = typer.Option(None, "--softcap/--no-softcap", help="Logit softcapping."),
+    dtype: Optional[str] = typer.Option(None, help="fp16, bf16 or fp32."),
+    return_lse: Optional[bool] = typer.Option(None, "--lse/--no-lse", help="Also write the log-sum-exp."),
+    seqlens: Optional[str] = typer.Option(
+        None, help="Comma-separated sequence lengths, each tuned at its power-of-two bucket "
+        f"(default: {','.join(map(str, _GPU_SEQLENS))} on a GPU, "
+        f"{','.join(map(str, _INTERPRETER_SEQLENS))} under the interpreter).",
+    ),
+    trials: Optional[int] = typer.Option(
+        None, help=f"Configs to measure per bucket (default: {_GPU_TRIALS} on a GPU, "
+        f"{_INTERPRETER_TRIALS} under the interpreter; every feasible one with --sampler grid).",
+    ),
+    timeout: Optional[float] = typer.Option(None, help="Seconds per bucket (default: no limit)."),
+    sampler: str = typer.Option("tpe", help="tpe (learns from earlier trials) or grid (every feasible config)."),
+    db: Optional[Path] = typer.Option(None, help="Tuning database (default: $TILEGEN_DB or the user data folder)."),
+    seed: int = typer.Option(0, help="Seed of the sampler and of the random inputs."),
+) -> None:
+    """Measure configs of a spec per length bucket and store the fastest correct one for dispatch."""
+    try:
+        chosen = resolve_spec(
+            spec, preset, head_dim,
+            head_dim_v=head_dim_v, q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
+        )
+    except typer.BadParameter as e:
+        _fail(e.format_message())
+    lengths = _parse_seqlens(seqlens)
+    if trials is not None and trials < 1:
+        _fail(f"--trials: expected a positive integer, got {trials}")
+    if timeout is not None and timeout <= 0:
+        _fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+
+    if not torch.cuda.is_available():
+        # Kernels run only in the worker process, which inherits this and so imports Triton in
+        # interpreter mode; this process needs it only for device_info().
+        os.environ["TRITON_INTERPRET"] = "1"
+    _tune(chosen, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed)
+
+
+def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
+    # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
+    import optuna
+
+    from tilegen.db import DatabaseError, TuningDB
+    from tilegen.tuning import SAMPLERS, ProgressReporter, Tuner, WorkerError, summary_table
+
+    if sampler not in SAMPLERS:
+        _fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    try:
+        lower(spec)  # a spec the template cannot take fails here, not once per trial
+    except NotImplementedError as e:
+        _fail(str(e))
+    try:
+        database = TuningDB(db)
+    except DatabaseError as e:
+        _fail(str(e))
+    device = device_info()
+    if device.is_interpreter:
+        typer.echo(
+            f"tilegen: no GPU; tuning under the Triton interpreter with wall-clock timing, "
+            f"filed under device {device.key} (never used on a GPU)", err=True,
+        )
+    lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_SEQLENS)
+    buckets = sorted({bucket_of(n) for n in lengths})
+    if trials is None and sampler == "tpe":
+        trials = _INTERPRETER_TRIALS if device.is_interpreter else _GPU_TRIALS
+    # The progress bars and the table say what Optuna's lines would; an error stops the tune anyway.
+    optuna.logging.set_verbosity(optuna.logging.CRITICAL)
+
+    try:
+        with ProgressReporter(Console(stderr=True)) as progress, Tuner(
+            database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
+        ) as tuner:
+            results = [tuner.tune(spec, bucket) for bucket in buckets]
+    except (DatabaseError, WorkerError) as e:
+        _fail(str(e))
+    Console().print(summary_table(results))
+    unsolved = [r.key.bucket for r in results if r.best is None]
+    if unsolved:
+        _fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
+              f"the trials' reasons: tilegen db --db {database.path} show {spec.hash}", code=1)
+    typer.echo(f"stored in {database.path}", err=True)
+
+
+def _parse_seqlens(text: str | None) -> list[int]:
+    if text is None:
+        return []
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        _fail(f"--seqlens: expected comma-separated positive integers such as 1024,4096; got {text!r}")
+    return lengths
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)

@@ -1,0 +1,70 @@
+"""What ``tilegen tune`` shows: a progress bar per bucket while it runs, a summary table after."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tilegen.tuning.key import TuningKey
+from tilegen.tuning.tuner import BucketResult, Reporter, TrialResult
+
+__all__ = ["ProgressReporter", "summary_table"]
+
+#: Statuses counted as "failed" in the summary: the config broke, not merely computed wrong.
+_FAILED = ("compile_error", "fault", "timeout")
+
+
+class ProgressReporter(Reporter):
+    """One bar per bucket: configs measured out of the budget, and the best time so far.
+
+    A context manager: the bars appear with the first bucket (an error before it prints
+    nothing) and stay on screen when it exits.
+    """
+
+    def __init__(self, console: Console):
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("best {task.fields[best]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self._tasks = {}
+
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._tasks:  # stopping a Progress that never started still prints a blank line
+            self.progress.stop()
+
+    def start(self, key: TuningKey, budget: int, best: TrialResult | None) -> None:
+        if not self._tasks:
+            self.progress.start()
+        self._tasks[key] = self.progress.add_task(f"n={key.bucket}", total=budget, best=_best_text(best))
+
+    def trial(self, key: TuningKey, result: TrialResult, best: TrialResult | None) -> None:
+        advance = 0 if result.status == "infeasible" else 1  # infeasible configs cost no measurement
+        self.progress.update(self._tasks[key], advance=advance, best=_best_text(best))
+
+
+def summary_table(results: list[BucketResult]) -> Table:
+    table = Table(title=f"{results[0].key.spec.name} on {results[0].key.device.key}" if results else None)
+    for name in ("bucket", "best config", "time ms", "TFLOP/s", "max err", "trials ok/wrong/failed"):
+        table.add_column(name, justify="left" if name == "best config" else "right")
+    for r in results:
+        counts = f"{r.statuses['ok']}/{r.statuses['wrong']}/{sum(r.statuses[s] for s in _FAILED)}"
+        if r.best is None:
+            table.add_row(str(r.key.bucket), "no correct config", "-", "-", "-", counts)
+        else:
+            table.add_row(
+                str(r.key.bucket), str(r.best.config), f"{r.best.time_ms:.4g}", f"{r.tflops:.4g}",
+                f"{r.best.max_error:.2e}", counts,
+            )
+    return table
+
+
+def _best_text(best: TrialResult | None) -> str:
+    return "-" if best is None else f"{best.time_ms:.4g} ms {best.config}"

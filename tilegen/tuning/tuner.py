@@ -1,0 +1,285 @@
+"""Tuning one spec at one length bucket: Optuna proposes, the worker measures, the database keeps.
+
+One Optuna study per tuning key, stored next to the tuning database and opened with
+``load_if_exists``, so a killed tune resumes where it stopped. Every trial is written
+to the database the moment it finishes (killing a tune loses at most the trial in
+flight), and the database, not the study, says which configs a key has measured: a
+config measured before is answered from there instead of measured again. After the
+study the best correct config goes to the tuned-config table, which is what
+``tilegen.attention`` dispatches from.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import math
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from sqlalchemy.exc import SQLAlchemyError
+
+from tilegen import dispatch
+from tilegen.codegen.attention_fwd import Config, candidates, default_config, feasible, search_space
+from tilegen.db import DatabaseError, TrialRow, studies_url
+from tilegen.device import DeviceInfo
+from tilegen.ir import AttentionSpec
+from tilegen.tuning.key import TuningKey
+from tilegen.tuning.measure import Problem
+from tilegen.tuning.worker import Worker
+
+__all__ = ["SAMPLERS", "TrialResult", "BucketResult", "Reporter", "Tuner"]
+
+SAMPLERS = ("tpe", "grid")
+#: Best configs of this many other buckets seed a study, nearest length first.
+_NEIGHBOURS = 3
+#: How long a write to the studies file waits while another tune process writes (SQLite's busy timeout).
+_SQLITE_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one config did: status is ok, wrong, compile_error, fault, timeout or infeasible."""
+
+    config: Config
+    status: str
+    time_ms: float | None = None
+    max_error: float | None = None
+    reason: str | None = None
+
+    @classmethod
+    def from_row(cls, row: TrialRow) -> TrialResult:
+        return cls(Config.from_dict(row.config), row.status, row.time_ms, row.max_error, row.reason)
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    key: TuningKey
+    best: TrialResult | None  # the fastest correct config the study has measured, None if none is correct
+    tflops: float | None
+    gbps: float | None
+    statuses: collections.Counter  # status -> configs the study has measured with it (all runs)
+    recorded: bool  # False when the database already held a faster config for this key
+
+
+class Reporter:
+    """Progress hooks; this base shows nothing."""
+
+    def start(self, key: TuningKey, budget: int, best: TrialResult | None) -> None:
+        """A bucket starts: ``budget`` configs will be measured; ``best`` is from earlier runs."""
+
+    def trial(self, key: TuningKey, result: TrialResult, best: TrialResult | None) -> None:
+        """A config was measured, or found infeasible without measuring; ``best`` includes it."""
+
+
+class Tuner:
+    """Tunes buckets one after another with one worker process; use as a context manager.
+
+    Args:
+        db: an open ``tilegen.db.TuningDB``; the studies live beside it.
+        device: the device the rows are filed under (``device_info()``).
+        sampler: ``"tpe"`` or ``"grid"`` (every feasible config once).
+        trials: configs to measure per bucket in this run; ``None`` measures every untried one.
+        timeout: seconds per bucket, ``None`` for no limit.
+        trial_timeout: seconds one measurement may take (compilation included) before the
+            worker is declared hung and replaced.
+    """
+
+    def __init__(
+        self, db, device: DeviceInfo, *, sampler: str = "tpe", trials: int | None = None,
+        timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
+        reporter: Reporter | None = None,
+    ):
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.db = db
+        self.device = device
+        self.sampler = sampler
+        self.trials = trials
+        self.timeout = timeout
+        self.seed = seed
+        self.trial_timeout = trial_timeout
+        self.reporter = reporter or Reporter()
+        url = studies_url(db.path)
+        self._studies_path = Path(url.removeprefix("sqlite:///"))
+        with self._studies_errors(), self._studies_lock():
+            self._storage = optuna.storages.RDBStorage(
+                url, engine_kwargs={"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
+            )
+        self._worker = Worker()
+
+    def __enter__(self) -> Tuner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._worker.close()
+
+    def tune(self, spec: AttentionSpec, bucket: int) -> BucketResult:
+        """Measure configs of ``spec`` at ``bucket`` and store the fastest correct one for dispatch."""
+        key = TuningKey.current(spec, self.device, bucket)
+        problem = Problem.for_bucket(spec, bucket, on_gpu=not self.device.is_interpreter)
+        feasible_configs = candidates(spec, self.device)
+        space = _Knobs(search_space(spec, self.device)) if self.sampler == "tpe" else _Choices(feasible_configs)
+        done = self._measured(key)
+        untried = [c for c in feasible_configs if str(c) not in done]
+        budget = len(untried) if self.trials is None else min(self.trials, len(untried))
+        self.reporter.start(key, budget, _best(done))
+        if budget:
+            with self._studies_errors():
+                study = self._study(key, space)
+                if space.takes_queue:
+                    for config in self._warm_start(key, untried)[:budget]:
+                        study.enqueue_trial(space.params(config), skip_if_exists=True)
+                self._optimize(study, space, key, problem, done, untried, budget)
+
+        best = _best(done)
+        tflops = problem.flops(spec) / (best.time_ms * 1e9) if best else None
+        gbps = problem.bytes_moved(spec) / (best.time_ms * 1e6) if best else None
+        recorded = best is not None and self.db.record_best(
+            **key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
+            trials=sum(r.status != "infeasible" for r in done.values()), tflops=tflops, gbps=gbps,
+        )
+        dispatch.reset()  # this process's next call reads the new row
+        return BucketResult(key, best, tflops, gbps, collections.Counter(r.status for r in done.values()), recorded)
+
+    def _study(self, key: TuningKey, space) -> optuna.Study:
+        with self._studies_lock():
+            return optuna.create_study(
+                storage=self._storage, study_name=key.study_name, direction="minimize",
+                sampler=space.sampler(self.seed), load_if_exists=True,
+            )
+
+    @contextlib.contextmanager
+    def _studies_lock(self):
+        # Optuna creates its tables and studies with check-then-create; two tune processes
+        # opening one fresh file race on that, so creation is serialized across processes.
+        lock = self._studies_path.with_name(self._studies_path.name + ".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    @contextlib.contextmanager
+    def _studies_errors(self):
+        """Report a studies file SQLite cannot use as the database layer reports its own files."""
+        try:
+            yield
+        except SQLAlchemyError as e:
+            text = str(getattr(e, "orig", None) or e).splitlines()[0]
+            raise DatabaseError(f"Optuna studies file {self._studies_path}: {text}") from e
+
+    def _warm_start(self, key: TuningKey, untried: list[Config]) -> list[Config]:
+        """Untried configs worth measuring first: the heuristic default, then neighbouring buckets' best."""
+        rows = self.db.best(**key.variant_fields())
+        nearest = sorted(rows, key=lambda b: (abs(b.bit_length() - key.bucket.bit_length()), -b))
+        seeds = [default_config(key.spec, self.device)]
+        for bucket in nearest[:_NEIGHBOURS]:
+            with contextlib.suppress(ValueError):  # a row from an older config schema
+                seeds.append(Config.from_dict(rows[bucket].config))
+        return list(dict.fromkeys(c for c in seeds if c in untried))
+
+    def _optimize(self, study, space, key, problem, done, untried, budget) -> None:
+        rng = random.Random(self.seed)
+        measured = 0
+
+        def objective(trial: optuna.Trial) -> float:
+            nonlocal measured
+            config = space.suggest(trial)
+            earlier = done.get(str(config))
+            if earlier is None:
+                result = done[str(config)] = self._run_trial(key, problem, trial, config)
+                measured += result.status != "infeasible"
+                self.reporter.trial(key, result, _best(done))
+            else:
+                result = earlier
+            if space.takes_queue and (earlier is not None or result.status == "infeasible"):
+                # The sampler proposed nothing measurable: queue an untried config next, so
+                # every trial of the budget measures something new.
+                left = [c for c in untried if str(c) not in done]
+                if left:
+                    study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
+            if result.status == "infeasible":
+                raise optuna.TrialPruned(result.reason)
+            return result.time_ms if result.status == "ok" else math.inf  # a failed config can never win
+
+        def stop_at_budget(study: optuna.Study, _trial) -> None:
+            if measured >= budget:
+                study.stop()
+
+        # With TPE each trial that measures nothing queues one that does, so 2 * budget trials
+        # suffice; the grid stops itself when exhausted. The bound only guards against another
+        # process taking the queued trials.
+        study.optimize(objective, n_trials=2 * budget + len(untried), timeout=self.timeout, callbacks=[stop_at_budget])
+
+    def _run_trial(self, key: TuningKey, problem: Problem, trial: optuna.Trial, config: Config) -> TrialResult:
+        reason = feasible(key.spec, config, self.device)
+        if reason is not None:  # rejected before anything compiles
+            result = TrialResult(config, "infeasible", reason=reason)
+        else:
+            task = (key.spec, config, problem, self.seed * 1_000_003 + trial.number)
+            result = TrialResult(config, **self._worker.measure(task, self.trial_timeout))
+        self.db.record_trial(
+            **key.fields(), study_name=key.study_name, trial_number=trial.number, config=config.to_dict(),
+            status=result.status, time_ms=result.time_ms, max_error=result.max_error, reason=result.reason,
+        )
+        return result
+
+    def _measured(self, key: TuningKey) -> dict[str, TrialResult]:
+        """Configs the key's study has measured, by name, from the database: it holds every
+        finished trial, even one whose process was killed before Optuna heard of it."""
+        rows = [r for r in self.db.trials_for(key.spec.hash) if r.study_name == key.study_name]
+        return {str(result.config): result for result in map(TrialResult.from_row, rows)}
+
+
+class _Knobs:
+    """TPE's space: one categorical per knob, so the sampler learns which value of each knob wins."""
+
+    takes_queue = True  # warm starts and untried configs can be enqueued
+
+    def __init__(self, space: dict[str, list[int]]):
+        self.space = space
+
+    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            # multivariate: block sizes, warps and stages interact (register and shared-memory pressure).
+            # Three random trials before modelling, because with ~30 configs a longer random start is
+            # most of the budget: replaying an H200 grid (d128 causal, 1k) over 20 seeds, 3 came within
+            # 3% of the best in a median 7.5 trials, Optuna's default 10 in 10. One categorical over
+            # all configs would leave TPE nothing to learn across configs that share a knob.
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=3)
+
+    def suggest(self, trial: optuna.Trial) -> Config:
+        return Config(**{name: trial.suggest_categorical(name, values) for name, values in self.space.items()})
+
+    def params(self, config: Config) -> dict[str, int]:
+        return config.to_dict()
+
+
+class _Choices:
+    """The grid's space: one categorical over the feasible configs, so infeasible ones are never proposed."""
+
+    # GridSampler assigns every point itself, and Optuna 5.0's GridSampler.after_trial raises
+    # KeyError('grid_id') on an enqueued trial; an exhaustive search needs no warm start anyway.
+    takes_queue = False
+
+    def __init__(self, configs: list[Config]):
+        self.by_name = {str(c): c for c in configs}
+
+    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+        return optuna.samplers.GridSampler({"config": list(self.by_name)}, seed=seed)
+
+    def suggest(self, trial: optuna.Trial) -> Config:
+        return self.by_name[trial.suggest_categorical("config", list(self.by_name))]
+
+    def params(self, config: Config) -> dict[str, str]:
+        return {"config": str(config)}
+
+
+def _best(done: dict[str, TrialResult]) -> TrialResult | None:
+    ok = [r for r in done.values() if r.status == "ok"]
+    return min(ok, key=lambda r: r.time_ms) if ok else None
