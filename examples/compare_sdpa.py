@@ -17,7 +17,9 @@ import torch.nn.functional as F  # noqa: E402
 import tilegen  # noqa: E402
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-batch, heads_q, heads_kv, seqlen, head_dim = (4, 32, 8, 2048, 128) if device == "cuda" else (1, 4, 2, 97, 64)
+# The causal call matches `tilegen tune`'s default preset (d=64, causal, bf16), so after a
+# tune it runs the tuned config; GQA works the same way with fewer KV heads.
+batch, heads_q, heads_kv, seqlen, head_dim = (4, 32, 32, 2048, 64) if device == "cuda" else (1, 2, 2, 97, 64)
 torch.manual_seed(0)
 q = torch.randn(batch, heads_q, seqlen, head_dim, device=device, dtype=torch.bfloat16)
 k = torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=torch.bfloat16)

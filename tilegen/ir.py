@@ -101,6 +101,15 @@ class AttentionSpec:
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(name, f"expected a bool, got {getattr(self, name)!r}")
 
+    def __hash__(self) -> int:
+        # Specs key the dispatch tables on every call: hash the fields once, not per lookup.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", value)
+            return value
+
     @property
     def dv(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v

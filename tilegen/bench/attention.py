@@ -76,6 +76,9 @@ def _providers(case: Case):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa)
         return run
 
+    # Each case compiles flex afresh: past Dynamo's recompile limit it would silently fall
+    # back to eager flex (the materializing path) and time that instead.
+    torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if case.causal:

@@ -98,16 +98,18 @@ def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None
     """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
 
     The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
-    preallocated (poisoned) output.
+    preallocated (poisoned) output. Returns ``(out, lse)``, ``lse`` being ``None`` when the
+    spec does not return it.
     """
     batch, heads, n_q, _ = q.shape
     if out is None:
         out = q.new_empty(batch, heads, n_q, v.shape[3])
-    lse = q.new_empty((batch, heads, n_q) if spec.return_lse else (0,), dtype=torch.float32)
+    # No LSE buffer unless asked for: an allocation is microseconds on the hot path.
+    lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if out.numel() == 0:
         return out, lse
     (launch or module_for(spec).launch)(
-        q, k, v, out, lse if spec.return_lse else out,
+        q, k, v, out, out if lse is None else lse,
         scale=scale, softcap=softcap, window_left=left, window_right=right,
         block_m=config.block_m, block_n=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -125,7 +127,9 @@ def _attention_op(
     return_lse: bool, scale: float, softcap: float, window_left: int, window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, return_lse)
-    return _run(spec, q, k, v, scale, softcap, window_left, window_right)
+    out, lse = _run(spec, q, k, v, scale, softcap, window_left, window_right)
+    # A custom op returns tensors only: an empty one stands for "no LSE".
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
 
 
 @_attention_op.register_fake
@@ -144,7 +148,8 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         _, heads_kv, n_k, _ = k.shape
         dtype, device = q.dtype, q.device
         ok = (
-            device.type == "cuda" and k.device == device and v.device == device
+            (device.type == "cuda" or (device.type == "cpu" and interpreting()))
+            and k.device == device and v.device == device
             and dtype in _DTYPES and k.dtype == dtype and v.dtype == dtype
             and k.shape[0] == batch and k.shape[3] == dim and v.dim() == 4
             and v.shape[0] == batch and v.shape[1] == heads_kv and v.shape[2] == n_k
