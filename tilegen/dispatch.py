@@ -14,12 +14,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import triton
-
 from tilegen.codegen import attention_fwd, module_for
-from tilegen.codegen.render import template_hash
 from tilegen.device import DeviceInfo
 from tilegen.ir import AttentionSpec
+from tilegen.key import TuningKey
 
 __all__ = ["Choice", "Table", "bucket_of", "table_for", "reset"]
 
@@ -98,4 +96,4 @@ def reset() -> None:
 def _load_rows(spec: AttentionSpec, device: DeviceInfo) -> dict[int, tuple[attention_fwd.Config, str]]:
     from tilegen.db import tuned_rows  # the database layer is needed once per table, never per call
 
-    return tuned_rows(spec, device, template_hash(attention_fwd.TEMPLATE), triton.__version__)
+    return tuned_rows(**TuningKey.current(spec, device).variant_fields())

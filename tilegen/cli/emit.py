@@ -14,7 +14,18 @@ import triton
 import typer
 
 from tilegen.cli import app
-from tilegen.cli.spec_args import resolve_spec
+from tilegen.cli.spec_args import (
+    DtypeOpt,
+    HeadDimOpt,
+    HeadDimVOpt,
+    LseOpt,
+    MaskOpt,
+    PresetOpt,
+    QPerKvOpt,
+    SoftcapOpt,
+    SpecOpt,
+    resolve_spec,
+)
 from tilegen.codegen import attention_fwd, source_for
 from tilegen.codegen.render import template_hash
 from tilegen.db import DatabaseError, TuningDB, tuned_rows
@@ -24,15 +35,15 @@ from tilegen.ir import AttentionSpec
 
 @app.command()
 def emit(
-    spec: Optional[str] = typer.Option(None, help="Spec as inline JSON or a path to a JSON file."),
-    preset: Optional[str] = typer.Option(None, help="A named preset (see `tilegen tune --help`)."),
-    head_dim: Optional[int] = typer.Option(None, help="Build the spec from flags: head dim."),
-    head_dim_v: Optional[int] = typer.Option(None, help="Value head dim (default: head dim)."),
-    q_per_kv: Optional[int] = typer.Option(None, help="Query heads per KV head."),
-    mask: Optional[str] = typer.Option(None, help="none, causal or window."),
-    softcap: Optional[bool] = typer.Option(None, "--softcap/--no-softcap", help="Logit softcapping."),
-    dtype: Optional[str] = typer.Option(None, help="fp16, bf16 or fp32."),
-    return_lse: Optional[bool] = typer.Option(None, "--lse/--no-lse", help="Also write the log-sum-exp."),
+    spec: SpecOpt = None,
+    preset: PresetOpt = None,
+    head_dim: HeadDimOpt = None,
+    head_dim_v: HeadDimVOpt = None,
+    q_per_kv: QPerKvOpt = None,
+    mask: MaskOpt = None,
+    softcap: SoftcapOpt = None,
+    dtype: DtypeOpt = None,
+    return_lse: LseOpt = None,
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout."),
     tuned: bool = typer.Option(
         False, "--tuned", help="Append this GPU's tuned configs and an attention() entry point: "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 from tilegen.ir import AttentionSpec, SpecError, spec_from_json
 
-__all__ = ["PRESETS", "resolve_spec"]
+__all__ = ["PRESETS", "resolve_spec", "SpecOpt", "PresetOpt", "HeadDimOpt", "HeadDimVOpt", "QPerKvOpt",
+           "MaskOpt", "SoftcapOpt", "DtypeOpt", "LseOpt"]
 
 #: Named variants users tune most; ``tilegen tune`` with no spec uses "default".
 PRESETS: dict[str, AttentionSpec] = {
@@ -20,6 +22,20 @@ PRESETS: dict[str, AttentionSpec] = {
     "mha-d64-causal": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
     "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
 }
+
+
+# The spec options every command that takes a spec shares, declared once.
+SpecOpt = Annotated[Optional[str], typer.Option(help="Spec as inline JSON or a path to a JSON file.")]
+PresetOpt = Annotated[
+    Optional[str], typer.Option(help=f"A named preset: {', '.join(PRESETS)} (default: default).")
+]
+HeadDimOpt = Annotated[Optional[int], typer.Option(help="Build the spec from flags: head dim.")]
+HeadDimVOpt = Annotated[Optional[int], typer.Option(help="Value head dim (default: head dim).")]
+QPerKvOpt = Annotated[Optional[int], typer.Option(help="Query heads per KV head.")]
+MaskOpt = Annotated[Optional[str], typer.Option(help="none, causal or window.")]
+SoftcapOpt = Annotated[Optional[bool], typer.Option("--softcap/--no-softcap", help="Logit softcapping.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32.")]
+LseOpt = Annotated[Optional[bool], typer.Option("--lse/--no-lse", help="Also write the log-sum-exp.")]
 
 
 def resolve_spec(

@@ -11,7 +11,18 @@ import typer
 from rich.console import Console
 
 from tilegen.cli import app
-from tilegen.cli.spec_args import PRESETS, resolve_spec
+from tilegen.cli.spec_args import (
+    DtypeOpt,
+    HeadDimOpt,
+    HeadDimVOpt,
+    LseOpt,
+    MaskOpt,
+    PresetOpt,
+    QPerKvOpt,
+    SoftcapOpt,
+    SpecOpt,
+    resolve_spec,
+)
 from tilegen.codegen.attention_fwd import lower
 from tilegen.device import device_info
 from tilegen.dispatch import bucket_of
@@ -24,15 +35,15 @@ _INTERPRETER_TRIALS = 6
 
 @app.command()
 def tune(
-    spec: Optional[str] = typer.Option(None, help="Spec as inline JSON or a path to a JSON file."),
-    preset: Optional[str] = typer.Option(None, help=f"A named preset: {', '.join(PRESETS)} (default: default)."),
-    head_dim: Optional[int] = typer.Option(None, help="Build the spec from flags: head dim."),
-    head_dim_v: Optional[int] = typer.Option(None, help="Value head dim (default: head dim)."),
-    q_per_kv: Optional[int] = typer.Option(None, help="Query heads per KV head."),
-    mask: Optional[str] = typer.Option(None, help="none, causal or window."),
-    softcap: Optional[bool] = typer.Option(None, "--softcap/--no-softcap", help="Logit softcapping."),
-    dtype: Optional[str] = typer.Option(None, help="fp16, bf16 or fp32."),
-    return_lse: Optional[bool] = typer.Option(None, "--lse/--no-lse", help="Also write the log-sum-exp."),
+    spec: SpecOpt = None,
+    preset: PresetOpt = None,
+    head_dim: HeadDimOpt = None,
+    head_dim_v: HeadDimVOpt = None,
+    q_per_kv: QPerKvOpt = None,
+    mask: MaskOpt = None,
+    softcap: SoftcapOpt = None,
+    dtype: DtypeOpt = None,
+    return_lse: LseOpt = None,
     seqlens: Optional[str] = typer.Option(
         None, help="Comma-separated sequence lengths, each tuned at its power-of-two bucket "
         f"(default: {','.join(map(str, _GPU_SEQLENS))} on a GPU, "

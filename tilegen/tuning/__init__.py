@@ -8,7 +8,7 @@
         result = tuner.tune(spec, 4096)  # doctest: +SKIP
 """
 
-from tilegen.tuning.key import TuningKey
+from tilegen.key import TuningKey
 from tilegen.tuning.report import ProgressReporter, summary_table
 from tilegen.tuning.tuner import SAMPLERS, BucketResult, Reporter, TrialResult, Tuner
 from tilegen.tuning.worker import INJECT_ENV, WorkerError

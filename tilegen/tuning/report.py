@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tilegen.tuning.key import TuningKey
+from tilegen.key import TuningKey
 from tilegen.tuning.tuner import BucketResult, Reporter, TrialResult
 
 __all__ = ["ProgressReporter", "summary_table"]

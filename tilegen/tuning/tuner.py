@@ -28,7 +28,7 @@ from tilegen.codegen.attention_fwd import Config, candidates, default_config, fe
 from tilegen.db import DatabaseError, TrialRow, studies_url
 from tilegen.device import DeviceInfo
 from tilegen.ir import AttentionSpec
-from tilegen.tuning.key import TuningKey
+from tilegen.key import TuningKey
 from tilegen.tuning.measure import Problem
 from tilegen.tuning.worker import Worker
 

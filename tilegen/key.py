@@ -23,14 +23,16 @@ __all__ = ["TuningKey"]
 
 @dataclass(frozen=True)
 class TuningKey:
+    """Tuning writes rows under a key; dispatch reads a variant's rows (``bucket=None``) under it."""
+
     spec: AttentionSpec
     device: DeviceInfo
     template_hash: str
     triton_version: str
-    bucket: int
+    bucket: int | None = None
 
     @classmethod
-    def current(cls, spec: AttentionSpec, device: DeviceInfo, bucket: int) -> TuningKey:
+    def current(cls, spec: AttentionSpec, device: DeviceInfo, bucket: int | None = None) -> TuningKey:
         """The key under this process's template and Triton."""
         return cls(spec, device, template_hash(attention_fwd.TEMPLATE), triton.__version__, bucket)
 
