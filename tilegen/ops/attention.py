@@ -145,15 +145,15 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
     # step-by-step checks that name the offending argument.
     try:
         batch, heads_q, n_q, dim = q.shape
-        _, heads_kv, n_k, _ = k.shape
+        batch_k, heads_kv, n_k, dim_k = k.shape
+        batch_v, heads_v, n_v, dim_v = v.shape
         dtype, device = q.dtype, q.device
         ok = (
-            (device.type == "cuda" or (device.type == "cpu" and interpreting()))
-            and k.device == device and v.device == device
-            and dtype in _DTYPES and k.dtype == dtype and v.dtype == dtype
-            and k.shape[0] == batch and k.shape[3] == dim and v.dim() == 4
-            and v.shape[0] == batch and v.shape[1] == heads_kv and v.shape[2] == n_k
+            batch_k == batch == batch_v and dim_k == dim and heads_v == heads_kv and n_v == n_k
             and heads_kv > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
+            and dtype in _DTYPES and k.dtype == dtype and v.dtype == dtype
+            and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
+            and k.device == device and v.device == device
         )
     except (AttributeError, TypeError, ValueError):
         ok = False
@@ -161,7 +161,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         _check_tensors(q, k, v)
         batch, heads_q, n_q, dim = q.shape
         heads_kv, n_k = k.shape[1], k.shape[2]
-        dtype = q.dtype
+        dim_v, dtype = v.shape[3], q.dtype
 
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
@@ -173,7 +173,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
     left, right = _window_bounds(window, causal)
     mask = _mask_kind(left, right)
-    spec = _spec_for(dtype, dim, v.shape[3], heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
+    spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
     # Wide enough to reach every key from every row; larger sides are clamped to it so
     # the kernel's index arithmetic cannot overflow.
     unbounded = n_q + n_k
