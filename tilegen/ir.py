@@ -35,9 +35,8 @@ IR_VERSION = 1
 DTYPES = ("fp16", "bf16", "fp32")
 MASKS = ("none", "causal", "window")
 KV_LAYOUTS = ("contiguous", "ragged", "paged")
-#: Head dims the dense template is tested with. Other multiples of 8 up to 256
-#: lower too (the kernel pads to a power of two and masks), these are the
-#: ones with tuned search spaces in mind.
+#: Head dims the dense template accepts: multiples of 8 from 16 to 256. Dims that are
+#: not powers of two are padded to the next one inside the kernel and masked.
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
 
 
