@@ -183,22 +183,53 @@ def test_causal_short_query(request, n_q, n_k, block_m, device):
     ],
 )
 def test_public_op_writes_every_element(request, monkeypatch, case, device):
-    """Through ``tilegen.attention``: the output buffer it launches into starts as NaN."""
+    """Through ``tilegen.attention``: the buffers it allocates are NaN when its kernel starts."""
     buffers = []
-    real = attention_module.run_with_config
+    real_plan = attention_module._plan
 
-    def run_into_poisoned(spec, config, q, k, v, *args, out=None, **kwargs):
-        if out is None:
-            out = poisoned_like_out(q, v)
-        buffers.append(out)
-        return real(spec, config, q, k, v, *args, out=out, **kwargs)
+    def plan_poisoning(*args):
+        plan = real_plan(*args)
 
-    monkeypatch.setattr(attention_module, "run_with_config", run_into_poisoned)
+        def launch(q, k, v, out, lse, **kwargs):
+            buffers.append(out.fill_(math.nan))
+            lse.fill_(math.nan)
+            return plan.launch(q, k, v, out, lse, **kwargs)
+
+        return dataclasses.replace(plan, launch=launch)
+
+    monkeypatch.setattr(attention_module, "_plan", plan_poisoning)
+    monkeypatch.setattr(attention_module, "_plans", {})  # no plan of an earlier test may be reused
     (q, k, v), (out, lse) = run_public(request, case, device)
-    assert len(buffers) == 1 and out is buffers[0], "the op did not launch through run_with_config"
+    assert len(buffers) == 1 and out is buffers[0], "the op did not launch into the buffer it returned"
     assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
     check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
 
+
+@pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
+def test_out_argument_is_written_and_returned(device, layout):
+    case = Case(70, 90, dtype="bf16", causal=True, head_dim=64, head_dim_v=32, heads_q=4, heads_kv=2)
+    q, k, v = case.inputs(device)
+    out = poisoned_like_out(q, v)
+    if layout == "bnhd":
+        out = torch.full((1, 70, 4, 32), math.nan, device=device, dtype=q.dtype).transpose(1, 2)
+    for _ in range(2):  # the second call takes the checked-call fast path
+        result, lse = tilegen.attention(q, k, v, causal=True, return_lse=True, out=out)
+        assert result is out
+        check_against_reference(out, lse, q, k, v, causal=True)
+        out.fill_(math.nan)
+
+
+def test_a_repeated_call_reuses_its_plan_until_the_tables_are_reset(device):
+    q, k, v = Case(20, dtype="fp32").inputs(device)
+    attention_module._plans.clear()
+    first = tilegen.attention(q, k, v, window=[3, None])  # a list works as the tuple does
+    (plan,) = attention_module._plans.values()
+    torch.testing.assert_close(tilegen.attention(q, k, v, window=[3, None]), first, rtol=0, atol=0)
+    assert list(attention_module._plans.values()) == [plan]
+    dispatch.reset()
+    tilegen.attention(q, k, v, window=[3, None])
+    (fresh,) = attention_module._plans.values()
+    assert plan.table.stale and fresh is not plan and not fresh.table.stale
 
 
 @pytest.mark.parametrize(

@@ -235,6 +235,7 @@ def test_bad_input_is_refused_before_any_kernel_is_generated(device, monkeypatch
 
     monkeypatch.setattr(attention_module, "run_with_config", fail)
     monkeypatch.setattr(attention_module, "_run", fail)
+    monkeypatch.setattr(attention_module, "_table", fail)
     q, k, v = qkv(device)
     with raises(ValueError, "softcap:"):
         tilegen.attention(q, k, v, softcap=-2.0)
@@ -246,3 +247,43 @@ def test_explain_validates_like_the_op(device):
     q, k, v = qkv(device)
     with raises(ValueError, "window: left must be"):
         tilegen.explain(q, k, v, window=(-2, 0))
+
+
+# ------------------------------------------------------------------------------ out=
+
+@pytest.mark.parametrize(
+    "make,exc,prefix",
+    [
+        pytest.param(lambda q: q.new_empty(1, 2, 8, 32), ValueError, "out: expected shape", id="shape"),
+        pytest.param(lambda q: q.new_empty(1, 2, 8, 64, dtype=torch.float32), TypeError, "out: expected dtype",
+                     id="dtype"),
+        pytest.param(lambda q: q.new_empty(1, 2, 8, 64).cpu().numpy(), TypeError, "out: expected a torch.Tensor",
+                     id="numpy"),
+        pytest.param(lambda q: q.new_empty(1, 2, 8, 64, device="meta"), ValueError, "out: on meta", id="device"),
+    ],
+)
+def test_bad_out(device, make, exc, prefix):
+    q, k, v = qkv(device)
+    for _ in range(2):  # the first call checks everything; the second reuses the checked plan
+        with raises(exc, prefix):
+            tilegen.attention(q, k, v, out=make(q))
+        tilegen.attention(q, k, v)
+
+
+# ------------------------------------------------------------------------------ repeated calls
+
+@pytest.mark.parametrize(
+    "good,bad,prefix",
+    [
+        pytest.param({"softcap": 1}, {"softcap": True}, "softcap:", id="softcap-true-after-1"),
+        pytest.param({"scale": 1}, {"scale": True}, "scale:", id="scale-true-after-1"),
+        pytest.param({"window": (1, 0)}, {"window": (True, 0)}, "window:", id="window-true-after-1"),
+        pytest.param({"causal": False}, {"causal": 0}, "causal:", id="causal-0-after-false"),
+    ],
+)
+def test_a_checked_call_does_not_let_an_equal_bad_value_through(device, good, bad, prefix):
+    """``True == 1`` in Python: a value equal to one already checked is still refused for its type."""
+    q, k, v = qkv(device)
+    tilegen.attention(q, k, v, **good)
+    with pytest.raises((TypeError, ValueError), match="^" + prefix):
+        tilegen.attention(q, k, v, **bad)

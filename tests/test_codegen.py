@@ -20,6 +20,7 @@ import triton
 import tilegen
 from tilegen import env
 from tilegen.codegen import attention_fwd, cache, module_for, render, source_for, source_path
+from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.ir import AttentionSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -346,3 +347,25 @@ def test_emit_bad_flags_in_process(invoke, args, needle):
     assert isinstance(result.exception, SystemExit), repr(result.exception)  # a clean exit, no traceback
     assert result.stdout == ""
     assert needle in _flat(result.stderr)
+
+
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)
+DEFAULT_RULE_SPECS = [
+    AttentionSpec(head_dim=d, head_dim_v=dv, dtype=dtype)
+    for d, dv in ((16, None), (64, None), (96, None), (128, None), (256, None), (40, 128), (256, 16))
+    for dtype in ("bf16", "fp16", "fp32")
+]
+
+
+@pytest.mark.parametrize("device", [H200, CPU_INTERPRETER], ids=["h200", "interpreter"])
+@pytest.mark.parametrize("spec", DEFAULT_RULE_SPECS, ids=lambda s: s.name)
+def test_default_rule_covers_every_bucket_with_a_feasible_config(spec, device):
+    rule = attention_fwd.default_rule(spec, device)
+    bounds = [largest for largest, _ in rule]
+    assert bounds[-1] is None and None not in bounds[:-1] and bounds[:-1] == sorted(bounds[:-1])
+    space = attention_fwd.candidates(spec, device)
+    for largest, config in rule:
+        assert config in space, (largest, config)
+    for bucket in (16, 1024, 2048, 4096, 1 << 20):
+        expected = next(c for b, c in rule if b is None or bucket <= b)
+        assert attention_fwd.default_config(spec, device, bucket) == expected

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from tilegen import dispatch
 from tilegen.cli import app
-from tilegen.codegen.attention_fwd import TEMPLATE, Config, default_config
+from tilegen.codegen.attention_fwd import TEMPLATE, Config
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, device_info
@@ -224,7 +224,7 @@ def emitted(tmp_path) -> Path:
 def test_emit_tuned_bakes_the_table_and_imports_no_tilegen(emitted):
     text = emitted.read_text()
     assert f"TUNED = {{\n    64: {TUNED_CONFIG.to_dict()!r}," in text
-    assert "DEFAULT = {" in text and "def attention(q, k, v, *, scale=None, softcap=None" in text
+    assert "DEFAULTS = [" in text and "def attention(q, k, v, *, scale=None, softcap=None" in text
     assert not re.search(r"^\s*(import|from)\s+tilegen\b", text, re.MULTILINE)
 
 
@@ -238,7 +238,12 @@ def test_emit_tuned_picks_buckets_as_dispatch_does(emitted):
     for n in (0, 1, 16, 17, 64, 65, 128, 129, 512, 1000, 2048, 5000, 10**6):
         assert Config(**module.config_for(n)) == table.choose(dispatch.bucket_of(n)).config, n
     module.TUNED = {}
-    assert module.config_for(100) == default_config(STANDALONE_SPEC, device_info()).to_dict()
+    table = dispatch.Table(STANDALONE_SPEC, device_info(), {})
+    for n in (1, 100, 2048, 2049, 10**6):
+        assert Config(**module.config_for(n)) == table.choose(dispatch.bucket_of(n)).config, n
+    module.DEFAULTS = [(128, Config(16, 16, 4, 1).to_dict()), (None, Config(64, 64, 4, 1).to_dict())]
+    assert module.config_for(100) == Config(16, 16, 4, 1).to_dict()
+    assert module.config_for(129) == Config(64, 64, 4, 1).to_dict()
 
 
 def test_emit_tuned_module_runs_without_tilegen_and_matches_the_reference(emitted, tmp_path):

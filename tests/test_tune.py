@@ -101,7 +101,7 @@ def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
 def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     # The grid reaches every injected config. The default config fails too, so the best
     # cannot be the config dispatch would use anyway.
-    failures = {str(default_config(SPEC, CPU_INTERPRETER)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+    failures = {str(default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
                 "BM64-BN32-w4-s1": "crash", "BM32-BN16-w4-s1": "hang"}
     monkeypatch.setenv(INJECT_ENV, json.dumps(failures))
     with (
@@ -115,10 +115,10 @@ def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     status = {str(Config.from_dict(t.config)): t.status for t in trials}
     reason = {str(Config.from_dict(t.config)): t.reason for t in trials}
     assert {c: status[c] for c in failures} == {
-        str(default_config(SPEC, CPU_INTERPRETER)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+        str(default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
         "BM64-BN32-w4-s1": "fault", "BM32-BN16-w4-s1": "timeout",
     }
-    assert "PassManager::run failed" in reason[str(default_config(SPEC, CPU_INTERPRETER))]
+    assert "PassManager::run failed" in reason[str(default_config(SPEC, CPU_INTERPRETER, 64))]
     assert "relative error" in reason["BM16-BN16-w4-s1"]
     assert "exit code 1" in reason["BM64-BN32-w4-s1"]
     # The worker was replaced after the crash and the hang: every other config still ran.
@@ -146,7 +146,7 @@ def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
             tuner.tune(SPEC, 32)
         trials = sorted(_trials(tdb.path, 32), key=lambda t: t.trial_number)
     order = [str(Config.from_dict(t.config)) for t in trials]
-    assert order == [str(default_config(SPEC, CPU_INTERPRETER)), str(neighbour)]
+    assert order == [str(default_config(SPEC, CPU_INTERPRETER, 64)), str(neighbour)]
 
 
 def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):

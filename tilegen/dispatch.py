@@ -5,7 +5,7 @@ GPU, this Triton, this template) from the user's database and then the shipped o
 every later call is a dictionary lookup. Nearest-bucket rule: a call is bucketed by
 ``max(n_q, n_k)`` rounded up to a power of two; the exact bucket is used when tuned,
 else the tuned bucket nearest in log2 distance, the larger one on a tie. With no
-tuned row at all, the heuristic default is used and one log line names the
+tuned row at all, the heuristic default for the bucket is used and one log line names the
 ``tilegen tune`` command that would tune this variant.
 """
 
@@ -49,7 +49,6 @@ class Table:
         self.device = device
         self.rows = dict(rows)
         self._choices: dict[int, Choice] = {}
-        self._default = attention_fwd.default_config(spec, device)
         self.launch = module_for(spec).launch
         self.stale = False  # set by reset(): holders of this table fetch a fresh one
 
@@ -61,11 +60,13 @@ class Table:
 
     def _resolve(self, bucket: int) -> Choice:
         if not self.rows:
-            log.info(
-                "tilegen: no tuned config for %s on %s; using the default %s. Tune it with: %s",
-                self.spec.name, self.device.key, self._default, tune_command(self.spec, bucket),
-            )
-            return Choice(self._default, "default", bucket, None)
+            default = attention_fwd.default_config(self.spec, self.device, bucket)
+            if not self._choices:  # one line per table, not per bucket
+                log.info(
+                    "tilegen: no tuned config for %s on %s; using the default %s. Tune it with: %s",
+                    self.spec.name, self.device.key, default, tune_command(self.spec, bucket),
+                )
+            return Choice(default, "default", bucket, None)
         nearest = min(self.rows, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
         config, source = self.rows[nearest]
         return Choice(config, source, bucket, nearest)

@@ -72,9 +72,10 @@ class _Recorder(Reporter):
 def grid_vs_tpe(spec, device, seqlens, seeds, tpe_trials, workdir: Path, bucket_timeout) -> list[dict]:
     """For each length: the grid's best, then how many trials TPE needs to come within 3% of it.
 
-    TPE runs twice per seed: "cold", one database per length, seeded only by the heuristic
-    default; and "warm", the lengths tuned in ascending order into one database, as
-    ``tilegen tune`` does, so each also starts from the best configs of the lengths before it.
+    TPE runs three ways per seed: "bare", one database per length and no warm start, which
+    measures the sampler alone; "cold", one database per length, seeded only by the heuristic
+    default for the length; and "warm", the lengths tuned in ascending order into one database,
+    as ``tilegen tune`` does, so each also starts from the best configs of the lengths before it.
     """
     grid_size = len(candidates(spec, device))
     trials = tpe_trials or math.ceil(grid_size / 2)
@@ -82,6 +83,9 @@ def grid_vs_tpe(spec, device, seqlens, seeds, tpe_trials, workdir: Path, bucket_
     runs = []
     for seed in seeds:
         for n in seqlens:
+            bare = _tune_lengths(spec, device, [n], workdir / f"tpe-bare-n{n}-seed{seed}.sqlite",
+                                 trials=trials, seed=seed, timeout=bucket_timeout, warm_start=False)
+            runs.append(("bare", seed, n, bare[n]))
             cold = _tune_lengths(spec, device, [n], workdir / f"tpe-cold-n{n}-seed{seed}.sqlite",
                                  trials=trials, seed=seed, timeout=bucket_timeout)
             runs.append(("cold", seed, n, cold[n]))
@@ -143,8 +147,9 @@ def full_tune(spec, device, seqlens, trials, workdir: Path, bucket_timeout) -> l
 def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     """Host time per call of ``tilegen.attention`` and of the generated launcher with the same config.
 
-    The shapes are tiny so that launching, not the kernel, bounds a back-to-back loop: the
-    difference is what dispatch (checks, spec, table lookup) adds per call.
+    The shapes are tiny so that launching, not the kernel, bounds a back-to-back loop. Two
+    pairs: the op given ``out=`` against the launcher into a preallocated output (dispatch
+    alone), and the op allocating its output against the launcher allocating one per call.
     """
     on_gpu = not device.is_interpreter
     problem = Problem(batch=1, heads_kv=1, q_per_kv=spec.q_per_kv, seq=128 if on_gpu else 16, on_gpu=on_gpu)
@@ -155,18 +160,19 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     launch = module_for(call_spec).launch
     out = torch.empty((*q.shape[:3], call_spec.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if call_spec.return_lse else out
+    launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                   "block_m": config.block_m, "block_n": config.block_n, "num_warps": config.num_warps,
+                   "num_stages": config.num_stages}
 
     def direct():
-        launch(q, k, v, out, lse, scale=scale, softcap=softcap, window_left=left, window_right=right,
-               block_m=config.block_m, block_n=config.block_n, num_warps=config.num_warps,
-               num_stages=config.num_stages)
+        launch(q, k, v, out, lse, **launch_args)
 
     def direct_alloc():
-        # What any op pays besides dispatch: a fresh output per call.
         fresh = torch.empty_like(out)
-        launch(q, k, v, fresh, lse if call_spec.return_lse else fresh, scale=scale, softcap=softcap,
-               window_left=left, window_right=right, block_m=config.block_m, block_n=config.block_n,
-               num_warps=config.num_warps, num_stages=config.num_stages)
+        launch(q, k, v, fresh, lse if call_spec.return_lse else fresh, **launch_args)
+
+    def op_out():
+        tilegen.attention(q, k, v, out=out, **kwargs)
 
     def op():
         tilegen.attention(q, k, v, **kwargs)
@@ -184,9 +190,16 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
             samples.append((time.perf_counter() - start) / calls * 1e6)
         return statistics.median(samples)
 
-    direct_us, alloc_us, op_us = per_call_us(direct), per_call_us(direct_alloc), per_call_us(op)
-    row = {"config": str(config), "calls": calls, "launch_us": direct_us, "launch_alloc_us": alloc_us,
-           "attention_us": op_us, "overhead_us": op_us - direct_us, "dispatch_us": op_us - alloc_us}
+    # Interleaved rounds, each variant's median over them: the host drifts between rounds.
+    rounds = {name: [] for name in ("direct", "op_out", "direct_alloc", "op")}
+    for _ in range(3):
+        for name, fn in (("direct", direct), ("op_out", op_out), ("direct_alloc", direct_alloc), ("op", op)):
+            rounds[name].append(per_call_us(fn))
+    us = {name: statistics.median(values) for name, values in rounds.items()}
+    row = {"config": str(config), "calls": calls, "launch_us": us["direct"], "attention_out_us": us["op_out"],
+           "launch_alloc_us": us["direct_alloc"], "attention_us": us["op"],
+           "dispatch_out_us": us["op_out"] - us["direct"], "dispatch_us": us["op"] - us["direct_alloc"],
+           "overhead_us": us["op"] - us["direct"]}
     print(json.dumps(row), flush=True)
     return row
 
@@ -284,11 +297,13 @@ def _tables(results: dict) -> str:
         out.append("")
     if "dispatch" in results:
         r = results["dispatch"]
-        out += ["| config | direct launch us/call | + output allocation | tilegen.attention us/call "
-                "| over direct launch (target <= 5) | over launch + allocation |",
-                "|---|---|---|---|---|---|",
-                f"| {r['config']} | {r['launch_us']:.2f} | {r['launch_alloc_us']:.2f} | {r['attention_us']:.2f} "
-                f"| {r['overhead_us']:.2f} | {r['dispatch_us']:.2f} |", ""]
+        out += ["| output | direct launch us/call | tilegen.attention us/call | dispatch overhead (target <= 5) |",
+                "|---|---|---|---|",
+                f"| preallocated (`out=`) | {r['launch_us']:.2f} | {r['attention_out_us']:.2f} "
+                f"| {r['dispatch_out_us']:.2f} |",
+                f"| allocated per call | {r['launch_alloc_us']:.2f} | {r['attention_us']:.2f} | {r['dispatch_us']:.2f} |",
+                f"\nconfig {r['config']}; the op allocating against the launcher into a preallocated output: "
+                f"{r['overhead_us']:.2f} us", ""]
     if "autotune" in results:
         out += ["| N | triton.autotune config | ms | tune s | tilegen config | ms | tune s |",
                 "|---|---|---|---|---|---|---|"]

@@ -94,7 +94,7 @@ def standalone_entry_point(spec: AttentionSpec, *, user_db: Path | None = None) 
         template_hash=template,
         triton_version=triton.__version__,
         tuned="{" + table + ("\n}" if rows else "}"),
-        default=repr(attention_fwd.default_config(spec, device).to_dict()),
+        defaults=repr([(largest, config.to_dict()) for largest, config in attention_fwd.default_rule(spec, device)]),
         dtype=_TORCH_DTYPES[spec.dtype],
         spec_name=spec.name,
         softcap_code=_SOFTCAP_CODE[spec.softcap],
@@ -142,7 +142,8 @@ _STANDALONE = string.Template('''
 # Tuned configs for $device (template $template_hash, Triton $triton_version).
 # A call is bucketed by max(n_q, n_k) rounded up to a power of two (at least 16). It runs
 # the config of that bucket when tuned, else of the tuned bucket nearest in log2 distance
-# (the larger on a tie), else DEFAULT: the rule tilegen's own dispatch follows.
+# (the larger on a tie), else the heuristic default of DEFAULTS, a list of (largest
+# bucket, config) ending in None: the rules tilegen's own dispatch follows.
 # Under Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) bf16 dots come out wrong; tilegen
 # mends the interpreter at run time, this module does not, so interpret fp16 or fp32 only.
 import math
@@ -150,7 +151,7 @@ import math
 import torch
 
 TUNED = $tuned
-DEFAULT = $default
+DEFAULTS = $defaults
 MIN_BUCKET = 16
 DTYPE = $dtype
 
@@ -161,7 +162,7 @@ def config_for(n):
     while bucket < n:
         bucket *= 2
     if not TUNED:
-        return DEFAULT
+        return next(config for largest, config in DEFAULTS if largest is None or bucket <= largest)
     nearest = min(TUNED, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
     return TUNED[nearest]
 

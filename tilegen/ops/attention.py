@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +39,7 @@ def attention(
     softcap: float | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused attention forward.
 
@@ -52,6 +56,8 @@ def attention(
         scale: softmax scale, ``1/sqrt(head_dim)`` by default.
         return_lse: also return the natural-log log-sum-exp, fp32 ``[batch, heads_q, n_q]``
             (``-inf`` for rows that see no key).
+        out: write the output here instead of a new tensor: ``[batch, heads_q, n_q, head_dim_v]``
+            in the input dtype, on the input device, any strides, not overlapping itself or the inputs.
 
     Returns:
         ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype, and ``lse``
@@ -60,15 +66,93 @@ def attention(
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
-    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     if torch.compiler.is_compiling():
+        spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
         # The spec travels as plain fields: Dynamo traces these, not JSON encoding.
-        out, lse = torch.ops.tilegen.attention_fwd(
+        result, lse = torch.ops.tilegen.attention_fwd(
             q, k, v, spec.dv, spec.mask, spec.softcap, spec.return_lse, scale, softcap, left, right
         )
-    else:
-        out, lse = _run(spec, q, k, v, scale, softcap, left, right)
+        if out is not None:
+            _check_out(out, result.shape, q)
+            result = out.copy_(result)
+        return (result, lse) if return_lse else result
+
+    # The hot path. A call whose shapes, dtypes, devices and arguments match an earlier
+    # valid call reuses that call's checked plan: one tuple, one dictionary lookup, the
+    # output allocation and the launch. The argument types are part of the key so that
+    # True never passes where 1 was checked (True == 1 in Python).
+    try:
+        key = (
+            q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
+            window if window is None else (window.__class__, *map(type, window), *window),
+        )
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
+        key = plan = None
+    if plan is None or plan.table.stale:
+        plan = _plan(q, k, v, causal, window, softcap, scale, return_lse)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:  # varying lengths would grow it without bound
+                _plans.clear()
+            _plans[key] = plan
+    if out is None:
+        out = q.new_empty(plan.out_shape)
+    elif out.__class__ is not torch.Tensor or out.shape != plan.out_shape or out.dtype != q.dtype or (
+        out.device != q.device
+    ):
+        _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.lse_shape is not None else None
+    if plan.launches:
+        plan.launch(q, k, v, out, out if lse is None else lse, **plan.launch_args)
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything a checked call decided: its dispatch table, its output shapes and launch arguments."""
+
+    table: dispatch.Table
+    out_shape: torch.Size
+    lse_shape: tuple[int, int, int] | None
+    launches: bool  # False when the output is empty: nothing to compute
+    launch: Callable[..., Any]
+    launch_args: dict[str, Any]
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
+    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
+    table = _table(spec, q.device)
+    config = table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2]))).config
+    batch, heads, n_q, _ = q.shape
+    out_shape = torch.Size((batch, heads, n_q, spec.dv))
+    return _Plan(
+        table=table,
+        out_shape=out_shape,
+        lse_shape=(batch, heads, n_q) if spec.return_lse else None,
+        launches=out_shape.numel() > 0,
+        launch=table.launch,
+        launch_args={
+            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+            "block_m": config.block_m, "block_n": config.block_n,
+            "num_warps": config.num_warps, "num_stages": config.num_stages,
+        },
+    )
+
+
+def _check_out(out, shape, q) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out: expected dtype {q.dtype} (the inputs'), got {out.dtype}")
+    if out.device != q.device:
+        raise ValueError(f"out: on {out.device} while the inputs are on {q.device}")
 
 
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
