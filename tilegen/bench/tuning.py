@@ -2,11 +2,12 @@
 and Triton's own ``@triton.autotune`` over the same configs.
 
     python -m tilegen.bench.tuning                            # every part
-    python -m tilegen.bench.tuning --parts grid-vs-tpe --tpe-seeds 0,1,2
+    python -m tilegen.bench.tuning --parts grid-vs-tpe,replay --tpe-seeds 0,1
     python -m tilegen.bench.tuning --parts dispatch,autotune
 
-The parts: grid-vs-tpe (per length, an exhaustive grid, then TPE from a cold start: how
-many trials it needs to come within 3% of the grid's best), full-tune (``tilegen tune``'s
+The parts: grid-vs-tpe (per length, an exhaustive grid, then TPE bare, cold and warm: how
+many trials it needs to come within 3% of the grid's best), replay (TPE run many times
+against that grid's recorded timings, on the machine that measured it), full-tune (``tilegen tune``'s
 defaults over 7 length buckets, into a fresh database), dispatch (host time per call of
 ``tilegen.attention`` against the generated launcher with the same config) and autotune
 (Triton's autotuner over our feasible configs: its choice and time against our grid's).
@@ -30,6 +31,7 @@ import collections
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -43,7 +45,7 @@ import triton
 import tilegen
 from tilegen.cli.spec_args import PRESETS
 from tilegen.codegen import module_for
-from tilegen.codegen.attention_fwd import candidates
+from tilegen.codegen.attention_fwd import Config, candidates
 from tilegen.db import TuningDB
 from tilegen.device import device_info
 from tilegen.env import interpreting
@@ -53,7 +55,7 @@ from tilegen.tuning.measure import Problem, time_ms
 
 __all__ = ["main"]
 
-PARTS = ("grid-vs-tpe", "full-tune", "dispatch", "autotune")
+PARTS = ("grid-vs-tpe", "replay", "full-tune", "dispatch", "autotune")
 #: TPE has found the grid's best when its best is within this factor of it (timing noise is ~1%).
 WITHIN = 1.03
 
@@ -76,38 +78,106 @@ def grid_vs_tpe(spec, device, seqlens, seeds, tpe_trials, workdir: Path, bucket_
     measures the sampler alone; "cold", one database per length, seeded only by the heuristic
     default for the length; and "warm", the lengths tuned in ascending order into one database,
     as ``tilegen tune`` does, so each also starts from the best configs of the lengths before it.
+    The grid's trials stay in ``workdir/grid.sqlite`` for the replay part.
     """
     grid_size = len(candidates(spec, device))
     trials = tpe_trials or math.ceil(grid_size / 2)
     grid = _tune_lengths(spec, device, seqlens, workdir / "grid.sqlite", sampler="grid", timeout=bucket_timeout)
-    runs = []
-    for seed in seeds:
-        for n in seqlens:
-            bare = _tune_lengths(spec, device, [n], workdir / f"tpe-bare-n{n}-seed{seed}.sqlite",
-                                 trials=trials, seed=seed, timeout=bucket_timeout, warm_start=False)
-            runs.append(("bare", seed, n, bare[n]))
-            cold = _tune_lengths(spec, device, [n], workdir / f"tpe-cold-n{n}-seed{seed}.sqlite",
-                                 trials=trials, seed=seed, timeout=bucket_timeout)
-            runs.append(("cold", seed, n, cold[n]))
-        warm = _tune_lengths(spec, device, seqlens, workdir / f"tpe-warm-seed{seed}.sqlite",
-                             trials=trials, seed=seed, timeout=bucket_timeout)
-        runs += [("warm", seed, n, warm[n]) for n in seqlens]
     rows = []
-    for start, seed, n, (tpe, measured, _) in runs:
+
+    def report(start, seed, n, run):
+        tpe, measured, _ = run
         exhaustive, _, grid_wall = grid[n]
         if exhaustive.best is None:
             rows.append({"seqlen": n, "grid_configs": grid_size, "error": "no correct config in the grid"})
-            continue
-        needed = _trials_to_reach(measured, exhaustive.best.time_ms * WITHIN)
-        rows.append({
-            "seqlen": n, "start": start, "seed": seed, "grid_configs": grid_size,
-            "grid_best": str(exhaustive.best.config), "grid_ms": exhaustive.best.time_ms,
-            "grid_tflops": exhaustive.tflops, "grid_wall_s": grid_wall, "tpe_trials": len(measured),
-            "tpe_best": str(tpe.best.config) if tpe.best else None, "tpe_ms": tpe.best.time_ms if tpe.best else None,
-            "trials_to_3pct": needed, "fraction_of_grid": needed / grid_size if needed else None,
-        })
-        print(json.dumps(rows[-1]), flush=True)
+        else:
+            needed = _trials_to_reach(measured, exhaustive.best.time_ms * WITHIN)
+            rows.append({
+                "seqlen": n, "start": start, "seed": seed, "grid_configs": grid_size,
+                "grid_best": str(exhaustive.best.config), "grid_ms": exhaustive.best.time_ms,
+                "grid_tflops": exhaustive.tflops, "grid_wall_s": grid_wall, "tpe_trials": len(measured),
+                "tpe_best": str(tpe.best.config) if tpe.best else None,
+                "tpe_ms": tpe.best.time_ms if tpe.best else None,
+                "trials_to_3pct": needed, "fraction_of_grid": needed / grid_size if needed else None,
+            })
+        print(json.dumps(rows[-1]), flush=True)  # a run cut short by a timeout keeps the rows before it
+
+    for seed in seeds:
+        for n in seqlens:
+            for start, warm_start in (("bare", False), ("cold", True)):
+                run = _tune_lengths(spec, device, [n], workdir / f"tpe-{start}-n{n}-seed{seed}.sqlite",
+                                    trials=trials, seed=seed, timeout=bucket_timeout, warm_start=warm_start)
+                report(start, seed, n, run[n])
+        warm = _tune_lengths(spec, device, seqlens, workdir / f"tpe-warm-seed{seed}.sqlite",
+                             trials=trials, seed=seed, timeout=bucket_timeout)
+        for n in seqlens:
+            report("warm", seed, n, warm[n])
     return rows
+
+
+class _Replay:
+    """A worker that answers from a measured grid (with 1% noise) instead of running kernels."""
+
+    def __init__(self, times: dict[str, float], seed: int):
+        self.times = times
+        self.rng = random.Random(seed)
+
+    def measure(self, task, timeout) -> dict:
+        config = str(task[1])
+        if config not in self.times:
+            return {"status": "compile_error", "time_ms": None, "max_error": None, "reason": "not in the grid"}
+        return {"status": "ok", "time_ms": self.times[config] * (1 + self.rng.gauss(0, 0.01)),
+                "max_error": 0.0, "reason": None}
+
+    def close(self) -> None:
+        pass
+
+
+def replay(spec, device, grid_db: Path, seeds: int, tpe_trials, workdir: Path) -> list[dict]:
+    """TPE replayed many times against one measured grid: no kernel runs, so seeds are cheap.
+
+    ``grid_db`` is a database holding a grid of ``spec`` (``grid.sqlite`` of grid-vs-tpe, or a
+    ``tilegen tune --sampler grid`` database). Each seed tunes each grid length in a fresh
+    database, bare and cold, as grid-vs-tpe does, with every measurement answered from the grid.
+    """
+    with TuningDB(grid_db, readonly=True) as db:
+        trials_by_bucket = collections.defaultdict(dict)
+        for row in db.trials_for(spec.hash):
+            if row.status == "ok" and row.gpu_key == device.key:
+                trials_by_bucket[row.bucket][str(Config.from_dict(row.config))] = row.time_ms
+    if not trials_by_bucket:
+        # The search space depends on the device's limits: replay where the grid was measured.
+        raise SystemExit(f"replay: {grid_db} holds no measured trials of {spec.name} on {device.key}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    grid_size = len(candidates(spec, device))
+    trials = tpe_trials or math.ceil(grid_size / 2)
+    rows = []
+    for n, times in sorted(trials_by_bucket.items()):
+        if len(times) < grid_size:
+            continue  # not a full grid
+        best = min(times.values())
+        for start, warm_start in (("bare", False), ("cold", True)):
+            needed = []
+            for seed in range(seeds):
+                recorder = _Recorder()
+                with TuningDB(workdir / f"replay-{start}-n{n}-seed{seed}.sqlite") as db, \
+                        Tuner(db, device, trials=trials, seed=seed, reporter=recorder, warm_start=warm_start) as tuner:
+                    tuner._worker.close()
+                    tuner._worker = _Replay(times, seed)
+                    tuner.tune(spec, n)
+                found = next((i for i, r in enumerate(recorder.results[n], 1) if times[str(r.config)] <= best * WITHIN),
+                             None)
+                needed.append(found if found is not None else math.inf)
+            within = sum(x <= grid_size / 4 for x in needed)
+            rows.append({"seqlen": n, "start": start, "seeds": seeds, "grid_configs": grid_size,
+                         "median_trials": _finite(statistics.median(needed)), "within_25pct": within,
+                         "never": sum(x == math.inf for x in needed)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x  # JSON has no infinity
 
 
 def _tune_lengths(spec, device, seqlens, db_path: Path, **settings) -> dict[int, tuple]:
@@ -178,24 +248,24 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
         tilegen.attention(q, k, v, **kwargs)
 
     def per_call_us(fn) -> float:
+        _sync(problem.on_gpu)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(problem.on_gpu)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    variants = {"direct": direct, "op_out": op_out, "direct_alloc": direct_alloc, "op": op}
+    for fn in variants.values():
         for _ in range(min(calls, 50)):
             fn()  # compile and warm every cache first
-        samples = []
-        for _ in range(repeats):
-            _sync(problem.on_gpu)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(problem.on_gpu)
-            samples.append((time.perf_counter() - start) / calls * 1e6)
-        return statistics.median(samples)
-
-    # Interleaved rounds, each variant's median over them: the host drifts between rounds.
-    rounds = {name: [] for name in ("direct", "op_out", "direct_alloc", "op")}
-    for _ in range(3):
-        for name, fn in (("direct", direct), ("op_out", op_out), ("direct_alloc", direct_alloc), ("op", op)):
+    # Interleaved rounds, each variant's fastest: the host's noise (other processes, clock
+    # changes) only ever adds time, and it drifts between rounds by more than dispatch costs.
+    rounds = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
             rounds[name].append(per_call_us(fn))
-    us = {name: statistics.median(values) for name, values in rounds.items()}
+    us = {name: min(values) for name, values in rounds.items()}
     row = {"config": str(config), "calls": calls, "launch_us": us["direct"], "attention_out_us": us["op_out"],
            "launch_alloc_us": us["direct_alloc"], "attention_us": us["op"],
            "dispatch_out_us": us["op_out"] - us["direct"], "dispatch_us": us["op"] - us["direct_alloc"],
@@ -287,6 +357,12 @@ def _tables(results: dict) -> str:
                 f"| {r['start']} | {r['seed']} | {reached[0]} | {reached[1]} | {r['tpe_best']} |"
             )
         out.append("")
+    if "replay" in results:
+        out += ["| N | TPE start | seeds | median trials to within 3% | runs within 25% of the grid | runs never within |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r['seqlen']} | {r['start']} | {r['seeds']} | {r['median_trials'] or 'never'} "
+                f"| {r['within_25pct']}/{r['seeds']} | {r['never']} |" for r in results["replay"]]
+        out.append("")
     if "full-tune" in results:
         rows = results["full-tune"]
         out += ["| N | best | ms | TFLOP/s | configs measured | wall s |", "|---|---|---|---|---|---|"]
@@ -327,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-seqlens", default="512,1024,2048,4096,8192,16384,32768", help="buckets of full-tune")
     parser.add_argument("--full-trials", type=int, default=30, help="trials per bucket of full-tune (tune's default)")
     parser.add_argument("--bucket-timeout", type=float, default=None, help="seconds per tuned bucket")
-    parser.add_argument("--calls", type=int, default=2000, help="back-to-back calls per dispatch sample")
+    parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls per dispatch sample")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved samples per dispatch variant")
+    parser.add_argument("--replay-grid", type=Path, default=None,
+                        help="replay: a database holding a grid (default: grid-vs-tpe's grid.sqlite in --workdir)")
+    parser.add_argument("--replay-seeds", type=int, default=20, help="replay: TPE runs per length and start")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the tuning databases go (default: a new temporary folder)")
     args = parser.parse_args(argv)
@@ -356,10 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     if "grid-vs-tpe" in parts:
         results["grid-vs-tpe"] = grid_vs_tpe(spec, device, seqlens, _ints(args.tpe_seeds), args.tpe_trials, workdir,
                                              args.bucket_timeout)
+    if "replay" in parts:
+        grid_db = args.replay_grid or workdir / "grid.sqlite"
+        if not grid_db.is_file():
+            parser.error(f"--replay-grid: {grid_db} does not exist; run grid-vs-tpe first or name a grid database")
+        results["replay"] = replay(spec, device, grid_db, args.replay_seeds, args.tpe_trials, workdir / "replay")
     if "full-tune" in parts:
         results["full-tune"] = full_tune(spec, device, full_seqlens, args.full_trials, workdir, args.bucket_timeout)
     if "dispatch" in parts:
-        results["dispatch"] = dispatch_overhead(spec, device, args.calls if not device.is_interpreter else 3, repeats=5)
+        results["dispatch"] = dispatch_overhead(spec, device, args.calls if not device.is_interpreter else 3,
+                                                repeats=args.rounds if not device.is_interpreter else 2)
     if "autotune" in parts:
         if device.is_interpreter:
             print("# autotune: skipped, triton.autotune times kernels on a GPU", file=sys.stderr)

@@ -88,12 +88,15 @@ class Tuner:
             worker is declared hung and replaced.
         warm_start: measure the heuristic default and the neighbouring buckets' best first;
             off, the sampler starts alone (to measure the sampler itself).
+        worker: what measures a config: ``measure(task, timeout) -> dict`` and ``close()``;
+            a spawned ``tilegen.tuning.worker.Worker`` by default (a replay answers from
+            recorded timings instead).
     """
 
     def __init__(
         self, db, device: DeviceInfo, *, sampler: str = "tpe", trials: int | None = None,
         timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
-        reporter: Reporter | None = None, warm_start: bool = True,
+        reporter: Reporter | None = None, warm_start: bool = True, worker=None,
     ):
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
@@ -112,7 +115,7 @@ class Tuner:
             self._storage = optuna.storages.RDBStorage(
                 url, engine_kwargs={"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
             )
-        self._worker = Worker()
+        self._worker = worker or Worker()
 
     def __enter__(self) -> Tuner:
         return self
