@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import optuna
 import pytest
 import triton
 from typer.testing import CliRunner
@@ -26,7 +27,7 @@ from tilegen.cli import app
 from tilegen.cli.spec_args import PRESETS
 from tilegen.codegen.attention_fwd import TEMPLATE, Config, candidates, default_config
 from tilegen.codegen.render import template_hash
-from tilegen.db import TuningDB
+from tilegen.db import TuningDB, studies_url
 from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.tuning import INJECT_ENV, Tuner, TuningKey
 
@@ -211,3 +212,52 @@ def test_bad_input_exits_with_one_line_and_no_traceback(tmp_path, args, message)
     assert result.stderr.splitlines()[-1].startswith("error: ")
     assert message in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.output
+
+
+class _ScriptedWorker:
+    """Answers every measurement from a fixed table of times, without running a kernel."""
+
+    def __init__(self, times: dict[str, float]):
+        self.times = times
+        self.measured: list[str] = []
+
+    def measure(self, task, timeout) -> dict:
+        self.measured.append(str(task[1]))
+        return {"status": "ok", "time_ms": self.times[str(task[1])], "max_error": 0.0, "reason": None}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_study_from_categorical_knobs_resumes(tmp_path):
+    """Studies made when TPE's knobs were categorical by value still resume: the names differ."""
+    db_path = tmp_path / "tuning.sqlite"
+    key = TuningKey.current(SPEC, CPU_INTERPRETER, 16)
+    configs = candidates(SPEC, CPU_INTERPRETER)
+    times = {str(c): 1.0 + i for i, c in enumerate(configs)}
+    with TuningDB(db_path) as db:
+        old = optuna.create_study(storage=studies_url(db_path), study_name=key.study_name)
+        trial = old.ask()
+        for name, value in configs[0].to_dict().items():
+            trial.suggest_categorical(name, [value, value * 2])
+        old.tell(trial, 1.0)
+        worker = _ScriptedWorker(times)
+        with Tuner(db, CPU_INTERPRETER, trials=3, worker=worker) as tuner:
+            result = tuner.tune(SPEC, 16)
+    assert len(worker.measured) == 3 and len(set(worker.measured)) == 3
+    assert str(result.best.config) == min(worker.measured, key=times.__getitem__)
+
+
+def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
+    times = {str(c): 1.0 for c in candidates(SPEC, CPU_INTERPRETER)}
+    default = str(default_config(SPEC, CPU_INTERPRETER, 16))
+    firsts = []
+    for seed, warm_start in [(0, True)] + [(s, False) for s in range(5)]:
+        worker = _ScriptedWorker(times)
+        with TuningDB(tmp_path / f"tuning-{seed}-{warm_start}.sqlite") as db, Tuner(
+            db, CPU_INTERPRETER, trials=1, worker=worker, warm_start=warm_start, seed=seed
+        ) as tuner:
+            tuner.tune(SPEC, 16)
+        firsts.append(worker.measured)
+    assert firsts[0] == [default]
+    assert all(len(f) == 1 for f in firsts[1:]) and any(f != [default] for f in firsts[1:])

@@ -257,12 +257,14 @@ class _Knobs:
         # per knob, jointly, 7.5, 12.5 and 9; with Optuna's default 10 random trials, 9.5, 10 and 6.5.
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=3, multivariate=False)
 
+    # Parameter names of their own: a study made when the knobs were categorical by value keeps
+    # those names, and Optuna refuses a second distribution under a name it already knows.
     def suggest(self, trial: optuna.Trial) -> Config:
-        return Config(**{name: values[trial.suggest_int(name, 0, len(values) - 1)]
+        return Config(**{name: values[trial.suggest_int(f"{name}_index", 0, len(values) - 1)]
                          for name, values in self.space.items()})
 
     def params(self, config: Config) -> dict[str, int]:
-        return {name: values.index(getattr(config, name)) for name, values in self.space.items()}
+        return {f"{name}_index": values.index(getattr(config, name)) for name, values in self.space.items()}
 
 
 class _Choices:
