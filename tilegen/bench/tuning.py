@@ -15,7 +15,7 @@ defaults over 7 length buckets, into a fresh database), dispatch (host time per 
 Targets on the H200 (dense forward, head dim 128, causal, bf16 by default): TPE within 3%
 of the grid's best in at most 25% of the grid's trials; a 7-bucket tune in at most
 10 minutes; ``tilegen.attention`` at most 5 us per call above the direct launch. On the
-H200 grid-vs-tpe with two seeds takes about 5 minutes and each other part under 2, so split
+H200 grid-vs-tpe with two seeds takes about 5 minutes and each other part 1 to 3, so split
 them across commands of 10 minutes; ``--bucket-timeout`` caps each tuned bucket. Tunes
 write to fresh databases under ``--workdir`` (a new temporary folder by default), never
 the user's. Prints a markdown table per part and writes ``bench_tuning.json`` under
