@@ -232,8 +232,7 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     out = torch.empty((*q.shape[:3], call_spec.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if call_spec.return_lse else out
     launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                   "block_m": config.block_m, "block_n": config.block_n, "num_warps": config.num_warps,
-                   "num_stages": config.num_stages}
+                   **config.to_dict()}
 
     def direct():
         launch(q, k, v, out, lse, **launch_args)

@@ -137,9 +137,7 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
         launches=out_shape.numel() > 0,
         launch=table.launch,
         launch_args={
-            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-            "block_m": config.block_m, "block_n": config.block_n,
-            "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **config.to_dict(),
         },
     )
 
@@ -194,9 +192,7 @@ def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None
         return out, lse
     (launch or module_for(spec).launch)(
         q, k, v, out, out if lse is None else lse,
-        scale=scale, softcap=softcap, window_left=left, window_right=right,
-        block_m=config.block_m, block_n=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        scale=scale, softcap=softcap, window_left=left, window_right=right, **config.to_dict(),
     )
     return out, lse
 
