@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tilegen
-from tilegen.reference import attention_reference
+from tilegen.families.attention_fwd.reference import attention_reference
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 

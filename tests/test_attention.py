@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import tilegen
 import tilegen.ops.attention as attention_module
 from tilegen import dispatch
-from tilegen.codegen.attention_fwd import Config, feasible
+from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.device import device_info
 from tilegen.ops.attention import prepare_call, run_with_config
 
@@ -198,7 +198,7 @@ def test_public_op_writes_every_element(request, monkeypatch, case, device):
         return dataclasses.replace(plan, launch=launch)
 
     monkeypatch.setattr(attention_module, "_plan", plan_poisoning)
-    monkeypatch.setattr(attention_module, "_plans", {})  # no plan of an earlier test may be reused
+    attention_module._plans.clear()  # no plan of an earlier test may be reused
     (q, k, v), (out, lse) = run_public(request, case, device)
     assert len(buffers) == 1 and out is buffers[0], "the op did not launch into the buffer it returned"
     assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
@@ -226,10 +226,16 @@ def test_a_repeated_call_reuses_its_plan_until_the_tables_are_reset(device):
     (plan,) = attention_module._plans.values()
     torch.testing.assert_close(tilegen.attention(q, k, v, window=[3, None]), first, rtol=0, atol=0)
     assert list(attention_module._plans.values()) == [plan]
-    dispatch.reset()
+    table = dispatch.table_for(plan_spec(q, k, v), device_info(q.device.index))
+    dispatch.reset()  # forgets plans and tables together: no plan outlives the table it was made from
+    assert not attention_module._plans
     tilegen.attention(q, k, v, window=[3, None])
     (fresh,) = attention_module._plans.values()
-    assert plan.table.stale and fresh is not plan and not fresh.table.stale
+    assert fresh is not plan and dispatch.table_for(plan_spec(q, k, v), device_info(q.device.index)) is not table
+
+
+def plan_spec(q, k, v):
+    return prepare_call(q, k, v, False, [3, None], None, None, False)[0]
 
 
 @pytest.mark.parametrize(
@@ -365,9 +371,9 @@ def test_explain_names_the_config_the_call_runs(device):
     q = torch.randn(1, 4, 100, 64, device=device, dtype=torch.float16)
     k = torch.randn(1, 2, 300, 64, device=device, dtype=torch.float16)
     choice = tilegen.explain(q, k, k, causal=True)
-    assert choice.bucket == dispatch.bucket_of(300) == 512
+    assert choice.bucket == AttentionFwd.buckets.of(300) == 512
     spec, *_ = prepare_call(q, k, k, True, None, None, None, False)
-    assert feasible(spec, choice.config, device_info()) is None
+    assert AttentionFwd().feasible(spec, choice.config, device_info()) is None
     assert choice.source == "default" or choice.tuned_bucket is not None
 
 

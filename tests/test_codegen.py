@@ -19,12 +19,14 @@ import triton
 
 import tilegen
 from tilegen import env
-from tilegen.codegen import attention_fwd, cache, module_for, render, source_for, source_path
+from tilegen.codegen import cache, module_for, render, source_for, source_path
+from tilegen.families.attention_fwd import AttentionFwd
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.ir import AttentionSpec
+from tilegen import AttentionSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = attention_fwd.TEMPLATE
+FAMILY = AttentionFwd()
+TEMPLATE = FAMILY.template
 
 
 def all_small_specs():
@@ -53,7 +55,7 @@ def test_source_opens_with_the_spec(spec):
     head = source_for(spec).splitlines()[:6]
     assert f"# {spec.to_json()}" in head
     assert any(spec.hash in line and spec.name in line for line in head)
-    assert any(render.template_hash(TEMPLATE) in line and tilegen.__version__ in line for line in head)
+    assert any(render.template_hash(FAMILY) in line and tilegen.__version__ in line for line in head)
 
 
 def test_every_spec_renders_valid_python():
@@ -85,8 +87,8 @@ def test_lowering_decisions_show_in_the_source():
     # Head dims that are not powers of two are padded and masked on load and store.
     assert "m_kd" not in plain and "m_vd" not in plain
     assert "m_kd" in padded and "m_vd" in padded
-    assert attention_fwd.lower(AttentionSpec(head_dim=96, head_dim_v=40))["head_dim_pad"] == 128
-    assert attention_fwd.lower(AttentionSpec(head_dim=96, head_dim_v=40))["head_dim_v_pad"] == 64
+    assert FAMILY.lower(AttentionSpec(head_dim=96, head_dim_v=40))["head_dim_pad"] == 128
+    assert FAMILY.lower(AttentionSpec(head_dim=96, head_dim_v=40))["head_dim_v_pad"] == 64
     # fp32 must not drop to tf32 inside tl.dot.
     assert 'input_precision="ieee"' in source_for(AttentionSpec(head_dim=64, dtype="fp32"))
     assert "input_precision" not in plain
@@ -106,7 +108,7 @@ def test_lowering_decisions_show_in_the_source():
 def test_non_contiguous_kv_layouts_do_not_lower(layout):
     spec = AttentionSpec(head_dim=64, kv_layout=layout)
     with pytest.raises(NotImplementedError, match=f"kv_layout={layout!r}"):
-        attention_fwd.lower(spec)
+        FAMILY.lower(spec)
     with pytest.raises(NotImplementedError):
         source_for(spec)
     with pytest.raises(NotImplementedError):
@@ -115,17 +117,40 @@ def test_non_contiguous_kv_layouts_do_not_lower(layout):
 
 @pytest.mark.parametrize("missing", ["head_dim_pad", "kernel_name", "spec_json", "mask", "softcap"])
 def test_missing_context_value_is_an_error(missing):
-    context = attention_fwd.lower(AttentionSpec(head_dim=64, mask="window", softcap=True))
+    spec = AttentionSpec(head_dim=64, mask="window", softcap=True)
+    context = render.context_for(FAMILY, spec)
     del context[missing]
     with pytest.raises(jinja2.UndefinedError, match=missing):
-        render.render(TEMPLATE, context)
+        render.render(FAMILY, context)
 
 
 # ------------------------------------------------------------------------------ template hash
 
-def test_template_hash_is_the_hash_of_the_template_text():
-    text = (env.template_dir() / TEMPLATE).read_bytes()
-    assert render.template_hash(TEMPLATE) == hashlib.sha256(text).hexdigest()[:16]
+def test_template_hash_covers_the_template_and_every_piece_it_includes():
+    closure = render.template_closure(FAMILY)
+    assert list(closure)[0] == TEMPLATE
+    # The shared pieces every attention template pulls in.
+    assert {"common/header.py.jinja", "common/online_softmax.py.jinja", "common/mask_range.py.jinja",
+            "common/lse_epilogue.py.jinja"} <= set(closure)
+    for name, text in closure.items():
+        assert (env.template_dir() / name).read_text() == text
+    digest = hashlib.sha256()
+    for name, text in sorted(closure.items()):
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    assert render.template_hash(FAMILY) == digest.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("piece", ["common/online_softmax.py.jinja", "common/mask_range.py.jinja",
+                                   "common/lse_epilogue.py.jinja", "common/header.py.jinja"])
+def test_editing_a_shared_piece_rekeys_the_family(template_copy, piece):
+    spec = AttentionSpec(head_dim=64, mask="causal", return_lse=True)
+    hash_before, path_before = render.template_hash(FAMILY), source_path(spec)
+    with open(template_copy / piece, "a") as f:
+        f.write("{# an edit to a shared piece #}\n")
+    render._environment.cache_clear()
+    render.template_hash.cache_clear()
+    assert render.template_hash(FAMILY) != hash_before
+    assert source_path(spec) != path_before
 
 
 @pytest.fixture
@@ -147,7 +172,7 @@ def template_copy(tmp_path):
 
 def test_editing_the_template_changes_its_hash_and_paths(template_copy):
     spec = AttentionSpec(head_dim=64, mask="causal")
-    hash_before = render.template_hash(TEMPLATE)
+    hash_before = render.template_hash(FAMILY)
     path_before = source_path(spec)
     assert hash_before in path_before.name
 
@@ -156,7 +181,7 @@ def test_editing_the_template_changes_its_hash_and_paths(template_copy):
     render._environment.cache_clear()
     render.template_hash.cache_clear()
 
-    hash_after = render.template_hash(TEMPLATE)
+    hash_after = render.template_hash(FAMILY)
     assert hash_after != hash_before
     assert source_path(spec) != path_before and hash_after in source_path(spec).name
     text = source_for(spec)
@@ -171,7 +196,7 @@ def test_source_path_names_spec_and_template():
     path = source_path(spec)
     assert path.suffix == ".py"
     assert spec.name in path.name and spec.hash in path.name
-    assert render.template_hash(TEMPLATE) in path.name
+    assert render.template_hash(FAMILY) in path.name
     assert path.parent.parent == env.cache_dir()
     assert tilegen.__version__ in path.parent.name and triton.__version__ in path.parent.name
     # The session's temporary cache, never the user's.
@@ -319,11 +344,11 @@ def test_emit_spec_file_to_output_file(invoke, tmp_path):
 
 
 def test_emit_preset(invoke):
-    from tilegen.cli.spec_args import PRESETS
+    from tilegen.cli.spec_args import presets
 
     result = invoke("emit", "--preset", "llama-prefill")
     assert result.exit_code == 0, result.output
-    assert result.stdout == source_for(PRESETS["llama-prefill"])
+    assert result.stdout == source_for(presets()["llama-prefill"])
 
 
 @pytest.mark.parametrize(
@@ -360,12 +385,12 @@ DEFAULT_RULE_SPECS = [
 @pytest.mark.parametrize("device", [H200, CPU_INTERPRETER], ids=["h200", "interpreter"])
 @pytest.mark.parametrize("spec", DEFAULT_RULE_SPECS, ids=lambda s: s.name)
 def test_default_rule_covers_every_bucket_with_a_feasible_config(spec, device):
-    rule = attention_fwd.default_rule(spec, device)
+    rule = FAMILY.default_rule(spec, device)
     bounds = [largest for largest, _ in rule]
     assert bounds[-1] is None and None not in bounds[:-1] and bounds[:-1] == sorted(bounds[:-1])
-    space = attention_fwd.candidates(spec, device)
+    space = FAMILY.candidates(spec, device)
     for largest, config in rule:
         assert config in space, (largest, config)
     for bucket in (16, 1024, 2048, 4096, 1 << 20):
         expected = next(c for b, c in rule if b is None or bucket <= b)
-        assert attention_fwd.default_config(spec, device, bucket) == expected
+        assert FAMILY.default_config(spec, device, bucket) == expected

@@ -18,7 +18,7 @@ from helpers import (
 )
 
 import tilegen
-from tilegen.codegen.attention_fwd import candidates
+from tilegen.families import family_of
 from tilegen.device import device_info
 from tilegen.ops.attention import prepare_call, run_with_config
 
@@ -64,7 +64,7 @@ def test_every_candidate_config_on_gpu(request, case):
     """Every config the tuner may choose on this GPU writes every element and matches the reference."""
     q, k, v = case.inputs("cuda")
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, case.window, None, None, True)
-    configs = candidates(spec, device_info())
+    configs = family_of(spec).candidates(spec, device_info())
     assert configs, "no feasible config on this GPU"
     for config in configs:
         poisoned = poisoned_like_out(q, v)

@@ -18,17 +18,17 @@ from typer.testing import CliRunner
 
 from tilegen import dispatch
 from tilegen.cli import app
-from tilegen.codegen.attention_fwd import TEMPLATE, Config
 from tilegen.codegen.render import template_hash
+from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, device_info
-from tilegen.ir import AttentionSpec
-from tilegen.reference import attention_reference
+from tilegen import AttentionSpec
+from tilegen.families.attention_fwd.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
-CURRENT = dict(template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+CURRENT = dict(template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
 runner = CliRunner()
 
 
@@ -236,11 +236,11 @@ def test_emit_tuned_picks_buckets_as_dispatch_does(emitted):
     module.TUNED = {b: cfg.to_dict() for b, (cfg, _) in rows.items()}
     table = dispatch.Table(STANDALONE_SPEC, device_info(), rows)
     for n in (0, 1, 16, 17, 64, 65, 128, 129, 512, 1000, 2048, 5000, 10**6):
-        assert Config(**module.config_for(n)) == table.choose(dispatch.bucket_of(n)).config, n
+        assert Config(**module.config_for(n)) == table.choose(n).config, n
     module.TUNED = {}
     table = dispatch.Table(STANDALONE_SPEC, device_info(), {})
     for n in (1, 100, 2048, 2049, 10**6):
-        assert Config(**module.config_for(n)) == table.choose(dispatch.bucket_of(n)).config, n
+        assert Config(**module.config_for(n)) == table.choose(n).config, n
     module.DEFAULTS = [(128, Config(16, 16, 4, 1).to_dict()), (None, Config(64, 64, 4, 1).to_dict())]
     assert module.config_for(100) == Config(16, 16, 4, 1).to_dict()
     assert module.config_for(129) == Config(64, 64, 4, 1).to_dict()

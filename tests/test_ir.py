@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tilegen import ir
-from tilegen.ir import AttentionSpec, SpecError, spec_from_json
+from tilegen import AttentionSpec, SpecError, spec_from_json
 
 SPECS = [
     AttentionSpec(head_dim=64),

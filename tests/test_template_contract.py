@@ -5,7 +5,7 @@ import ast
 import pytest
 
 from tilegen.codegen import source_for
-from tilegen.ir import AttentionSpec
+from tilegen import AttentionSpec
 
 SPECS = [
     pytest.param(AttentionSpec(64), id="d64-none"),

@@ -24,16 +24,16 @@ import triton
 from typer.testing import CliRunner
 
 from tilegen.cli import app
-from tilegen.cli.spec_args import PRESETS
-from tilegen.codegen.attention_fwd import TEMPLATE, Config, candidates, default_config
+from tilegen.cli.spec_args import presets
+from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB, studies_url
 from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.tuning import INJECT_ENV, Tuner, TuningKey
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = PRESETS["default"]  # bf16, head dim 64, causal
-KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+SPEC = presets()["default"]  # bf16, head dim 64, causal
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
 
 pytestmark = pytest.mark.skipif(not device_info().is_interpreter, reason="CPU-interpreter tuning tests")
 
@@ -76,7 +76,7 @@ def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
 
     script = textwrap.dedent("""
         import json, torch, tilegen
-        from tilegen.reference import attention_reference
+        from tilegen.families.attention_fwd.reference import attention_reference
         seen = {}
         for n in (16, 32):
             q, k, v = (torch.randn(1, 2, n, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -102,7 +102,7 @@ def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
 def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     # The grid reaches every injected config. The default config fails too, so the best
     # cannot be the config dispatch would use anyway.
-    failures = {str(default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+    failures = {str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
                 "BM64-BN32-w4-s1": "crash", "BM32-BN16-w4-s1": "hang"}
     monkeypatch.setenv(INJECT_ENV, json.dumps(failures))
     with (
@@ -116,15 +116,15 @@ def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     status = {str(Config.from_dict(t.config)): t.status for t in trials}
     reason = {str(Config.from_dict(t.config)): t.reason for t in trials}
     assert {c: status[c] for c in failures} == {
-        str(default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+        str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
         "BM64-BN32-w4-s1": "fault", "BM32-BN16-w4-s1": "timeout",
     }
-    assert "PassManager::run failed" in reason[str(default_config(SPEC, CPU_INTERPRETER, 64))]
+    assert "PassManager::run failed" in reason[str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64))]
     assert "relative error" in reason["BM16-BN16-w4-s1"]
     assert "exit code 1" in reason["BM64-BN32-w4-s1"]
     # The worker was replaced after the crash and the hang: every other config still ran.
     assert all(s == "ok" for c, s in status.items() if c not in failures)
-    assert len(status) == len(candidates(SPEC, CPU_INTERPRETER))
+    assert len(status) == len(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
     assert str(result.best.config) not in failures
     assert str(Config.from_dict(best.config)) == str(result.best.config)
     assert best.time_ms == min(t.time_ms for t in trials if t.status == "ok")
@@ -135,7 +135,7 @@ def test_grid_measures_every_feasible_config_once(tmp_path):
         tuner.tune(SPEC, 32)
         again = tuner.tune(SPEC, 32)  # a finished study: nothing left to measure
         trials = _trials(tdb.path, 32)
-    assert _configs(trials) == Counter(str(c) for c in candidates(SPEC, CPU_INTERPRETER))
+    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
     assert sum(again.statuses.values()) == len(trials)
 
 
@@ -147,7 +147,7 @@ def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
             tuner.tune(SPEC, 32)
         trials = sorted(_trials(tdb.path, 32), key=lambda t: t.trial_number)
     order = [str(Config.from_dict(t.config)) for t in trials]
-    assert order == [str(default_config(SPEC, CPU_INTERPRETER, 64)), str(neighbour)]
+    assert order == [str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)), str(neighbour)]
 
 
 def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
@@ -164,12 +164,12 @@ def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the tune and its worker, as a kill of the job would
         proc.wait()
     before = _configs(_trials(db, 32))
-    assert 2 <= sum(before.values()) < len(candidates(SPEC, CPU_INTERPRETER))
+    assert 2 <= sum(before.values()) < len(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
 
     rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     after = _configs(_trials(db, 32))
-    assert after == Counter(str(c) for c in candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
+    assert after == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
     assert all(after[c] == n for c, n in before.items())
 
 
@@ -222,8 +222,8 @@ class _ScriptedWorker:
         self.measured: list[str] = []
 
     def measure(self, task, timeout) -> dict:
-        self.measured.append(str(task[1]))
-        return {"status": "ok", "time_ms": self.times[str(task[1])], "max_error": 0.0, "reason": None}
+        self.measured.append(str(task[2]))
+        return {"status": "ok", "time_ms": self.times[str(task[2])], "max_error": 0.0, "reason": None}
 
     def close(self) -> None:
         pass
@@ -233,7 +233,7 @@ def test_a_study_from_categorical_knobs_resumes(tmp_path):
     """Studies made when TPE's knobs were categorical by value still resume: the names differ."""
     db_path = tmp_path / "tuning.sqlite"
     key = TuningKey.current(SPEC, CPU_INTERPRETER, 16)
-    configs = candidates(SPEC, CPU_INTERPRETER)
+    configs = AttentionFwd().candidates(SPEC, CPU_INTERPRETER)
     times = {str(c): 1.0 + i for i, c in enumerate(configs)}
     with TuningDB(db_path) as db:
         old = optuna.create_study(storage=studies_url(db_path), study_name=key.study_name)
@@ -249,8 +249,8 @@ def test_a_study_from_categorical_knobs_resumes(tmp_path):
 
 
 def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
-    times = {str(c): 1.0 for c in candidates(SPEC, CPU_INTERPRETER)}
-    default = str(default_config(SPEC, CPU_INTERPRETER, 16))
+    times = {str(c): 1.0 for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER)}
+    default = str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 16))
     firsts = []
     for seed, warm_start in [(0, True)] + [(s, False) for s in range(5)]:
         worker = _ScriptedWorker(times)

@@ -6,7 +6,8 @@
 
 __version__ = "0.1.0"
 
-from tilegen.ir import AttentionSpec, SpecError, spec_from_json  # noqa: E402
+from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
+from tilegen.ir import SpecError, spec_from_json  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
 
 __all__ = ["AttentionSpec", "SpecError", "attention", "explain", "spec_from_json", "__version__"]

@@ -1,11 +1,14 @@
-"""The IR: frozen dataclasses that describe one attention variant.
+"""The IR's base: a frozen spec per kernel family, its canonical JSON and its hash.
 
-A spec holds only what changes the generated code. Numeric values that do not
-(the softmax scale, the softcap value, the window sizes) are launch arguments,
-so one compiled kernel and one tuned config serve every value of them.
+Each kernel family (``tilegen.families``) declares one frozen dataclass deriving from
+``Spec``. A spec holds only what changes the generated code; numeric values that do
+not (the softmax scale, a softcap value, window sizes) are launch arguments, so one
+compiled kernel and one tuned config serve every value of them.
 
-The canonical JSON form is the spec's identity: its hash names generated
-modules, tuning studies and database rows.
+The canonical JSON form is a spec's identity: its hash names generated modules,
+tuning studies and database rows. It leaves out every field that holds its default,
+except the fields a family lists in ``ALWAYS`` (those its specs have always written),
+so adding an optional field later changes the hash of no existing spec.
 """
 
 from __future__ import annotations
@@ -15,29 +18,14 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = [
-    "DTYPES",
-    "MASKS",
-    "KV_LAYOUTS",
-    "SUPPORTED_HEAD_DIMS",
-    "IR_VERSION",
-    "AttentionSpec",
-    "SpecError",
-    "spec_from_json",
-]
+__all__ = ["IR_VERSION", "DTYPES", "Spec", "SpecError", "spec_from_json", "check_int", "check_choice", "check_bool"]
 
-#: Bumped when a field is added or its meaning changes, so old hashes never
-#: alias new semantics.
+#: Bumped when a field's meaning changes, so old hashes never alias new semantics.
 IR_VERSION = 1
 
 DTYPES = ("fp16", "bf16", "fp32")
-MASKS = ("none", "causal", "window")
-KV_LAYOUTS = ("contiguous", "ragged", "paged")
-#: Head dims the dense template accepts: multiples of 8 from 16 to 256. Dims that are
-#: not powers of two are padded to the next one inside the kernel and masked.
-SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
 
 
 class SpecError(ValueError):
@@ -48,78 +36,41 @@ class SpecError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
-    """One attention-forward variant.
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """Fields every family's spec has. Subclasses are frozen dataclasses too.
 
     Attributes:
-        head_dim: query/key head dimension.
-        head_dim_v: value head dimension; ``None`` means equal to ``head_dim``.
-        q_per_kv: query heads per KV head: 1 is MHA, >1 is GQA (MQA is GQA with
-            one KV head, so its ratio is the query head count).
-        mask: ``"none"``, ``"causal"`` (bottom-right aligned when the query is
-            shorter than the key) or ``"window"`` (left/right bounds around the
-            same diagonal, given at launch).
-        softcap: whether logits pass through ``softcap * tanh(s / softcap)``.
         dtype: input/output dtype; accumulation is always fp32.
-        kv_layout: ``"contiguous"``; ``"ragged"`` and ``"paged"`` are reserved
-            for the serving kernels and do not lower yet.
-        return_lse: whether the natural-log log-sum-exp per row is written.
     """
 
-    head_dim: int
-    head_dim_v: int | None = None
-    q_per_kv: int = 1
-    mask: str = "none"
-    softcap: bool = False
+    #: The family this spec type belongs to (the registry's name for it).
+    family: ClassVar[str]
+    #: Fields written to the canonical JSON even at their default (see the module docstring).
+    ALWAYS: ClassVar[frozenset[str]] = frozenset()
+
     dtype: str = "bf16"
-    kv_layout: str = "contiguous"
-    return_lse: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
-            # One canonical form per kernel: an explicit V dim equal to head_dim is the default.
-            object.__setattr__(self, "head_dim_v", None)
-        _check_int("head_dim", self.head_dim)
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise SpecError("head_dim", f"expected a multiple of 8 in [16, 256], got {self.head_dim}")
-        if self.head_dim_v is not None:
-            _check_int("head_dim_v", self.head_dim_v)
-
-            if self.head_dim_v not in SUPPORTED_HEAD_DIMS:
-                raise SpecError(
-                    "head_dim_v", f"expected None or a multiple of 8 in [16, 256], got {self.head_dim_v}"
-                )
-        _check_int("q_per_kv", self.q_per_kv)
-        if self.q_per_kv < 1:
-            raise SpecError("q_per_kv", f"expected a positive integer, got {self.q_per_kv}")
-        _check_choice("mask", self.mask, MASKS)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
-        for name in ("softcap", "return_lse"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(name, f"expected a bool, got {getattr(self, name)!r}")
+        check_choice("dtype", self.dtype, DTYPES)
 
     def __hash__(self) -> int:
-        # Specs key the dispatch tables on every call: hash the fields once, not per lookup.
+        # Specs key the dispatch tables: hash the fields once, not per lookup.
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            value = hash((type(self), *(getattr(self, f.name) for f in dataclasses.fields(self))))
             object.__setattr__(self, "_hash", value)
             return value
 
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def family(self) -> str:
-        """The kernel family (template) that implements this spec."""
-        return "attention_fwd"
-
     def to_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "ir_version": IR_VERSION, **dataclasses.asdict(self)}
+        """The canonical fields: family, IR version, and every field not at its default (or in ``ALWAYS``)."""
+        data: dict[str, Any] = {"family": self.family, "ir_version": IR_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.ALWAYS or f.default is dataclasses.MISSING or value != f.default:
+                data[f.name] = value
+        return data
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no whitespace, so equal specs give equal text."""
@@ -133,50 +84,56 @@ class AttentionSpec:
     @property
     def name(self) -> str:
         """A readable name that spells the spec out, for modules and logs."""
-        parts = [
-            self.family,
-            self.dtype,
-            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
-            f"g{self.q_per_kv}",
-            self.mask,
-        ]
-        if self.softcap:
-            parts.append("softcap")
-        if self.kv_layout != "contiguous":
-            parts.append(self.kv_layout)
-        if self.return_lse:
-            parts.append("lse")
-        return "_".join(parts)
+        return f"{self.family}_{self.dtype}"
 
-    def replace(self, **changes: Any) -> AttentionSpec:
+    def replace(self, **changes: Any) -> Spec:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_fields(cls, data: dict[str, Any]) -> Spec:
+        """Build from JSON fields (family and IR version already removed); unknown or missing fields name themselves."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise SpecError(unknown[0], f"unknown field; known fields: {', '.join(sorted(fields))}")
+        for name, f in fields.items():
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data:
+                raise SpecError(name, "missing")
+        return cls(**data)
 
-def spec_from_json(text: str | dict[str, Any]) -> AttentionSpec:
-    """Parse the canonical form (or any JSON object with the same fields)."""
+
+def spec_from_json(text: str | dict[str, Any]) -> Spec:
+    """Parse a canonical form (or any JSON object with a family's fields) into that family's spec type.
+
+    ``"family"`` picks the type; a JSON object without one is a spec of the first registered
+    family (attention forward), as every spec was before there were several.
+    """
+    from tilegen.families import (  # the registry knows the types; the IR base does not
+        families,
+        spec_type,
+    )
+
     data = json.loads(text) if isinstance(text, str) else dict(text)
     if not isinstance(data, dict):
         raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
-    family = data.pop("family", "attention_fwd")
-    if family != "attention_fwd":
-        raise SpecError("family", f"unknown kernel family {family!r}; known: 'attention_fwd'")
+    # Specs written before there were several families name none: they are the first family's.
+    cls = spec_type(data.pop("family", families()[0].name))
     version = data.pop("ir_version", IR_VERSION)
     if type(version) is not int or version != IR_VERSION:
         raise SpecError("ir_version", f"this tilegen reads IR version {IR_VERSION}, got {version}")
-    fields = {f.name for f in dataclasses.fields(AttentionSpec)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise SpecError(unknown[0], f"unknown field; known fields: {', '.join(sorted(fields))}")
-    if "head_dim" not in data:
-        raise SpecError("head_dim", "missing")
-    return AttentionSpec(**data)
+    return cls.from_fields(data)
 
 
-def _check_int(field: str, value: Any) -> None:
+def check_int(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(field, f"expected an int, got {value!r}")
 
 
-def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(field, f"expected a bool, got {value!r}")
+
+
+def check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise SpecError(field, f"expected one of {', '.join(choices)}; got {value!r}")

@@ -1,9 +1,9 @@
 """The tuning key, defined once: what a tuned config is valid for.
 
-A tuned config holds for one spec on one GPU model, rendered from one template by one
-Triton, at one sequence-length bucket. Any of these changing could change the best
-config, so each is part of the key: the Optuna study is named after it and the
-database files its rows under it.
+A tuned config holds for one spec on one GPU model, rendered from one template (with
+every piece it includes) by one Triton, at one bucket of its family. Any of these
+changing could change the best config, so each is part of the key: the Optuna study is
+named after it and the database files its rows under it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import triton
 
-from tilegen.codegen import attention_fwd
 from tilegen.codegen.render import template_hash
 from tilegen.device import DeviceInfo
-from tilegen.ir import AttentionSpec
+from tilegen.families import family_of
+from tilegen.ir import Spec
 
 __all__ = ["TuningKey"]
 
@@ -25,16 +25,16 @@ __all__ = ["TuningKey"]
 class TuningKey:
     """Tuning writes rows under a key; dispatch reads a variant's rows (``bucket=None``) under it."""
 
-    spec: AttentionSpec
+    spec: Spec
     device: DeviceInfo
     template_hash: str
     triton_version: str
     bucket: int | None = None
 
     @classmethod
-    def current(cls, spec: AttentionSpec, device: DeviceInfo, bucket: int | None = None) -> TuningKey:
+    def current(cls, spec: Spec, device: DeviceInfo, bucket: int | None = None) -> TuningKey:
         """The key under this process's template and Triton."""
-        return cls(spec, device, template_hash(attention_fwd.TEMPLATE), triton.__version__, bucket)
+        return cls(spec, device, template_hash(family_of(spec)), triton.__version__, bucket)
 
     @property
     def study_name(self) -> str:

@@ -6,8 +6,9 @@
 ``tilegen`` is the op as users call it (tuned rows of the user's and the shipped database,
 else the heuristic default); ``tilegen-default`` runs the heuristic default for the length
 alone. Every provider is checked against SDPA's flash output (relative error) before
-it is timed; timings are ``triton.testing.do_bench`` medians. FLOPs are counted as
-4*B*H*N*N*D, halved for causal.
+it is timed; timings are ``triton.testing.do_bench`` medians. FLOPs are the family's own
+count (the tuner's too): 2 per multiply-add of QK^T and PV over the pairs the mask lets
+through, which for causal is within 1/N of the usual 4*B*H*N*N*D/2.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import triton
 
 import tilegen
 from tilegen import dispatch
-from tilegen.codegen import attention_fwd
 from tilegen.device import device_info
+from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
 
 __all__ = ["main"]
@@ -46,10 +47,9 @@ class Case:
     def batch(self) -> int:
         return max(1, TOKENS // self.seqlen)
 
-    @property
-    def flops(self) -> float:
-        f = 4.0 * self.batch * HEADS * self.seqlen * self.seqlen * self.head_dim
-        return f / 2 if self.causal else f
+    def flops(self, spec) -> float:
+        problem = family_of(spec).problem(spec, self.seqlen, on_gpu=True, batch=self.batch, heads_q=HEADS)
+        return problem.flops()
 
     def __str__(self) -> str:
         gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
@@ -91,7 +91,8 @@ def _providers(case: Case, inputs):
     # Decided once, outside the timed call: the op's own column pays for its dispatch, and this
     # one should differ from it only in the config.
     spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, None, None, None, False)
-    default = attention_fwd.default_config(spec, device_info(), dispatch.bucket_of(case.seqlen))
+    family = family_of(spec)
+    default = family.default_config(spec, device_info(), family.buckets.of(case.seqlen))
 
     def tilegen_default(q, k, v):
         return run_with_config(spec, default, q, k, v, scale, softcap, left, right)[0]
@@ -117,13 +118,14 @@ def bench_case(case: Case) -> dict:
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     choice = tilegen.explain(q, k, v, causal=case.causal)
+    flops = case.flops(prepare_call(q, k, v, case.causal, None, None, None, False)[0])
     row = {"case": str(case), "batch": case.batch, "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
     for name, fn in providers.items():
         try:
             err = _rel_err(fn(q, k, v), ref)
             ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
-            row[name] = {"ms": ms, "tflops": case.flops / ms * 1e-9, "rel_err": err}
+            row[name] = {"ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
         except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
     return row
@@ -136,13 +138,13 @@ def sweep_case(case: Case) -> list[dict]:
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     results = []
-    for config in attention_fwd.candidates(spec, device_info()):
+    for config in family_of(spec).candidates(spec, device_info()):
         entry = {"case": str(case), "config": str(config)}
         try:
             run = lambda: run_with_config(spec, config, q, k, v, scale, softcap, left, right)[0]  # noqa: E731
             entry["rel_err"] = _rel_err(run(), ref)
             ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
-            entry.update(ms=ms, tflops=case.flops / ms * 1e-9)
+            entry.update(ms=ms, tflops=case.flops(spec) / ms * 1e-9)
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         results.append(entry)

@@ -44,15 +44,15 @@ import torch
 import triton
 
 import tilegen
-from tilegen.cli.spec_args import PRESETS
+from tilegen.cli.spec_args import presets
 from tilegen.codegen import module_for
-from tilegen.codegen.attention_fwd import Config, candidates
 from tilegen.db import TuningDB
 from tilegen.device import device_info
 from tilegen.env import interpreting
+from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
 from tilegen.tuning import Reporter, Tuner
-from tilegen.tuning.measure import Problem, time_ms
+from tilegen.tuning.measure import time_ms
 
 __all__ = ["main"]
 
@@ -81,7 +81,7 @@ def grid_vs_tpe(spec, device, seqlens, seeds, tpe_trials, workdir: Path, bucket_
     as ``tilegen tune`` does, so each also starts from the best configs of the lengths before it.
     The grid's trials stay in ``workdir/grid.sqlite`` for the replay part.
     """
-    grid_size = len(candidates(spec, device))
+    grid_size = len(family_of(spec).candidates(spec, device))
     trials = tpe_trials or math.ceil(grid_size / 2)
     grid = _tune_lengths(spec, device, seqlens, workdir / "grid.sqlite", sampler="grid", timeout=bucket_timeout)
     rows = []
@@ -124,7 +124,7 @@ class _Replay:
         self.rng = random.Random(seed)
 
     def measure(self, task, timeout) -> dict:
-        config = str(task[1])
+        config = task[2].to_json()  # (family, problem, config, seed)
         if config not in self.times:
             return {"status": "compile_error", "time_ms": None, "max_error": None, "reason": "not in the grid"}
         return {"status": "ok", "time_ms": self.times[config] * (1 + self.rng.gauss(0, 0.01)),
@@ -145,12 +145,13 @@ def replay(spec, device, grid_db: Path, seeds: int, tpe_trials, workdir: Path) -
         trials_by_bucket = collections.defaultdict(dict)
         for row in db.trials_for(spec.hash):
             if row.status == "ok" and row.gpu_key == device.key:
-                trials_by_bucket[row.bucket][str(Config.from_dict(row.config))] = row.time_ms
+                config = family_of(spec).config_type.from_dict(row.config)
+                trials_by_bucket[row.bucket][config.to_json()] = row.time_ms
     if not trials_by_bucket:
         # The search space depends on the device's limits: replay where the grid was measured.
         raise SystemExit(f"replay: {grid_db} holds no measured trials of {spec.name} on {device.key}")
     workdir.mkdir(parents=True, exist_ok=True)
-    grid_size = len(candidates(spec, device))
+    grid_size = len(family_of(spec).candidates(spec, device))
     trials = tpe_trials or math.ceil(grid_size / 2)
     rows = []
     for n, times in sorted(trials_by_bucket.items()):
@@ -166,7 +167,7 @@ def replay(spec, device, grid_db: Path, seeds: int, tpe_trials, workdir: Path) -
                     tuner._worker.close()
                     tuner._worker = _Replay(times, seed)
                     tuner.tune(spec, n)
-                found = next((i for i, r in enumerate(recorder.results[n], 1) if times[str(r.config)] <= best * WITHIN),
+                found = next((i for i, r in enumerate(recorder.results[n], 1) if times[r.config.to_json()] <= best * WITHIN),
                              None)
                 needed.append(found if found is not None else math.inf)
             within = sum(x <= grid_size / 4 for x in needed)
@@ -223,9 +224,9 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     alone), and the op allocating its output against the launcher allocating one per call.
     """
     on_gpu = not device.is_interpreter
-    problem = Problem(batch=1, heads_kv=1, q_per_kv=spec.q_per_kv, seq=128 if on_gpu else 16, on_gpu=on_gpu)
-    q, k, v = problem.inputs(spec, seed=0)
-    kwargs = problem.call_kwargs(spec)
+    problem = family_of(spec).problem(spec, 128 if on_gpu else 16, on_gpu=on_gpu, batch=1, heads_q=spec.q_per_kv)
+    q, k, v = problem.inputs(seed=0)
+    kwargs = _op_kwargs(problem)
     config = tilegen.explain(q, k, v, **kwargs).config
     call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **kwargs)
     launch = module_for(call_spec).launch
@@ -274,6 +275,13 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     return row
 
 
+def _op_kwargs(problem) -> dict:
+    """The ``tilegen.attention`` arguments that select the problem's spec at its length."""
+    spec = problem.spec
+    return {"causal": spec.mask == "causal", "window": problem.bounds if spec.mask == "window" else None,
+            "softcap": problem.softcap, "return_lse": spec.return_lse}
+
+
 def _sync(on_gpu: bool) -> None:
     if on_gpu:
         torch.cuda.synchronize()
@@ -281,7 +289,7 @@ def _sync(on_gpu: bool) -> None:
 
 def triton_autotune(spec, device, seqlens, workdir: Path, bucket_timeout) -> list[dict]:
     """Triton's ``@triton.autotune`` over our feasible configs, against our grid's choice, timed alike."""
-    configs = candidates(spec, device)
+    configs = family_of(spec).candidates(spec, device)
     kernel = getattr(module_for(spec), f"_{spec.name}_kernel")
     rows = []
     # The grid database of grid-vs-tpe when that part ran first: the study is then finished and instant.
@@ -290,9 +298,9 @@ def triton_autotune(spec, device, seqlens, workdir: Path, bucket_timeout) -> lis
             start = time.perf_counter()
             ours = tuner.tune(spec, n)
             ours_wall = time.perf_counter() - start
-            problem = Problem.for_bucket(spec, n, on_gpu=True)
-            q, k, v = problem.inputs(spec, seed=0)
-            call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **problem.call_kwargs(spec))
+            problem = family_of(spec).problem(spec, n, on_gpu=True)
+            q, k, v = problem.inputs(seed=0)
+            call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **_op_kwargs(problem))
             autotuned = _autotuned(kernel, configs, left, right, scale, softcap)
             start = time.perf_counter()
             autotuned(q, k, v)  # the first call tunes
@@ -396,7 +404,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    parser.add_argument("--preset", default="mha-d128-causal", choices=list(PRESETS), help="the variant to tune")
+    parser.add_argument("--preset", default="mha-d128-causal", choices=list(presets()), help="the variant to tune")
     parser.add_argument("--seqlens", default="1024,4096,16384", help="lengths of grid-vs-tpe and autotune")
     parser.add_argument("--tpe-seeds", default="0", help="TPE seeds per length (comma list)")
     parser.add_argument("--tpe-trials", type=int, default=None, help="TPE trials per run (default: half the grid)")
@@ -421,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the per-part rows say what its INFO lines would
     device = device_info()
-    spec = PRESETS[args.preset]
+    spec = presets()[args.preset]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tilegen-bench-tuning-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ["TILEGEN_DB"] = str(workdir / "grid.sqlite")  # dispatch reads the grid's rows, not the user's

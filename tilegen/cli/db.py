@@ -15,8 +15,9 @@ from rich.table import Table
 
 from tilegen import env
 from tilegen.cli import app
-from tilegen.codegen.attention_fwd import Config, ConfigError
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
+from tilegen.families import ConfigError, get
+from tilegen.ir import SpecError
 
 db_app = typer.Typer(no_args_is_help=True, add_completion=False)
 app.add_typer(db_app, name="db")
@@ -100,10 +101,14 @@ def prune(
     tilegen: Optional[str] = typer.Option(
         None, help="Keep only the tuned configs of this tilegen version (default: every version)."
     ),
+    all_families: bool = typer.Option(
+        False, "--all", help="Also prune rows of kernel families this tilegen does not know (kept by default: "
+        "a newer tilegen may have written them).",
+    ),
 ) -> None:
     """Delete tuned configs and trials that dispatch can no longer use (other Triton, changed template)."""
     with _open(ctx, write=True) as db:
-        count = db.prune(keep_triton=triton, keep_tilegen=tilegen)
+        count = db.prune(keep_triton=triton, keep_tilegen=tilegen, all_families=all_families)
     typer.echo(f"pruned {count} rows from {ctx.obj}", err=True)
 
 
@@ -142,11 +147,12 @@ def _console() -> Console:
     return console
 
 
-def _config_text(config: dict) -> str:
+def _config_text(row: TunedRow | TrialRow) -> str:
+    """The family's short label for a config; its JSON when the family or the knobs are unknown here."""
     try:
-        return str(Config.from_dict(config))
-    except ConfigError:
-        return json.dumps(config, sort_keys=True)
+        return str(get(row.family).config_type.from_dict(row.config))
+    except (ConfigError, SpecError):
+        return json.dumps(row.config, sort_keys=True)
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -160,7 +166,7 @@ def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
     for row in rows:
         table.add_row(
             row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, str(row.bucket),
-            _config_text(row.config), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
+            _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
             _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"),
         )
     return table
@@ -173,7 +179,7 @@ def _trials_table(rows: list[TrialRow]) -> Table:
     # Within a study, fastest first and failures last: the top rows say why the winner won.
     for row in sorted(rows, key=lambda r: (r.study_name, r.time_ms is None, r.time_ms or 0.0, r.trial_number)):
         table.add_row(
-            row.study_name, str(row.trial_number), row.gpu_key, str(row.bucket), _config_text(row.config),
+            row.study_name, str(row.trial_number), row.gpu_key, str(row.bucket), _config_text(row),
             row.status, _number(row.time_ms, ".4f"), _number(row.max_error, ".2e"), row.reason or "",
         )
     return table

@@ -11,21 +11,10 @@ import typer
 from rich.console import Console
 
 from tilegen.cli import app
-from tilegen.cli.spec_args import (
-    DtypeOpt,
-    HeadDimOpt,
-    HeadDimVOpt,
-    LseOpt,
-    MaskOpt,
-    PresetOpt,
-    QPerKvOpt,
-    SoftcapOpt,
-    SpecOpt,
-    resolve_spec,
-)
-from tilegen.codegen.attention_fwd import lower
+from tilegen.cli.spec_args import takes_spec
 from tilegen.device import device_info
-from tilegen.dispatch import bucket_of
+from tilegen.families import family_of
+from tilegen.ir import Spec
 
 _GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 _INTERPRETER_SEQLENS = (16, 32)  # the interpreter is slow: tiny lengths finish in seconds
@@ -34,18 +23,12 @@ _INTERPRETER_TRIALS = 6
 
 
 @app.command()
+@takes_spec
 def tune(
-    spec: SpecOpt = None,
-    preset: PresetOpt = None,
-    head_dim: HeadDimOpt = None,
-    head_dim_v: HeadDimVOpt = None,
-    q_per_kv: QPerKvOpt = None,
-    mask: MaskOpt = None,
-    softcap: SoftcapOpt = None,
-    dtype: DtypeOpt = None,
-    return_lse: LseOpt = None,
+    spec: Spec,
     seqlens: Optional[str] = typer.Option(
-        None, help="Comma-separated sequence lengths, each tuned at its power-of-two bucket "
+        None, "--seqlens", "--sizes", help="Comma-separated sizes (sequence lengths for attention), each tuned at "
+        "its family's bucket "
         f"(default: {','.join(map(str, _GPU_SEQLENS))} on a GPU, "
         f"{','.join(map(str, _INTERPRETER_SEQLENS))} under the interpreter).",
     ),
@@ -58,14 +41,7 @@ def tune(
     db: Optional[Path] = typer.Option(None, help="Tuning database (default: $TILEGEN_DB or the user data folder)."),
     seed: int = typer.Option(0, help="Seed of the sampler and of the random inputs."),
 ) -> None:
-    """Measure configs of a spec per length bucket and store the fastest correct one for dispatch."""
-    try:
-        chosen = resolve_spec(
-            spec, preset, head_dim,
-            head_dim_v=head_dim_v, q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
-        )
-    except typer.BadParameter as e:
-        _fail(e.format_message())
+    """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
     if trials is not None and trials < 1:
         _fail(f"--trials: expected a positive integer, got {trials}")
@@ -76,7 +52,7 @@ def tune(
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
-    _tune(chosen, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed)
+    _tune(spec, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed)
 
 
 def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
@@ -84,12 +60,19 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
     import optuna
 
     from tilegen.db import DatabaseError, TuningDB
-    from tilegen.tuning import SAMPLERS, ProgressReporter, Tuner, WorkerError, summary_table
+    from tilegen.tuning import (
+        SAMPLERS,
+        ProgressReporter,
+        Tuner,
+        WorkerError,
+        summary_table,
+    )
 
     if sampler not in SAMPLERS:
         _fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    family = family_of(spec)
     try:
-        lower(spec)  # a spec the template cannot take fails here, not once per trial
+        family.lower(spec)  # a spec the template cannot take fails here, not once per trial
     except NotImplementedError as e:
         _fail(str(e))
     try:
@@ -103,7 +86,7 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
             f"filed under device {device.key} (never used on a GPU)", err=True,
         )
     lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_SEQLENS)
-    buckets = sorted({bucket_of(n) for n in lengths})
+    buckets = sorted({family.buckets.of(n) for n in lengths})
     if trials is None and sampler == "tpe":
         trials = _INTERPRETER_TRIALS if device.is_interpreter else _GPU_TRIALS
     # The progress bars and the table say what Optuna's lines would; an error stops the tune anyway.

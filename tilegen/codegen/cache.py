@@ -19,21 +19,21 @@ import triton
 
 import tilegen
 from tilegen import env
-from tilegen.codegen import attention_fwd
-from tilegen.codegen.render import render, template_hash
-from tilegen.ir import AttentionSpec
+from tilegen.codegen.render import render_spec, template_hash
+from tilegen.families import family_of
+from tilegen.ir import Spec
 
 __all__ = ["source_for", "source_path", "module_for"]
 
 
-def source_for(spec: AttentionSpec) -> str:
-    """The generated Python source of the kernel and launcher for ``spec``."""
-    return render(attention_fwd.TEMPLATE, attention_fwd.lower(spec))
+def source_for(spec: Spec) -> str:
+    """The generated Python source of the kernel and launcher for ``spec``, by its family's template."""
+    return render_spec(family_of(spec), spec)
 
 
-def source_path(spec: AttentionSpec) -> Path:
+def source_path(spec: Spec) -> Path:
     folder = env.cache_dir() / f"tilegen-{tilegen.__version__}_triton-{triton.__version__}"
-    return folder / f"{spec.name}_{spec.hash}_{template_hash(attention_fwd.TEMPLATE)}.py"
+    return folder / f"{spec.name}_{spec.hash}_{template_hash(family_of(spec))}.py"
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -49,7 +49,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 @functools.cache
-def module_for(spec: AttentionSpec) -> ModuleType:
+def module_for(spec: Spec) -> ModuleType:
     """Import the generated module for ``spec``, rendering and caching it first if needed."""
     if env.interpreting():
         from tilegen.interpreter import patch_interpreter

@@ -18,8 +18,8 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from tilegen.codegen.attention_fwd import Config
 from tilegen.db.models import TRIAL_STATUSES
+from tilegen.families import family_of
 from tilegen.ir import SpecError, spec_from_json
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
@@ -68,16 +68,18 @@ def check(data: Any) -> dict[str, list[dict[str, Any]]]:
     sections = {name: [_entry(data, name, i, fields) for i in range(_length(data, name))]
                 for name, fields in SECTIONS.items()}
     gpus = {g["key"] for g in sections["gpus"]}
-    variants: set[tuple[str, str]] = set()
+    variants = {}  # (spec hash, template hash) -> spec
     for i, variant in enumerate(sections["variants"]):
         where = f"variants[{i}]"
         try:
-            spec_hash = spec_from_json(variant["spec_json"]).hash
+            spec = spec_from_json(variant["spec_json"])
         except (SpecError, ValueError, TypeError) as e:
             raise _malformed(f"{where}.spec_json", str(e)) from None
-        if spec_hash != variant["spec_hash"]:
-            raise _malformed(f"{where}.spec_hash", f"{variant['spec_hash']} is not the hash of its spec ({spec_hash})")
-        variants.add((variant["spec_hash"], variant["template_hash"]))
+        if spec.hash != variant["spec_hash"]:
+            raise _malformed(f"{where}.spec_hash", f"{variant['spec_hash']} is not the hash of its spec ({spec.hash})")
+        if spec.family != variant["family"]:
+            raise _malformed(f"{where}.family", f"{variant['family']!r} is not its spec's family ({spec.family!r})")
+        variants[variant["spec_hash"], variant["template_hash"]] = spec
     for name in ("tuned", "trials"):
         for i, row in enumerate(sections[name]):
             where = f"{name}[{i}]"
@@ -89,7 +91,7 @@ def check(data: Any) -> dict[str, list[dict[str, Any]]]:
                 raise _malformed(f"{where}.bucket", f"expected a positive integer, got {row['bucket']}")
     for i, row in enumerate(sections["tuned"]):
         try:
-            Config.from_dict(row["config"])
+            family_of(variants[row["spec_hash"], row["template_hash"]]).config_type.from_dict(row["config"])
         except ValueError as e:
             raise _malformed(f"tuned[{i}].config", str(e)) from None
     for i, row in enumerate(sections["trials"]):

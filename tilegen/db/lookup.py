@@ -11,11 +11,11 @@ import logging
 from pathlib import Path
 
 from tilegen import env
-from tilegen.codegen.attention_fwd import Config, ConfigError
 from tilegen.db.errors import DatabaseError
 from tilegen.db.store import TuningDB
 from tilegen.device import DeviceInfo
-from tilegen.ir import AttentionSpec
+from tilegen.families import Config, ConfigError, family_of
+from tilegen.ir import Spec
 
 __all__ = ["tuned_rows"]
 
@@ -25,13 +25,16 @@ _warned: set[str] = set()
 
 
 def tuned_rows(
-    spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, *, user_db: Path | None = None
+    spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str, *, user_db: Path | None = None
 ) -> dict[int, tuple[Config, str]]:
     """Tuned configs by bucket, each with the database file it came from; the user's rows win per bucket.
 
     ``user_db`` defaults to ``tilegen.env.db_path()``; a file that does not exist is skipped
-    (and not created), as is a missing shipped database.
+    (and not created), as is a missing shipped database. A row whose config the family
+    cannot run on ``device`` (an edited import, say) is skipped with a warning, so one bad
+    row never breaks the op.
     """
+    family = family_of(spec)
     rows: dict[int, tuple[Config, str]] = {}
     # Shipped first, so the user's rows overwrite it bucket by bucket.
     for path in (env.shipped_db_path(), user_db if user_db is not None else env.db_path()):
@@ -45,9 +48,14 @@ def tuned_rows(
             continue
         for bucket, row in found.items():
             try:
-                rows[bucket] = (Config.from_dict(row.config), str(path))
+                config = family.config_type.from_dict(row.config)
+                reason = family.feasible(spec, config, device)
+                if reason is not None:
+                    raise ConfigError(f"{config}: {reason}")
             except ConfigError as e:
                 _warn_once(f"tilegen: ignoring a tuned row of {spec.name} (bucket {bucket}) in {path}: {e}")
+                continue
+            rows[bucket] = (config, str(path))
     return rows
 
 

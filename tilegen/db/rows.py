@@ -24,6 +24,7 @@ class TunedRow:
 
     spec_hash: str
     template_hash: str
+    family: str
     variant_name: str
     gpu_key: str
     bucket: int
@@ -45,6 +46,7 @@ class TrialRow:
 
     spec_hash: str
     template_hash: str
+    family: str
     gpu_key: str
     bucket: int
     triton_version: str

@@ -2,14 +2,12 @@
 
 Example::
 
-    >>> import triton
-    >>> from tilegen.codegen.attention_fwd import TEMPLATE, Config
-    >>> from tilegen.codegen.render import template_hash
+    >>> from tilegen import AttentionSpec
     >>> from tilegen.device import CPU_INTERPRETER
-    >>> key = dict(spec=AttentionSpec(head_dim=64), device=CPU_INTERPRETER,
-    ...            template_hash=template_hash(TEMPLATE), triton_version=triton.__version__)
+    >>> from tilegen.key import TuningKey
+    >>> key = TuningKey.current(AttentionSpec(head_dim=64), CPU_INTERPRETER).variant_fields()
     >>> with TuningDB("tuning.sqlite") as db:  # doctest: +SKIP
-    ...     db.record_best(**key, bucket=1024, config=Config(64, 32, 4, 1).to_dict(),
+    ...     db.record_best(**key, bucket=1024, config={"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 1},
     ...                    time_ms=0.41, max_error=2e-3, trials=40)
     ...     db.best(**key)[1024].time_ms
     True
@@ -28,20 +26,29 @@ from typing import Any, TypeVar
 
 import torch
 import triton
-from sqlalchemy import ColumnElement, Select, delete, or_, select, true
+from sqlalchemy import ColumnElement, Select, and_, delete, or_, select, true
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 import tilegen
 from tilegen import env
-from tilegen.codegen import attention_fwd, render
+from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
 from tilegen.db.migrate import WRITE, explain_error, open_engine
-from tilegen.db.models import TRIAL_STATUSES, Base, Gpu, Trial, TunedConfig, Variant, utcnow
+from tilegen.db.models import (
+    TRIAL_STATUSES,
+    Base,
+    Gpu,
+    Trial,
+    TunedConfig,
+    Variant,
+    utcnow,
+)
 from tilegen.db.rows import TrialRow, TunedRow, VariantRow
 from tilegen.device import DeviceInfo
-from tilegen.ir import AttentionSpec
+from tilegen.families import families
+from tilegen.ir import Spec
 
 __all__ = ["TuningDB", "studies_url"]
 
@@ -95,7 +102,7 @@ class TuningDB:
     # -- writing -------------------------------------------------------------------------
 
     def record_trial(
-        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
+        self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
         study_name: str, trial_number: int, config: dict[str, Any], status: str,
         time_ms: float | None = None, max_error: float | None = None, reason: str | None = None,
     ) -> None:
@@ -115,7 +122,7 @@ class TuningDB:
                     setattr(row, name, value)
 
     def record_best(
-        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
+        self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
         config: dict[str, Any], time_ms: float, max_error: float, trials: int,
         tflops: float | None = None, gbps: float | None = None,
     ) -> bool:
@@ -161,28 +168,37 @@ class TuningDB:
 
     def prune(
         self, *, keep_triton: str | None = None, keep_templates: Iterable[str] | None = None,
-        keep_tilegen: str | None = None,
+        keep_tilegen: str | None = None, all_families: bool = False,
     ) -> int:
         """Delete rows that dispatch can never read again; returns how many tuned rows and trials went.
 
-        Dispatch keys on the Triton version and the template hash, so a tuned row or trial is
-        stale when its Triton version is not ``keep_triton`` (default: the installed Triton) or
-        its variant's template hash is not in ``keep_templates`` (default: the templates this
-        tilegen ships). The tilegen version is not part of that key, so rows tuned by another
-        tilegen release stay unless ``keep_tilegen`` names the one to keep (trials carry no
-        tilegen version and are kept then). Variants and GPUs left without rows go too.
+        Dispatch keys on the Triton version and the template hash, so a tuned row or trial of a
+        registered family is stale when its Triton version is not ``keep_triton`` (default: the
+        installed Triton) or its variant's template hash is not in ``keep_templates`` (default:
+        each registered family's current template). Rows of families this tilegen does not
+        know (a newer release wrote them) are kept, unless ``all_families``: then they count as
+        stale too. The tilegen version is not part of the key, so rows tuned by another tilegen
+        release stay unless ``keep_tilegen`` names the one to keep (trials carry no tilegen
+        version and are kept then). Variants and GPUs left without rows go too.
         """
         triton_version = keep_triton or triton.__version__
-        templates = sorted(keep_templates) if keep_templates is not None else _current_templates()
+        known = [family.name for family in families()]
+        if keep_templates is not None:
+            current = Variant.template_hash.in_(sorted(keep_templates))
+        else:
+            current = or_(*(and_(Variant.family == family.name, Variant.template_hash == current_template_hash(family))
+                            for family in families()))
+        judged = true() if all_families else Variant.family.in_(known)
         with self._session(write=True) as session:
-            stale_variants = select(Variant.id).where(Variant.template_hash.not_in(templates))
+            judged_variants = select(Variant.id).where(judged)
+            stale_variants = select(Variant.id).where(judged, ~current)
             stale_tuned = [TunedConfig.triton_version != triton_version, TunedConfig.variant_id.in_(stale_variants)]
             if keep_tilegen is not None:
                 stale_tuned.append(TunedConfig.tilegen_version != keep_tilegen)
-            removed = _delete(session, TunedConfig, or_(*stale_tuned))
-            removed += _delete(
-                session, Trial, or_(Trial.triton_version != triton_version, Trial.variant_id.in_(stale_variants))
-            )
+            judged_tuned = TunedConfig.variant_id.in_(judged_variants)
+            removed = _delete(session, TunedConfig, and_(judged_tuned, or_(*stale_tuned)))
+            stale_trials = or_(Trial.triton_version != triton_version, Trial.variant_id.in_(stale_variants))
+            removed += _delete(session, Trial, and_(Trial.variant_id.in_(judged_variants), stale_trials))
             for model, column in ((Variant, "variant_id"), (Gpu, "gpu_id")):
                 in_use = or_(*(model.id.in_(select(getattr(table, column))) for table in (TunedConfig, Trial)))
                 _delete(session, model, ~in_use)
@@ -191,7 +207,7 @@ class TuningDB:
     # -- reading -------------------------------------------------------------------------
 
     def best(
-        self, *, spec: AttentionSpec, device: DeviceInfo, template_hash: str, triton_version: str
+        self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str
     ) -> dict[int, TunedRow]:
         """The tuned rows of one variant on one GPU and Triton, by bucket."""
         query = _tuned_query().where(
@@ -279,7 +295,7 @@ def _variant_id(session: Session, *, spec_hash: str, template_hash: str, **value
     return _insert_or_fetch(session, Variant, key, values)[0].id
 
 
-def _ids(session: Session, spec: AttentionSpec, device: DeviceInfo, template_hash: str) -> dict[str, int]:
+def _ids(session: Session, spec: Spec, device: DeviceInfo, template_hash: str) -> dict[str, int]:
     gpu = dict(
         name=device.name, capability=f"{device.capability[0]}.{device.capability[1]}",
         sm_count=device.sm_count, memory_bytes=device.memory_bytes,
@@ -339,7 +355,8 @@ def _trials(session: Session, where: ColumnElement[bool]) -> list[TrialRow]:
 def _tuned_row(row: Any) -> TunedRow:
     tuned, variant, gpu = row
     return TunedRow(
-        spec_hash=variant.spec_hash, template_hash=variant.template_hash, variant_name=variant.name, gpu_key=gpu.key,
+        spec_hash=variant.spec_hash, template_hash=variant.template_hash, family=variant.family,
+        variant_name=variant.name, gpu_key=gpu.key,
         bucket=tuned.bucket, triton_version=tuned.triton_version, torch_version=tuned.torch_version,
         tilegen_version=tuned.tilegen_version, config=json.loads(tuned.config_json), time_ms=tuned.time_ms,
         tflops=tuned.tflops, gbps=tuned.gbps, max_error=tuned.max_error, trials=tuned.trials,
@@ -350,7 +367,8 @@ def _tuned_row(row: Any) -> TunedRow:
 def _trial_row(row: Any) -> TrialRow:
     trial, variant, gpu = row
     return TrialRow(
-        spec_hash=variant.spec_hash, template_hash=variant.template_hash, gpu_key=gpu.key, bucket=trial.bucket,
+        spec_hash=variant.spec_hash, template_hash=variant.template_hash, family=variant.family, gpu_key=gpu.key,
+        bucket=trial.bucket,
         triton_version=trial.triton_version, study_name=trial.study_name, trial_number=trial.trial_number,
         config=json.loads(trial.config_json), status=trial.status, time_ms=trial.time_ms,
         max_error=trial.max_error, reason=trial.reason, created_at=trial.created_at,
@@ -364,6 +382,3 @@ def _jsonable(row: TunedRow | TrialRow) -> dict[str, Any]:
 def _canonical(config: dict[str, Any]) -> str:
     return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
-
-def _current_templates() -> list[str]:
-    return [render.template_hash(attention_fwd.TEMPLATE)]

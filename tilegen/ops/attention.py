@@ -19,12 +19,13 @@ import torch
 from tilegen import dispatch
 from tilegen.codegen import module_for
 from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
-from tilegen.ir import AttentionSpec, SpecError
+from tilegen.families.attention_fwd import AttentionSpec
+from tilegen.families.attention_fwd.masks import launch_window, mask_kind, window_bounds
+from tilegen.ir import SpecError
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
-
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
 _MAX_SEQLEN = 1 << 29
 
@@ -90,12 +91,10 @@ def attention(
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks say which
         key = plan = None
-    if plan is None or plan.table.stale:
+    if plan is None:
         plan = _plan(q, k, v, causal, window, softcap, scale, return_lse)
         if key is not None:
-            if len(_plans) >= _MAX_PLANS:  # varying lengths would grow it without bound
-                _plans.clear()
-            _plans[key] = plan
+            _plans.put(key, plan)
     if out is None:
         out = q.new_empty(plan.out_shape)
     elif out.__class__ is not torch.Tensor or out.shape != plan.out_shape or out.dtype != q.dtype or (
@@ -110,9 +109,8 @@ def attention(
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Everything a checked call decided: its dispatch table, its output shapes and launch arguments."""
+    """Everything a checked call decided: its output shapes and launch arguments."""
 
-    table: dispatch.Table
     out_shape: torch.Size
     lse_shape: tuple[int, int, int] | None
     launches: bool  # False when the output is empty: nothing to compute
@@ -120,18 +118,16 @@ class _Plan:
     launch_args: dict[str, Any]
 
 
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 4096
+_plans = dispatch.plan_cache()
 
 
 def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     table = _table(spec, q.device)
-    config = table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2]))).config
+    config = table.choose(max(q.shape[2], k.shape[2])).config
     batch, heads, n_q, _ = q.shape
     out_shape = torch.Size((batch, heads, n_q, spec.dv))
     return _Plan(
-        table=table,
         out_shape=out_shape,
         lse_shape=(batch, heads, n_q) if spec.return_lse else None,
         launches=out_shape.numel() > 0,
@@ -156,23 +152,16 @@ def _check_out(out, shape, q) -> None:
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
     spec, *_ = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
-    return _table(spec, q.device).choose(dispatch.bucket_of(max(q.shape[2], k.shape[2])))
-
-
-_tables: dict[tuple[AttentionSpec, torch.device], dispatch.Table] = {}
+    return _table(spec, q.device).choose(max(q.shape[2], k.shape[2]))
 
 
 def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
-    table = _tables.get((spec, device))
-    if table is None or table.stale:
-        table = _tables[(spec, device)] = dispatch.table_for(spec, device_info(_device_index(device)))
-    return table
+    return dispatch.table_for(spec, device_info(_device_index(device)))
 
 
 def _run(spec, q, k, v, scale, softcap, left, right):
-    # The hot path: two dictionary lookups, then the launch.
     table = _table(spec, q.device)
-    config = table.choose(dispatch.bucket_of(max(q.shape[2], k.shape[2]))).config
+    config = table.choose(max(q.shape[2], k.shape[2])).config
     return run_with_config(spec, config, q, k, v, scale, softcap, left, right, launch=table.launch)
 
 
@@ -231,7 +220,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         ok = (
             batch_k == batch == batch_v and dim_k == dim and heads_v == heads_kv and n_v == n_k
             and heads_kv > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
-            and dtype in _DTYPES and k.dtype == dtype and v.dtype == dtype
+            and dtype in SPEC_DTYPES and k.dtype == dtype and v.dtype == dtype
             and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
             and k.device == device and v.device == device
         )
@@ -251,16 +240,12 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
     ):
         raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
-    left, right = _window_bounds(window, causal)
-    mask = _mask_kind(left, right)
+    left, right = window_bounds(window, causal)
+    mask = mask_kind(left, right)
     spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
-    # Wide enough to reach every key from every row; larger sides are clamped to it so
-    # the kernel's index arithmetic cannot overflow.
-    unbounded = n_q + n_k
     return (
         spec,
-        unbounded if left is None else min(left, unbounded),
-        0 if mask == "causal" else (unbounded if right is None else min(right, unbounded)),
+        *launch_window(mask, left, right, n_q, n_k),
         float(scale),
         float(softcap) if softcap is not None else 0.0,
     )
@@ -276,7 +261,7 @@ def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse) -> Attenti
             q_per_kv=q_per_kv,
             mask=mask,
             softcap=softcap,
-            dtype=_DTYPES[dtype],
+            dtype=SPEC_DTYPES[dtype],
             return_lse=return_lse,
         )
     except SpecError as e:
@@ -291,7 +276,7 @@ def _check_tensors(q, k, v) -> None:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-    if q.dtype not in _DTYPES:
+    if q.dtype not in SPEC_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -315,30 +300,3 @@ def _check_tensors(q, k, v) -> None:
     n_k = k.shape[2]
     if max(n_q, n_k) >= _MAX_SEQLEN:
         raise ValueError(f"q, k: sequence lengths {n_q}, {n_k} exceed the supported {_MAX_SEQLEN - 1}")
-
-
-def _window_bounds(window, causal):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {causal!r}")
-    if window is None:
-        return None, (0 if causal else None)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"window: expected (left, right), each an int >= 0 or None, got {window!r}")
-    left, right = window
-    for side, value in (("left", left), ("right", right)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"window: {side} must be an int >= 0 or None (unbounded), got {value!r}")
-    if causal:
-        if right not in (None, 0):
-            raise ValueError(f"window: causal=True sees no key right of the diagonal, but right={right}")
-        right = 0
-    return left, right
-
-
-def _mask_kind(left: int | None, right: int | None) -> str:
-    # Canonical forms: an unbounded window is no mask, (None, 0) is causal.
-    if left is None and right is None:
-        return "none"
-    if left is None and right == 0:
-        return "causal"
-    return "window"

@@ -23,12 +23,11 @@ import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
 from tilegen import dispatch
-from tilegen.codegen.attention_fwd import Config, candidates, default_config, feasible, search_space
 from tilegen.db import DatabaseError, TrialRow, studies_url
 from tilegen.device import DeviceInfo
-from tilegen.ir import AttentionSpec
+from tilegen.families import Config, Family, Problem, family_of
+from tilegen.ir import Spec
 from tilegen.key import TuningKey
-from tilegen.tuning.measure import Problem
 from tilegen.tuning.worker import Worker
 
 __all__ = ["SAMPLERS", "TrialResult", "BucketResult", "Reporter", "Tuner"]
@@ -51,8 +50,8 @@ class TrialResult:
     reason: str | None = None
 
     @classmethod
-    def from_row(cls, row: TrialRow) -> TrialResult:
-        return cls(Config.from_dict(row.config), row.status, row.time_ms, row.max_error, row.reason)
+    def from_row(cls, row: TrialRow, config_type: type[Config]) -> TrialResult:
+        return cls(config_type.from_dict(row.config), row.status, row.time_ms, row.max_error, row.reason)
 
 
 @dataclass(frozen=True)
@@ -123,27 +122,31 @@ class Tuner:
     def __exit__(self, *exc) -> None:
         self._worker.close()
 
-    def tune(self, spec: AttentionSpec, bucket: int) -> BucketResult:
+    def tune(self, spec: Spec, bucket: int) -> BucketResult:
         """Measure configs of ``spec`` at ``bucket`` and store the fastest correct one for dispatch."""
+        family = family_of(spec)
         key = TuningKey.current(spec, self.device, bucket)
-        problem = Problem.for_bucket(spec, bucket, on_gpu=not self.device.is_interpreter)
-        feasible_configs = candidates(spec, self.device)
-        space = _Knobs(search_space(spec, self.device)) if self.sampler == "tpe" else _Choices(feasible_configs)
-        done = self._measured(key)
-        untried = [c for c in feasible_configs if str(c) not in done]
+        problem = family.problem(spec, bucket, on_gpu=not self.device.is_interpreter)
+        feasible_configs = family.candidates(spec, self.device)
+        if self.sampler == "tpe":
+            space = _Knobs(family.config_type, family.search_space(spec, self.device))
+        else:
+            space = _Choices(feasible_configs)
+        done = self._measured(key, family)
+        untried = [c for c in feasible_configs if c.to_json() not in done]
         budget = len(untried) if self.trials is None else min(self.trials, len(untried))
         self.reporter.start(key, budget, _best(done))
         if budget:
             with self._studies_errors():
                 study = self._study(key, space)
                 if space.takes_queue and self.warm_start:
-                    for config in self._warm_start(key, untried)[:budget]:
+                    for config in self._warm_start(key, family, untried)[:budget]:
                         study.enqueue_trial(space.params(config), skip_if_exists=True)
-                self._optimize(study, space, key, problem, done, untried, budget)
+                self._optimize(study, space, key, family, problem, done, untried, budget)
 
         best = _best(done)
-        tflops = problem.flops(spec) / (best.time_ms * 1e9) if best else None
-        gbps = problem.bytes_moved(spec) / (best.time_ms * 1e6) if best else None
+        tflops = problem.flops() / (best.time_ms * 1e9) if best else None
+        gbps = problem.bytes_moved() / (best.time_ms * 1e6) if best else None
         recorded = best is not None and self.db.record_best(
             **key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
             trials=sum(r.status != "infeasible" for r in done.values()), tflops=tflops, gbps=gbps,
@@ -177,26 +180,27 @@ class Tuner:
             text = str(getattr(e, "orig", None) or e).splitlines()[0]
             raise DatabaseError(f"Optuna studies file {self._studies_path}: {text}") from e
 
-    def _warm_start(self, key: TuningKey, untried: list[Config]) -> list[Config]:
+    def _warm_start(self, key: TuningKey, family: Family, untried: list[Config]) -> list[Config]:
         """Untried configs worth measuring first: the heuristic default, then neighbouring buckets' best."""
-        rows = self.db.best(**key.variant_fields())
-        nearest = sorted(rows, key=lambda b: (abs(b.bit_length() - key.bucket.bit_length()), -b))
-        seeds = [default_config(key.spec, self.device, key.bucket)]
-        for bucket in nearest[:_NEIGHBOURS]:
+        rows = dict(self.db.best(**key.variant_fields()))
+        seeds = [family.default_config(key.spec, self.device, key.bucket)]
+        for _ in range(min(_NEIGHBOURS, len(rows))):  # nearest first, by the family's own rule
+            bucket = family.buckets.nearest(key.bucket, rows)
             with contextlib.suppress(ValueError):  # a row from an older config schema
-                seeds.append(Config.from_dict(rows[bucket].config))
+                seeds.append(family.config_type.from_dict(rows[bucket].config))
+            del rows[bucket]
         return list(dict.fromkeys(c for c in seeds if c in untried))
 
-    def _optimize(self, study, space, key, problem, done, untried, budget) -> None:
+    def _optimize(self, study, space, key, family, problem, done, untried, budget) -> None:
         rng = random.Random(self.seed)
         measured = 0
 
         def objective(trial: optuna.Trial) -> float:
             nonlocal measured
             config = space.suggest(trial)
-            earlier = done.get(str(config))
+            earlier = done.get(config.to_json())
             if earlier is None:
-                result = done[str(config)] = self._run_trial(key, problem, trial, config)
+                result = done[config.to_json()] = self._run_trial(key, family, problem, trial, config)
                 measured += result.status != "infeasible"
                 self.reporter.trial(key, result, _best(done))
             else:
@@ -204,7 +208,7 @@ class Tuner:
             if space.takes_queue and (earlier is not None or result.status == "infeasible"):
                 # The sampler proposed nothing measurable: queue an untried config next, so
                 # every trial of the budget measures something new.
-                left = [c for c in untried if str(c) not in done]
+                left = [c for c in untried if c.to_json() not in done]
                 if left:
                     study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
             if result.status == "infeasible":
@@ -220,12 +224,14 @@ class Tuner:
         # process taking the queued trials.
         study.optimize(objective, n_trials=2 * budget + len(untried), timeout=self.timeout, callbacks=[stop_at_budget])
 
-    def _run_trial(self, key: TuningKey, problem: Problem, trial: optuna.Trial, config: Config) -> TrialResult:
-        reason = feasible(key.spec, config, self.device)
+    def _run_trial(
+        self, key: TuningKey, family: Family, problem: Problem, trial: optuna.Trial, config: Config
+    ) -> TrialResult:
+        reason = family.feasible(key.spec, config, self.device)
         if reason is not None:  # rejected before anything compiles
             result = TrialResult(config, "infeasible", reason=reason)
         else:
-            task = (key.spec, config, problem, self.seed * 1_000_003 + trial.number)
+            task = (family, problem, config, self.seed * 1_000_003 + trial.number)
             result = TrialResult(config, **self._worker.measure(task, self.trial_timeout))
         self.db.record_trial(
             **key.fields(), study_name=key.study_name, trial_number=trial.number, config=config.to_dict(),
@@ -233,11 +239,12 @@ class Tuner:
         )
         return result
 
-    def _measured(self, key: TuningKey) -> dict[str, TrialResult]:
-        """Configs the key's study has measured, by name, from the database: it holds every
+    def _measured(self, key: TuningKey, family: Family) -> dict[str, TrialResult]:
+        """Configs the key's study has measured, by canonical JSON, from the database: it holds every
         finished trial, even one whose process was killed before Optuna heard of it."""
         rows = [r for r in self.db.trials_for(key.spec.hash) if r.study_name == key.study_name]
-        return {str(result.config): result for result in map(TrialResult.from_row, rows)}
+        results = (TrialResult.from_row(row, family.config_type) for row in rows)
+        return {result.config.to_json(): result for result in results}
 
 
 class _Knobs:
@@ -246,7 +253,8 @@ class _Knobs:
 
     takes_queue = True  # warm starts and untried configs can be enqueued
 
-    def __init__(self, space: dict[str, list[int]]):
+    def __init__(self, config_type: type[Config], space: dict[str, list[int]]):
+        self.config_type = config_type
         self.space = {name: sorted(values) for name, values in space.items()}
 
     def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
@@ -260,31 +268,34 @@ class _Knobs:
     # Parameter names of their own: a study made when the knobs were categorical by value keeps
     # those names, and Optuna refuses a second distribution under a name it already knows.
     def suggest(self, trial: optuna.Trial) -> Config:
-        return Config(**{name: values[trial.suggest_int(f"{name}_index", 0, len(values) - 1)]
-                         for name, values in self.space.items()})
+        return self.config_type(**{name: values[trial.suggest_int(f"{name}_index", 0, len(values) - 1)]
+                                   for name, values in self.space.items()})
 
     def params(self, config: Config) -> dict[str, int]:
         return {f"{name}_index": values.index(getattr(config, name)) for name, values in self.space.items()}
 
 
 class _Choices:
-    """The grid's space: one categorical over the feasible configs, so infeasible ones are never proposed."""
+    """The grid's space: one categorical over the feasible configs (by canonical JSON, their
+    identity), so infeasible ones are never proposed."""
 
     # GridSampler assigns every point itself, and Optuna 5.0's GridSampler.after_trial raises
     # KeyError('grid_id') on an enqueued trial; an exhaustive search needs no warm start anyway.
     takes_queue = False
+    # Not "config", which studies of earlier tilegen releases hold with labels as values.
+    _PARAM = "config_json"
 
     def __init__(self, configs: list[Config]):
-        self.by_name = {str(c): c for c in configs}
+        self.by_json = {c.to_json(): c for c in configs}
 
     def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
-        return optuna.samplers.GridSampler({"config": list(self.by_name)}, seed=seed)
+        return optuna.samplers.GridSampler({self._PARAM: list(self.by_json)}, seed=seed)
 
     def suggest(self, trial: optuna.Trial) -> Config:
-        return self.by_name[trial.suggest_categorical("config", list(self.by_name))]
+        return self.by_json[trial.suggest_categorical(self._PARAM, list(self.by_json))]
 
     def params(self, config: Config) -> dict[str, str]:
-        return {"config": str(config)}
+        return {self._PARAM: config.to_json()}
 
 
 def _best(done: dict[str, TrialResult]) -> TrialResult | None:

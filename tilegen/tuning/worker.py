@@ -7,7 +7,7 @@ When the child dies, hangs, or reports a broken context, the trial is recorded a
 "fault" or "timeout" and a fresh child takes the next trial.
 
 Testing hook: ``TILEGEN_TUNE_INJECT='{"<config>": "<failure>"}'``, the config written
-as ``str(Config)`` (e.g. ``"BM32-BN32-w4-s1"``), makes the worker fail that config on
+as its label (``str(config)``, e.g. ``"BM32-BN32-w4-s1"``) or its canonical JSON, makes the worker fail it on
 purpose: ``"compile_error"`` raises the error Triton 3.6 gives when its pipeliner
 rejects a config, ``"wrong"`` spoils the output after the kernel, ``"crash"`` exits the
 worker mid-trial, ``"hang"`` never answers. The worker reads it when it starts.
@@ -41,7 +41,11 @@ class Worker:
         self._conn = None
 
     def measure(self, task: tuple, timeout: float) -> dict:
-        """Run ``tilegen.tuning.measure.measure(*task)`` in the child; ``timeout`` in seconds."""
+        """Measure ``task = (family, problem, config, seed)`` in the child; ``timeout`` in seconds.
+
+        The family travels with the task, so the child knows families registered at run time
+        (a project's own, or a test's), not only tilegen's built-in ones.
+        """
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._conn.send(task)
@@ -109,6 +113,7 @@ def _describe_exit(code: int | None) -> str:
 def _serve(conn) -> None:
     """The child's loop: one task in, one result dict out, until the parent hangs up."""
     try:
+        from tilegen.families import register
         from tilegen.tuning.measure import measure
 
         inject = json.loads(os.environ.get(INJECT_ENV) or "{}")
@@ -123,7 +128,8 @@ def _serve(conn) -> None:
             task = conn.recv()
         except EOFError:
             return
-        failure = inject.get(str(task[1]))
+        family, problem, config, seed = task
+        failure = inject.get(str(config)) or inject.get(config.to_json())
         if failure == "crash":
             os._exit(1)
         if failure == "hang":
@@ -132,7 +138,8 @@ def _serve(conn) -> None:
         try:
             if failure == "compile_error":
                 raise RuntimeError("PassManager::run failed (injected)")
-            result = measure(*task, perturb=failure == "wrong")
+            register(family)
+            result = measure(problem, config, seed, perturb=failure == "wrong")
         except Exception as e:
             # Triton raises many types while compiling (OutOfResources, CompilationError,
             # RuntimeError from the pass manager); unless CUDA itself broke, they only rule this config out.

@@ -1,10 +1,12 @@
-"""Plain torch attention that defines tilegen's semantics; tests and the tuner's gate use it."""
+"""Plain torch attention that defines the family's semantics; tests and the tuner's gate use it."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from tilegen.families.attention_fwd.masks import window_bounds
 
 __all__ = ["attention_reference", "allowed_keys"]
 
@@ -16,9 +18,7 @@ def allowed_keys(n_q: int, n_k: int, *, causal: bool, window: tuple[int | None, 
     FlashAttention; ``window=(left, right)`` keeps keys within ``left`` before and
     ``right`` after it, ``None`` meaning unbounded; causal means right = 0.
     """
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0
+    left, right = window_bounds(window, causal)
     # Sides past n_q + n_k reach every key anyway; clamping keeps the index arithmetic in range.
     left = None if left is None else min(left, n_q + n_k)
     right = None if right is None else min(right, n_q + n_k)

@@ -1,0 +1,63 @@
+"""The dense attention-forward family: FlashAttention's fused kernel over [batch, heads, seq, dim].
+
+One program owns a tile of query rows and streams key/value blocks past it with an
+online softmax; causal and windowed masks visit only the blocks they must. Files:
+``spec`` (the IR), ``lower`` (template values), ``config`` (knobs, search space,
+feasibility, defaults), ``masks`` (argument canonicalization), ``reference`` (float64
+torch), ``problem`` (what a tuning trial measures), ``standalone`` (``emit --tuned``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.device import DeviceInfo
+from tilegen.families.attention_fwd import config as _config
+from tilegen.families.attention_fwd.config import Config
+from tilegen.families.attention_fwd.lower import lower as _lower
+from tilegen.families.attention_fwd.problem import Problem
+from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.base import Family
+from tilegen.families.buckets import PowerOfTwoBuckets
+
+__all__ = ["AttentionFwd", "AttentionSpec", "Config", "Problem"]
+
+
+class AttentionFwd(Family):
+    name = "attention_fwd"
+    spec_type = AttentionSpec
+    config_type = Config
+    template = "attention_fwd.py.jinja"
+    # A call is bucketed by max(n_q, n_k): the longer side sets how many tiles and blocks there are.
+    buckets = PowerOfTwoBuckets("sequence length")
+    presets = {
+        "default": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
+        "llama-prefill": AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
+        "mha-d128-causal": AttentionSpec(head_dim=128, mask="causal", dtype="bf16"),
+        "mha-d128": AttentionSpec(head_dim=128, mask="none", dtype="bf16"),
+        "mha-d64-causal": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
+        "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
+    }
+
+    def lower(self, spec: AttentionSpec) -> dict[str, Any]:
+        return _lower(spec)
+
+    def search_space(self, spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
+        return _config.search_space(spec, device)
+
+    def feasible(self, spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
+        return _config.feasible(spec, config, device)
+
+    def default_rule(self, spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        return _config.default_rule(spec, device)
+
+    def problem(self, spec: AttentionSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
+        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+
+    def standalone_entry_point(self, spec, tuned, device, *, template_hash, triton_version) -> str:
+        from tilegen.families.attention_fwd.standalone import entry_point
+
+        return entry_point(
+            spec, tuned, self.default_rule(spec, device), self.buckets,
+            device=device, template_hash=template_hash, triton_version=triton_version,
+        )

@@ -1,0 +1,41 @@
+"""Lowering of the dense attention-forward family: every decision, as plain template values.
+
+``templates/attention_fwd.py.jinja`` (and the shared pieces it includes) only spells
+the kernel out from these values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+
+from tilegen.families.attention_fwd.spec import AttentionSpec
+
+__all__ = ["lower"]
+
+
+def lower(spec: AttentionSpec) -> dict[str, Any]:
+    if spec.kv_layout != "contiguous":
+        raise NotImplementedError(
+            f"kv_layout={spec.kv_layout!r}: the dense template reads contiguous [batch, heads, seq, dim] KV only; "
+            "ragged and paged KV need the serving kernels, which tilegen does not generate yet"
+        )
+    dim_pad = triton.next_power_of_2(spec.head_dim)
+    dim_v_pad = triton.next_power_of_2(spec.dv)
+    return {
+        "kernel_name": f"_{spec.name}_kernel",
+        "head_dim": spec.head_dim,
+        "head_dim_v": spec.dv,
+        "head_dim_pad": dim_pad,
+        "head_dim_v_pad": dim_v_pad,
+        "masked_d": dim_pad != spec.head_dim,
+        "masked_dv": dim_v_pad != spec.dv,
+        "q_per_kv": spec.q_per_kv,
+        "mask": spec.mask,
+        "softcap": spec.softcap,
+        "return_lse": spec.return_lse,
+        "heavy_tiles_first": spec.mask != "none",
+        # fp32 inputs must not silently drop to tf32 inside tl.dot.
+        "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
+    }

@@ -1,0 +1,52 @@
+"""Mask arguments, canonicalized once: the op, the tuner, the reference and emitted modules use these.
+
+``window_bounds`` turns the user's ``causal``/``window`` into ``(left, right)`` key bounds
+around the bottom-right aligned diagonal (``None``: unbounded); ``mask_kind`` names the
+spec's mask for them; ``launch_window`` gives the launcher's integers. ``launch_window``
+has no imports because ``tilegen emit --tuned`` copies its source into standalone modules.
+"""
+
+from __future__ import annotations
+
+__all__ = ["window_bounds", "mask_kind", "launch_window"]
+
+
+def window_bounds(window, causal) -> tuple[int | None, int | None]:
+    """``(left, right)`` for a call's arguments; a ``TypeError``/``ValueError`` names the bad one."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {causal!r}")
+    if window is None:
+        return None, (0 if causal else None)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected (left, right), each an int >= 0 or None, got {window!r}")
+    left, right = window
+    for side, value in (("left", left), ("right", right)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"window: {side} must be an int >= 0 or None (unbounded), got {value!r}")
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"window: causal=True sees no key right of the diagonal, but right={right}")
+        right = 0
+    return left, right
+
+
+def mask_kind(left: int | None, right: int | None) -> str:
+    """The spec's mask: an unbounded window is no mask, ``(None, 0)`` is causal, anything else a window."""
+    if left is None and right is None:
+        return "none"
+    if left is None and right == 0:
+        return "causal"
+    return "window"
+
+
+def launch_window(mask, left, right, n_q, n_k):
+    """The kernel's ``(window_left, window_right)``: unbounded sides become ``n_q + n_k``.
+
+    That reaches every key from every row; larger sides are clamped to it so the
+    kernel's int32 index arithmetic around the diagonal cannot overflow.
+    """
+    unbounded = n_q + n_k
+    return (
+        unbounded if left is None else min(left, unbounded),
+        0 if mask == "causal" else (unbounded if right is None else min(right, unbounded)),
+    )

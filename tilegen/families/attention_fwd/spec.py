@@ -1,0 +1,96 @@
+"""The spec of the dense attention-forward family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
+
+__all__ = ["AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS"]
+
+MASKS = ("none", "causal", "window")
+KV_LAYOUTS = ("contiguous", "ragged", "paged")
+#: Head dims the dense template accepts: multiples of 8 from 16 to 256. Dims that are
+#: not powers of two are padded to the next one inside the kernel and masked.
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
+
+
+@dataclass(frozen=True)
+class AttentionSpec(Spec):
+    """One attention-forward variant.
+
+    Attributes:
+        head_dim: query/key head dimension.
+        head_dim_v: value head dimension; ``None`` means equal to ``head_dim``.
+        q_per_kv: query heads per KV head: 1 is MHA, >1 is GQA (MQA is GQA with
+            one KV head, so its ratio is the query head count).
+        mask: ``"none"``, ``"causal"`` (bottom-right aligned when the query is
+            shorter than the key) or ``"window"`` (left/right bounds around the
+            same diagonal, given at launch).
+        softcap: whether logits pass through ``softcap * tanh(s / softcap)``.
+        dtype: input/output dtype; accumulation is always fp32.
+        kv_layout: ``"contiguous"``; ``"ragged"`` and ``"paged"`` are reserved
+            for the serving kernels and do not lower yet.
+        return_lse: whether the natural-log log-sum-exp per row is written.
+    """
+
+    family: ClassVar[str] = "attention_fwd"
+    # Every field of IR version 1 is written even at its default, so the hashes of the
+    # specs tuned so far stay what they were; fields added later are left out at their default.
+    ALWAYS: ClassVar[frozenset[str]] = frozenset(
+        {"head_dim", "head_dim_v", "q_per_kv", "mask", "softcap", "dtype", "kv_layout", "return_lse"}
+    )
+
+    head_dim: int
+    head_dim_v: int | None = None
+    q_per_kv: int = 1
+    mask: str = "none"
+    softcap: bool = False
+    kv_layout: str = "contiguous"
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
+            # One canonical form per kernel: an explicit V dim equal to head_dim is the default.
+            object.__setattr__(self, "head_dim_v", None)
+        check_int("head_dim", self.head_dim)
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise SpecError("head_dim", f"expected a multiple of 8 in [16, 256], got {self.head_dim}")
+        if self.head_dim_v is not None:
+            check_int("head_dim_v", self.head_dim_v)
+            if self.head_dim_v not in SUPPORTED_HEAD_DIMS:
+                raise SpecError(
+                    "head_dim_v", f"expected None or a multiple of 8 in [16, 256], got {self.head_dim_v}"
+                )
+        check_int("q_per_kv", self.q_per_kv)
+        if self.q_per_kv < 1:
+            raise SpecError("q_per_kv", f"expected a positive integer, got {self.q_per_kv}")
+        check_choice("mask", self.mask, MASKS)
+        super().__post_init__()
+        check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        check_bool("softcap", self.softcap)
+        check_bool("return_lse", self.return_lse)
+
+    __hash__ = Spec.__hash__  # a frozen dataclass would otherwise write its own, per call
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def name(self) -> str:
+        parts = [
+            self.family,
+            self.dtype,
+            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
+            f"g{self.q_per_kv}",
+            self.mask,
+        ]
+        if self.softcap:
+            parts.append("softcap")
+        if self.kv_layout != "contiguous":
+            parts.append(self.kv_layout)
+        if self.return_lse:
+            parts.append("lse")
+        return "_".join(parts)

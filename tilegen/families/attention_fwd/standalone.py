@@ -1,0 +1,133 @@
+"""The entry point ``tilegen emit --tuned`` appends to an attention-forward module.
+
+The emitted module runs with torch and triton alone. It inlines the source of the
+bucket rule and of ``launch_window``, so it picks configs and window bounds exactly as
+tilegen's own dispatch does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import string
+
+from tilegen.device import DeviceInfo
+from tilegen.dtypes import TORCH_DTYPES
+from tilegen.families.attention_fwd.config import Config
+from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.buckets import Buckets
+
+__all__ = ["entry_point"]
+
+
+def entry_point(
+    spec: AttentionSpec, tuned: dict[int, tuple[Config, str]], defaults: list[tuple[int | None, Config]],
+    buckets: Buckets, *, device: DeviceInfo, template_hash: str, triton_version: str,
+) -> str:
+    table = "".join(f"\n    {b}: {config.to_dict()!r},  # {source}" for b, (config, source) in sorted(tuned.items()))
+    return _STANDALONE.substitute(
+        device=device.key,
+        template_hash=template_hash,
+        triton_version=triton_version,
+        tuned="{" + table + ("\n}" if tuned else "}"),
+        defaults=repr([(largest, config.to_dict()) for largest, config in defaults]),
+        bucket_rule=buckets.source(),
+        launch_window=inspect.getsource(launch_window),
+        mask=repr(spec.mask),
+        dtype=str(TORCH_DTYPES[spec.dtype]),
+        spec_name=spec.name,
+        softcap_code=_SOFTCAP_CODE[spec.softcap],
+        window_check=_WINDOW_CHECK[spec.mask],
+        lse_doc=" and the natural-log LSE, fp32 [batch, heads, n_q]" if spec.return_lse else "",
+        lse_alloc=_LSE_ALLOC if spec.return_lse else "",
+        lse_arg="lse" if spec.return_lse else "out",  # the kernel ignores the pointer when it writes no LSE
+        returns="(out, lse)" if spec.return_lse else "out",
+    )
+
+
+_LSE_ALLOC = "    lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)\n"
+
+# Checks per spec, decided here so the emitted code carries only its own case.
+_SOFTCAP_CODE = {
+    True: """\
+    if softcap is None:
+        raise ValueError("softcap: this kernel was generated with logit softcapping; pass softcap=")
+    softcap = float(softcap)""",
+    False: """\
+    if softcap is not None:
+        raise ValueError("softcap: this kernel was generated without logit softcapping")
+    softcap = 0.0""",
+}
+_WINDOW_CHECK = {
+    "none": """\
+    if window_left is not None or window_right is not None:
+        raise ValueError("window_left, window_right: this kernel was generated without a mask")
+""",
+    "causal": """\
+    if window_left is not None or window_right not in (None, 0):
+        raise ValueError("window_left, window_right: this kernel was generated causal (left unbounded, right 0)")
+""",
+    "window": "",
+}
+
+_STANDALONE = string.Template('''
+
+# ---- Standalone entry point, written by `tilegen emit --tuned` ---------------------------
+# Tuned configs for $device (template $template_hash, Triton $triton_version).
+# A call is bucketed by max(n_q, n_k) (bucket_of). It runs the config of that bucket when
+# tuned, else of the tuned bucket nearest to it (nearest_bucket), else the heuristic default
+# of DEFAULTS, a list of (largest bucket, config) ending in None: the rules and the code of
+# tilegen's own dispatch.
+# Under Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) bf16 dots come out wrong; tilegen
+# mends the interpreter at run time, this module does not, so interpret fp16 or fp32 only.
+import math
+
+import torch
+
+TUNED = $tuned
+DEFAULTS = $defaults
+MASK = $mask
+DTYPE = $dtype
+
+
+$bucket_rule
+
+
+$launch_window
+
+
+def config_for(n):
+    """The launch config for a call whose longer sequence has ``n`` tokens."""
+    bucket = bucket_of(n)
+    if not TUNED:
+        return next(config for largest, config in DEFAULTS if largest is None or bucket <= largest)
+    return TUNED[nearest_bucket(bucket, TUNED)]
+
+
+def attention(q, k, v, *, scale=None, softcap=None, window_left=None, window_right=None):
+    """$spec_name on [batch, heads, seq, dim] tensors: returns out$lse_doc.
+
+    ``window_left``/``window_right`` bound the keys around the bottom-right aligned
+    diagonal (None: unbounded); ``scale`` defaults to 1/sqrt(head_dim).
+    """
+    batch, heads, n_q, dim = q.shape
+    n_k = k.shape[2]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != DTYPE:
+            raise TypeError("%s: expected %s, got %s" % (name, DTYPE, t.dtype))
+    if dim != HEAD_DIM or v.shape[3] != HEAD_DIM_V or heads != k.shape[1] * Q_PER_KV:
+        raise ValueError(
+            "q, k, v: expected head dims %d/%d and %d query heads per KV head, got shapes %s, %s, %s"
+            % (HEAD_DIM, HEAD_DIM_V, Q_PER_KV, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        )
+    scale = 1.0 / math.sqrt(int(HEAD_DIM)) if scale is None else float(scale)
+$softcap_code
+$window_check    left, right = launch_window(MASK, window_left, window_right, n_q, n_k)
+    out = q.new_empty(batch, heads, n_q, int(HEAD_DIM_V))  # int(): the kernel's globals are tl.constexpr
+$lse_alloc    if out.numel():
+        launch(
+            q, k, v, out, $lse_arg, scale=scale, softcap=softcap, window_left=left, window_right=right,
+            **config_for(max(n_q, n_k)),
+        )
+    return $returns
+''')

@@ -1,0 +1,204 @@
+"""What a kernel family is: the contract between one kernel and the rest of the compiler.
+
+A family bundles its spec type, its template, its lowering, its frozen ``Config`` type
+with a search space and a feasibility rule, a heuristic default, a bucket rule, and a
+``Problem`` that makes fresh inputs for a bucket and checks an output against the
+family's reference. Codegen, tuning, the database, dispatch and the CLI see families
+only through this interface (``tilegen.families.family_of``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from tilegen.device import DeviceInfo
+from tilegen.dtypes import TORCH_DTYPES
+from tilegen.families.buckets import Buckets
+from tilegen.ir import Spec
+
+__all__ = ["Config", "ConfigError", "Family", "Problem", "TOLERANCE", "relative_error"]
+
+#: Largest relative Frobenius error an output may show against its reference, by spec dtype.
+TOLERANCE = {"fp16": 1e-2, "bf16": 1e-2, "fp32": 1e-4}
+
+
+class ConfigError(ValueError):
+    """A config value that the kernel cannot take, naming the knob."""
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """Launch parameters of one kernel: positive ints, one field per knob.
+
+    A config's identity is its canonical JSON (``to_json``): two configs that differ in
+    any knob are two trials and two rows. ``str`` is only a short label for people.
+    """
+
+    def to_dict(self) -> dict[str, int]:
+        """The knobs by name; the names are the generated launcher's keyword arguments."""
+        # Not dataclasses.asdict: its deep copy costs microseconds on a per-call path.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def knobs(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        names = cls.knobs()
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected an object, got {data!r}")
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown knob; known: {', '.join(names)}")
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ConfigError(f"{missing[0]}: missing")
+        for n in names:
+            if isinstance(data[n], bool) or not isinstance(data[n], int) or data[n] < 1:
+                raise ConfigError(f"{n}: expected a positive int, got {data[n]!r}")
+        return cls(**{n: data[n] for n in names})
+
+    def __str__(self) -> str:
+        return "-".join(f"{name}{value}" for name, value in self.to_dict().items())
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(||out - ref|| / ||ref||, max |out - ref|)`` in ``ref``'s dtype; ``inf`` for any NaN in ``out``."""
+    if torch.isnan(out).any():
+        return float("inf"), float("inf")
+    diff = out.to(ref.dtype) - ref
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    return float(diff.norm() / ref.norm().clamp_min(1e-30)), float(diff.abs().max())
+
+
+class Problem(abc.ABC):
+    """One bucket's measurement problem on one kind of device: inputs, launch, check, cost.
+
+    Instances are pickled to the tuning worker, so they hold plain values only.
+    """
+
+    spec: Spec
+    on_gpu: bool
+
+    @abc.abstractmethod
+    def inputs(self, seed: int) -> Any:
+        """Fresh random inputs (never zeros, so a kernel that skips work shows)."""
+
+    @abc.abstractmethod
+    def outputs(self, inputs: Any) -> Any:
+        """Output buffers poisoned with NaN, the main output first: any element the kernel leaves
+        unwritten fails the check."""
+
+    @abc.abstractmethod
+    def launch(self, module: ModuleType, config: Config, inputs: Any, outputs: Any) -> None:
+        """Run the generated kernel once, writing ``outputs``."""
+
+    @abc.abstractmethod
+    def check(self, inputs: Any, outputs: Any) -> tuple[float, float]:
+        """``(relative error, max abs error)`` of ``outputs`` against the family's reference; ``inf`` on NaN."""
+
+    @abc.abstractmethod
+    def flops(self) -> float:
+        """Floating-point operations one launch must do."""
+
+    @abc.abstractmethod
+    def bytes_moved(self) -> float:
+        """The least bytes one launch must read and write."""
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE[self.spec.dtype]
+
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.spec.dtype]
+
+
+class Family(abc.ABC):
+    """One kernel family. Subclasses are stateless singletons, registered once.
+
+    Class attributes:
+        name: the registry's name, also the spec type's ``family`` and the JSON ``"family"``.
+        spec_type, config_type: the family's frozen dataclasses.
+        template: the Jinja template that renders the kernel and its ``launch`` function.
+        template_dir: the folder holding ``template``; ``None`` is tilegen's own ``templates/``.
+            Shared pieces (``common/...``) always resolve from tilegen's ``templates/``.
+        buckets: what a tuning bucket means for this family, and the nearest-bucket rule.
+        presets: named specs users tune most (``tilegen tune --preset NAME``).
+    """
+
+    name: ClassVar[str]
+    spec_type: ClassVar[type[Spec]]
+    config_type: ClassVar[type[Config]]
+    template: ClassVar[str]
+    template_dir: ClassVar[Path | None] = None
+    buckets: ClassVar[Buckets]
+    presets: ClassVar[dict[str, Spec]] = {}
+
+    @abc.abstractmethod
+    def lower(self, spec: Spec) -> dict[str, Any]:
+        """Decide everything about the generated source; return the template's values."""
+
+    @abc.abstractmethod
+    def search_space(self, spec: Spec, device: DeviceInfo) -> dict[str, list[int]]:
+        """Every knob and its values; ``feasible`` then removes what the kernel cannot run."""
+
+    @abc.abstractmethod
+    def feasible(self, spec: Spec, config: Config, device: DeviceInfo) -> str | None:
+        """``None`` when the kernel can run ``config``, else the reason it cannot."""
+
+    @abc.abstractmethod
+    def default_rule(self, spec: Spec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        """Heuristic defaults as ``[(largest bucket, config), ...]``, ending with ``None`` (every larger bucket)."""
+
+    @abc.abstractmethod
+    def problem(self, spec: Spec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
+        """The problem a tuning trial at ``bucket`` measures; ``shape`` overrides family-specific
+        sizes (a benchmark's batch and head count, say)."""
+
+    def candidates(self, spec: Spec, device: DeviceInfo) -> list[Config]:
+        """The feasible part of the search space, in a stable order."""
+        space = self.search_space(spec, device)
+        names = self.config_type.knobs()
+        grid = itertools.product(*(space[n] for n in names))
+        configs = [self.config_type(**dict(zip(names, values))) for values in grid]
+        return [c for c in configs if self.feasible(spec, c, device) is None]
+
+    def default_config(self, spec: Spec, device: DeviceInfo, bucket: int) -> Config:
+        """The heuristic config for a bucket with no tuned entry (see ``default_rule``)."""
+        for largest, config in self.default_rule(spec, device):
+            if largest is None or bucket <= largest:
+                return config
+        raise AssertionError(f"{self.name}: default_rule must end with a None bound")
+
+    def standalone_entry_point(
+        self, spec: Spec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,
+        template_hash: str, triton_version: str,
+    ) -> str:
+        """Source appended by ``tilegen emit --tuned``: the tuned table (config and source file by
+        bucket), the bucket rule and an entry point, so the module runs with torch and triton alone."""
+        raise NotImplementedError(f"family {self.name!r} has no standalone entry point for `emit --tuned`")
+
+    def __repr__(self) -> str:
+        return f"<kernel family {self.name}>"
+
+    def __eq__(self, other: object) -> bool:
+        # Stateless: every instance of a family class is the same family (the tuning worker unpickles copies).
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
