@@ -24,7 +24,7 @@ from tilegen import dispatch
 from tilegen.cli import app
 from tilegen.codegen import module_for, render, source_for
 from tilegen.db import TuningDB, tuned_rows
-from tilegen.device import CPU_INTERPRETER
+from tilegen.device import device_info
 from tilegen.families import (
     families,
     family_of,
@@ -40,6 +40,7 @@ from tilegen.tuning import Tuner
 register(FAMILY)  # the one line that adds the family
 
 SPEC = RowSoftmaxSpec(dtype="fp32")
+DEVICE = device_info()  # the interpreter without a GPU
 
 
 # ------------------------------------------------------------------------------ registry
@@ -97,8 +98,8 @@ def test_the_family_renders_from_its_own_folder_with_a_shared_piece():
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log-softmax"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (3, 257), (2, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_the_op_matches_its_reference(shape, dtype, log):
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+def test_the_op_matches_its_reference(shape, dtype, log, device):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3).to(device=device, dtype=dtype)
     out = row_softmax(x, log=log)
     assert torch.isfinite(out).all()
     error, _ = relative_error(out, softmax_reference(x, log=log))  # inf on any NaN
@@ -106,12 +107,12 @@ def test_the_op_matches_its_reference(shape, dtype, log):
 
 
 def test_the_problem_poisons_its_outputs_and_checks_them():
-    problem = FAMILY.problem(SPEC, 64, on_gpu=False)
+    problem = FAMILY.problem(SPEC, 64, on_gpu=not DEVICE.is_interpreter)
     x = problem.inputs(seed=0)
     outputs = problem.outputs(x)
     assert torch.isnan(outputs[0]).all()
     assert problem.check(x, outputs) == (math.inf, math.inf)  # an unwritten output never passes
-    problem.launch(module_for(SPEC), FAMILY.default_config(SPEC, CPU_INTERPRETER, 64), x, outputs)
+    problem.launch(module_for(SPEC), FAMILY.default_config(SPEC, DEVICE, 64), x, outputs)
     error, _ = problem.check(x, outputs)
     assert error < problem.tolerance
 
@@ -123,20 +124,20 @@ def tuned_db(tmp_path, monkeypatch):
     """A database the family was tuned into, in a real tuning worker, at the bucket of 40 columns."""
     path = tmp_path / "tuning.sqlite"
     monkeypatch.setenv("TILEGEN_DB", str(path))
-    with TuningDB(path) as db, Tuner(db, CPU_INTERPRETER, trials=3) as tuner:
+    with TuningDB(path) as db, Tuner(db, DEVICE, trials=3) as tuner:
         result = tuner.tune(SPEC, FAMILY.buckets.of(40))
     assert result.best is not None and result.statuses["ok"] == 3
     return path, result
 
 
-def test_tuned_rows_reach_dispatch_and_the_op(tuned_db):
+def test_tuned_rows_reach_dispatch_and_the_op(tuned_db, device):
     path, result = tuned_db
-    rows = tuned_rows(**TuningKey.current(SPEC, CPU_INTERPRETER).variant_fields())
+    rows = tuned_rows(**TuningKey.current(SPEC, DEVICE).variant_fields())
     assert rows == {64: (result.best.config, str(path))}
     dispatch.reset()
-    choice = dispatch.table_for(SPEC, CPU_INTERPRETER).choose(40)
+    choice = dispatch.table_for(SPEC, DEVICE).choose(40)
     assert (choice.config, choice.source, choice.bucket) == (result.best.config, str(path), 64)
-    x = torch.randn(3, 40)
+    x = torch.randn(3, 40, device=device)
     torch.testing.assert_close(row_softmax(x), torch.softmax(x, -1))
 
 
