@@ -36,6 +36,7 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         "softcap": spec.softcap,
         "return_lse": spec.return_lse,
         "heavy_tiles_first": spec.mask != "none",
+        "layout": "dense",
         # fp32 inputs must not silently drop to tf32 inside tl.dot.
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
     }
