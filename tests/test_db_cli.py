@@ -272,3 +272,33 @@ def test_emit_tuned_module_runs_without_tilegen_and_matches_the_reference(emitte
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert (lse.double() - ref_lse)[finite].abs().max() < 1e-5
+
+
+def test_emit_tuned_bf16_module_is_right_under_the_interpreter(tmp_path):
+    # bf16 is what the interpreter gets wrong unmended (dots on raw bits, truncating casts).
+    spec = AttentionSpec(head_dim=32, mask="causal", dtype="bf16")
+    db = tmp_path / "empty.sqlite"
+    TuningDB(db).close()
+    module = tmp_path / "bf16_attention.py"
+    result = invoke("emit", "--tuned", "--db", db, "--spec", spec.to_json(), "-o", module)
+    assert result.exit_code == 0, result.output
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).bfloat16() for _ in range(3))
+    torch.save((q, k, v), tmp_path / "inputs.pt")
+    script = textwrap.dedent(
+        """
+        import torch
+        import bf16_attention as m
+        q, k, v = torch.load("inputs.pt")
+        torch.save(m.attention(q, k, v), "outputs.pt")
+        """
+    )
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    environment["TRITON_INTERPRET"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = torch.load(tmp_path / "outputs.pt")
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2

@@ -1,52 +1,115 @@
-"""Fixes for Triton's CPU interpreter, applied only when ``TRITON_INTERPRET=1``.
+"""Fixes for Triton's CPU interpreter, applied only when ``TRITON_INTERPRET=1`` and only where needed.
 
-Triton 3.6's interpreter stores bfloat16 as raw uint16 bits and hands those bits
-straight to ``np.matmul`` in ``tl.dot``, so every bf16 dot returns garbage; and it
-truncates fp32 -> bf16 casts where the GPU rounds to nearest even. The generated
-kernels must stay the ones the GPU compiles, so the interpreter is mended instead:
-bf16 dot operands are widened to fp32 (exact) and the cast rounds as the GPU does.
+Two interpreter bugs matter to tilegen's kernels; Triton 3.6.0 and 3.8.0 both have them:
+
+- ``tl.dot`` hands bfloat16 operands, stored as raw uint16 bits, straight to ``np.matmul``,
+  so every bf16 dot returns garbage;
+- fp32 -> bf16 casts truncate where the GPU rounds to nearest even.
+
+The generated kernels must stay the ones the GPU compiles, so the interpreter is mended
+instead: bf16 dot operands are widened to fp32 (exact) and the cast rounds as the GPU
+does. Each fix is applied only when a probe on the installed Triton shows its bug, so a
+Triton that fixes one keeps its own code.
+
+``mend_interpreter`` imports nothing from tilegen: ``tilegen emit --tuned`` copies its
+source into standalone modules, which must run right under the interpreter too.
 """
 
 from __future__ import annotations
 
 import functools
 
-__all__ = ["patch_interpreter"]
+__all__ = ["InterpreterSetupError", "check_interpreter", "mend_interpreter", "patch_interpreter"]
+
+
+class InterpreterSetupError(RuntimeError):
+    """``TRITON_INTERPRET=1`` was set after Triton was imported: its kernels cannot run."""
+
+
+def check_interpreter() -> None:
+    """Raise ``InterpreterSetupError`` when Triton was imported before ``TRITON_INTERPRET=1`` was set.
+
+    Triton decides at import time whether its own library functions (``tl.max``, ``tl.sum``,
+    ...) are compiled or interpreted; set afterwards, an interpreted kernel calls compiled
+    ones and fails with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        raise InterpreterSetupError(
+            "TRITON_INTERPRET=1 was set after triton was imported (import tilegen imports it), so Triton "
+            "cannot interpret kernels in this process. Set it before the first import: run "
+            "`TRITON_INTERPRET=1 python ...`, or put os.environ[\"TRITON_INTERPRET\"] = \"1\" above `import tilegen`"
+        )
 
 
 @functools.cache
-def patch_interpreter() -> None:
+def patch_interpreter() -> tuple[str, ...]:
+    """Check the interpreter can run kernels, then mend it; returns the fixes applied (once per process)."""
+    check_interpreter()
+    return mend_interpreter()
+
+
+def mend_interpreter() -> tuple[str, ...]:
+    """Apply each fix whose bug the installed Triton's interpreter shows; returns their names."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter.InterpreterBuilder.create_dot
+    builder = interpreter.InterpreterBuilder
+    handle = interpreter.TensorHandle
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
-            a = _widen(a)
-            b = _widen(b)
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def _widen(t):
+    def widen(t):
         if t.dtype.scalar != tl.bfloat16:
             return t
         data = (np.asarray(t.data, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
+        return handle(data, tl.float32)
 
-    original_cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interpreter.TensorHandle(_fp32_to_bf16_bits(np.asarray(src.data, np.float32)), tl.bfloat16)
-        return original_cast(self, src, dst_type)
-
-    def _fp32_to_bf16_bits(x):
+    def fp32_to_bf16_bits(x):
         # Round to nearest even on the bit pattern; the carry runs into the exponent
-        # as it must (Triton's own converter drops it). NaN stays a quiet NaN.
+        # as it must. NaN stays a quiet NaN.
         bits = x.view(np.uint32).astype(np.uint64)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
+    def dot_is_wrong() -> bool:
+        one = handle(np.array([[0x3F80]], np.uint16), tl.bfloat16)  # bf16 1.0
+        acc = handle(np.zeros((1, 1), np.float32), tl.float32)
+        try:
+            out = builder.create_dot(builder(), one, one, acc, None, None)
+        except Exception:  # a changed signature: the probe cannot tell, so leave it alone
+            return False
+        return float(np.asarray(out.data, np.float32).reshape(-1)[0]) != 1.0
+
+    def cast_is_wrong() -> bool:
+        # 0x3F80FFFF lies nearer bf16 0x3F81 than 0x3F80; truncation gives 0x3F80.
+        src = handle(np.array([0x3F80FFFF], np.uint32).view(np.float32), tl.float32)
+        try:
+            out = builder.cast_impl(builder(), src, tl.bfloat16)
+        except Exception:
+            return False
+        return int(np.asarray(out.data).view(np.uint16)[0]) != 0x3F81
+
+    applied = []
+    if dot_is_wrong():
+        original_dot = builder.create_dot
+
+        def create_dot(self, a, b, *rest, **kwargs):
+            if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+                a, b = widen(a), widen(b)
+            return original_dot(self, a, b, *rest, **kwargs)
+
+        builder.create_dot = create_dot
+        applied.append("bf16-dot")
+    if cast_is_wrong():
+        original_cast = builder.cast_impl
+
+        def cast_impl(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                return handle(fp32_to_bf16_bits(np.asarray(src.data, np.float32)), tl.bfloat16)
+            return original_cast(self, src, dst_type)
+
+        builder.cast_impl = cast_impl
+        applied.append("bf16-cast")
+    return tuple(applied)

@@ -16,6 +16,7 @@ from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.buckets import Buckets
+from tilegen.interpreter import mend_interpreter
 
 __all__ = ["entry_point"]
 
@@ -33,6 +34,7 @@ def entry_point(
         defaults=repr([(largest, config.to_dict()) for largest, config in defaults]),
         bucket_rule=buckets.source(),
         launch_window=inspect.getsource(launch_window),
+        mend_interpreter=inspect.getsource(mend_interpreter),
         mask=repr(spec.mask),
         dtype=str(TORCH_DTYPES[spec.dtype]),
         spec_name=spec.name,
@@ -78,9 +80,11 @@ _STANDALONE = string.Template('''
 # tuned, else of the tuned bucket nearest to it (nearest_bucket), else the heuristic default
 # of DEFAULTS, a list of (largest bucket, config) ending in None: the rules and the code of
 # tilegen's own dispatch.
-# Under Triton 3.6's CPU interpreter (TRITON_INTERPRET=1) bf16 dots come out wrong; tilegen
-# mends the interpreter at run time, this module does not, so interpret fp16 or fp32 only.
+# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come
+# out wrong (3.6.0 through 3.8.0 at least): mend_interpreter, tilegen's own fix, mends each
+# bug that the installed Triton shows when this module is imported.
 import math
+import os
 
 import torch
 
@@ -94,6 +98,13 @@ $bucket_rule
 
 
 $launch_window
+
+
+$mend_interpreter
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    mend_interpreter()
 
 
 def config_for(n):

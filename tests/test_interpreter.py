@@ -1,0 +1,64 @@
+"""Triton's CPU interpreter: tilegen's fixes go in only where the installed Triton needs them,
+and setting TRITON_INTERPRET=1 too late ends in an error that says what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tilegen.env import interpreting
+from tilegen.interpreter import mend_interpreter, patch_interpreter
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no GPU)")
+
+
+@triton.jit
+def _dot_and_cast(A, B, C, D, N: tl.constexpr):
+    r = tl.arange(0, N)
+    a = tl.load(A + r[:, None] * N + r[None, :])
+    b = tl.load(B + r[:, None] * N + r[None, :])
+    c = tl.dot(a, b)
+    tl.store(C + r[:, None] * N + r[None, :], c)
+    tl.store(D + r[:, None] * N + r[None, :], c.to(tl.bfloat16))
+
+
+def test_bf16_dot_and_cast_match_torch_once_mended():
+    patch_interpreter()
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=gen).bfloat16() for _ in range(2))
+    c, d = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    _dot_and_cast[(1,)](a, b, c, d, 16)
+    expected = a.float() @ b.float()
+    assert torch.allclose(c, expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(d, c.bfloat16())  # round to nearest even, as the GPU casts
+
+
+def test_a_mended_interpreter_needs_no_further_fix():
+    patch_interpreter()
+    assert mend_interpreter() == ()  # the probes now find both bugs gone
+
+
+def test_setting_triton_interpret_after_import_says_what_to_do():
+    script = textwrap.dedent(
+        """
+        import os, torch, tilegen
+        os.environ["TRITON_INTERPRET"] = "1"
+        q = torch.randn(1, 1, 16, 16)
+        tilegen.attention(q, q, q)
+        """
+    )
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in done.stderr
+    assert "above `import tilegen`" in done.stderr
