@@ -47,7 +47,7 @@ DEVICE = device_info()  # the interpreter without a GPU
 
 def test_the_registry_finds_the_family_by_spec_name_and_json():
     assert family_of(SPEC) is get("row_softmax") is FAMILY
-    assert [f.name for f in families()][:2] == ["attention_fwd", "row_softmax"]
+    assert families()[0].name == "attention_fwd" and "row_softmax" in [f.name for f in families()]
     back = spec_from_json(SPEC.to_json())
     assert type(back) is RowSoftmaxSpec and back == SPEC and back.hash == SPEC.hash
     assert json.loads(SPEC.to_json()) == {"family": "row_softmax", "ir_version": 1, "dtype": "fp32"}

@@ -9,5 +9,17 @@ __version__ = "0.1.0"
 from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
 from tilegen.ir import SpecError, spec_from_json  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
+from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
+from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 
-__all__ = ["AttentionSpec", "SpecError", "attention", "explain", "spec_from_json", "__version__"]
+__all__ = [
+    "AttentionSpec",
+    "PagedAttention",
+    "PagedKVCache",
+    "SpecError",
+    "attention",
+    "explain",
+    "spec_from_json",
+    "varlen_attention",
+    "__version__",
+]

@@ -34,5 +34,7 @@ __all__ = [
 ]
 
 from tilegen.families.attention_fwd import AttentionFwd  # noqa: E402
+from tilegen.families.attention_varlen import AttentionVarlen  # noqa: E402
 
 register(AttentionFwd())
+register(AttentionVarlen())

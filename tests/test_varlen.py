@@ -1,0 +1,322 @@
+"""Ragged and paged attention against the float64 reference, gathered per sequence.
+
+Every output buffer starts as NaN (an unwritten element fails), unused pages and the unused
+slots of last pages are NaN too (a kernel that reads outside its pages fails), pages sit in
+shuffled order, and lengths are mixed so that none is a multiple of a block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tilegen
+from tilegen.families import relative_error
+from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+LSE_TOL = 1e-4
+
+
+def _cu(lengths, device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def _randn(gen, *shape, dtype, device):
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    error, _ = relative_error(out, ref)
+    assert error < TOL[dtype], f"relative error {error:.2e}"
+    if lse is not None:
+        assert not torch.isnan(lse).any()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse must be -inf exactly on empty rows"
+        seen = torch.isfinite(ref_lse)
+        if seen.any():
+            assert (lse.double()[seen] - ref_lse[seen]).abs().max() < LSE_TOL
+
+
+# ------------------------------------------------------------------------------- ragged
+
+RAGGED = [
+    pytest.param([17, 0, 1, 40, 5], {}, torch.float32, 1, id="fp32-mha-full-empty-and-single"),
+    pytest.param([33, 1, 0, 20], {"causal": True}, torch.bfloat16, 4, id="bf16-gqa4-causal"),
+    pytest.param([0, 9, 50], {"window": (7, 3)}, torch.float16, 8, id="fp16-gqa8-window"),
+    pytest.param([21, 2], {"causal": True, "softcap": 5.0, "scale": 0.3}, torch.float32, 2, id="fp32-softcap-scale"),
+]
+
+
+@pytest.mark.parametrize("lengths, kwargs, dtype, group", RAGGED)
+def test_ragged_matches_reference(lengths, kwargs, dtype, group, device):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    kv_heads, dim = 2, 64
+    k_lens = [n + (3 if i % 2 else 0) for i, n in enumerate(lengths)]  # queries shorter than keys for some
+    q = _randn(gen, sum(lengths), kv_heads * group, dim, dtype=dtype, device=device)
+    k = _randn(gen, sum(k_lens), kv_heads, dim, dtype=dtype, device=device)
+    v = _randn(gen, sum(k_lens), kv_heads, 40, dtype=dtype, device=device)  # a V dim of its own
+    cu_q, cu_k = _cu(lengths, device), _cu(k_lens, device)
+    out = torch.full((q.shape[0], q.shape[1], 40), math.nan, dtype=dtype, device=device)
+    result, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), return_lse=True, out=out,
+                                           **kwargs)
+    assert result is out
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), **kwargs)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    extra=st.integers(0, 9),
+    causal=st.booleans(),
+    group=st.sampled_from([1, 4]),
+)
+def test_ragged_hypothesis_batches(lengths, extra, causal, group, device):
+    gen = torch.Generator().manual_seed(len(lengths) * 100 + extra)
+    k_lens = [n + extra for n in lengths]
+    q = _randn(gen, sum(lengths), 2 * group, 32, dtype=torch.float32, device=device)
+    k = _randn(gen, sum(k_lens), 2, 32, dtype=torch.float32, device=device)
+    v = _randn(gen, sum(k_lens), 2, 32, dtype=torch.float32, device=device)
+    cu_q, cu_k = _cu(lengths, device), _cu(k_lens, device)
+    out, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), causal=causal, return_lse=True)
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), causal=causal)
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+# -------------------------------------------------------------------------------- paged
+
+def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):
+    """A cache holding ``k_lens`` tokens per sequence in shuffled pages; every unused slot is NaN."""
+    counts = [math.ceil(n / page_size) for n in k_lens]
+    num_pages = sum(counts) + spare
+    k_pages = torch.full((num_pages, page_size, kv_heads, dim), math.nan, dtype=dtype, device=device)
+    v_pages = torch.full_like(k_pages, math.nan)
+    order = torch.randperm(num_pages, generator=gen)
+    # Entries past a sequence's pages hold garbage, as a vLLM block table may.
+    block_table = torch.full((len(k_lens), max([*counts, 1]) + 1), num_pages + 7, dtype=torch.int32)
+    used = 0
+    for b, (n, count) in enumerate(zip(k_lens, counts)):
+        for i in range(count):
+            page = int(order[used])
+            used += 1
+            block_table[b, i] = page
+            held = min(page_size, n - i * page_size)
+            k_pages[page, :held] = _randn(gen, held, kv_heads, dim, dtype=dtype, device=device)
+            v_pages[page, :held] = _randn(gen, held, kv_heads, dim, dtype=dtype, device=device)
+    return tilegen.PagedKVCache.from_block_table(k_pages, v_pages, block_table.to(device),
+                                                 torch.tensor(k_lens, device=device))
+
+
+def paged_reference(q, cache, cu_q, **kwargs):
+    table = (cache.indptr.cpu(), cache.indices.cpu(), cache.last_page_len.cpu())
+    keys = [gather_pages(cache.k_pages.cpu(), *table, b) for b in range(cache.batch)]
+    values = [gather_pages(cache.v_pages.cpu(), *table, b) for b in range(cache.batch)]
+    return varlen_reference(q.cpu(), keys, values, cu_q.cpu(), **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+def test_paged_append_matches_reference(page_size, group, device):
+    """Chunked prefill: each sequence's last n_q tokens attend causally to the whole cached prefix."""
+    gen = torch.Generator().manual_seed(page_size * 10 + group)
+    k_lens = [0, 1, page_size - 1 or 2, page_size, page_size + 1, 300]
+    q_lens = [0, 1, 1, 3, page_size + 1, 7]
+    dtype = torch.bfloat16 if group == 4 else torch.float32
+    cache = make_cache(k_lens, page_size, 1 if group == 8 else 2, 32, dtype, device, gen)
+    cache.validate()
+    q = _randn(gen, sum(q_lens), cache.kv_heads * group, 32, dtype=dtype, device=device)
+    cu_q = _cu(q_lens, device)
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, cache, heads_q=q.shape[1], causal=True, return_lse=True)
+    out = torch.full_like(q, math.nan)
+    result, lse = attn.run(q, cache, out=out)
+    assert result is out
+    ref, ref_lse = paged_reference(q, cache, cu_q, causal=True)
+    _check(out.cpu(), lse.cpu(), ref, ref_lse, dtype)
+
+
+def test_one_plan_serves_every_layer(device):
+    gen = torch.Generator().manual_seed(3)
+    k_lens, q_lens = [40, 17, 5], [40, 2, 5]
+    first = make_cache(k_lens, 16, 2, 32, torch.float32, device, gen)
+    # A second layer: its own pages, the same page table.
+    second = tilegen.PagedKVCache(torch.randn_like(first.k_pages), torch.randn_like(first.v_pages), first.indptr,
+                                  first.indices, first.last_page_len)
+    cu_q = _cu(q_lens, device)
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, first, heads_q=4, window=(9, 0), max_seqlen_q=40, max_seqlen_k=40)
+    for cache in (first, second):
+        q = _randn(gen, sum(q_lens), 4, 32, dtype=torch.float32, device=device)
+        out = attn.run(q, cache)
+        ref, _ = paged_reference(q, cache, cu_q, window=(9, 0))
+        error, _ = relative_error(out.cpu(), ref)
+        assert error < 1e-4
+
+
+def test_block_table_gives_flashinfer_csr(device):
+    k_pages = torch.randn(6, 8, 1, 16, device=device)
+    table = torch.tensor([[4, 1, 5], [2, 0, 0], [3, 3, 3]], dtype=torch.int32, device=device)
+    cache = tilegen.PagedKVCache.from_block_table(k_pages, k_pages.clone(), table, torch.tensor([17, 8, 0]))
+    assert cache.indptr.tolist() == [0, 3, 4, 4]
+    assert cache.indices.tolist() == [4, 1, 5, 2]
+    assert cache.last_page_len.tolist() == [1, 8, 0]
+    assert cache.seq_lens().tolist() == [17, 8, 0]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def _ragged_args(device):
+    q = torch.randn(10, 4, 32, device=device)
+    k = torch.randn(12, 2, 32, device=device)
+    cu_q, cu_k = _cu([4, 6], device), _cu([5, 7], device)
+    return q, k, k.clone(), cu_q, cu_k, 6, 7
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        pytest.param({3: "int64"}, "cu_seqlens_q", id="cu-seqlens-dtype"),
+        pytest.param({4: "short"}, "cu_seqlens_k", id="cu-seqlens-length"),
+        pytest.param({5: -1}, "max_seqlen_q", id="negative-max"),
+        pytest.param({6: 7.0}, "max_seqlen_k", id="max-not-an-int"),
+        pytest.param({0: "heads3"}, "query heads", id="heads-not-a-multiple"),
+        pytest.param({2: "fp16"}, "v:", id="dtype-mismatch"),
+        pytest.param({0: "2d"}, "q:", id="q-rank"),
+    ],
+)
+def test_ragged_bad_input_names_the_argument(change, needle, device):
+    args = list(_ragged_args(device))
+    for index, what in change.items():
+        if what == "int64":
+            args[index] = args[index].long()
+        elif what == "short":
+            args[index] = args[index][:2]
+        elif what == "heads3":
+            args[index] = torch.randn(10, 3, 32, device=device)
+        elif what == "fp16":
+            args[index] = args[index].half()
+        elif what == "2d":
+            args[index] = args[index][:, 0]
+        else:
+            args[index] = what
+    with pytest.raises((ValueError, TypeError), match=needle):
+        tilegen.varlen_attention(*args)
+
+
+@pytest.mark.parametrize(
+    "cu_q, needle",
+    [
+        pytest.param([1, 4, 10], "must start at 0", id="not-from-zero"),
+        pytest.param([0, 7, 4], "must not decrease", id="not-monotone"),
+        pytest.param([0, 4, 9], "ends at 9", id="disagrees-with-q"),
+    ],
+)
+def test_debug_mode_checks_cu_seqlens_on_the_device(cu_q, needle, device, monkeypatch):
+    q, k, v, _, cu_k, _, max_k = _ragged_args(device)
+    cu = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    with pytest.raises(ValueError, match=needle):
+        tilegen.varlen_attention(q, k, v, cu, cu_k, 7, max_k)
+
+
+def test_debug_mode_checks_lengths_against_max_seqlen(device, monkeypatch):
+    q, k, v, cu_q, cu_k, _, max_k = _ragged_args(device)
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    with pytest.raises(ValueError, match="exceeds max_seqlen 5"):
+        tilegen.varlen_attention(q, k, v, cu_q, cu_k, 5, max_k)
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        pytest.param("indices", [0, 9], "outside the cache", id="page-outside"),
+        pytest.param("last_page_len", [9, 1], "last_page_len", id="last-page-too-long"),
+        pytest.param("last_page_len", [0, 1], "last_page_len", id="last-page-empty"),
+        pytest.param("indptr", [0, 2, 1], "non-decreasing", id="indptr-decreasing"),
+        pytest.param("indptr", [1, 1, 2], "start at 0", id="indptr-not-from-zero"),
+    ],
+)
+def test_cache_validation_names_the_field(field, value, needle, device):
+    pages = torch.randn(4, 8, 1, 16, device=device)
+    tables = {"indptr": [0, 1, 2], "indices": [0, 3], "last_page_len": [8, 1]}
+    tables[field] = value
+    cache = tilegen.PagedKVCache(pages, pages.clone(), *(torch.tensor(tables[n], dtype=torch.int32, device=device)
+                                                         for n in ("indptr", "indices", "last_page_len")))
+    with pytest.raises(ValueError, match=needle):
+        cache.validate()
+
+
+def test_cache_construction_checks_shapes_and_page_size(device):
+    i32 = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="page size 12 is not supported"):
+        tilegen.PagedKVCache(torch.randn(2, 12, 1, 16, device=device), torch.randn(2, 12, 1, 16, device=device),
+                             i32, i32, i32[:1])
+    with pytest.raises(ValueError, match="v_pages"):
+        tilegen.PagedKVCache(torch.randn(2, 8, 1, 16, device=device), torch.randn(2, 8, 2, 16, device=device),
+                             i32, i32, i32[:1])
+    with pytest.raises(ValueError, match="last_page_len: expected 1"):
+        tilegen.PagedKVCache(torch.randn(2, 8, 1, 16, device=device), torch.randn(2, 8, 1, 16, device=device),
+                             i32, i32, i32)
+    with pytest.raises(ValueError, match="indptr: expected a 1-d int32"):
+        tilegen.PagedKVCache(torch.randn(2, 8, 1, 16, device=device), torch.randn(2, 8, 1, 16, device=device),
+                             i32.long(), i32, i32[:1])
+
+
+def test_paged_run_checks_q_and_cache_against_the_plan(device):
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache([20, 3], 16, 2, 32, torch.float32, device, gen)
+    attn = tilegen.PagedAttention()
+    with pytest.raises(RuntimeError, match="plan"):
+        attn.run(torch.randn(3, 4, 32, device=device), cache)
+    with pytest.raises(ValueError, match="heads_q"):
+        attn.plan(_cu([2, 1], device), cache, heads_q=3)
+    with pytest.raises(ValueError, match="cu_seqlens_q: 4 entries"):
+        attn.plan(_cu([2, 1, 1], device), cache, heads_q=4)
+    attn.plan(_cu([2, 1], device), cache, heads_q=4)
+    with pytest.raises(ValueError, match=r"q: expected \[total_q, 4, 32\]"):
+        attn.run(torch.randn(3, 2, 32, device=device), cache)
+    with pytest.raises(ValueError, match="q: torch.float16"):
+        attn.run(torch.randn(3, 4, 32, device=device).half(), cache)
+    other = make_cache([20, 3], 8, 2, 32, torch.float32, device, gen)
+    with pytest.raises(ValueError, match="cache: page size"):
+        attn.run(torch.randn(3, 4, 32, device=device), other)
+
+
+def test_debug_plan_refuses_more_queries_than_cached_tokens(device, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache([4, 3], 16, 2, 32, torch.float32, device, gen)
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    with pytest.raises(ValueError, match="more new tokens than the cache holds"):
+        tilegen.PagedAttention().plan(_cu([5, 1], device), cache, heads_q=4)
+
+
+@pytest.mark.gpu
+def test_paged_run_is_capturable_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(5)
+    cache = make_cache([300, 17, 64], 16, 2, 64, torch.bfloat16, "cuda", gen)
+    cu_q = _cu([64, 17, 1], "cuda")
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, cache, heads_q=8, causal=True, max_seqlen_q=64, max_seqlen_k=300)
+    q = torch.randn(82, 8, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    attn.run(q, cache, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, cache, out=out)
+    q.copy_(torch.randn_like(q))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = paged_reference(q, cache, cu_q, causal=True)
+    error, _ = relative_error(out.cpu(), ref)
+    assert error < 1e-2

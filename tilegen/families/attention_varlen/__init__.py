@@ -1,0 +1,52 @@
+"""Attention forward over ragged batches: packed queries, keys packed alike or in a paged cache.
+
+The same fused kernel as ``attention_fwd`` (its online-softmax loop and mask ranges are
+shared template pieces), indexed by ``cu_seqlens`` per sequence; with ``kv_layout="paged"``
+keys and values are read through a page table (``tilegen.PagedKVCache``), which also
+serves chunked prefill: new tokens attending to a cached prefix, aligned bottom-right.
+Configs, search space and defaults are the dense family's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.device import DeviceInfo
+from tilegen.families.attention_fwd import config as _config
+from tilegen.families.attention_fwd.config import Config
+from tilegen.families.attention_varlen.lower import lower as _lower
+from tilegen.families.attention_varlen.problem import VarlenProblem
+from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
+from tilegen.families.base import Family
+from tilegen.families.buckets import PowerOfTwoBuckets
+
+__all__ = ["AttentionVarlen", "VarlenAttentionSpec", "VarlenProblem"]
+
+
+class AttentionVarlen(Family):
+    name = "attention_varlen"
+    spec_type = VarlenAttentionSpec
+    config_type = Config
+    template = "attention_varlen.py.jinja"
+    # The longest sequence sets how many tiles and key blocks the longest programs run.
+    buckets = PowerOfTwoBuckets("longest sequence")
+    presets = {
+        "varlen-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
+        "paged16-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
+                                             kv_layout="paged", page_size=16),
+    }
+
+    def lower(self, spec: VarlenAttentionSpec) -> dict[str, Any]:
+        return _lower(spec)
+
+    def search_space(self, spec: VarlenAttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
+        return _config.search_space(spec, device)
+
+    def feasible(self, spec: VarlenAttentionSpec, config: Config, device: DeviceInfo) -> str | None:
+        return _config.feasible(spec, config, device)
+
+    def default_rule(self, spec: VarlenAttentionSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        return _config.default_rule(spec, device)
+
+    def problem(self, spec: VarlenAttentionSpec, bucket: int, *, on_gpu: bool, **shape: Any) -> VarlenProblem:
+        return VarlenProblem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)

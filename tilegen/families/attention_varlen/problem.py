@@ -1,0 +1,193 @@
+"""What a tuning trial of ragged or paged attention measures: a mixed-length batch at a bucket."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from tilegen.families import base
+from tilegen.families.attention_fwd.config import Config
+from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.problem import visible_pairs
+from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
+from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
+
+__all__ = ["VarlenProblem", "ragged_lengths"]
+
+#: Tokens a GPU trial covers (a prefill batch that fills an H200) and its query heads.
+_GPU_TOKENS = 16384
+_GPU_HEADS = 16
+_CPU_HEADS = 2
+_CPU_MAX_SEQ = 48
+#: Score elements the reference may materialize per sequence; past it only the last rows are checked.
+_REFERENCE_BUDGET = 1 << 26
+#: Spare pages poisoned with NaN: a kernel that reads a page it was not given fails the check.
+_SPARE_PAGES = 3
+_SOFTCAP = 10.0
+
+
+def ragged_lengths(longest: int, tokens: int) -> list[int]:
+    """A deterministic mix of lengths up to ``longest`` (none of them block multiples) until ``tokens``."""
+    shapes = (1.0, 0.37, 0.81, 0.13, 0.55, 0.02)
+    lengths: list[int] = []
+    while sum(lengths) < tokens or len(lengths) < 2:
+        lengths.append(max(1, int(longest * shapes[len(lengths) % len(shapes)]) - len(lengths) % 3))
+    return lengths
+
+
+@dataclass(frozen=True)
+class VarlenProblem(base.Problem):
+    """Sequences with ``k_lens`` keys whose last ``q_lens`` tokens are the queries (prefill when equal)."""
+
+    spec: VarlenAttentionSpec
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    heads_kv: int
+    bucket: int
+    on_gpu: bool
+
+    @classmethod
+    def for_bucket(cls, spec: VarlenAttentionSpec, bucket: int, *, on_gpu: bool,
+                   q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None,
+                   heads_q: int | None = None) -> VarlenProblem:
+        heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
+        if k_lens is None:
+            longest = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ)
+            k_lens = tuple(ragged_lengths(longest, _GPU_TOKENS if on_gpu else 2 * longest))
+            if not on_gpu:
+                k_lens = (*k_lens, 0, 1)  # an empty sequence and a single token, mid-batch
+        if q_lens is None:
+            # Paged: chunked prefill, the second half of each sequence appended onto its first half.
+            q_lens = tuple(n - n // 2 if spec.kv_layout == "paged" else n for n in k_lens)
+        return cls(spec, tuple(q_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu)
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.spec.q_per_kv
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None]:
+        return {"none": (None, None), "causal": (None, 0),
+                "window": (self.bucket // 4, self.bucket // 16)}[self.spec.mask]
+
+    @property
+    def softcap(self) -> float | None:
+        return _SOFTCAP if self.spec.softcap else None
+
+    def inputs(self, seed: int) -> dict:
+        device = "cuda" if self.on_gpu else "cpu"
+        gen = torch.Generator(device).manual_seed(seed)
+        dtype = self.torch_dtype()
+        spec = self.spec
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        cu_q = _cumsum(self.q_lens, device)
+        data = {"q": randn(sum(self.q_lens), self.heads_q, spec.head_dim), "cu_q": cu_q,
+                "max_q": max(self.q_lens)}
+        if spec.kv_layout == "ragged":
+            data.update(k=randn(sum(self.k_lens), self.heads_kv, spec.head_dim),
+                        v=randn(sum(self.k_lens), self.heads_kv, spec.dv), cu_k=_cumsum(self.k_lens, device))
+            return data
+        size = spec.page_size
+        pages_per_seq = [math.ceil(n / size) for n in self.k_lens]
+        num_pages = sum(pages_per_seq) + _SPARE_PAGES
+        k_pages = torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype)
+        v_pages = torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype)
+        order = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)  # pages in shuffled order
+        indices = order[: sum(pages_per_seq)]
+        for page, (start, n) in zip(*_page_slots(pages_per_seq, self.k_lens, size)):
+            k_pages[indices[page], :n] = randn(n, self.heads_kv, spec.head_dim)
+            v_pages[indices[page], :n] = randn(n, self.heads_kv, spec.dv)
+        last = [n - (p - 1) * size if p else 0 for n, p in zip(self.k_lens, pages_per_seq)]
+        data.update(k=k_pages, v=v_pages, indptr=_cumsum(pages_per_seq, device), indices=indices.contiguous(),
+                    last=torch.tensor(last, dtype=torch.int32, device=device))
+        return data
+
+    def outputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q = inputs["q"]
+        out = torch.full((*q.shape[:2], self.spec.dv), math.nan, device=q.device, dtype=q.dtype)
+        lse = torch.full(q.shape[:2], math.nan, device=q.device) if self.spec.return_lse else None
+        return out, lse
+
+    def launch(self, module: ModuleType, config: Config, inputs: dict, outputs) -> None:
+        out, lse = outputs
+        left, right = launch_window(self.spec.mask, *self.bounds, max(self.q_lens), max(self.k_lens))
+        kv = ((inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["cu_k"])
+              if self.spec.kv_layout == "ragged" else
+              (inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["indptr"],
+               inputs["indices"], inputs["last"]))
+        module.launch(inputs["q"], *kv, inputs["max_q"], scale=1.0 / math.sqrt(self.spec.head_dim),
+                      softcap=self.softcap or 0.0, window_left=left, window_right=right, **config.to_dict())
+
+    def key_sequences(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each sequence's keys and values, contiguous."""
+        if self.spec.kv_layout == "ragged":
+            cu = inputs["cu_k"].tolist()
+            return ([inputs["k"][a:b] for a, b in zip(cu, cu[1:])], [inputs["v"][a:b] for a, b in zip(cu, cu[1:])])
+        table = (inputs["indptr"], inputs["indices"], inputs["last"])
+        n = len(self.k_lens)
+        return ([gather_pages(inputs["k"], *table, b) for b in range(n)],
+                [gather_pages(inputs["v"], *table, b) for b in range(n)])
+
+    def check(self, inputs: dict, outputs) -> tuple[float, float]:
+        """Against the reference, sequence by sequence; a long sequence keeps its last rows within the budget."""
+        out, lse = outputs
+        if torch.isnan(out).any() or (lse is not None and torch.isnan(lse).any()):
+            return math.inf, math.inf
+        k_seqs, v_seqs = self.key_sequences(inputs)
+        compute = torch.float32 if self.on_gpu else torch.float64
+        cu = inputs["cu_q"].tolist()
+        errors, worst = [], 0.0
+        left, right = self.bounds
+        for b, (start, end) in enumerate(zip(cu, cu[1:])):
+            if end == start:
+                continue
+            # Queries sit bottom-right, so the last ``rows`` queries alone see the same keys.
+            rows = min(end - start, max(1, _REFERENCE_BUDGET // (max(1, self.k_lens[b]) * self.heads_q)))
+            sl = slice(end - rows, end)
+            ref, ref_lse = varlen_reference(
+                inputs["q"][sl], [k_seqs[b]], [v_seqs[b]], torch.tensor([0, rows]),
+                causal=self.spec.mask == "causal", window=(left, right) if self.spec.mask == "window" else None,
+                softcap=self.softcap, scale=1.0 / math.sqrt(self.spec.head_dim), compute_dtype=compute,
+            )
+            error, max_error = base.relative_error(out[sl], ref)
+            if lse is not None:
+                seen = torch.isfinite(ref_lse)
+                if not torch.equal(torch.isfinite(lse[sl]), seen):
+                    return math.inf, math.inf
+                error = max(error, base.relative_error(lse[sl][seen], ref_lse[seen])[0])
+            errors.append(error)
+            worst = max(worst, max_error)
+        return (max(errors) if errors else 0.0), worst
+
+    def flops(self) -> float:
+        pairs = sum(visible_pairs(nq, nk, *self.bounds) for nq, nk in zip(self.q_lens, self.k_lens) if nq)
+        return 2.0 * self.heads_q * pairs * (self.spec.head_dim + self.spec.dv)
+
+    def bytes_moved(self) -> float:
+        elt = self.torch_dtype().itemsize
+        dims = self.spec.head_dim + self.spec.dv
+        return float((sum(self.q_lens) * self.heads_q + sum(self.k_lens) * self.heads_kv) * dims * elt)
+
+
+def _cumsum(lengths, device) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _page_slots(pages_per_seq, lengths, size):
+    """Per used page (in page-table order): its index in ``indices`` and (first token, tokens held)."""
+    pages, slots, p = [], [], 0
+    for count, n in zip(pages_per_seq, lengths):
+        for i in range(count):
+            pages.append(p)
+            slots.append((i * size, min(size, n - i * size)))
+            p += 1
+    return pages, slots

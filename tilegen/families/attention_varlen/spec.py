@@ -1,0 +1,81 @@
+"""The spec of the ragged-batch attention family: packed sequences, keys ragged or in pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tilegen.families.attention_fwd.spec import MASKS, SUPPORTED_HEAD_DIMS
+from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
+
+__all__ = ["VarlenAttentionSpec", "LAYOUTS"]
+
+LAYOUTS = ("ragged", "paged")
+PAGE_SIZES = (1, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class VarlenAttentionSpec(Spec):
+    """Attention forward over a ragged batch (FlashAttention's varlen convention).
+
+    Attributes:
+        head_dim, head_dim_v, q_per_kv, mask, softcap, return_lse: as in ``AttentionSpec``;
+            the mask is aligned bottom-right per sequence.
+        kv_layout: ``"ragged"`` (K and V packed like Q) or ``"paged"`` (``tilegen.PagedKVCache``).
+        page_size: tokens per page, for ``"paged"`` only (part of the tuning key).
+    """
+
+    family: ClassVar[str] = "attention_varlen"
+
+    head_dim: int
+    head_dim_v: int | None = None
+    q_per_kv: int = 1
+    mask: str = "none"
+    softcap: bool = False
+    kv_layout: str = "ragged"
+    page_size: int | None = None
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)
+        super().__post_init__()
+        for name in ("head_dim", "head_dim_v"):
+            value = getattr(self, name)
+            if value is None and name == "head_dim_v":
+                continue
+            check_int(name, value)
+            if value not in SUPPORTED_HEAD_DIMS:
+                raise SpecError(name, f"expected a multiple of 8 in [16, 256], got {value}")
+        check_int("q_per_kv", self.q_per_kv)
+        if self.q_per_kv < 1:
+            raise SpecError("q_per_kv", f"expected a positive integer, got {self.q_per_kv}")
+        check_choice("mask", self.mask, MASKS)
+        check_choice("kv_layout", self.kv_layout, LAYOUTS)
+        check_bool("softcap", self.softcap)
+        check_bool("return_lse", self.return_lse)
+        if self.kv_layout == "paged":
+            if self.page_size not in PAGE_SIZES or isinstance(self.page_size, bool):
+                raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
+        elif self.page_size is not None:
+            raise SpecError("page_size", f"only paged KV has pages; got {self.page_size!r} for {self.kv_layout!r}")
+
+    __hash__ = Spec.__hash__
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def name(self) -> str:
+        parts = [
+            self.family, self.dtype,
+            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
+            f"g{self.q_per_kv}", self.mask,
+        ]
+        if self.softcap:
+            parts.append("softcap")
+        parts.append(self.kv_layout + (str(self.page_size) if self.page_size else ""))
+        if self.return_lse:
+            parts.append("lse")
+        return "_".join(parts)

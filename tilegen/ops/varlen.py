@@ -1,0 +1,305 @@
+"""Ragged and paged attention: ``tilegen.varlen_attention`` and ``tilegen.PagedAttention`` (plan/run).
+
+Both run the ``attention_varlen`` family's kernel; configs come from dispatch like the dense
+op's, bucketed by the longest sequence.
+
+What is checked, and when:
+- every call, on the host (cheap, no synchronization): ranks, shapes, dtypes and devices of
+  every tensor, head counts and dims, ``cu_seqlens`` lengths against each other, the max
+  lengths as non-negative host ints, the cache's page size and heads against the plan;
+- with ``TILEGEN_DEBUG=1``, also on the device (one synchronization per call): ``cu_seqlens``
+  start at 0, never decrease, end at the packed token count, and no sequence is longer than
+  its max length; the page table's indices lie inside the cache (``PagedKVCache.validate``)
+  and no sequence has more queries than keys in the paged case.
+Without the debug checks, values that contradict the tensors (a ``cu_seqlens`` past the end,
+a length above ``max_seqlen``) give wrong results, as in FlashAttention and FlashInfer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tilegen import dispatch
+from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.env import interpreting
+from tilegen.families.attention_fwd.masks import launch_window, mask_kind, window_bounds
+from tilegen.families.attention_varlen import VarlenAttentionSpec
+from tilegen.ir import SpecError
+from tilegen.ops.kv_cache import PagedKVCache
+
+__all__ = ["varlen_attention", "PagedAttention"]
+
+_plans = dispatch.plan_cache()
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API).
+
+    Args:
+        q: ``[total_q, heads_q, head_dim]``, the batch's queries packed sequence after sequence.
+        k, v: ``[total_k, heads_kv, head_dim]`` and ``[total_k, heads_kv, head_dim_v]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``, on the inputs' device: sequence ``b``
+            owns rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Sequences of length 0 are allowed.
+        max_seqlen_q, max_seqlen_k: host ints, the longest sequence of each (size the grid
+            and pick the tuned config without reading the GPU).
+        causal, window, softcap, scale, return_lse, out: as in ``tilegen.attention``, per
+            sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
+            to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
+    """
+    key = None
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
+               cu_seqlens_k.device, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
+               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
+               window if window is None else (window.__class__, *map(type, window), *window))
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        plan = None
+    if plan is None:
+        plan = _plan_ragged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, window, softcap, scale, return_lse)
+        if key is not None:
+            _plans.put(key, plan)
+    if _debug():
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+    out = _output(plan, q, out)
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if plan.spec.return_lse else None
+    if plan.launches:
+        plan.launch(q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    **plan.launch_args)
+    elif lse is not None:
+        lse.fill_(-math.inf)
+    return (out, lse) if return_lse else out
+
+
+class PagedAttention:
+    """Prefill and append attention against a paged KV cache, FlashInfer's plan/run split.
+
+    ``plan`` takes the batch's layout once per batch (query lengths, the page table, the
+    mask and head counts) and is reused by every layer; ``run(q, cache)`` launches on one
+    layer's cache. ``run`` neither synchronizes nor reads the page table on the host, so it can
+    be captured in a CUDA graph when the planned shapes stay fixed.
+
+    Each sequence's new queries are its last ``n_q`` tokens: the cache must already hold
+    them (append their K and V first), and causal masking lets each see the whole prefix.
+
+    Example::
+
+        attn = tilegen.PagedAttention()
+        attn.plan(cu_seqlens_q, caches[0], heads_q=32, causal=True, max_seqlen_q=512)
+        for layer in range(n_layers):
+            out = attn.run(q[layer], caches[layer])
+    """
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+
+    def plan(
+        self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
+        causal: bool = False, window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
+        scale: float | None = None, return_lse: bool = False, max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+    ) -> None:
+        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each."""
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+        _check_lengths("cu_seqlens_q", cu_seqlens_q, cache.k_pages.device)
+        if cu_seqlens_q.numel() != cache.batch + 1:
+            raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.numel()} entries, but the cache's page table has "
+                             f"{cache.batch} sequences (expected {cache.batch + 1})")
+        if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
+            raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
+                             f"got {heads_q!r}")
+        dim = cache.k_pages.shape[3]
+        if head_dim is not None and head_dim != dim:
+            raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
+        seq_lens = cache.seq_lens()
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cache.batch else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens.max()) if cache.batch else 0
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            _check_max(name, value)
+        spec, left, right, scale, softcap = _prepare(
+            cache.k_pages.dtype, dim, cache.v_pages.shape[3], heads_q // cache.kv_heads, causal, window, softcap,
+            scale, return_lse, max_seqlen_q, max_seqlen_k, layout="paged", page_size=cache.page_size,
+        )
+        table = _table(spec, cache.k_pages.device)
+        config = table.choose(max(max_seqlen_q, max_seqlen_k)).config
+        self._plan = _Plan(
+            spec=spec, heads_q=heads_q, launch=table.launch, launches=max_seqlen_q > 0 and cache.batch > 0,
+            launch_args={"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                         **config.to_dict()},
+            extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
+        )
+        if _debug():
+            cache.validate()
+            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
+            if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
+                raise ValueError("cu_seqlens_q: a sequence has more new tokens than the cache holds for it")
+
+    def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
+        """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("PagedAttention.run: call plan(...) first, once per batch")
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+        spec = plan.spec
+        pages = cache.k_pages
+        if (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], SPEC_DTYPES.get(pages.dtype)) != (
+            spec.page_size, spec.head_dim, spec.dv, spec.dtype
+        ) or plan.heads_q // spec.q_per_kv != cache.kv_heads:
+            raise ValueError(f"cache: page size, heads, dims or dtype differ from the plan's ({spec.name})")
+        cu_q, indptr, indices, last, max_q, _ = plan.extra
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
+            raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
+        if q.dtype != pages.dtype or q.device != pages.device:
+            raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        out = _output(plan, q, out)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if spec.return_lse else None
+        if plan.launches and q.shape[0]:
+            plan.launch(q, pages, cache.v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last,
+                        max_q, **plan.launch_args)
+        elif lse is not None:
+            lse.fill_(-math.inf)
+        return (out, lse) if spec.return_lse else out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    spec: VarlenAttentionSpec
+    heads_q: int
+    launch: Any
+    launches: bool
+    launch_args: dict[str, Any]
+    extra: tuple = ()
+
+
+def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected [total_tokens, heads, head_dim], got {_shape(t)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: {t.dtype} on {t.device} differs from q's {q.dtype} on {q.device}")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"v: tokens and heads {tuple(v.shape[:2])} differ from k's {tuple(k.shape[:2])}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of k's {k.shape[1]} KV heads")
+    _check_lengths("cu_seqlens_q", cu_q, q.device)
+    _check_lengths("cu_seqlens_k", cu_k, q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_k: {cu_k.numel()} entries, cu_seqlens_q has {cu_q.numel()}; both are batch + 1")
+    _check_max("max_seqlen_q", max_q)
+    _check_max("max_seqlen_k", max_k)
+    spec, left, right, scale, softcap = _prepare(
+        q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], causal, window, softcap, scale, return_lse,
+        max_q, max_k, layout="ragged", page_size=None,
+    )
+    table = _table(spec, q.device)
+    config = table.choose(max(max_q, max_k)).config
+    return _Plan(spec=spec, heads_q=q.shape[1], launch=table.launch, launches=max_q > 0 and q.shape[0] > 0,
+                 launch_args={"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                              **config.to_dict()})
+
+
+def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return_lse, max_q, max_k, *, layout,
+             page_size):
+    """The spec and launch values of a call; errors name the argument."""
+    if dtype not in SPEC_DTYPES:
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
+    ):
+        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    left, right = window_bounds(window, causal)
+    mask = mask_kind(left, right)
+    spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, bool(return_lse),
+                     layout, page_size)
+    return (spec, *launch_window(mask, left, right, max_q, max_k), float(scale),
+            float(softcap) if softcap is not None else 0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, page_size) -> VarlenAttentionSpec:
+    try:
+        return VarlenAttentionSpec(head_dim=dim, head_dim_v=None if dim_v == dim else dim_v, q_per_kv=q_per_kv,
+                                   mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
+                                   kv_layout=layout, page_size=page_size)
+    except SpecError as e:
+        arg = {"head_dim": "q", "head_dim_v": "v", "page_size": "cache"}.get(e.field, e.field)
+        raise ValueError(f"{arg}: {e}") from None
+
+
+def _table(spec: VarlenAttentionSpec, device: torch.device) -> dispatch.Table:
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("q: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: device {device} is not supported; expected cuda")
+    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
+
+
+def _output(plan: _Plan, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    shape = (q.shape[0], plan.heads_q, plan.spec.dv)
+    if out is None:
+        return q.new_empty(shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
+    if out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out: expected {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+    return out
+
+
+def _check_lengths(name: str, t: Any, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.numel() < 1:
+        raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device} while the inputs are on {device}")
+
+
+def _check_max(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a host int >= 0 (the longest sequence), got {value!r}")
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_len: int) -> None:
+    """Device-side checks of TILEGEN_DEBUG=1 (one synchronization)."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: must start at 0, starts at {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name}: must not decrease")
+    if total is not None and values[-1] != total:
+        raise ValueError(f"{name}: ends at {values[-1]}, but the packed tensor has {total} tokens")
+    if lengths and max(lengths) > max_len:
+        raise ValueError(f"{name}: a sequence of {max(lengths)} tokens exceeds max_seqlen {max_len}")
+
+
+def _debug() -> bool:
+    return os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0")
+
+
+def _shape(t: Any) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
