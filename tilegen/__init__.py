@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
 from tilegen.ir import SpecError, spec_from_json  # noqa: E402
+from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
 from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
@@ -17,6 +18,7 @@ __all__ = [
     "PagedAttention",
     "PagedKVCache",
     "SpecError",
+    "append_kv",
     "attention",
     "explain",
     "spec_from_json",

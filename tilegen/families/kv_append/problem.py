@@ -1,0 +1,156 @@
+"""What a tuning trial of the append family measures: a ragged batch appended into shuffled pages.
+
+Every page starts as NaN, so the check sees both halves of the contract: the target slots
+hold the new tokens' values, and every other slot (the sequences' earlier tokens, the
+spare pages) still holds its poison. A kernel that writes outside its slots fails.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from tilegen.families import base
+from tilegen.families.kv_append.config import Config
+from tilegen.families.kv_append.reference import append_reference
+from tilegen.families.kv_append.spec import KVAppendSpec
+
+__all__ = ["Problem", "AppendInputs"]
+
+#: On a GPU a bucket appends exactly its token count, over this many sequences at most (a
+#: decode step of a large batch at the small end, chunks of prefill at the large end).
+_GPU_BATCH = 64
+_GPU_KV_HEADS = 8
+#: Under the interpreter a trial stays small: a few heads and tokens, and a token count 3 short
+#: of the bucket so that it is no multiple of any block.
+_CPU_BATCH = 5
+_CPU_KV_HEADS = 2
+_CPU_MAX_TOKENS = 40
+#: Pages no sequence owns: they must come out of the append still poisoned.
+_SPARE_PAGES = 3
+
+
+@dataclass(frozen=True)
+class AppendInputs:
+    """One batch: the page table (counting the new tokens), the new K and V, and cu_seqlens."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    num_pages: int
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Problem(base.Problem):
+    """Append ``new_tokens[b]`` tokens to sequences that hold ``context[b]`` tokens before it."""
+
+    spec: KVAppendSpec
+    kv_heads: int
+    new_tokens: tuple[int, ...]
+    context: tuple[int, ...]
+    on_gpu: bool
+
+    @classmethod
+    def for_bucket(
+        cls, spec: KVAppendSpec, bucket: int, *, on_gpu: bool, batch: int | None = None,
+        kv_heads: int | None = None, context: int | None = None,
+    ) -> Problem:
+        """``batch`` sequences share the bucket's tokens evenly on a GPU, raggedly (some get none)
+        under the interpreter; earlier context is drawn per sequence, up to a few pages, unless
+        ``context`` fixes it."""
+        rng = random.Random(bucket)
+        if on_gpu:
+            total = bucket
+            batch = batch or min(bucket, _GPU_BATCH)
+            new = [total // batch + (b < total % batch) for b in range(batch)]
+        else:
+            total = max(1, min(bucket, _CPU_MAX_TOKENS) - 3)
+            batch = batch or _CPU_BATCH
+            cuts = sorted(rng.randint(0, total) for _ in range(batch - 1))
+            new = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, total])]
+        if context is None:
+            ctx = [rng.randint(0, 4 * spec.page_size) for _ in range(batch)]
+        else:
+            ctx = [context] * batch
+        heads = kv_heads or (_GPU_KV_HEADS if on_gpu else _CPU_KV_HEADS)
+        return cls(spec, heads, tuple(new), tuple(ctx), on_gpu)
+
+    @property
+    def total_new(self) -> int:
+        return sum(self.new_tokens)
+
+    @property
+    def pages_used(self) -> int:
+        size = self.spec.page_size
+        return sum(-(-(c + n) // size) for c, n in zip(self.context, self.new_tokens))
+
+    def inputs(self, seed: int) -> AppendInputs:
+        device = "cuda" if self.on_gpu else "cpu"
+        gen = torch.Generator().manual_seed(seed)  # on the CPU: the page order is drawn there
+        size = self.spec.page_size
+        lens = torch.tensor([c + n for c, n in zip(self.context, self.new_tokens)], dtype=torch.int64)
+        pages = (lens + size - 1) // size
+        num_pages = int(pages.sum()) + _SPARE_PAGES
+        # Pages in shuffled order: a kernel that assumes a sequence's pages are adjacent fails.
+        indices = torch.randperm(num_pages, generator=gen)[: int(pages.sum())]
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(pages, 0)
+        last = torch.where(pages > 0, lens - (pages - 1) * size, 0)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(self.new_tokens, dtype=torch.int64), 0)
+        dtype = self.torch_dtype()
+        k = torch.randn(self.total_new, self.kv_heads, self.spec.head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(self.total_new, self.kv_heads, self.spec.dv, generator=gen).to(device, dtype)
+        ints = (t.to(device=device, dtype=torch.int32) for t in (indptr, indices, last, cu))
+        indptr, indices, last, cu = ints
+        return AppendInputs(indptr, indices, last, num_pages, k, v, cu)
+
+    def outputs(self, inputs: AppendInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V pages, all NaN."""
+        shape = (inputs.num_pages, self.spec.page_size, self.kv_heads)
+        k_pages = torch.full((*shape, self.spec.head_dim), math.nan, dtype=inputs.k.dtype, device=inputs.k.device)
+        v_pages = torch.full((*shape, self.spec.dv), math.nan, dtype=inputs.k.dtype, device=inputs.k.device)
+        return k_pages, v_pages
+
+    def launch(self, module: ModuleType, config: Config, inputs: AppendInputs, outputs) -> None:
+        k_pages, v_pages = outputs
+        module.launch(
+            inputs.k, inputs.v, inputs.cu_seqlens, k_pages, v_pages, inputs.indptr, inputs.indices,
+            inputs.last_page_len, **config.to_dict(),
+        )
+
+    def check(self, inputs: AppendInputs, outputs) -> tuple[float, float]:
+        return check_pages(*outputs, inputs.indptr, inputs.indices, inputs.last_page_len, inputs.k, inputs.v,
+                           inputs.cu_seqlens)
+
+    def flops(self) -> float:
+        return 0.0
+
+    def bytes_moved(self) -> float:
+        """The new K and V read once and written once, plus the page table and cu_seqlens read once."""
+        rows = self.total_new * self.kv_heads * (self.spec.head_dim + self.spec.dv) * self.torch_dtype().itemsize
+        batch = len(self.new_tokens)
+        table = 4 * (2 * (batch + 1) + batch + self.pages_used)
+        return float(2 * rows + table)
+
+
+def check_pages(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens) -> tuple[float, float]:
+    """``(relative error, max abs error)`` of poisoned pages after an append: ``inf`` when a slot
+    outside the targets lost its NaN poison or a target holds NaN."""
+    k_ref, v_ref, written = append_reference(
+        k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens
+    )
+    got_k, got_v = k_pages.detach().cpu().double(), v_pages.detach().cpu().double()
+    for got in (got_k, got_v):
+        if not torch.isnan(got[~written]).all():
+            return math.inf, math.inf
+    got = torch.cat([got_k[written].flatten(), got_v[written].flatten()])
+    ref = torch.cat([k_ref[written].flatten(), v_ref[written].flatten()])
+    return base.relative_error(got, ref)

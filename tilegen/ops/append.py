@@ -1,0 +1,189 @@
+"""``tilegen.append_kv``: write a ragged batch's new K and V into a paged KV cache, in one launch."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tilegen import dispatch
+from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.env import interpreting
+from tilegen.families.kv_append import KVAppendSpec
+from tilegen.families.kv_append.spec import MAX_HEAD_DIM
+from tilegen.ir import SpecError
+from tilegen.ops.kv_cache import PagedKVCache
+
+__all__ = ["append_kv", "explain_append"]
+
+# Row and token indices are int32 inside the kernel (cu_seqlens is int32).
+_MAX_TOKENS = (1 << 31) - 1
+
+
+def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """Write the new tokens' K and V of a ragged batch into their pages: one kernel launch.
+
+    The page table of ``cache`` must already describe every sequence *including* its new
+    tokens (update it first, then append, as FlashInfer does): sequence ``b`` then holds
+    ``seq_len[b]`` tokens, and its ``n_new[b] = cu_seqlens[b + 1] - cu_seqlens[b]`` new ones
+    are written at positions ``seq_len[b] - n_new[b] .. seq_len[b] - 1``. Nothing else in
+    the cache changes.
+
+    Args:
+        cache: the ``tilegen.PagedKVCache`` to write into (its pages are modified in place).
+        k: ``[total_new, kv_heads, head_dim]``, the cache's dtype and device, any strides.
+        v: ``[total_new, kv_heads, head_dim_v]``, likewise.
+        cu_seqlens: int32 ``[batch + 1]`` on the cache's device: the new tokens per sequence in
+            FlashAttention's varlen convention (rows ``cu_seqlens[b] .. cu_seqlens[b + 1] - 1`` of
+            ``k`` and ``v`` are sequence ``b``'s); ``batch`` is the cache's.
+
+    Checks. On the host, every call (no synchronization; a call shaped like an earlier one
+    reuses that call's checked plan): ``cache`` is a ``PagedKVCache``; ``k`` and ``v`` are
+    3-d tensors of the cache's dtype and device with its KV heads and head dims and the same
+    token count; ``cu_seqlens`` is a 1-d int32 tensor on the cache's device with one entry
+    more than the cache has sequences; a batch of no sequence gets no token. With
+    ``TILEGEN_DEBUG=1`` each call also checks on the device, at the cost of one
+    synchronization: ``cu_seqlens`` starts at 0, never decreases and ends at ``k``'s token
+    count; ``n_new[b] <= seq_len[b]`` for every sequence; and the page table itself
+    (``PagedKVCache.validate``), since it may have changed in place after the cache was built.
+    Without it, values that break these rules are not detected, but the kernel still writes
+    only inside the cache's pages: a row whose sequence, page or slot does not fit is skipped.
+
+    The launch does not synchronize or allocate, so a CUDA graph can capture it when the
+    shapes are fixed.
+    """
+    try:
+        kp = cache.k_pages
+        key = (
+            kp.shape, cache.v_pages.shape, kp.dtype, kp.device, cache.indptr.shape,
+            k.shape, v.shape, k.dtype, v.dtype, k.device, v.device,
+            cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,
+        )
+        plan = _plans.get(key) if cache.__class__ is PagedKVCache else None
+    except AttributeError:  # not a cache or not tensors: the checks say which
+        key = plan = None
+    if plan is None:
+        plan = _plan(cache, k, v, cu_seqlens)
+        if key is not None:
+            _plans.put(key, plan)
+    if _debug():
+        _check_device_values(cache, k, cu_seqlens)
+    if plan.launches:
+        plan.launch(
+            k, v, cu_seqlens, cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len,
+            **plan.config,
+        )
+
+
+def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:
+    """Which config ``append_kv`` runs these arguments with, and where it comes from."""
+    spec = _check(cache, k, v, cu_seqlens)
+    return _table(spec, k.device).choose(k.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    launches: bool  # False when there is no row to write
+    launch: Callable[..., Any]
+    config: dict[str, int]
+
+
+_plans = dispatch.plan_cache()
+
+
+def _plan(cache, k, v, cu_seqlens) -> _Plan:
+    spec = _check(cache, k, v, cu_seqlens)
+    table = _table(spec, k.device)
+    return _Plan(
+        launches=k.shape[0] > 0 and k.shape[1] > 0,
+        launch=table.launch,
+        config=table.choose(k.shape[0]).config.to_dict(),
+    )
+
+
+def _table(spec: KVAppendSpec, device: torch.device) -> dispatch.Table:
+    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
+
+
+def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
+    """Every host-side check, raising with the argument's name at the first that fails; the spec."""
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+    pages = cache.k_pages
+    dtype, device = pages.dtype, pages.device
+    if dtype not in SPEC_DTYPES:
+        raise TypeError(f"cache: pages of dtype {dtype} are not supported; expected float16, bfloat16 or float32")
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
+                         "TRITON_INTERPRET=1")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cache: device {device} is not supported; expected cuda")
+    kv_heads, dim, dim_v = cache.kv_heads, pages.shape[3], cache.v_pages.shape[3]
+    for name, t, d, what in (("k", k, dim, "head_dim"), ("v", v, dim_v, "head_dim_v")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dims [total_new, kv_heads, {what}], got shape {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from the cache's {dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device} while the cache is on {device}")
+        if t.shape[1] != kv_heads:
+            raise ValueError(f"{name}: {t.shape[1]} KV heads, the cache has {kv_heads}")
+        if t.shape[2] != d:
+            raise ValueError(f"{name}: {what} {t.shape[2]} differs from the cache's {d}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: {v.shape[0]} tokens while k has {k.shape[0]}")
+    if k.shape[0] > _MAX_TOKENS:
+        raise ValueError(f"k: {k.shape[0]} tokens exceed the supported {_MAX_TOKENS}")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens: expected a 1-d int32 tensor, got {cu_seqlens.dtype} of shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device} while the cache is on {device}")
+    if cu_seqlens.numel() != cache.batch + 1:
+        raise ValueError(f"cu_seqlens: {cu_seqlens.numel()} entries, expected batch + 1 = {cache.batch + 1} "
+                         f"(the cache's page table holds {cache.batch} sequences)")
+    if cache.batch == 0 and k.shape[0] > 0:
+        raise ValueError(f"k: {k.shape[0]} new tokens for a cache of no sequence")
+    return _spec_for(SPEC_DTYPES[dtype], dim, dim_v, cache.page_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_for(dtype: str, dim: int, dim_v: int, page_size: int) -> KVAppendSpec:
+    try:
+        return KVAppendSpec(head_dim=dim, head_dim_v=dim_v, page_size=page_size, dtype=dtype)
+    except SpecError as e:
+        arg = {"head_dim": "k", "head_dim_v": "v", "page_size": "cache"}.get(e.field, e.field)
+        if e.field in ("head_dim", "head_dim_v"):
+            raise ValueError(f"{arg}: head dim {dim if arg == 'k' else dim_v} is not supported; "
+                             f"expected 1..{MAX_HEAD_DIM}") from None
+        raise ValueError(f"{arg}: {e}") from None
+
+
+def _debug() -> bool:
+    return os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0")
+
+
+def _check_device_values(cache: PagedKVCache, k: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """``TILEGEN_DEBUG=1``: the values the host never reads, checked on the device (one synchronization)."""
+    cache.validate()
+    cu = cu_seqlens
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, starts at {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens: must be non-decreasing")
+    if int(cu[-1]) != k.shape[0]:
+        raise ValueError(f"cu_seqlens: ends at {int(cu[-1])} but k has {k.shape[0]} tokens")
+    n_new = cu[1:] - cu[:-1]
+    too_many = n_new > cache.seq_lens()
+    if bool(too_many.any()):
+        b = int(too_many.nonzero()[0, 0])
+        raise ValueError(f"cu_seqlens: sequence {b} appends {int(n_new[b])} tokens but the page table gives it "
+                         f"only {int(cache.seq_lens()[b])} (update the page table before appending)")
