@@ -1,0 +1,187 @@
+"""Ragged and paged prefill against the dense op and the peers, in one run.
+
+    python -m tilegen.bench.serving --out results.json
+
+Parts (bf16, 32 query / 8 KV heads, head dim 128, causal):
+- ragged: 64 sequences of mixed lengths (128..8192) through ``tilegen.varlen_attention``;
+  peers: the dense ``tilegen.attention`` and SDPA (flash, cuDNN) at the same total tokens
+  laid out as a uniform batch, and compiled FlexAttention over the packed tokens with a
+  document mask built from the same ``cu_seqlens``;
+- paged: 4096 new tokens onto a 32768-token prefix in pages of 16, through
+  ``tilegen.PagedAttention``; peers: the same computation on contiguous KV through the dense
+  ``tilegen.attention`` (causal, bottom-right) and FlexAttention with the same mask.
+Every provider is checked against a reference before it is timed (relative error); times
+are ``triton.testing.do_bench`` medians; FLOPs are the families' own count (pairs the mask
+lets through, 2 per multiply-add of QK^T and PV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import tilegen
+from tilegen.families import family_of, relative_error
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+DTYPE = torch.bfloat16
+
+
+def _time(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _row(name, fn, flops, ref=None, out_of=lambda o: o):
+    try:
+        out = out_of(fn())
+        err = relative_error(out.float(), ref.float())[0] if ref is not None else None
+        ms = _time(fn)
+        return {"provider": name, "ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
+    except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
+        return {"provider": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+
+
+def _flex_document(q, k, v, doc_q, doc_k, offset_q, offset_k, n_q, n_k):
+    """FlexAttention over packed tokens: a query sees keys of its own document, causal bottom-right."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def mask(b, h, qi, ki):
+        return (doc_q[qi] == doc_k[ki]) & (ki - offset_k[ki] <= qi - offset_q[qi] + (n_k[doc_q[qi]] - n_q[doc_q[qi]]))
+
+    block_mask = create_block_mask(mask, None, None, q.shape[0], k.shape[0], device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))
+    return lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+
+
+def _documents(lengths):
+    ids, offsets = [], []
+    start = 0
+    for i, n in enumerate(lengths):
+        ids += [i] * n
+        offsets += [start] * n
+        start += n
+    return (torch.tensor(ids, device="cuda"), torch.tensor(offsets, device="cuda"))
+
+
+def ragged(seed: int = 0) -> list[dict]:
+    gen = torch.Generator("cuda").manual_seed(seed)
+    # 64 lengths spread log-uniformly over 128..8192, none a multiple of a block, in a shuffled order.
+    lengths = [int(128 * 64 ** (i / 63)) + 1 for i in range(64)]
+    lengths = [lengths[(i * 37) % 64] for i in range(64)]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(total, HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
+                                   "mask": "causal", "dtype": "bf16", "kv_layout": "ragged"})
+    problem = family_of(spec).problem(spec, 8192, on_gpu=True, q_lens=tuple(lengths), k_lens=tuple(lengths),
+                                      heads_q=HEADS)
+    flops = problem.flops()
+
+    def ours():
+        return tilegen.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+
+    # Reference: SDPA flash per sequence (bottom-right equals top-left when n_q == n_k).
+    ref = torch.empty_like(q)
+    bounds = cu.tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        ref[a:b] = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
+            is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    rows = [{"part": "ragged", "sequences": len(lengths), "tokens": total, **_row("tilegen-varlen", ours, flops, ref)}]
+    doc, offset = _documents(lengths)
+    n = torch.tensor(lengths, device="cuda")
+    flex = _flex_document(q, k, v, doc, doc, offset, offset, n, n)
+    rows.append({"part": "ragged", **_row("flex-document", flex, flops, ref, lambda o: o[0].transpose(0, 1))})
+    # The dense kernel and SDPA at the same total tokens, as a uniform batch of 4096-token sequences.
+    seq = 4096
+    batch = max(1, total // seq)
+    qd = torch.randn(batch, HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    kd = torch.randn(batch, KV_HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    vd = torch.randn(batch, KV_HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    dense_spec = tilegen.ops.attention.prepare_call(qd, kd, vd, True, None, None, None, False)[0]
+    dense_flops = family_of(dense_spec).problem(dense_spec, seq, on_gpu=True, batch=batch, heads_q=HEADS).flops()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        return run
+
+    dense_ref = sdpa(SDPBackend.FLASH_ATTENTION)()
+    for name, fn in (("tilegen-dense", lambda: tilegen.attention(qd, kd, vd, causal=True)),
+                     ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))):
+        rows.append({"part": "ragged", "uniform": f"{batch}x{seq}", **_row(name, fn, dense_flops, dense_ref)})
+    return rows
+
+
+def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
+    gen = torch.Generator("cuda").manual_seed(seed)
+    n_k = prefix + new
+    k = torch.randn(n_k, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(n_k, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    q = torch.randn(new, HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    pages = math.ceil(n_k / page_size)
+    order = torch.randperm(pages + 16, device="cuda", generator=gen)[:pages].to(torch.int32)
+    k_pages = torch.full((pages + 16, page_size, KV_HEADS, DIM), math.nan, device="cuda", dtype=DTYPE)
+    v_pages = torch.full_like(k_pages, math.nan)
+    padded = pages * page_size
+    k_pages[order] = F.pad(k, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, DIM)
+    v_pages[order] = F.pad(v, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, DIM)
+    cache = tilegen.PagedKVCache.from_block_table(k_pages, v_pages, order[None], torch.tensor([n_k], device="cuda"))
+    cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, cache, heads_q=HEADS, causal=True, max_seqlen_q=new, max_seqlen_k=n_k)
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
+                                   "mask": "causal", "dtype": "bf16", "kv_layout": "paged", "page_size": page_size})
+    flops = family_of(spec).problem(spec, n_k, on_gpu=True, q_lens=(new,), k_lens=(n_k,), heads_q=HEADS).flops()
+    qd, kd, vd = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    dense = tilegen.attention(qd, kd, vd, causal=True)  # bottom-right causal: the reference layout
+    ref = dense[0].transpose(0, 1)
+    rows = [{"part": "paged", "page_size": page_size, "prefix": prefix, "new": new,
+             **_row("tilegen-paged", lambda: attn.run(q, cache), flops, ref)}]
+    rows.append({"part": "paged", **_row("tilegen-dense-contiguous", lambda: tilegen.attention(qd, kd, vd, causal=True),
+                                         flops, ref, lambda o: o[0].transpose(0, 1))})
+    zeros = torch.zeros(new, dtype=torch.long, device="cuda")
+    n_q_t, n_k_t = torch.tensor([new], device="cuda"), torch.tensor([n_k], device="cuda")
+    flex = _flex_document(q, k, v, zeros, torch.zeros(n_k, dtype=torch.long, device="cuda"), zeros,
+                          torch.zeros(n_k, dtype=torch.long, device="cuda"), n_q_t, n_k_t)
+    rows.append({"part": "paged", **_row("flex-offset-causal", flex, flops, ref, lambda o: o[0].transpose(0, 1))})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--parts", default="ragged,paged")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tilegen.bench.serving times CUDA kernels; run it on a GPU")
+    rows = []
+    for part in args.parts.split(","):
+        for row in {"ragged": ragged, "paged": paged}[part]():
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\n{'part':8} {'provider':26} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['part']:8} {r['provider']:26} {r['error']}")
+        else:
+            err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+            print(f"{r['part']:8} {r['provider']:26} {r['ms']:9.3f} {r['tflops']:8.1f} {err:>9}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
