@@ -11,6 +11,7 @@ from tilegen.ir import SpecError, spec_from_json  # noqa: E402
 from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
+from tilegen.ops.merge import merge_states  # noqa: E402
 from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "append_kv",
     "attention",
     "explain",
+    "merge_states",
     "spec_from_json",
     "varlen_attention",
     "__version__",

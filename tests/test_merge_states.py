@@ -1,0 +1,249 @@
+"""``tilegen.merge_states`` against its float64 reference, ``-inf`` rows included.
+
+Outputs start as NaN (an unwritten element fails); LSE rows mix both finite, equal, far apart,
+one side ``-inf`` and both ``-inf``; row counts are no multiple of any block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import tilegen
+from tilegen import dispatch
+from tilegen.cli import app
+from tilegen.codegen import module_for, source_for
+from tilegen.db import TuningDB, tuned_rows
+from tilegen.device import device_info
+from tilegen.families import family_of, get, relative_error
+from tilegen.families.merge_states import MergeStatesSpec
+from tilegen.families.merge_states.problem import check_merge, random_lse
+from tilegen.families.merge_states.reference import merge_reference
+from tilegen.ir import SpecError, spec_from_json
+from tilegen.key import TuningKey
+from tilegen.ops.merge import explain_merge
+from tilegen.tuning import Tuner
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+DEVICE = device_info()
+NEG_INF = -math.inf
+
+
+def make_parts(shape, dtype, device, seed=0):
+    """``(o_a, lse_a, o_b, lse_b)`` for ``o`` of ``shape``; LSE rows mix every case (``random_lse``)."""
+    gen = torch.Generator().manual_seed(seed)
+    o_a = torch.randn(shape, generator=gen).to(device, dtype)
+    o_b = torch.randn(shape, generator=gen).to(device, dtype)
+    lse_a, lse_b = random_lse(shape[:-1], gen)
+    return o_a, lse_a.to(device), o_b, lse_b.to(device)
+
+
+def assert_merged(o, lse, o_a, lse_a, o_b, lse_b):
+    """Within the dtype's tolerance of the reference; -inf exactly where the reference has it; the rows
+    where one side is -inf equal the other side bit for bit; rows where both are -inf are exactly 0."""
+    ref, ref_lse = merge_reference(o_a, lse_a, o_b, lse_b)
+    assert o.shape == o_a.shape and o.dtype == o_a.dtype and lse.shape == lse_a.shape and lse.dtype == torch.float32
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    error, _ = relative_error(o, ref)
+    assert error < TOL[o.dtype], f"relative error {error:.2e}"
+    seen = torch.isfinite(ref_lse)
+    if seen.any():
+        assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-5
+    only_a, only_b = torch.isneginf(lse_b) & ~torch.isneginf(lse_a), torch.isneginf(lse_a) & ~torch.isneginf(lse_b)
+    assert torch.equal(o[only_a], o_a[only_a]) and torch.equal(lse[only_a], lse_a[only_a])
+    assert torch.equal(o[only_b], o_b[only_b]) and torch.equal(lse[only_b], lse_b[only_b])
+    neither = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+    assert (o[neither] == 0).all()
+
+
+SHAPES = [
+    pytest.param((7, 5, 40), id="7x5xd40"),
+    pytest.param((3, 2, 3, 64), id="3x2x3xd64-two-leading-dims"),
+    pytest.param((6, 24), id="heads-only-d24"),
+    pytest.param((1, 1, 1), id="one-row-d1"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_matches_the_reference(shape, dtype, device):
+    parts = make_parts(shape, DTYPES[dtype], device)
+    o, lse = tilegen.merge_states(*parts)
+    assert_merged(o, lse, *parts)
+
+
+def test_the_cases_row_by_row(device):
+    """Equal LSEs, far apart, one side -inf each way, both -inf: o and lse of each row by hand."""
+    o_a = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [1.0, 2.0], [1.0, 2.0]], device=device)[:, None]
+    o_b = torch.tensor([[3.0, 6.0], [3.0, 6.0], [3.0, 6.0], [3.0, 6.0], [3.0, 6.0]], device=device)[:, None]
+    lse_a = torch.tensor([0.5, 100.0, 0.25, NEG_INF, NEG_INF], device=device)[:, None]
+    lse_b = torch.tensor([0.5, 0.0, NEG_INF, 1.5, NEG_INF], device=device)[:, None]
+    o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+    expected = torch.tensor([[2.0, 4.0], [1.0, 2.0], [1.0, 2.0], [3.0, 6.0], [0.0, 0.0]], device=device)
+    torch.testing.assert_close(o[:, 0], expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lse[:, 0], torch.tensor([0.5 + math.log(2), 100.0, 0.25, 1.5, NEG_INF],
+                                                       device=device), rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # inf * 0, discarded
+def test_a_side_that_saw_no_key_weighs_nothing_whatever_its_o_holds(device):
+    parts = make_parts((9, 3, 16), torch.bfloat16, device, seed=4)
+    o_a, lse_a, o_b, lse_b = parts
+    o_a = torch.where(torch.isneginf(lse_a)[..., None], math.nan, o_a)  # garbage where a saw nothing
+    o_b = torch.where(torch.isneginf(lse_b)[..., None], math.inf, o_b)
+    assert torch.isneginf(lse_a).any() and torch.isneginf(lse_b).any()
+    o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+    assert_merged(o, lse, o_a, lse_a, o_b, lse_b)
+
+
+def test_into_poisoned_outputs_any_strides_and_in_place(device):
+    parts = make_parts((11, 4, 32), torch.float16, device, seed=2)
+    # out and out_lse laid out [heads, tokens, ...] and transposed: they do not collapse to rows.
+    out = torch.full((4, 11, 32), math.nan, dtype=torch.float16, device=device).transpose(0, 1)
+    out_lse = torch.full((4, 11), math.nan, device=device).t()
+    o, lse = tilegen.merge_states(*parts, out=out, out_lse=out_lse)
+    assert o is out and lse is out_lse
+    assert_merged(out, out_lse, *parts)
+
+    # Strided inputs: a head-dim slice of a wider tensor, and LSEs kept [heads, tokens].
+    o_a, lse_a, o_b, lse_b = parts
+    wide = torch.randn(11, 4, 48, device=device).to(torch.float16)
+    wide[..., 8:40] = o_a
+    o, lse = tilegen.merge_states(wide[..., 8:40], lse_a.t().contiguous().t(), o_b, lse_b)
+    assert_merged(o, lse, *parts)
+
+    # In place: the result overwrites the first part (each row is read before it is written).
+    expected = merge_reference(*parts)
+    o_a, lse_a = o_a.clone(), lse_a.clone()
+    tilegen.merge_states(o_a, lse_a, o_b, lse_b, out=o_a, out_lse=lse_a)
+    assert relative_error(o_a, expected[0])[0] < 1e-2
+    assert torch.equal(torch.isneginf(lse_a), torch.isneginf(expected[1]))
+
+
+def test_no_rows_gives_empty_results(device):
+    parts = make_parts((0, 4, 32), torch.float32, device)
+    o, lse = tilegen.merge_states(*parts)
+    assert o.shape == (0, 4, 32) and lse.shape == (0, 4)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lead=st.lists(st.integers(1, 6), min_size=0, max_size=2),
+    heads=st.integers(1, 6),
+    dim=st.integers(1, 80),
+    dtype=st.sampled_from(["fp32", "bf16", "fp16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_shapes(lead, heads, dim, dtype, seed, device):
+    parts = make_parts((*lead, heads, dim), DTYPES[dtype], device, seed=seed)
+    o, lse = tilegen.merge_states(*parts)
+    assert_merged(o, lse, *parts)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+def _raises(exc, prefix):
+    import re
+
+    return pytest.raises(exc, match="^" + re.escape(prefix))
+
+
+BAD = [
+    ("o_a-list", lambda a, la, b, lb: ([1.0], la, b, lb), {}, TypeError, "o_a: expected a torch.Tensor"),
+    ("lse_b-list", lambda a, la, b, lb: (a, la, b, lb.tolist()), {}, TypeError, "lse_b: expected a torch.Tensor"),
+    ("o_a-rank1", lambda a, la, b, lb: (a[0, 0], la, b, lb), {}, ValueError, "o_a: expected [..., heads, head_dim]"),
+    ("o_a-int", lambda a, la, b, lb: (a.int(), la, b.int(), lb), {}, TypeError, "o_a: expected dtype float16"),
+    ("o_b-shape", lambda a, la, b, lb: (a, la, b[:, :2], lb), {}, ValueError, "o_b: shape (5, 2, 24) differs"),
+    ("o_b-dtype", lambda a, la, b, lb: (a, la, b.half(), lb), {}, TypeError, "o_b: dtype torch.float16 differs"),
+    ("lse_a-shape", lambda a, la, b, lb: (a, la[:, :2], b, lb), {}, ValueError, "lse_a: expected shape (5, 3)"),
+    ("lse_b-dtype", lambda a, la, b, lb: (a, la, b, lb.double()), {}, TypeError, "lse_b: expected dtype float32"),
+    ("lse_b-device", lambda a, la, b, lb: (a, la, b, lb.to("meta")), {}, ValueError, "lse_b: on meta while o_a"),
+    ("out-shape", lambda *p: p, {"out": torch.empty(5, 3, 8)}, ValueError, "out: expected shape (5, 3, 24)"),
+    ("out-dtype", lambda *p: p, {"out": torch.empty(5, 3, 24, dtype=torch.bfloat16)}, TypeError,
+     "out: expected dtype torch.float32"),
+    ("out_lse-dtype", lambda *p: p, {"out_lse": torch.empty(5, 3, dtype=torch.float16)}, TypeError,
+     "out_lse: expected dtype torch.float32"),
+    ("out_lse-shape", lambda *p: p, {"out_lse": torch.empty(5)}, ValueError, "out_lse: expected shape (5, 3)"),
+    ("out-meta", lambda *p: p, {"out": torch.empty(5, 3, 24, device="meta")}, ValueError, "out: on meta"),
+]
+
+
+@pytest.mark.parametrize("make, kwargs, exc, prefix", [pytest.param(*b[1:], id=b[0]) for b in BAD])
+def test_bad_input_names_the_argument(make, kwargs, exc, prefix, device):
+    parts = make_parts((5, 3, 24), torch.float32, device)
+    kwargs = {name: t.to(device) if t.device.type != "meta" else t for name, t in kwargs.items()}
+    with _raises(exc, prefix):
+        tilegen.merge_states(*make(*parts), **kwargs)
+
+
+def test_a_head_dim_past_the_kernel_s_bound_is_refused(device):
+    parts = make_parts((2, 1, 513), torch.float32, device)
+    with _raises(ValueError, "o_a: head_dim 513 is not supported; expected 1..512"):
+        tilegen.merge_states(*parts)
+
+
+# ---------------------------------------------------------------- spec, problem, dispatch, tune
+
+SPEC = MergeStatesSpec(head_dim=40, dtype="fp32")
+
+
+def test_spec_json_round_trips_and_bad_fields_name_themselves():
+    assert spec_from_json(SPEC.to_json()) == SPEC and family_of(SPEC) is get("merge_states")
+    assert SPEC.name == "merge_states_fp32_d40"
+    with pytest.raises(SpecError, match="^head_dim"):
+        MergeStatesSpec(head_dim=0)
+    source = source_for(SPEC)
+    assert "HEAD_DIM = tl.constexpr(40)" in source and "{{" not in source
+    compile(source, "<generated>", "exec")
+
+
+def test_the_problem_poisons_its_outputs_and_its_check_fails_until_written():
+    family = get("merge_states")
+    problem = family.problem(SPEC, 64, on_gpu=not DEVICE.is_interpreter)
+    inputs = problem.inputs(seed=3)
+    outputs = problem.outputs(inputs)
+    assert torch.isnan(outputs[0]).all() and torch.isnan(outputs[1]).all()
+    assert problem.check(inputs, outputs) == (math.inf, math.inf)
+    problem.launch(module_for(SPEC), family.default_config(SPEC, DEVICE, 64), inputs, outputs)
+    error, _ = problem.check(inputs, outputs)
+    assert error < problem.tolerance
+    outputs[1][0, 0] = NEG_INF if torch.isfinite(outputs[1][0, 0]) else 0.0  # an LSE that says the wrong case
+    assert check_merge(*inputs, *outputs) == (math.inf, math.inf)
+
+
+def test_dispatch_buckets_by_rows_and_uses_the_default_untuned(device):
+    parts = make_parts((9, 5, 40), torch.float32, device)
+    choice = explain_merge(*parts)
+    assert (choice.source, choice.bucket) == ("default", 64)
+    assert choice.config == get("merge_states").default_config(SPEC, DEVICE, 64)
+
+
+@pytest.fixture
+def tuned_db(tmp_path, monkeypatch):
+    path = tmp_path / "tuning.sqlite"
+    monkeypatch.setenv("TILEGEN_DB", str(path))
+    with TuningDB(path) as db, Tuner(db, DEVICE, trials=3) as tuner:
+        result = tuner.tune(SPEC, 64)
+    assert result.best is not None and result.statuses["ok"] == 3
+    return path, result
+
+
+def test_a_tune_reaches_dispatch_the_op_and_db_list(tuned_db, device):
+    path, result = tuned_db
+    rows = tuned_rows(**TuningKey.current(SPEC, DEVICE).variant_fields())
+    assert rows == {64: (result.best.config, str(path))}
+    dispatch.reset()
+    parts = make_parts((9, 5, 40), torch.float32, device)
+    choice = explain_merge(*parts)
+    assert (choice.config, choice.source, choice.tuned_bucket) == (result.best.config, str(path), 64)
+    assert_merged(*tilegen.merge_states(*parts), *parts)
+    listed = CliRunner().invoke(app, ["db", "--db", str(path), "list"])
+    assert listed.exit_code == 0, listed.output
+    assert SPEC.name in listed.stdout and str(result.best.config) in listed.stdout

@@ -1,0 +1,49 @@
+"""Merging two partial attention results ``(o, lse)`` into one, by their log-sum-exp.
+
+Cascade and shared-prefix attention build on it (attention over a shared prefix and over
+each suffix, merged), and split-KV decode merges its splits with it. One program merges a
+block of (token, head) rows, each whole in registers. Files: ``spec`` (dtype, head dim),
+``lower`` (template values), ``config`` (knobs, search space, feasibility, defaults),
+``reference`` (float64 torch), ``problem`` (what a tuning trial measures). The op is
+``tilegen.merge_states`` (``tilegen.ops.merge``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.device import DeviceInfo
+from tilegen.families.base import Family
+from tilegen.families.buckets import PowerOfTwoBuckets
+from tilegen.families.merge_states import config as _config
+from tilegen.families.merge_states.config import Config
+from tilegen.families.merge_states.lower import lower as _lower
+from tilegen.families.merge_states.problem import Problem
+from tilegen.families.merge_states.spec import MergeStatesSpec
+
+__all__ = ["MergeStates", "MergeStatesSpec", "Config", "Problem"]
+
+
+class MergeStates(Family):
+    name = "merge_states"
+    spec_type = MergeStatesSpec
+    config_type = Config
+    template = "merge_states.py.jinja"
+    # A call is bucketed by its rows (tokens x heads): that is the grid's size.
+    buckets = PowerOfTwoBuckets("rows")
+    presets = {"merge-d128": MergeStatesSpec(head_dim=128, dtype="bf16")}
+
+    def lower(self, spec: MergeStatesSpec) -> dict[str, Any]:
+        return _lower(spec)
+
+    def search_space(self, spec: MergeStatesSpec, device: DeviceInfo) -> dict[str, list[int]]:
+        return _config.search_space(spec, device)
+
+    def feasible(self, spec: MergeStatesSpec, config: Config, device: DeviceInfo) -> str | None:
+        return _config.feasible(spec, config, device)
+
+    def default_rule(self, spec: MergeStatesSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        return _config.default_rule(spec, device)
+
+    def problem(self, spec: MergeStatesSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
+        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)

@@ -1,0 +1,183 @@
+"""``tilegen.merge_states``: merge two partial attention results by their log-sum-exp."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tilegen import dispatch
+from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.env import interpreting
+from tilegen.families.merge_states import MergeStatesSpec
+from tilegen.families.merge_states.spec import MAX_HEAD_DIM
+from tilegen.ir import SpecError
+
+__all__ = ["merge_states", "explain_merge"]
+
+
+def merge_states(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets into the result over both.
+
+    With ``m = max(lse_a, lse_b)`` per row:
+    ``o = (e^(lse_a - m) o_a + e^(lse_b - m) o_b) / (e^(lse_a - m) + e^(lse_b - m))`` and
+    ``lse = m + log(e^(lse_a - m) + e^(lse_b - m))``, in fp32. LSEs are natural-log with
+    ``-inf`` for a part that saw no key (``tilegen.attention(..., return_lse=True)`` gives
+    them so): such a part weighs 0 whatever its ``o`` holds, so one ``-inf`` side gives the
+    other side exactly, and both ``-inf`` give ``o = 0`` and ``lse = -inf``, never NaN.
+
+    Args:
+        o_a, o_b: ``[..., heads, head_dim]``, fp16, bf16 or fp32, one shape, dtype and device,
+            any strides.
+        lse_a, lse_b: fp32 ``[..., heads]`` (``o``'s shape without head_dim), same device.
+        out: write the merged output here (``o_a``'s shape and dtype, any strides); it may be
+            ``o_a`` or ``o_b`` itself.
+        out_lse: write the merged LSE here (``lse_a``'s shape, fp32); it may be ``lse_a`` or ``lse_b``.
+
+    Returns:
+        ``(o, lse)``: ``out`` and ``out_lse`` when given.
+
+    Every call checks shapes, dtypes and devices on the host (a call shaped like an earlier
+    one reuses its checked plan); it does not synchronize, and the LSE values are not checked
+    (a NaN or ``+inf`` LSE gives NaN rows).
+    """
+    try:
+        key = (
+            o_a.shape, lse_a.shape, o_b.shape, lse_b.shape, o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype,
+            o_a.device, lse_a.device, o_b.device, lse_b.device,
+            None if out is None else (out.__class__, out.shape, out.dtype, out.device),
+            None if out_lse is None else (out_lse.__class__, out_lse.shape, out_lse.dtype, out_lse.device),
+        )
+        plan = _plans.get(key)
+    except AttributeError:  # not tensors: the checks say which
+        key = plan = None
+    if plan is None:
+        plan = _plan(o_a, lse_a, o_b, lse_b, out, out_lse)
+        if key is not None:
+            _plans.put(key, plan)
+    if out is None:
+        out = o_a.new_empty(o_a.shape)
+    if out_lse is None:
+        out_lse = lse_a.new_empty(lse_a.shape)
+    if plan.launches:
+        rows, rows3 = plan.rows, plan.rows3
+        o_view, lse_view = _writable(out, rows3), _writable(out_lse, rows)
+        # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
+        target_o = o_view if o_view is not None else out.new_empty(rows3)
+        target_lse = lse_view if lse_view is not None else out_lse.new_empty(rows)
+        plan.launch(
+            o_a.reshape(rows3), lse_a.reshape(rows), o_b.reshape(rows3), lse_b.reshape(rows),
+            target_o, target_lse, **plan.config,
+        )
+        if o_view is None:
+            out.copy_(target_o.reshape(out.shape))
+        if lse_view is None:
+            out_lse.copy_(target_lse.reshape(out_lse.shape))
+    return out, out_lse
+
+
+def explain_merge(o_a, lse_a, o_b, lse_b) -> dispatch.Choice:
+    """Which config ``merge_states`` runs these arguments with, and where it comes from."""
+    spec = _check(o_a, lse_a, o_b, lse_b, None, None)
+    return _table(spec, o_a.device).choose(lse_a.numel())
+
+
+def _writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``t`` viewed as ``shape`` without a copy, or None when its strides do not allow one."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    launches: bool  # False when there is no row
+    rows: tuple[int, int]  # [tokens, heads]: the LSEs as the kernel sees them
+    rows3: tuple[int, int, int]  # [tokens, heads, head_dim]: the outputs
+    launch: Callable[..., Any]
+    config: dict[str, int]
+
+
+_plans = dispatch.plan_cache()
+
+
+def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
+    spec = _check(o_a, lse_a, o_b, lse_b, out, out_lse)
+    heads, dim = o_a.shape[-2], o_a.shape[-1]
+    tokens = math.prod(o_a.shape[:-2])
+    table = _table(spec, o_a.device)
+    return _Plan(
+        launches=tokens * heads > 0,
+        rows=(tokens, heads),
+        rows3=(tokens, heads, dim),
+        launch=table.launch,
+        config=table.choose(tokens * heads).config.to_dict(),
+    )
+
+
+def _table(spec: MergeStatesSpec, device: torch.device) -> dispatch.Table:
+    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
+
+
+def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:
+    """Every check, raising with the argument's name at the first that fails; the spec."""
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if o_a.dim() < 2:
+        raise ValueError(f"o_a: expected [..., heads, head_dim], got shape {tuple(o_a.shape)}")
+    if o_a.dtype not in SPEC_DTYPES:
+        raise TypeError(f"o_a: expected dtype float16, bfloat16 or float32, got {o_a.dtype}")
+    device = o_a.device
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("o_a: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
+                         "TRITON_INTERPRET=1")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"o_a: device {device} is not supported; expected cuda")
+    if o_b.shape != o_a.shape:
+        raise ValueError(f"o_b: shape {tuple(o_b.shape)} differs from o_a's {tuple(o_a.shape)}")
+    if o_b.dtype != o_a.dtype:
+        raise TypeError(f"o_b: dtype {o_b.dtype} differs from o_a's {o_a.dtype}")
+    lse_shape = o_a.shape[:-1]
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != lse_shape:
+            raise ValueError(f"{name}: expected shape {tuple(lse_shape)} (o_a's without head_dim), "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {t.dtype}")
+    for name, t in (("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device} while o_a is on {device}; all inputs must share a device")
+    for name, t, shape, dtype in (("out", out, o_a.shape, o_a.dtype), ("out_lse", out_lse, lse_shape, torch.float32)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+        if t.shape != shape:
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device} while the inputs are on {device}")
+    return _spec_for(SPEC_DTYPES[o_a.dtype], o_a.shape[-1])
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_for(dtype: str, dim: int) -> MergeStatesSpec:
+    try:
+        return MergeStatesSpec(head_dim=dim, dtype=dtype)
+    except SpecError:
+        raise ValueError(f"o_a: head_dim {dim} is not supported; expected 1..{MAX_HEAD_DIM}") from None
