@@ -9,7 +9,9 @@ page_size + 1 and a long one share a batch; token counts are no multiple of any 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import json
 import math
 
 import pytest
@@ -38,6 +40,24 @@ from tilegen.tuning import Tuner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = device_info()
+
+
+def kernel_globals_are_constexpr(source: str) -> None:
+    """The GPU compiler refuses a kernel that reads a plain module-level name; the interpreter does not."""
+    tree = ast.parse(source)
+    plain = {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and any(ast.unparse(d).startswith("triton.jit") for d in n.decorator_list)]
+    assert kernels
+    for fn in kernels:
+        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
 
 
 def make_batch(context, new, *, page_size, kv_heads=2, dim=40, dim_v=None, dtype=torch.float32, device="cpu",
@@ -345,6 +365,7 @@ def test_generated_source_specializes_the_page_arithmetic():
     source = source_for(KVAppendSpec(head_dim=40, head_dim_v=24, page_size=64, dtype="fp16"))
     assert "PAGE_SHIFT = tl.constexpr(6)" in source and "{{" not in source
     compile(source, "<generated>", "exec")
+    kernel_globals_are_constexpr(source)
 
 
 # -------------------------------------------------------------------- dispatch, tune, db list
@@ -396,3 +417,13 @@ def test_a_tune_reaches_dispatch_the_op_and_db_list(tuned_db, device):
     listed = CliRunner().invoke(app, ["db", "--db", str(path), "list"])
     assert listed.exit_code == 0, listed.output
     assert SPEC.name in listed.stdout and str(result.best.config) in listed.stdout
+
+
+def test_the_benchmark_s_smoke_run_checks_and_times_the_append(tmp_path):
+    from tilegen.bench import serving_kernels
+
+    out = tmp_path / "bench.json"
+    assert serving_kernels.main(["--smoke", "--parts", "append", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["provider"] for r in rows} >= {"tilegen", "tilegen-default", "torch-index-copy"}
+    assert all(r["correct"] and r["gbps"] > 0 for r in rows)

@@ -6,6 +6,8 @@ one side ``-inf`` and both ``-inf``; row counts are no multiple of any block.
 
 from __future__ import annotations
 
+import ast
+import json
 import math
 
 import pytest
@@ -32,6 +34,24 @@ from tilegen.tuning import Tuner
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DEVICE = device_info()
+
+
+def kernel_globals_are_constexpr(source: str) -> None:
+    """The GPU compiler refuses a kernel that reads a plain module-level name; the interpreter does not."""
+    tree = ast.parse(source)
+    plain = {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and any(ast.unparse(d).startswith("triton.jit") for d in n.decorator_list)]
+    assert kernels
+    for fn in kernels:
+        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
 NEG_INF = -math.inf
 
 
@@ -202,6 +222,7 @@ def test_spec_json_round_trips_and_bad_fields_name_themselves():
     source = source_for(SPEC)
     assert "HEAD_DIM = tl.constexpr(40)" in source and "{{" not in source
     compile(source, "<generated>", "exec")
+    kernel_globals_are_constexpr(source)
 
 
 def test_the_problem_poisons_its_outputs_and_its_check_fails_until_written():
@@ -247,3 +268,13 @@ def test_a_tune_reaches_dispatch_the_op_and_db_list(tuned_db, device):
     listed = CliRunner().invoke(app, ["db", "--db", str(path), "list"])
     assert listed.exit_code == 0, listed.output
     assert SPEC.name in listed.stdout and str(result.best.config) in listed.stdout
+
+
+def test_the_benchmark_s_smoke_run_checks_and_times_the_merge(tmp_path):
+    from tilegen.bench import serving_kernels
+
+    out = tmp_path / "bench.json"
+    assert serving_kernels.main(["--smoke", "--parts", "merge", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["provider"] for r in rows} >= {"tilegen", "torch-eager"}
+    assert all(r["correct"] and r["gbps"] > 0 and r["rel_err"] < 1e-2 for r in rows)

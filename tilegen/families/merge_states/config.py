@@ -37,7 +37,7 @@ def feasible(spec: MergeStatesSpec, config: Config, device: DeviceInfo) -> str |
     width = triton.next_power_of_2(spec.head_dim)
     if config.block_r * width > MAX_BLOCK_ELEMENTS:
         return f"block_r={config.block_r}: a {config.block_r}x{width} block exceeds the template's bound"
-    if not device.is_interpreter and config.num_warps * 32 > config.block_r * width:
+    if not device.is_interpreter and config.num_warps > 1 and config.num_warps * 32 > config.block_r * width:
         return f"num_warps={config.num_warps}: more threads than the {config.block_r}x{width} elements of a block"
     return None
 
