@@ -163,16 +163,48 @@ def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 
     return rows
 
 
+def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
+    """Every feasible config of the paged kernel on the paged part's data, fastest first (to pick defaults)."""
+    from tilegen.codegen import module_for
+    from tilegen.device import device_info
+
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
+                                   "mask": "causal", "dtype": "bf16", "kv_layout": "paged", "page_size": page_size})
+    family = family_of(spec)
+    problem = family.problem(spec, prefix + new, on_gpu=True, q_lens=(new,), k_lens=(prefix + new,), heads_q=HEADS)
+    inputs = problem.inputs(seed)
+    outputs = problem.outputs(inputs)
+    module = module_for(spec)
+    rows = []
+    for config in family.candidates(spec, device_info()):
+        try:
+            problem.launch(module, config, inputs, outputs)
+            error, _ = problem.check(inputs, outputs)
+            ms = _time(lambda: problem.launch(module, config, inputs, outputs))
+            rows.append({"part": "sweep-paged", "provider": str(config), "ms": ms,
+                         "tflops": problem.flops() / ms * 1e-9, "rel_err": error})
+        except Exception as e:
+            rows.append({"part": "sweep-paged", "provider": str(config), "error": str(e).splitlines()[0][:100]})
+    return sorted(rows, key=lambda r: r.get("ms", math.inf))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--parts", default="ragged,paged")
+    parser.add_argument("--page-sizes", default="16", help="page sizes of the paged part, comma-separated")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tilegen.bench.serving times CUDA kernels; run it on a GPU")
     rows = []
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    parts = {
+        "ragged": ragged,
+        "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps)],
+        "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps)],
+    }
     for part in args.parts.split(","):
-        for row in {"ragged": ragged, "paged": paged}[part]():
+        for row in parts[part]():
             print(json.dumps(row), flush=True)
             rows.append(row)
     print(f"\n{'part':8} {'provider':26} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
