@@ -320,3 +320,32 @@ def test_paged_run_is_capturable_in_a_cuda_graph():
     ref, _ = paged_reference(q, cache, cu_q, causal=True)
     error, _ = relative_error(out.cpu(), ref)
     assert error < 1e-2
+
+
+# ------------------------------------------------------------------------------- tuning
+
+@pytest.mark.parametrize("layout", ["ragged", "paged"])
+def test_tune_stores_rows_that_dispatch_and_db_list_use(layout, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tilegen import dispatch
+    from tilegen.cli import app
+    from tilegen.db import TuningDB
+    from tilegen.device import device_info
+    from tilegen.families import family_of
+    from tilegen.tuning import Tuner
+
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": 32, "q_per_kv": 2, "mask": "causal",
+                                   "dtype": "fp32", "kv_layout": layout,
+                                   **({"page_size": 16} if layout == "paged" else {})})
+    path = tmp_path / "tuning.sqlite"
+    monkeypatch.setenv("TILEGEN_DB", str(path))
+    with TuningDB(path) as db, Tuner(db, device_info(), trials=2) as tuner:
+        result = tuner.tune(spec, 32)
+    assert result.best is not None and result.statuses["ok"] == 2
+    dispatch.reset()
+    choice = dispatch.table_for(spec, device_info()).choose(30)
+    assert (choice.config, choice.source, choice.tuned_bucket) == (result.best.config, str(path), 32)
+    listed = CliRunner().invoke(app, ["db", "--db", str(path), "list"])
+    assert listed.exit_code == 0 and spec.name in listed.stdout
+    assert family_of(spec).problem(spec, 32, on_gpu=False).flops() > 0
