@@ -14,40 +14,34 @@ import torch
 __all__ = ["append_reference", "sequence_lengths", "target_slots"]
 
 
-def sequence_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> list[int]:
-    """Tokens per sequence that the page table describes, as host ints."""
-    pages = (indptr[1:] - indptr[:-1]).tolist()
-    return [(n - 1) * page_size + int(last) if n > 0 else 0 for n, last in zip(pages, last_page_len.tolist())]
+def sequence_lengths(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Tokens per sequence that the page table describes (int64, on the table's device)."""
+    pages = (indptr[1:] - indptr[:-1]).long()
+    return torch.where(pages > 0, (pages - 1) * page_size + last_page_len.long(), 0)
 
 
-def target_slots(indptr, indices, last_page_len, cu_seqlens, page_size: int) -> list[tuple[int, int, int]]:
-    """``(token, page, slot)`` for every new token, in token order."""
+def target_slots(indptr, indices, last_page_len, cu_seqlens, page_size: int):
+    """``(pages, slots)``: where each new token goes, in token order (int64, on the table's device)."""
+    cu = cu_seqlens.long()
+    n_new = cu[1:] - cu[:-1]
     lens = sequence_lengths(indptr, last_page_len, page_size)
-    cu, ptr, idx = cu_seqlens.tolist(), indptr.tolist(), indices.tolist()
-    slots = []
-    for b, seq_len in enumerate(lens):
-        n_new = cu[b + 1] - cu[b]
-        if n_new > seq_len:
-            raise ValueError(f"cu_seqlens: sequence {b} appends {n_new} tokens but holds only {seq_len}")
-        for j in range(n_new):
-            pos = seq_len - n_new + j
-            slots.append((cu[b] + j, idx[ptr[b] + pos // page_size], pos % page_size))
-    return slots
+    if bool((n_new > lens).any()) or bool((n_new < 0).any()):
+        raise ValueError("cu_seqlens: a sequence appends more tokens than the page table gives it, or fewer than 0")
+    seq = torch.repeat_interleave(torch.arange(len(n_new), device=cu.device), n_new)
+    pos = lens[seq] - n_new[seq] + (torch.arange(len(seq), device=cu.device) - cu[seq])
+    pages = indices.long()[indptr.long()[seq] + pos // page_size]
+    return pages, pos % page_size
 
 
 def append_reference(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens):
     """Return ``(k_pages, v_pages, written)``: float64 copies of the pages with the new tokens written,
     and a bool ``[num_pages, page_size]`` that is True exactly at the slots the append writes."""
-    page_size = k_pages.shape[1]
-    k_out = k_pages.detach().to("cpu", torch.float64).clone()
-    v_out = v_pages.detach().to("cpu", torch.float64).clone()
-    written = torch.zeros(k_pages.shape[:2], dtype=torch.bool)
-    k64, v64 = k.detach().to("cpu", torch.float64), v.detach().to("cpu", torch.float64)
-    host = [t.detach().cpu() for t in (indptr, indices, last_page_len, cu_seqlens)]
-    for token, page, slot in target_slots(*host, page_size):
-        if written[page, slot]:
-            raise ValueError(f"indices: page {page} slot {slot} is the target of two tokens")
-        written[page, slot] = True
-        k_out[page, slot] = k64[token]
-        v_out[page, slot] = v64[token]
+    pages, slots = target_slots(indptr, indices, last_page_len, cu_seqlens, k_pages.shape[1])
+    written = torch.zeros(k_pages.shape[:2], dtype=torch.bool, device=k_pages.device)
+    written[pages, slots] = True
+    if int(written.sum()) != len(pages):
+        raise ValueError("indices: two new tokens share a slot")
+    k_out, v_out = k_pages.double(), v_pages.double()  # copies: the inputs stay as they are
+    k_out[pages, slots] = k.double()
+    v_out[pages, slots] = v.double()
     return k_out, v_out, written
