@@ -431,3 +431,13 @@ def test_the_benchmark_s_smoke_run_checks_and_times_the_append(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["provider"] for r in rows} >= {"tilegen", "tilegen-default", "torch-index-copy"}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows)
+
+
+def test_tilegen_tune_takes_the_preset(tmp_path):
+    db = tmp_path / "cli.sqlite"
+    result = CliRunner().invoke(app, ["tune", "--db", str(db), "--preset", "append-d128-p16", "--sizes", "20",
+                                      "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    with TuningDB(db) as opened:
+        (row,) = opened.list_tuned()
+    assert (row.family, row.bucket, row.variant_name) == ("kv_append", 32, "kv_append_bf16_d128_p16")
