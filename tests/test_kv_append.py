@@ -188,7 +188,7 @@ def test_decode_steps_extend_what_was_appended(device):
     assert torch.isnan(k_pages[0, 4:]).all() and torch.isnan(v_pages[2, 5:]).all()  # last pages' free slots
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     page_size=st.sampled_from([1, 8, 16, 64]),
     batch=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 9)), min_size=1, max_size=5),
@@ -441,3 +441,29 @@ def test_tilegen_tune_takes_the_preset(tmp_path):
     with TuningDB(db) as opened:
         (row,) = opened.list_tuned()
     assert (row.family, row.bucket, row.variant_name) == ("kv_append", 32, "kv_append_bf16_d128_p16")
+
+
+def test_paged_attention_reads_what_the_append_wrote(device):
+    """Chunked prefill end to end: the page table grows, append writes the chunk, PagedAttention reads it.
+    Both follow one convention for where new tokens live, or this differs from dense attention."""
+    context, new, heads_q, heads_kv, dim = [0, 17, 5], [6, 3, 12], 4, 2, 32
+    cache, k, v, cu = make_batch(context, new, page_size=16, kv_heads=heads_kv, dim=dim, device=device, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    prefix_k = [torch.randn(c, heads_kv, dim, generator=gen).to(device) for c in context]
+    prefix_v = [torch.randn(c, heads_kv, dim, generator=gen).to(device) for c in context]
+    for b, c in enumerate(context):  # earlier tokens, written the slow way
+        for t in range(c):
+            page = int(cache.indices[int(cache.indptr[b]) + t // 16])
+            cache.k_pages[page, t % 16] = prefix_k[b][t]
+            cache.v_pages[page, t % 16] = prefix_v[b][t]
+    tilegen.append_kv(cache, k, v, cu)
+    q = torch.randn(sum(new), heads_q, dim, generator=gen).to(device)
+    attn = tilegen.PagedAttention()
+    attn.plan(cu, cache, heads_q=heads_q, causal=True)
+    out = attn.run(q, cache)
+    for b in range(len(new)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        keys = torch.cat([prefix_k[b], k[rows]])[None].transpose(1, 2)
+        values = torch.cat([prefix_v[b], v[rows]])[None].transpose(1, 2)
+        dense = tilegen.attention(q[rows][None].transpose(1, 2), keys, values, causal=True)
+        torch.testing.assert_close(out[rows], dense[0].transpose(0, 1), rtol=1e-4, atol=1e-4)

@@ -153,7 +153,7 @@ def test_no_rows_gives_empty_results(device):
     assert o.shape == (0, 4, 32) and lse.shape == (0, 4)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lead=st.lists(st.integers(1, 6), min_size=0, max_size=2),
     heads=st.integers(1, 6),
@@ -278,3 +278,15 @@ def test_the_benchmark_s_smoke_run_checks_and_times_the_merge(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["provider"] for r in rows} >= {"tilegen", "torch-eager"}
     assert all(r["correct"] and r["gbps"] > 0 and r["rel_err"] < 1e-2 for r in rows)
+
+
+def test_merging_attention_over_two_key_ranges_is_attention_over_both(device):
+    """Cascade attention: tilegen.attention's (out, lse) over keys [0, s) and [s, n), merged."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=gen).to(device) for n in (9, 40, 40))
+    o_a, lse_a = tilegen.attention(q, k[:, :, :13], v[:, :, :13], return_lse=True)
+    o_b, lse_b = tilegen.attention(q, k[:, :, 13:], v[:, :, 13:], return_lse=True)
+    whole, whole_lse = tilegen.attention(q, k, v, return_lse=True)
+    o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)  # [batch, heads, n_q] rows: any leading shape
+    torch.testing.assert_close(o, whole, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
