@@ -39,7 +39,6 @@ from tilegen.device import device_info
 from tilegen.env import interpreting
 from tilegen.families import family_of, relative_error
 from tilegen.families.kv_append import KVAppendSpec
-from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.problem import random_lse
 from tilegen.families.merge_states.reference import merge_reference
 from tilegen.ops.append import explain_append
