@@ -467,3 +467,24 @@ def test_paged_attention_reads_what_the_append_wrote(device):
         values = torch.cat([prefix_v[b], v[rows]])[None].transpose(1, 2)
         dense = tilegen.attention(q[rows][None].transpose(1, 2), keys, values, causal=True)
         torch.testing.assert_close(out[rows], dense[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_the_custom_op_passes_opcheck(device):
+    cache, k, v, cu = make_batch([3, 17], [2, 5], page_size=16, device=device)
+    cache.k_pages.normal_()  # opcheck compares runs: no NaN, which never equals itself
+    cache.v_pages.normal_()
+    args = (cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu)
+    torch.library.opcheck(torch.ops.tilegen.append_kv.default, args)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_fullgraph(device, backend):
+    cache, k, v, cu = make_batch([3, 17, 0], [2, 5, 1], page_size=16, device=device)
+
+    def step(cache, k, v, cu):
+        tilegen.append_kv(cache, k * 1, v, cu)  # k * 1: a traced value, not just an input
+        return cache.k_pages.sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=backend)(cache, k, v, cu)
+    assert_appended(cache, k, v, cu)

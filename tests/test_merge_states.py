@@ -290,3 +290,22 @@ def test_merging_attention_over_two_key_ranges_is_attention_over_both(device):
     o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)  # [batch, heads, n_q] rows: any leading shape
     torch.testing.assert_close(o, whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_the_custom_op_passes_opcheck(device):
+    torch.library.opcheck(torch.ops.tilegen.merge_states.default, make_parts((3, 5, 24), torch.float32, device))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_fullgraph(device, backend):
+    parts = make_parts((7, 5, 40), torch.bfloat16, device, seed=9)
+    out_lse = torch.full((7, 5), math.nan, device=device)
+
+    def f(o_a, lse_a, o_b, lse_b):
+        o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b, out_lse=out_lse)
+        return o * 2, lse
+
+    torch._dynamo.reset()
+    o2, lse = torch.compile(f, fullgraph=True, backend=backend)(*parts)
+    assert lse is out_lse or torch.equal(lse, out_lse)
+    assert_merged(o2 / 2, out_lse, *parts)

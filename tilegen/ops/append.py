@@ -55,8 +55,16 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     only inside the cache's pages: a row whose sequence, page or slot does not fit is skipped.
 
     The launch does not synchronize or allocate, so a CUDA graph can capture it when the
-    shapes are fixed.
+    shapes are fixed. Under ``torch.compile`` the call goes through the custom op
+    ``tilegen::append_kv`` (it mutates the pages), so ``fullgraph=True`` traces it; the
+    ``TILEGEN_DEBUG`` checks, which read device values on the host, run in eager calls only.
     """
+    if torch.compiler.is_compiling():
+        _check(cache, k, v, cu_seqlens)
+        torch.ops.tilegen.append_kv(
+            cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu_seqlens
+        )
+        return
     try:
         kp = cache.k_pages
         key = (
@@ -188,3 +196,16 @@ def _check_device_values(cache: PagedKVCache, k: torch.Tensor, cu_seqlens: torch
         b = int(too_many.nonzero()[0, 0])
         raise ValueError(f"cu_seqlens: sequence {b} appends {int(n_new[b])} tokens but the page table gives it "
                          f"only {int(cache.seq_lens()[b])} (update the page table before appending)")
+
+
+@torch.library.custom_op("tilegen::append_kv", mutates_args=("k_pages", "v_pages"))
+def _append_op(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+    last_page_len: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+) -> None:
+    append_kv(PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len), k, v, cu_seqlens)
+
+
+@_append_op.register_fake
+def _(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens) -> None:
+    return None

@@ -52,8 +52,13 @@ def merge_states(
 
     Every call checks shapes, dtypes and devices on the host (a call shaped like an earlier
     one reuses its checked plan); it does not synchronize, and the LSE values are not checked
-    (a NaN or ``+inf`` LSE gives NaN rows).
+    (a NaN or ``+inf`` LSE gives NaN rows). Under ``torch.compile`` the call goes through the
+    custom op ``tilegen::merge_states``, so ``fullgraph=True`` traces it.
     """
+    if torch.compiler.is_compiling():
+        _check(o_a, lse_a, o_b, lse_b, out, out_lse)
+        o, lse = torch.ops.tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+        return (o if out is None else out.copy_(o)), (lse if out_lse is None else out_lse.copy_(lse))
     try:
         key = (
             o_a.shape, lse_a.shape, o_b.shape, lse_b.shape, o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype,
@@ -182,3 +187,15 @@ def _spec_for(dtype: str, dim: int) -> MergeStatesSpec:
         return MergeStatesSpec(head_dim=dim, dtype=dtype)
     except SpecError:
         raise ValueError(f"o_a: head_dim {dim} is not supported; expected 1..{MAX_HEAD_DIM}") from None
+
+
+@torch.library.custom_op("tilegen::merge_states", mutates_args=())
+def _merge_op(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return merge_states(o_a, lse_a, o_b, lse_b)
+
+
+@_merge_op.register_fake
+def _(o_a, lse_a, o_b, lse_b):
+    return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape)
