@@ -22,6 +22,7 @@ from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.db import SCHEMA_REVISION, DatabaseError, TuningDB, studies_url, tuned_rows
 from tilegen.db.migrate import known_revisions
 from tilegen.db.models import Base
+from tilegen.db.validate import RowError
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen import AttentionSpec
 
@@ -46,7 +47,7 @@ def record(db: TuningDB, bucket: int, time_ms: float, *, trials: int = 10, **key
 def trial(db: TuningDB, number: int, *, status: str = "ok", study: str = "study", **key) -> None:
     key = {**KEY, **key}
     db.record_trial(
-        **key, bucket=64, study_name=study, trial_number=number, config=config(16 * (number % 3 + 1)),
+        **key, bucket=64, study_name=study, trial_number=number, config=config(16 << (number % 3)),
         status=status, time_ms=1.0 + number if status == "ok" else None, reason=None if status == "ok" else "boom",
     )
 
@@ -165,8 +166,15 @@ def test_export_import_round_trip_into_a_fresh_database(db, tmp_path):
     exported = json.loads(json.dumps(db.export_json()))  # through text, as the CLI does
     with TuningDB(tmp_path / "fresh.sqlite") as fresh:
         assert fresh.import_json(exported) == 4
-        assert fresh.export_json() == exported
+        again = fresh.export_json()
+        assert {row["provenance"] for name in ("tuned", "trials") for row in again[name]} == {"imported"}
+        assert _without_provenance(again) == _without_provenance(exported)
         assert fresh.import_json(exported) == 0  # nothing new the second time
+
+
+def _without_provenance(data: dict) -> dict:
+    return {**data, **{name: [{k: v for k, v in row.items() if k != "provenance"} for row in data[name]]
+                       for name in ("tuned", "trials")}}
 
 
 def test_import_merges_keeping_the_faster_row(db, tmp_path):
@@ -295,7 +303,8 @@ def _writer(path: Path, name: str, n: int, bases: tuple[float, float], start) ->
     key = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash="t", triton_version="x")
     with TuningDB(path) as db:
         for i in range(n):
-            db.record_trial(**key, bucket=64, study_name=name, trial_number=i, config=config(), status="ok", time_ms=i)
+            db.record_trial(**key, bucket=64, study_name=name, trial_number=i, config=config(), status="ok",
+                            time_ms=i + 1)
             db.record_best(
                 **key, bucket=16 << (i % 4), config=config(), time_ms=bases[i % 2] + i, max_error=0.0, trials=i
             )
@@ -325,3 +334,132 @@ def test_two_writer_processes_lose_nothing(tmp_path):
         time_ms, trials_count = expected.get(bucket, (float("inf"), 0))
         expected[bucket] = (min(time_ms, fastest), max(trials_count, i))
     assert best == expected
+
+
+# -- what a writer accepts ------------------------------------------------------------------
+
+BAD_BEST = {
+    "not-a-power-of-two": (dict(config=Config(48, 32, 4, 1).to_dict()), "block_m=48: the template asserts a power"),
+    "zero-time": (dict(time_ms=0.0), "time_ms: expected a positive, finite number"),
+    "negative-time": (dict(time_ms=-1.0), "time_ms: expected a positive, finite number"),
+    "infinite-time": (dict(time_ms=float("inf")), "time_ms: expected a positive, finite number"),
+    "bucket-17": (dict(bucket=17), "bucket: 17 is not a bucket of attention_fwd"),
+    "unknown-knob": (dict(config={**config(), "block_k": 16}), "block_k: unknown knob"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BEST)
+def test_record_best_refuses_a_row_the_kernel_cannot_run_or_a_bad_number(db, case):
+    changes, message = BAD_BEST[case]
+    row = dict(**KEY, bucket=64, config=config(), time_ms=1.0, max_error=1e-3, trials=3)
+    with pytest.raises(RowError, match=re.escape(message)):
+        db.record_best(**{**row, **changes})
+    assert db.list_tuned() == []
+
+
+def test_an_ok_trial_must_be_runnable_but_a_failed_one_may_not_be(db):
+    bad = Config(48, 32, 4, 1).to_dict()
+    with pytest.raises(RowError, match="block_m=48"):
+        db.record_trial(**KEY, bucket=64, study_name="s", trial_number=0, config=bad, status="ok", time_ms=1.0)
+    db.record_trial(**KEY, bucket=64, study_name="s", trial_number=0, config=bad, status="infeasible", reason="no")
+    assert [t.status for t in db.trials_for(SPEC.hash)] == ["infeasible"]
+
+
+def test_a_trial_is_never_overwritten_by_another_config(db):
+    trial(db, 0)
+    with pytest.raises(DatabaseError, match="trials are never overwritten"):
+        db.record_trial(**KEY, bucket=64, study_name="study", trial_number=0, config=config(64), status="ok",
+                        time_ms=0.5)
+    assert [(t.config, t.time_ms) for t in db.trials_for(SPEC.hash)] == [(config(16), 1.0)]
+
+
+@pytest.mark.parametrize("case", ["not-a-power-of-two", "zero-time", "negative-time", "bucket-17"])
+def test_import_refuses_a_bad_row_or_skips_it_when_asked(db, tmp_path, case):
+    record(db, 64, 1.0)
+    record(db, 128, 2.0)
+    data = db.export_json()
+    changes, message = BAD_BEST[case]
+    data["tuned"][0].update(changes)
+    with TuningDB(tmp_path / "fresh.sqlite") as fresh:
+        with pytest.raises(ValueError, match="refused tilegen export: tuned\\[0\\]") as error:
+            fresh.import_json(data)
+        assert message in str(error.value) and "--skip-bad" in str(error.value)
+        assert fresh.list_tuned() == []
+        assert fresh.import_json(data, skip_bad=True) == 1
+        assert [r.bucket for r in fresh.list_tuned()] == [128]
+        assert len(fresh.skipped) == 1 and message in fresh.skipped[0]
+
+
+def test_import_refuses_an_ok_trial_with_a_config_the_kernel_cannot_run(db, tmp_path):
+    trial(db, 0)
+    data = db.export_json()
+    data["trials"][0]["config"] = Config(48, 16, 4, 1).to_dict()
+    with TuningDB(tmp_path / "fresh.sqlite") as fresh, pytest.raises(ValueError, match="trials\\[0\\].*block_m=48"):
+        fresh.import_json(data)
+
+
+def test_imported_rows_are_marked_and_a_local_tune_that_beats_them_is_not(db, tmp_path):
+    record(db, 64, 2.0)
+    with TuningDB(tmp_path / "fresh.sqlite") as fresh:
+        fresh.import_json(db.export_json())
+        assert fresh.best(**KEY)[64].provenance == "imported"
+        record(fresh, 64, 1.0)
+        assert fresh.best(**KEY)[64].provenance == "tuned"
+
+
+def test_an_older_schema_is_upgraded_in_place_keeping_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with TuningDB(path) as db:
+        record(db, 64, 1.0)
+    _downgrade(path, "0001")
+    with sqlite3.connect(path) as conn:
+        assert "provenance" not in {c[1] for c in conn.execute("PRAGMA table_info(tg_tuned_configs)")}
+    with TuningDB(path) as db:
+        assert db.best(**KEY)[64].provenance == "tuned"
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT version_num FROM tg_alembic_version").fetchall() == [(SCHEMA_REVISION,)]
+
+
+def test_dispatch_reads_an_older_schema_read_only_without_upgrading_it(tmp_path, monkeypatch):
+    # A shipped file of an older revision inside an installed wheel: read, never written.
+    shipped = tmp_path / "shipped.sqlite"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+    _downgrade(shipped, "0001")
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    before = shipped.read_bytes()
+    rows = tuned_rows(**KEY, user_db=tmp_path / "none.sqlite")
+    assert list(rows) == [64] and rows[64][1] == str(shipped)
+    assert shipped.read_bytes() == before
+
+
+def _downgrade(path: Path, revision: str) -> None:
+    from alembic import command
+
+    from tilegen.db.migrate import _alembic_config
+
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        alembic_config = _alembic_config()
+        alembic_config.attributes["connection"] = conn
+        command.downgrade(alembic_config, revision)
+    engine.dispose()
+
+
+def test_a_read_only_open_of_an_older_schema_reads_an_upgraded_copy(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with TuningDB(path) as db:
+        record(db, 64, 1.0)
+    _downgrade(path, "0001")
+    before = path.read_bytes()
+    with TuningDB(path, readonly=True) as db:
+        assert [(r.bucket, r.provenance) for r in db.list_tuned()] == [(64, "tuned")]
+        with pytest.raises(DatabaseError, match="open read-only"):
+            record(db, 128, 1.0)
+    assert path.read_bytes() == before
+
+
+def test_the_fast_reader_knows_every_revision():
+    from tilegen.db.sqlite import REVISIONS
+
+    assert tuple(known_revisions()) == REVISIONS

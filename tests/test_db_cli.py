@@ -21,7 +21,7 @@ from tilegen.cli import app
 from tilegen.codegen.render import template_hash
 from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.db import TuningDB
-from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen import AttentionSpec
 from tilegen.families.attention_fwd.reference import attention_reference
 
@@ -30,6 +30,7 @@ SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
 CURRENT = dict(template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
 runner = CliRunner()
+H100_DEVICE = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_000_000_000, 232_448)
 
 
 def _best(db: TuningDB, spec: AttentionSpec, bucket: int, time_ms: float, cfg: Config, device=CPU_INTERPRETER, **key):
@@ -62,7 +63,7 @@ def invoke(*args: str):
 
 
 def assert_one_line_error(result, message: str) -> None:
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # not an uncaught exception
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
@@ -108,15 +109,68 @@ def test_export_then_import_into_a_fresh_database(populated, tmp_path):
     assert result.exit_code == 0, result.output
     assert "imported 7 rows" in result.stderr
     with TuningDB(populated) as a, TuningDB(fresh) as b:
-        assert a.export_json() == b.export_json()
+        assert _without_provenance(a.export_json()) == _without_provenance(b.export_json())
+        assert {r.provenance for r in b.list_tuned()} == {"imported"}
+
+
+def _without_provenance(data: dict) -> dict:
+    return {**data, **{name: [{k: v for k, v in row.items() if k != "provenance"} for row in data[name]]
+                       for name in ("tuned", "trials")}}
 
 
 def test_prune_drops_rows_of_another_triton(populated):
-    result = invoke("db", "--db", populated, "prune")
+    result = invoke("db", "--db", populated, "prune", "--yes")
     assert result.exit_code == 0, result.output
-    assert "pruned 1 rows" in result.stderr
+    assert "0.0-old" in result.stdout  # the row it deletes, shown first
+    assert "prune would delete 1 tuned configs and 0 trials" in result.stderr and "pruned 1 rows" in result.stderr
     with TuningDB(populated) as db:
         assert {r.triton_version for r in db.list_tuned()} == {triton.__version__}
+
+
+def test_prune_asks_first_and_deletes_nothing_without_an_answer(populated):
+    result = invoke("db", "prune", "--db", populated)  # --db after the subcommand works too
+    assert result.exit_code == 2 and "0.0-old" in result.stdout
+    assert result.stderr.splitlines() == [
+        f"prune would delete 1 tuned configs and 0 trials from {populated}",
+        "error: prune: not deleting without confirmation; run it in a terminal, or pass --yes",
+    ]
+    with TuningDB(populated) as db:
+        assert "0.0-old" in {r.triton_version for r in db.list_tuned()}
+
+
+@pytest.mark.parametrize("option, value", [("--triton", "3.6"), ("--tilegen", "0.1")])
+def test_prune_refuses_a_version_no_row_has(populated, option, value):
+    # Versions match exactly: "3.6" for "3.6.0" would delete every row.
+    result = invoke("db", "prune", "--db", populated, option, value, "--yes")
+    assert_one_line_error(result, f"{option}: no row of {populated} has version {value!r}")
+    with TuningDB(populated) as db:
+        assert len(db.list_tuned()) == 4
+
+
+def test_prune_says_when_nothing_matched(populated):
+    invoke("db", "prune", "--db", populated, "--yes")
+    result = invoke("db", "prune", "--db", populated, "--yes")
+    assert result.exit_code == 0 and "nothing matched" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["list"], ["show", SPEC.hash[:6]], ["export", "{tmp}/x.json"],
+                                     ["prune", "--yes"], ["verify", "ffff"]])
+def test_every_db_command_takes_db_after_its_name(populated, command):
+    args = [a.format(tmp=populated.parent) for a in command]
+    result = invoke("db", *args, "--db", populated)
+    assert result.exit_code == 0, result.output
+
+
+def test_list_and_show_include_the_shipped_database_marked_as_such(tmp_path):
+    missing = tmp_path / "nothing-here.sqlite"
+    result = invoke("db", "list", "--db", missing)
+    assert result.exit_code == 0, result.output
+    assert "no database at" in result.stderr and "shipped with tilegen (read-only" in result.stdout
+    assert "47dbe900c9030f94" in result.stdout
+    result = invoke("db", "show", "47dbe900", "--db", missing)  # the README's example, for a new user
+    assert result.exit_code == 0, result.output
+    assert "from shipped with tilegen" in result.stdout and "attention_fwd_bf16_d128_g1_causal" in result.stdout
+    assert not missing.exists()  # reading never creates the user's database
 
 
 def _newer_schema(path: Path) -> None:
@@ -144,7 +198,9 @@ def _ambiguous(path: Path) -> str:
 
 # Each case: how to break the setup, the command, and what the one-line error says.
 ERROR_CASES = {
-    "missing-db": (lambda db, tmp: None, ["--db", "{tmp}/missing.sqlite", "list"], "no tilegen database at"),
+    "missing-db": (lambda db, tmp: None, ["--db", "{tmp}/missing.sqlite", "export", "{tmp}/x.json"],
+                   "no tilegen database at"),
+    "db-is-a-folder": (lambda db, tmp: None, ["--db", "{tmp}", "list"], "is a folder; give the database file"),
     "corrupt-db": (lambda db, tmp: db.write_bytes(os.urandom(4096)), ["list"], "not a tilegen database / corrupt"),
     "newer-schema": (lambda db, tmp: _newer_schema(db), ["list"], "newer tilegen schema (revision 9999_future)"),
     "unknown-hash": (lambda db, tmp: None, ["show", "ffffffff"], "no variant with spec hash 'ffffffff'"),
@@ -167,7 +223,7 @@ def _prepare(case: str, populated: Path) -> tuple[list[str], str]:
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
-def test_db_errors_end_in_one_line_and_exit_1(populated, case):
+def test_db_errors_end_in_one_line_and_exit_2(populated, case):
     args, message = _prepare(case, populated)
     args = args if args[0] == "--db" else ["--db", str(populated), *args]
     assert_one_line_error(invoke("db", *args), message)
@@ -302,3 +358,27 @@ def test_emit_tuned_bf16_module_is_right_under_the_interpreter(tmp_path):
     out = torch.load(tmp_path / "outputs.pt")
     ref, _ = attention_reference(q, k, v, causal=True)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_verify_reruns_this_machines_rows_and_drops_the_ones_that_fail(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    spec = AttentionSpec(head_dim=32, mask="causal", dtype="fp32")
+    with TuningDB(db) as database:
+        _best(database, spec, 64, 5.0, Config(32, 16, 4, 1), device=device_info())
+        _best(database, spec, 128, 5.0, Config(32, 32, 4, 1), device=device_info())
+        _best(database, spec, 64, 5.0, Config(64, 64, 4, 2), device=H100_DEVICE)  # another GPU: not run here
+    with sqlite3.connect(db) as conn:  # an edit behind the writers' checks
+        conn.execute("UPDATE tg_tuned_configs SET config_json = ? WHERE bucket = 128",
+                     ('{"block_m": 48, "block_n": 32, "num_stages": 1, "num_warps": 4}',))
+    result = invoke("db", "verify", "--db", db)
+    assert result.exit_code == 2, result.output
+    assert "1 row(s) belong to another GPU" in result.stdout
+    table = result.stdout[result.stdout.index("on " + device_info().key):]
+    assert re.search(r"\b64\b.*BM32-BN16-w4-s1.*\bok\b", table)
+    assert re.search(r"\b128\b.*infeasible: block_m=48", table)
+    assert result.stderr.startswith("error: 1 row(s) failed on this machine; delete them with")
+    result = invoke("db", "verify", "--db", db, "--drop-failed")
+    assert result.exit_code == 0, result.output
+    with TuningDB(db) as database:
+        assert sorted((r.gpu_key, r.bucket) for r in database.list_tuned()) == sorted(
+            [(device_info().key, 64), (H100_DEVICE.key, 64)])

@@ -159,17 +159,17 @@ def _count(path, table):
 
 def test_prune_keeps_current_rows_of_every_family_and_unknown_ones_unless_all(tuned_db, monkeypatch):
     path, _ = tuned_db
-    pruned = _invoke("db", "--db", path, "prune")
-    assert pruned.exit_code == 0 and "pruned 0 rows" in pruned.stderr
+    pruned = _invoke("db", "--db", path, "prune", "--yes")
+    assert pruned.exit_code == 0 and "nothing matched" in pruned.stderr
     assert _count(path, "tg_tuned_configs") == 1
 
     # A tilegen that does not know the family (an older release reading a newer one's rows).
     monkeypatch.delitem(registry._by_name, "row_softmax")
-    assert "pruned 0 rows" in _invoke("db", "--db", path, "prune").stderr
+    assert "nothing matched" in _invoke("db", "--db", path, "prune", "--yes").stderr
     assert _count(path, "tg_tuned_configs") == 1
     listed = _invoke("db", "--db", path, "list")  # shown with the raw config, not an error
     assert listed.exit_code == 0 and '"block_rows"' in listed.stdout
-    pruned = _invoke("db", "--db", path, "prune", "--all")
+    pruned = _invoke("db", "--db", path, "prune", "--all", "--yes")
     assert pruned.exit_code == 0 and "pruned 4 rows" in pruned.stderr  # the tuned row and its 3 trials
     assert _count(path, "tg_tuned_configs") == 0 and _count(path, "tg_trials") == 0
 
@@ -179,7 +179,7 @@ def test_prune_drops_rows_of_an_edited_template(tuned_db, monkeypatch):
     from tilegen.db import store
 
     monkeypatch.setattr(store, "current_template_hash", lambda family: "0" * 16)
-    assert "pruned 4 rows" in _invoke("db", "--db", path, "prune").stderr
+    assert "pruned 4 rows" in _invoke("db", "--db", path, "prune", "--yes").stderr
 
 
 def test_tune_command_takes_the_family_s_spec(tmp_path):

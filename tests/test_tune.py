@@ -261,3 +261,46 @@ def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
         firsts.append(worker.measured)
     assert firsts[0] == [default]
     assert all(len(f) == 1 for f in firsts[1:]) and any(f != [default] for f in firsts[1:])
+
+
+def test_a_tune_after_an_import_never_overwrites_the_imported_trials(tmp_path):
+    # The imported trials were numbered by a study this machine's studies file does not hold.
+    configs = AttentionFwd().candidates(SPEC, CPU_INTERPRETER)
+    times = {str(c): 1.0 + i for i, c in enumerate(configs)}
+    with TuningDB(tmp_path / "elsewhere.sqlite") as db, Tuner(
+        db, CPU_INTERPRETER, trials=3, worker=_ScriptedWorker(times)
+    ) as tuner:
+        tuner.tune(SPEC, 16)
+        exported = db.export_json()
+    key = TuningKey.current(SPEC, CPU_INTERPRETER, 16)
+    with TuningDB(tmp_path / "fresh.sqlite") as db:
+        db.import_json(exported)
+        imported = {(t.study_name, t.trial_number): (t.config, t.time_ms) for t in db.trials_for(SPEC.hash)}
+        assert {name for name, _ in imported} == {key.study_name}
+        for _ in range(2):  # a new study, then that study resumed
+            worker = _ScriptedWorker(times)
+            with Tuner(db, CPU_INTERPRETER, trials=2, worker=worker) as tuner:
+                tuner.tune(SPEC, 16)
+            assert len(worker.measured) == 2
+        trials = db.trials_for(SPEC.hash)
+        kept = {(t.study_name, t.trial_number): (t.config, t.time_ms) for t in trials}
+        assert {k: kept[k] for k in imported} == imported  # every imported trial as it was
+        assert len(trials) == 3 + 2 + 2
+        assert {t.study_name for t in trials} == {key.study_name, f"{key.study_name}-run2"}
+        assert len({json.dumps(t.config, sort_keys=True) for t in trials}) == 7  # no config measured twice
+        assert db.best(**KEY)[16].time_ms == 1.0
+
+
+def test_a_tune_against_a_read_only_database_fails_before_measuring(tmp_path, monkeypatch):
+    import tilegen.db.store as store
+
+    db = tmp_path / "tuning.sqlite"
+    TuningDB(db).close()
+    real_access = os.access
+    monkeypatch.setattr(store.os, "access", lambda path, mode: False if mode == os.W_OK else real_access(path, mode))
+    started = []
+    monkeypatch.setattr("tilegen.tuning.worker.Worker._start", lambda self: started.append(self))
+    result = CliRunner().invoke(app, ["tune", "--db", str(db), "--seqlens", "16", "--trials", "1"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1].startswith(f"error: cannot write the tilegen database {db}")
+    assert started == []

@@ -10,11 +10,17 @@ tune this variant.
 
 Each op keeps its checked per-call plans in a ``plan_cache()``; ``reset`` empties every
 one together with the tables, so a plan never outlives the table it was made from.
+
+A tuned row can still fail where its feasibility check passed (a compiler that rejects
+the config, an imported row from another setup): ``Table.run`` launches a tuned config
+and, if it fails, skips that row with one warning and runs the next choice, down to the
+default, so one bad row never takes an op down.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,8 @@ from tilegen.ir import Spec
 from tilegen.key import TuningKey
 
 __all__ = ["Choice", "Table", "PlanCache", "plan_cache", "table_for", "reset", "tune_command"]
+
+_warned: set[str] = set()
 
 log = logging.getLogger("tilegen.dispatch")
 
@@ -71,6 +79,32 @@ class Table:
         config, source = self.rows[nearest]
         return Choice(config, source, bucket, nearest)
 
+    def run(self, size: int, launch: Callable[[Config], Any]) -> tuple[Choice, Any]:
+        """``launch(config)`` with the choice for ``size``; a tuned row that fails is skipped for good
+        (one warning) and the next choice runs, down to the default, whose failure is raised."""
+        while True:
+            choice = self.choose(size)
+            try:
+                return choice, launch(choice.config)
+            except Exception as error:  # any failure of a stored row: the default must still run
+                if choice.tuned_bucket is None:
+                    raise
+                self.skip(choice, error)
+
+    def skip(self, choice: Choice, error: BaseException) -> None:
+        """Forget the tuned row behind ``choice``: it failed to compile or launch here."""
+        self.rows.pop(choice.tuned_bucket, None)
+        self._choices.clear()
+        reason = " ".join(str(error).split())[:300] or type(error).__name__
+        message = (
+            f"tilegen: skipping the tuned config {choice.config} of {self.spec.name} (bucket {choice.tuned_bucket}) "
+            f"from {choice.source}: it failed here ({type(error).__name__}: {reason}). `tilegen db verify` checks "
+            f"every row"
+        )
+        if message not in _warned:
+            _warned.add(message)
+            log.warning(message)
+
 
 def tune_command(spec: Spec, bucket: int) -> str:
     return f"tilegen tune --spec '{spec.to_json()}' --sizes {bucket}"
@@ -114,8 +148,6 @@ def reset() -> None:
 
 
 def _load_rows(spec: Spec, device: DeviceInfo) -> dict[int, tuple[Config, str]]:
-    from tilegen.db import (
-        tuned_rows,  # the database layer is needed once per table, never per call
-    )
+    from tilegen.db.lookup import tuned_rows  # once per table, never per call
 
     return tuned_rows(**TuningKey.current(spec, device).variant_fields())

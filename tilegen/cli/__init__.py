@@ -1,15 +1,38 @@
-"""The ``tilegen`` command: emit, tune, db, bench.
+"""The ``tilegen`` command: emit, tune, db.
 
-Each subcommand lives in its own module and registers itself on ``app``. Errors a
-user can fix (bad flags, a bad spec, a bad database) end in a one-line message and
-a non-zero exit, never a traceback.
+Each subcommand lives in its own module and registers itself on ``app``. Every error a
+user can fix (a bad flag, number, path, spec or database) ends in one line,
+``error: ...`` naming the argument and what to do, and exit status 2; never a traceback.
 """
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 import typer
 
+# Typer 0.2x ships its own copy of click's exceptions; earlier releases use click's.
+try:
+    from typer._click import exceptions as _exceptions
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as _exceptions
+_ClickException = _exceptions.ClickException
+_UsageError = _exceptions.UsageError
+_NoArgsIsHelp = getattr(_exceptions, "NoArgsIsHelpError", ())  # click before 8.2 prints the help itself
+_Exit = typer.Exit
+_Abort = typer.Abort
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generated, autotuned attention kernels.")
+
+#: Exit status of every error a user can fix, as click gives for a usage error.
+USAGE_ERROR = 2
+
+
+def fail(message: str) -> NoReturn:
+    """End the command with ``error: <message>`` on one line and exit status 2."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(USAGE_ERROR)
 
 
 @app.callback()
@@ -21,5 +44,26 @@ from tilegen.cli import tune  # noqa: E402,F401  (registers its command)
 from tilegen.cli import db  # noqa: E402,F401  (registers its commands)
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """Run the command line; usage errors (an unknown option, a value of the wrong type) print as one line too."""
+    try:
+        # Not standalone: click returns a command's exit status instead of exiting, and raises
+        # usage errors here instead of printing them as a box.
+        code = app(args=argv, standalone_mode=False)
+    except _NoArgsIsHelp as e:
+        e.show()  # a bare `tilegen` or `tilegen db`: the help, as asked for
+        sys.exit(e.exit_code)
+    except _UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "tilegen"
+        typer.echo(f"error: {' '.join(e.format_message().split())} (see: {command} --help)", err=True)
+        sys.exit(USAGE_ERROR)
+    except _ClickException as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(USAGE_ERROR)
+    except _Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(USAGE_ERROR)
+    except _Exit as e:
+        sys.exit(e.exit_code)
+    if isinstance(code, int) and code:
+        sys.exit(code)

@@ -1,20 +1,26 @@
-"""``tilegen db``: look into, move and prune the tuning database."""
+"""``tilegen db``: look into, move, check and prune the tuning database.
+
+``list`` and ``show`` read the user's database and the one shipped with tilegen (marked
+as such), as dispatch does. Every command takes ``--db`` itself, and the group takes it
+too (``tilegen db --db X list`` and ``tilegen db list --db X`` are the same).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from tilegen import env
-from tilegen.cli import app
+from tilegen.cli import app, fail
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
 from tilegen.families import ConfigError, get
 from tilegen.ir import SpecError
@@ -22,122 +28,243 @@ from tilegen.ir import SpecError
 db_app = typer.Typer(no_args_is_help=True, add_completion=False)
 app.add_typer(db_app, name="db")
 
+_DB_HELP = "The database file (default: $TILEGEN_DB, else tuning.sqlite in the user data folder)."
+_DbOption = typer.Option(None, "--db", help=_DB_HELP, show_default=False)
+
 
 @db_app.callback()
-def _db(
-    ctx: typer.Context,
-    db: Optional[Path] = typer.Option(
-        None, "--db", help="The database file (default: $TILEGEN_DB, else tuning.sqlite in the user data folder).",
-        show_default=False,
-    ),
-) -> None:
+def _db(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
     """The tuning database: tuned configs and the trials behind them.
 
     The Optuna studies of `tilegen tune` sit beside the database, in <db stem>.optuna.sqlite.
 
     Open them with: optuna-dashboard sqlite:///<studies file>
     """
-    ctx.obj = db if db is not None else env.db_path()
+    ctx.obj = db
+
+
+def _path(ctx: typer.Context, db: Path | None) -> Path:
+    """The command's --db, else the group's, else $TILEGEN_DB or the user data folder."""
+    chosen = db if db is not None else ctx.obj if ctx.obj is not None else env.db_path()
+    if chosen.is_dir():
+        fail(f"--db: {chosen} is a folder; give the database file, e.g. {chosen / 'tuning.sqlite'}")
+    return chosen
+
+
+def _shipped(path: Path) -> Path | None:
+    """The shipped database, unless it is missing or is the file already given."""
+    shipped = env.shipped_db_path()
+    if not shipped.is_file() or (path.exists() and path.resolve() == shipped.resolve()):
+        return None
+    return shipped
 
 
 @db_app.command("list")
-def list_(ctx: typer.Context) -> None:
-    """Every tuned config: one row per variant, GPU, Triton version and sequence-length bucket."""
-    with _open(ctx) as db:
-        rows = db.list_tuned()
-    if not rows:
-        typer.echo(f"no tuned configs in {ctx.obj}", err=True)
-        return
-    _console().print(_tuned_table(rows, title=str(ctx.obj)))
+def list_(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
+    """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
+    path = _path(ctx, db)
+    console = _console()
+    if path.exists():
+        with _open(path) as database:
+            rows = database.list_tuned()
+        if rows:
+            console.print(_tuned_table(rows, title=str(path)))
+        else:
+            typer.echo(f"no tuned configs in {path}", err=True)
+    else:
+        typer.echo(f"no database at {path} yet (`tilegen tune` creates it)", err=True)
+    shipped = _shipped(path)
+    if shipped is not None:
+        with _open(shipped) as database:
+            rows = database.list_tuned()
+        console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}"))
 
 
 @db_app.command()
-def show(ctx: typer.Context, spec_hash: str = typer.Argument(..., metavar="SPEC_HASH_OR_PREFIX")) -> None:
-    """One variant: its spec, its tuned configs and every trial, fastest first within a study."""
-    with _open(ctx) as db:
-        variants = db.variants(spec_hash) if spec_hash else []
-        hashes = sorted({v.spec_hash for v in variants})
-        if not hashes:
-            _fail(f"no variant with spec hash {spec_hash!r} in {ctx.obj}; `tilegen db list` shows them")
-        if len(hashes) > 1:
-            _fail(f"{spec_hash!r} matches {len(hashes)} specs ({', '.join(hashes)}); give more of the hash")
-        tuned = [row for row in db.list_tuned() if row.spec_hash == hashes[0]]
-        trials = db.trials_for(hashes[0])
-    console = _console()
-    for variant in variants:
-        console.print(f"[bold]{variant.name}[/bold]  spec {variant.spec_hash}  template {variant.template_hash}")
-        console.print_json(variant.spec_json)
-    console.print(_tuned_table(tuned, title="tuned") if tuned else "no tuned configs")
-    console.print(_trials_table(trials) if trials else "no trials")
+def show(
+    ctx: typer.Context, spec_hash: str = typer.Argument(..., metavar="SPEC_HASH_OR_PREFIX"),
+    db: Optional[Path] = _DbOption,
+) -> None:
+    """One variant: its spec, its tuned configs and every trial, fastest first within a study.
+
+    The user's database is searched first, then the shipped one.
+    """
+    path = _path(ctx, db)
+    if not spec_hash.strip():
+        fail("SPEC_HASH_OR_PREFIX: give a spec hash or its first digits; `tilegen db list` shows them")
+    places = [(p, label) for p, label in ((path, str(path)), (_shipped(path), "shipped with tilegen"))
+              if p is not None and p.exists()]
+    if not places:
+        fail(f"no tilegen database at {path} (give --db, or set TILEGEN_DB)")
+    for where, label in places:
+        with _open(where) as database:
+            variants = database.variants(spec_hash)
+            hashes = sorted({v.spec_hash for v in variants})
+            if len(hashes) > 1:
+                fail(f"{spec_hash!r} matches {len(hashes)} specs ({', '.join(hashes)}); give more of the hash")
+            if not hashes:
+                continue
+            tuned = [row for row in database.list_tuned() if row.spec_hash == hashes[0]]
+            trials = database.trials_for(hashes[0])
+        console = _console()
+        console.print(f"[bold]from {label}[/bold]" + (f": {where}" if label != str(where) else ""))
+        for variant in variants:
+            console.print(f"[bold]{variant.name}[/bold]  spec {variant.spec_hash}  template {variant.template_hash}")
+            console.print_json(variant.spec_json)
+        console.print(_tuned_table(tuned, title="tuned") if tuned else "no tuned configs")
+        console.print(_trials_table(trials) if trials else "no trials")
+        return
+    fail(f"no variant with spec hash {spec_hash!r} in {' or '.join(str(p) for p, _ in places)}; "
+         f"`tilegen db list` shows them")
 
 
 @db_app.command("export")
-def export(ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json")) -> None:
+def export(
+    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[Path] = _DbOption,
+) -> None:
     """Write the whole database as JSON (`tilegen db import` reads it back, on any machine)."""
-    with _open(ctx) as db:
-        data = db.export_json()
-    with _errors():
+    path = _path(ctx, db)
+    _need(path)
+    with _open(path) as database:
+        data = database.export_json()
+    with _errors(f"FILE.json: cannot write {file}"):
         file.write_text(json.dumps(data, indent=1) + "\n")
     typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to {file}", err=True)
 
 
 @db_app.command("import")
-def import_(ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json")) -> None:
-    """Merge an export in: per bucket the faster config wins; trials already here are kept."""
-    with _errors():
-        try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file} is not JSON: {e}") from None
-    with _open(ctx, write=True, create=True) as db, _errors():
-        count = db.import_json(data)
-    typer.echo(f"imported {count} rows from {file} into {ctx.obj}", err=True)
+def import_(
+    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[Path] = _DbOption,
+    skip_bad: bool = typer.Option(
+        False, "--skip-bad", help="Leave out rows that fail the checks (a config the kernel cannot run, a time that "
+        "is not positive, a bucket its family never gives) and import the rest; by default one such row refuses "
+        "the whole file.",
+    ),
+) -> None:
+    """Merge an export in: per bucket the faster config wins; trials already here are kept.
+
+    Every row is checked first and marked as imported (`tilegen db verify` re-runs it here).
+    """
+    path = _path(ctx, db)
+    with _errors(f"FILE.json: cannot read {file}"):
+        raw = file.read_bytes()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"FILE.json: {file} is not JSON ({e}); give a file written by `tilegen db export`")
+    with _open(path, write=True) as database, _errors():
+        count = database.import_json(data, skip_bad=skip_bad)
+        skipped = database.skipped
+    for line in skipped:
+        typer.echo(f"skipped {line}", err=True)
+    typer.echo(f"imported {count} rows from {file} into {path}", err=True)
 
 
 @db_app.command()
 def prune(
     ctx: typer.Context,
-    triton: Optional[str] = typer.Option(None, help="Triton version to keep (default: the installed one)."),
+    triton: Optional[str] = typer.Option(
+        None, help="Triton version to keep, exactly as `tilegen db list` shows it (default: the installed one)."
+    ),
     tilegen: Optional[str] = typer.Option(
-        None, help="Keep only the tuned configs of this tilegen version (default: every version)."
+        None, help="Keep only the tuned configs of this tilegen version, exactly (default: every version)."
     ),
     all_families: bool = typer.Option(
         False, "--all", help="Also prune rows of kernel families this tilegen does not know (kept by default: "
         "a newer tilegen may have written them).",
     ),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
+    db: Optional[Path] = _DbOption,
 ) -> None:
-    """Delete tuned configs and trials that dispatch can no longer use (other Triton, changed template)."""
-    with _open(ctx, write=True) as db:
-        count = db.prune(keep_triton=triton, keep_tilegen=tilegen, all_families=all_families)
-    typer.echo(f"pruned {count} rows from {ctx.obj}", err=True)
+    """Delete tuned configs and trials that dispatch can no longer use (other Triton, changed template).
+
+    Says what it will delete and asks first (or takes --yes).
+    """
+    path = _path(ctx, db)
+    _need(path)
+    with _open(path, write=True) as database:
+        tritons, tilegens = database.versions()
+        # Versions match exactly, so a near miss ("3.6" for "3.6.0") would keep nothing: refuse it.
+        for option, value, present in (("--triton", triton, tritons), ("--tilegen", tilegen, tilegens)):
+            if value is not None and value not in present:
+                fail(f"{option}: no row of {path} has version {value!r}; versions there: "
+                     f"{', '.join(sorted(present)) or 'none'} (versions match exactly)")
+        arguments = dict(keep_triton=triton, keep_tilegen=tilegen, all_families=all_families)
+        tuned, trials = database.prune(**arguments, dry_run=True)
+        if not tuned and not trials:
+            typer.echo(f"nothing matched: every row of {path} is one dispatch can use", err=True)
+            return
+        if tuned:
+            _console().print(_tuned_table(tuned, title=f"tuned configs to delete from {path}"))
+        typer.echo(f"prune would delete {len(tuned)} tuned configs and {trials} trials from {path}", err=True)
+        if not yes:
+            if not sys.stdin.isatty():
+                fail("prune: not deleting without confirmation; run it in a terminal, or pass --yes")
+            if not typer.confirm("Delete them?", default=False, err=True):
+                typer.echo("nothing deleted", err=True)
+                return
+        count = database.prune(**arguments)
+    typer.echo(f"pruned {count} rows from {path}", err=True)
+
+
+@db_app.command()
+def verify(
+    ctx: typer.Context,
+    spec_hash: str = typer.Argument("", metavar="[SPEC_HASH_OR_PREFIX]", help="Only this variant (default: all)."),
+    shipped: bool = typer.Option(False, "--shipped", help="Verify the database shipped with tilegen instead."),
+    seed: int = typer.Option(0, help="Seed of the random inputs."),
+    timeout: float = typer.Option(300.0, help="Seconds one row may take (compilation included)."),
+    drop_failed: bool = typer.Option(False, "--drop-failed", help="Delete the rows that fail."),
+    db: Optional[Path] = _DbOption,
+) -> None:
+    """Re-run tuned rows on this machine against the family's reference: does each config compile, run and
+    give the right answer here, and how fast is it?
+
+    Only rows of this GPU, this Triton and the current template can run here (those are the rows
+    dispatch reads); the rest are counted and left alone.
+    """
+    from tilegen.cli.verify import verify_rows
+
+    if timeout <= 0:
+        fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+    if shipped and drop_failed:
+        fail("--drop-failed: the shipped database is read-only; drop rows from your own database")
+    path = env.shipped_db_path() if shipped else _path(ctx, db)
+    _need(path)
+    with _open(path, write=drop_failed) as database:
+        failed = verify_rows(database, spec_hash, seed=seed, timeout=timeout, console=_console(),
+                             drop_failed=drop_failed)
+    if failed and not drop_failed:
+        fail(f"{failed} row(s) failed on this machine; delete them with: tilegen db verify --db {path} --drop-failed"
+             + (f" {spec_hash}" if spec_hash else ""))
+
+
+def _need(path: Path) -> None:
+    if not path.exists():
+        fail(f"no tilegen database at {path} (give --db, or set TILEGEN_DB)")
 
 
 @contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """A database, file or JSON problem the user can fix ends in one line and exit code 1."""
+def _errors(prefix: str = "") -> Iterator[None]:
+    """A database, file or JSON problem the user can fix ends in one line and exit code 2."""
     try:
         yield
-    except (DatabaseError, OSError, ValueError) as e:
-        _fail(str(e))
+    except OSError as e:
+        fail(f"{prefix}: {e.strerror or e}" if prefix else str(e))
+    except (DatabaseError, ValueError) as e:
+        fail(str(e))
 
 
 @contextlib.contextmanager
-def _open(ctx: typer.Context, *, write: bool = False, create: bool = False) -> Iterator[TuningDB]:
-    path: Path = ctx.obj
+def _open(path: Path, *, write: bool = False) -> Iterator[TuningDB]:
     with _errors():
-        if not create and not path.exists():
-            raise DatabaseError(f"no tilegen database at {path} (give --db, or set TILEGEN_DB)")
         # Reading a file this user cannot write (the shipped one, say) opens it read-only;
         # anything else opens writable, which also upgrades an older schema.
-        writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
-        db = TuningDB(path, readonly=not (write or create or writable))
-    with _errors(), db:
-        yield db
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+        writable = path.exists() and os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+        readonly = not write and (not writable or path.resolve() == env.shipped_db_path().resolve())
+        database = TuningDB(path, readonly=readonly)
+    with _errors(), database:
+        yield database
 
 
 def _console() -> Console:
@@ -161,13 +288,14 @@ def _number(value: float | None, spec: str) -> str:
 
 def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
     table = Table(title=title)
-    for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date"):
+    for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date",
+                 "from"):
         table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left")
     for row in rows:
         table.add_row(
             row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, str(row.bucket),
             _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
-            _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"),
+            _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"), row.provenance,
         )
     return table
 

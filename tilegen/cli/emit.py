@@ -13,7 +13,7 @@ from typing import Optional
 import triton
 import typer
 
-from tilegen.cli import app
+from tilegen.cli import app, fail
 from tilegen.cli.spec_args import takes_spec
 from tilegen.codegen import source_for
 from tilegen.codegen.render import template_hash
@@ -38,22 +38,28 @@ def emit(
 ) -> None:
     """Print the Triton kernel and launcher generated for a spec."""
     if db is not None and not tuned:
-        raise typer.BadParameter("--db is read only with --tuned", param_hint="--db")
+        fail("--db: read only with --tuned")
+    if output is not None:
+        if output.is_dir():
+            fail(f"-o: {output} is a folder; give a file name, e.g. {output / (spec.name + '.py')}")
+        if not output.parent.is_dir():
+            fail(f"-o: the folder {output.parent} does not exist; create it first or write elsewhere")
+    if db is not None and db.is_dir():
+        fail(f"--db: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
     try:
         text = source_for(spec)
         if tuned:
             text += standalone_entry_point(spec, user_db=db)
-    except NotImplementedError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except DatabaseError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    except (NotImplementedError, DatabaseError) as e:
+        fail(str(e))
     if output is None:
         typer.echo(text, nl=False)
-    else:
+        return
+    try:
         output.write_text(text)
-        typer.echo(f"wrote {output} ({spec.name}, spec {spec.hash})", err=True)
+    except OSError as e:
+        fail(f"-o: cannot write {output}: {e.strerror or e}")
+    typer.echo(f"wrote {output} ({spec.name}, spec {spec.hash})", err=True)
 
 
 def standalone_entry_point(spec: Spec, *, user_db: Path | None = None) -> str:

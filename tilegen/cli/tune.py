@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Optional
 
 import torch
 import typer
 from rich.console import Console
 
-from tilegen.cli import app
+from tilegen.cli import app, fail
 from tilegen.cli.spec_args import takes_spec
 from tilegen.device import device_info
 from tilegen.families import family_of
@@ -44,9 +45,13 @@ def tune(
     """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
     if trials is not None and trials < 1:
-        _fail(f"--trials: expected a positive integer, got {trials}")
-    if timeout is not None and timeout <= 0:
-        _fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+        fail(f"--trials: expected a positive integer, got {trials}")
+    if timeout is not None and not (0 < timeout < math.inf):
+        fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+    if not 0 <= seed < 2**32:
+        fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
+    if db is not None and db.is_dir():
+        fail(f"--db: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
 
     if not torch.cuda.is_available():
         # Kernels run only in the worker process, which inherits this and so imports Triton in
@@ -69,16 +74,17 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
     )
 
     if sampler not in SAMPLERS:
-        _fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
     family = family_of(spec)
     try:
         family.lower(spec)  # a spec the template cannot take fails here, not once per trial
     except NotImplementedError as e:
-        _fail(str(e))
+        fail(str(e))
     try:
         database = TuningDB(db)
+        database.check_writable()  # a read-only file fails here, before anything is measured
     except DatabaseError as e:
-        _fail(str(e))
+        fail(str(e))
     device = device_info()
     if device.is_interpreter:
         typer.echo(
@@ -98,13 +104,17 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
         ) as tuner:
             results = [tuner.tune(spec, bucket) for bucket in buckets]
     except (DatabaseError, WorkerError) as e:
-        _fail(str(e))
+        fail(str(e))
     Console().print(summary_table(results))
     unsolved = [r.key.bucket for r in results if r.best is None]
     if unsolved:
-        _fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
-              f"the trials' reasons: tilegen db --db {database.path} show {spec.hash}", code=1)
+        fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
+             f"the trials' reasons: tilegen db show --db {database.path} {spec.hash}")
     typer.echo(f"stored in {database.path}", err=True)
+
+
+#: Sizes past this overflow the kernels' int32 index arithmetic, and no tune could allocate them.
+_MAX_SIZE = 2**31 - 1
 
 
 def _parse_seqlens(text: str | None) -> list[int]:
@@ -115,10 +125,7 @@ def _parse_seqlens(text: str | None) -> list[int]:
     except ValueError:
         lengths = []
     if not lengths or min(lengths) < 1:
-        _fail(f"--seqlens: expected comma-separated positive integers such as 1024,4096; got {text!r}")
+        fail(f"--seqlens: expected comma-separated positive integers such as 1024,4096; got {text!r}")
+    if max(lengths) > _MAX_SIZE:
+        fail(f"--seqlens: {max(lengths)} is too large; sizes go up to {_MAX_SIZE}")
     return lengths
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)

@@ -2,19 +2,18 @@
 
 One SQLite file per user (``tilegen.env.db_path()``, ``TILEGEN_DB`` overrides) plus a
 read-only one shipped with tilegen (``tilegen.env.shipped_db_path()``). The schema is
-versioned with Alembic (``tilegen/db/migrations``); opening a file upgrades it.
+versioned with Alembic (``tilegen/db/migrations``); opening a file writable upgrades it.
 Optuna's studies live beside the database, at ``studies_url(db_path)``.
+
+Names load on first use: dispatch needs only ``tuned_rows`` (the standard library's
+sqlite3), and should not pay for SQLAlchemy, which ``TuningDB`` and the models import.
 """
 
-from tilegen.db.errors import DatabaseError
-from tilegen.db.lookup import tuned_rows
-from tilegen.db.migrate import SCHEMA_REVISION
-from tilegen.db.models import TRIAL_STATUSES
-from tilegen.db.rows import TrialRow, TunedRow, VariantRow
-from tilegen.db.store import TuningDB, studies_url
+import importlib
 
 __all__ = [
     "DatabaseError",
+    "RowError",
     "SCHEMA_REVISION",
     "TRIAL_STATUSES",
     "TrialRow",
@@ -24,3 +23,28 @@ __all__ = [
     "studies_url",
     "tuned_rows",
 ]
+
+_WHERE = {
+    "DatabaseError": "tilegen.db.errors",
+    "RowError": "tilegen.db.validate",
+    "SCHEMA_REVISION": "tilegen.db.sqlite",
+    "TRIAL_STATUSES": "tilegen.db.models",
+    "TrialRow": "tilegen.db.rows",
+    "TunedRow": "tilegen.db.rows",
+    "VariantRow": "tilegen.db.rows",
+    "TuningDB": "tilegen.db.store",
+    "studies_url": "tilegen.db.store",
+    "tuned_rows": "tilegen.db.lookup",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tilegen.db' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

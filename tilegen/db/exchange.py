@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from tilegen.db.models import TRIAL_STATUSES
+from tilegen.db.validate import RowError, check_best, check_trial, device_from_gpu
 from tilegen.families import family_of
 from tilegen.ir import SpecError, spec_from_json
 
@@ -52,12 +53,16 @@ SECTIONS: dict[str, dict[str, str]] = {
 }
 
 
-def check(data: Any) -> dict[str, list[dict[str, Any]]]:
+def check(data: Any, *, skip_bad: bool = False) -> dict[str, list[Any]]:
     """Validate an export and return its sections, ``created_at`` parsed; a ``ValueError`` names the bad field.
+
+    Beyond the format, each tuned row and trial must pass ``tilegen.db.validate`` on the
+    GPU its ``gpu_key`` names. A row that does not raises, unless ``skip_bad``: then it is
+    left out and named in the ``skipped`` section.
 
     Example:
         >>> check({"format": FORMAT, "format_version": 1, "gpus": [], "variants": [], "tuned": [], "trials": []})
-        {'gpus': [], 'variants': [], 'tuned': [], 'trials': []}
+        {'gpus': [], 'variants': [], 'tuned': [], 'trials': [], 'skipped': []}
     """
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise _malformed("", f"expected a JSON object with \"format\": \"{FORMAT}\"")
@@ -97,7 +102,36 @@ def check(data: Any) -> dict[str, list[dict[str, Any]]]:
     for i, row in enumerate(sections["trials"]):
         if row["status"] not in TRIAL_STATUSES:
             raise _malformed(f"trials[{i}].status", f"expected one of {', '.join(TRIAL_STATUSES)}, got {row['status']!r}")
-    return sections
+    devices = {}
+    for i, gpu in enumerate(sections["gpus"]):
+        try:
+            devices[gpu["key"]] = device_from_gpu(gpu)
+        except RowError as e:
+            raise ValueError(f"malformed tilegen export: gpus[{i}].{e}") from None
+    skipped = []
+    for name in ("tuned", "trials"):
+        kept = []
+        for i, row in enumerate(sections[name]):
+            spec = variants[row["spec_hash"], row["template_hash"]]
+            device = devices[row["gpu_key"]]
+            try:
+                if name == "tuned":
+                    check_best(spec, device, row["bucket"], row["config"], row["time_ms"], row["max_error"],
+                               row["trials"])
+                else:
+                    check_trial(spec, device, row["bucket"], row["config"], row["status"], row["time_ms"])
+            except RowError as e:
+                where = f"{name}[{i}] ({spec.name}, bucket {row['bucket']}, {row['gpu_key']}): {e}"
+                if not skip_bad:
+                    raise ValueError(
+                        f"refused tilegen export: {where}. Fix or remove that row, or import the other rows "
+                        f"with --skip-bad"
+                    ) from None
+                skipped.append(where)
+                continue
+            kept.append(row)
+        sections[name] = kept
+    return {**sections, "skipped": skipped}
 
 
 def _length(data: dict[str, Any], name: str) -> int:

@@ -2,17 +2,21 @@
 
 The op must run even when a database cannot be read: a broken, foreign or newer file
 costs one warning and its rows, never an exception. Both files are opened read-only,
-so an inference process never creates, migrates or locks a database.
+so an inference process never creates, migrates or locks a database. They are read with
+the standard library's sqlite3 (``tilegen.db.sqlite``): SQLAlchemy and the models are for
+writers, and cost a first call more than the query. Any known schema revision reads, so
+an older shipped file (inside a read-only wheel) needs no upgrade.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from tilegen import env
 from tilegen.db.errors import DatabaseError
-from tilegen.db.store import TuningDB
+from tilegen.db.sqlite import read_tuned
 from tilegen.device import DeviceInfo
 from tilegen.families import Config, ConfigError, family_of
 from tilegen.ir import Spec
@@ -41,14 +45,17 @@ def tuned_rows(
         if not path.exists():
             continue
         try:
-            with TuningDB(path, readonly=True) as db:
-                found = db.best(spec=spec, device=device, template_hash=template_hash, triton_version=triton_version)
+            found = read_tuned(path, spec.hash, template_hash, device.key, triton_version)
         except DatabaseError as e:
             _warn_once(f"tilegen: ignoring the tuning database: {e}")
             continue
-        for bucket, row in found.items():
+        for bucket, config_json in found.items():
             try:
-                config = family.config_type.from_dict(row.config)
+                try:
+                    knobs = json.loads(config_json)
+                except ValueError:
+                    raise ConfigError(f"config: not JSON: {config_json!r}") from None
+                config = family.config_type.from_dict(knobs)
                 reason = family.feasible(spec, config, device)
                 if reason is not None:
                     raise ConfigError(f"{config}: {reason}")

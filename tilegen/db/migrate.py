@@ -17,31 +17,25 @@ unknown revision.
 from __future__ import annotations
 
 import functools
-import os
 import sqlite3
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import QueuePool, StaticPool
 
 from tilegen.db.errors import DatabaseError
-from tilegen.db.models import VERSION_TABLE
+from tilegen.db.sqlite import BUSY_TIMEOUT_MS, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, explain_error, readonly_uri
 
 if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
-__all__ = ["BUSY_TIMEOUT_MS", "SCHEMA_REVISION", "WRITE", "open_engine", "explain_error", "known_revisions"]
-
-#: The newest revision in ``migrations/versions`` (a test checks it against Alembic's head).
-SCHEMA_REVISION = "0001"
-
-#: How long a connection waits for another process's write lock before giving up.
-BUSY_TIMEOUT_MS = 30_000
+__all__ = [
+    "BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "WRITE", "open_engine", "explain_error", "known_revisions",
+]
 
 #: Execution option that makes a connection begin with ``BEGIN IMMEDIATE``.
 WRITE = {"tilegen_write": True}
@@ -80,30 +74,49 @@ def open_engine(path: Path, *, readonly: bool) -> Engine:
     except SQLAlchemyError as e:
         engine.dispose()
         raise explain_error(e, path, readonly) from e
+    except _OlderSchema:
+        engine.dispose()
+        return _upgraded_copy(path)
     except DatabaseError:
         engine.dispose()
         raise
     return engine
 
 
-def explain_error(error: SQLAlchemyError | sqlite3.Error, path: Path, readonly: bool) -> DatabaseError:
-    """Turn SQLite's message into one line that names the file."""
-    text = str(getattr(error, "orig", None) or error)
-    if "not a database" in text or "malformed" in text:
-        return DatabaseError(f"not a tilegen database / corrupt: {path}")
-    if "unable to open" in text or "readonly" in text or "read-only" in text:
-        return DatabaseError(f"cannot open the tilegen database {path} for {'reading' if readonly else 'writing'}: {text}")
-    return DatabaseError(f"tilegen database {path}: {text}")
+class _OlderSchema(Exception):
+    """A read-only open met a known revision older than this tilegen's."""
+
+
+def _upgraded_copy(path: Path) -> Engine:
+    """An in-memory copy of a read-only file of an older schema, upgraded to the head revision.
+
+    A read-only file (a shared one, or one shipped inside an installed wheel) cannot be
+    migrated in place; reading it must still work, so its copy is. Such files are small.
+    """
+    try:
+        source = sqlite3.connect(readonly_uri(path), uri=True)
+        memory = sqlite3.connect(":memory:", check_same_thread=False)
+        try:
+            source.backup(memory)
+        finally:
+            source.close()
+    except sqlite3.Error as e:
+        raise explain_error(e, path, True) from e
+    memory.isolation_level = None  # tilegen emits BEGIN itself, see _begin
+    memory.execute("PRAGMA foreign_keys = ON")
+    engine = create_engine("sqlite://", creator=lambda: memory, poolclass=StaticPool)
+    event.listen(engine, "begin", _begin)
+    try:
+        _check_schema(engine, path, readonly=False)
+    except SQLAlchemyError as e:
+        engine.dispose()
+        raise explain_error(e, path, True) from e
+    return engine
 
 
 def _connector(path: Path, readonly: bool):
     if readonly:
-        # mode=ro: SQLite itself refuses writes, so a shipped or shared file is never touched.
-        uri = f"file:{quote(str(path))}?mode=ro"
-        if not os.access(path.parent, os.W_OK):
-            # Reading a WAL file needs its -shm file, which SQLite cannot create in a folder we
-            # cannot write (an installed wheel). Nothing writes the file there: read it as immutable.
-            uri += "&immutable=1"
+        uri = readonly_uri(path)
         return lambda: sqlite3.connect(uri, uri=True, check_same_thread=False)
     return lambda: sqlite3.connect(str(path), check_same_thread=False)
 
@@ -148,7 +161,7 @@ def _check_schema(engine: Engine, path: Path, readonly: bool) -> None:
         current = _stored_revisions(connection)
         if current == (SCHEMA_REVISION,):
             return
-        newer = [revision for revision in current if revision not in known_revisions()] if current else []
+        newer = [revision for revision in current if revision not in REVISIONS] if current else []
         if newer:
             raise DatabaseError(
                 f"{path} was written by a newer tilegen schema (revision {newer[0]}); "
@@ -157,10 +170,7 @@ def _check_schema(engine: Engine, path: Path, readonly: bool) -> None:
         if readonly:
             if not current:
                 raise DatabaseError(f"not a tilegen database / corrupt: {path}")
-            raise DatabaseError(
-                f"{path} has an older tilegen schema (revision {current[0]}, this tilegen needs {SCHEMA_REVISION}); "
-                f"upgrade it by opening it writable once: tilegen db --db {path} list"
-            )
+            raise _OlderSchema(current[0])
         from alembic import command  # here, not at the top: see the module docstring
 
         config = _alembic_config()

@@ -23,14 +23,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Gpu", "Variant", "TunedConfig", "Trial", "TRIAL_STATUSES", "VERSION_TABLE", "utcnow"]
+__all__ = [
+    "Base", "Gpu", "Variant", "TunedConfig", "Trial", "PROVENANCES", "TRIAL_STATUSES", "VERSION_TABLE", "utcnow",
+]
 
-#: Alembic's revision table, prefixed like the rest (Optuna has its own ``alembic_version``).
-VERSION_TABLE = "tg_alembic_version"
+from tilegen.db.sqlite import VERSION_TABLE  # noqa: E402  (defined with the SQLAlchemy-free core)
 
 #: Outcomes of one tuning trial: ran and matched the reference, ran with a wrong
 #: result, failed to compile, crashed at run time, rejected before compiling, or too slow.
 TRIAL_STATUSES = ("ok", "wrong", "compile_error", "fault", "infeasible", "timeout")
+
+#: Where a tuned row or trial came from: measured by ``tilegen tune`` into this file, or merged
+#: in by ``tilegen db import`` (measured elsewhere; ``tilegen db verify`` re-runs it here).
+PROVENANCES = ("tuned", "imported")
 
 
 def utcnow() -> datetime:
@@ -92,6 +97,7 @@ class TunedConfig(Base):
     max_error: Mapped[float] = mapped_column(Float)
     trials: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    provenance: Mapped[str] = mapped_column(String(16), server_default="tuned")
 
 
 class Trial(Base):
@@ -119,3 +125,4 @@ class Trial(Base):
     max_error: Mapped[float | None] = mapped_column(Float)
     reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    provenance: Mapped[str] = mapped_column(String(16), server_default="tuned")

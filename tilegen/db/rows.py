@@ -38,6 +38,7 @@ class TunedRow:
     max_error: float
     trials: int
     created_at: datetime
+    provenance: str = "tuned"  # or "imported"
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,4 @@ class TrialRow:
     max_error: float | None
     reason: str | None
     created_at: datetime
+    provenance: str = "tuned"  # or "imported"

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 import triton
-from sqlalchemy import ColumnElement, Select, and_, delete, or_, select, true
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text, true
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -35,6 +35,7 @@ from tilegen import env
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
+from tilegen.db.validate import check_best, check_trial
 from tilegen.db.migrate import WRITE, explain_error, open_engine
 from tilegen.db.models import (
     TRIAL_STATUSES,
@@ -90,6 +91,22 @@ class TuningDB:
     def __repr__(self) -> str:
         return f"TuningDB({str(self.path)!r}{', readonly=True' if self.readonly else ''})"
 
+    def check_writable(self) -> None:
+        """Raise ``DatabaseError`` unless this file can be written now (a tune asks before it measures).
+
+        SQLite opens a read-only file without complaint and fails only at the first write, so
+        the permissions are asked first and then a write that changes nothing is made.
+        """
+        where = self.path if self.path.exists() else self.path.parent
+        if self.readonly or not os.access(where, os.W_OK) or not os.access(self.path.parent, os.W_OK):
+            raise DatabaseError(
+                f"cannot write the tilegen database {self.path}: it is read-only here; "
+                f"give --db (or TILEGEN_DB) a file you can write"
+            )
+        with self._session(write=True) as session:
+            version = session.execute(text("PRAGMA user_version")).scalar()
+            session.execute(text(f"PRAGMA user_version = {int(version)}"))
+
     def __enter__(self) -> TuningDB:
         return self
 
@@ -106,20 +123,42 @@ class TuningDB:
         study_name: str, trial_number: int, config: dict[str, Any], status: str,
         time_ms: float | None = None, max_error: float | None = None, reason: str | None = None,
     ) -> None:
-        """Store one trial's outcome; recording ``(study_name, trial_number)`` again overwrites it."""
+        """Store one trial's outcome.
+
+        Recording ``(study_name, trial_number)`` again with the same config updates that trial
+        (a retried write); with another config it raises ``DatabaseError``: a trial of another
+        run under that number is never overwritten. A trial that fails ``check_trial`` (an "ok"
+        with a config the kernel cannot run, or a time that is not positive) raises ``RowError``.
+        """
         if status not in TRIAL_STATUSES:
             raise ValueError(f"status: expected one of {', '.join(TRIAL_STATUSES)}, got {status!r}")
+        check_trial(spec, device, bucket, config, status, time_ms)
         with self._session(write=True) as session:
             values = dict(
                 **_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version,
                 config_json=_canonical(config), status=status, time_ms=time_ms, max_error=max_error,
-                reason=reason, created_at=utcnow(),
+                reason=reason, created_at=utcnow(), provenance="tuned",
             )
             key = {"study_name": study_name, "trial_number": trial_number}
             row, created = _insert_or_fetch(session, Trial, key, values)
             if not created:
+                if row.config_json != values["config_json"] or row.variant_id != values["variant_id"]:
+                    raise DatabaseError(
+                        f"{self.path} already holds trial {trial_number} of study {study_name} with another config; "
+                        f"trials are never overwritten (start a new study for this key)"
+                    )
                 for name, value in values.items():
                     setattr(row, name, value)
+
+    def trial_numbers(self, study_prefix: str) -> dict[str, int]:
+        """The largest trial number stored per study whose name is ``study_prefix`` or starts with it."""
+        query = (
+            select(Trial.study_name, func.max(Trial.trial_number))
+            .where(Trial.study_name.startswith(study_prefix, autoescape=True))
+            .group_by(Trial.study_name)
+        )
+        with self._session() as session:
+            return {name: number for name, number in session.execute(query)}
 
     def record_best(
         self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
@@ -128,24 +167,31 @@ class TuningDB:
     ) -> bool:
         """Keep the faster of the stored row and this one; ``True`` when this one was stored.
 
-        The trial count only grows (the larger of the two), whichever row wins.
+        The trial count only grows (the larger of the two), whichever row wins. A row the
+        family's kernel cannot run on ``device``, or with a time that is not positive and
+        finite, or a bucket its family's rule never gives, raises ``RowError``.
         """
+        check_best(spec, device, bucket, config, time_ms, max_error, trials)
         with self._session(write=True) as session:
             key = dict(**_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version)
             values = dict(
                 torch_version=torch.__version__, tilegen_version=tilegen.__version__,
                 config_json=_canonical(config), time_ms=time_ms, tflops=tflops, gbps=gbps,
-                max_error=max_error, trials=trials, created_at=utcnow(),
+                max_error=max_error, trials=trials, created_at=utcnow(), provenance="tuned",
             )
             return _merge_best(session, key, values)
 
-    def import_json(self, data: dict[str, Any]) -> int:
+    def import_json(self, data: dict[str, Any], *, skip_bad: bool = False) -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
 
         Tuned rows merge as ``record_best`` does; trials already here are kept as they are.
-        A malformed document raises ``ValueError`` before anything is written.
+        Every row is marked ``provenance="imported"``. A malformed document raises ``ValueError``
+        before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
+        its kernel cannot run, a time that is not positive, a bucket its family never gives),
+        naming it; with ``skip_bad`` such rows are left out instead (``self.skipped`` says which).
         """
-        sections = check(data)
+        sections = check(data, skip_bad=skip_bad)
+        self.skipped: list[str] = sections.pop("skipped")
         changed = 0
         with self._session(write=True) as session:
             gpu_ids = {g["key"]: _insert_or_fetch(session, Gpu, {"key": g["key"]}, g)[0].id for g in sections["gpus"]}
@@ -157,20 +203,25 @@ class TuningDB:
                 key = dict(**ids, bucket=entry["bucket"], triton_version=entry["triton_version"])
                 values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
                                                 "max_error", "trials", "created_at")}
-                changed += _merge_best(session, key, dict(values, config_json=_canonical(entry["config"])))
+                values.update(config_json=_canonical(entry["config"]), provenance="imported")
+                changed += _merge_best(session, key, values)
             for entry in sections["trials"]:
                 key = {"study_name": entry["study_name"], "trial_number": entry["trial_number"]}
                 values = {n: entry[n] for n in ("bucket", "triton_version", "status", "time_ms", "max_error",
                                                 "reason", "created_at")}
-                values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]))
+                values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
+                              provenance="imported")
                 changed += _insert_or_fetch(session, Trial, key, values)[1]
         return changed
 
     def prune(
         self, *, keep_triton: str | None = None, keep_templates: Iterable[str] | None = None,
-        keep_tilegen: str | None = None, all_families: bool = False,
-    ) -> int:
+        keep_tilegen: str | None = None, all_families: bool = False, dry_run: bool = False,
+    ) -> Any:
         """Delete rows that dispatch can never read again; returns how many tuned rows and trials went.
+
+        With ``dry_run`` nothing is deleted and the answer is ``(tuned rows, trial count)``
+        that a prune with these arguments would delete.
 
         Dispatch keys on the Triton version and the template hash, so a tuned row or trial of a
         registered family is stale when its Triton version is not ``keep_triton`` (default: the
@@ -179,8 +230,42 @@ class TuningDB:
         know (a newer release wrote them) are kept, unless ``all_families``: then they count as
         stale too. The tilegen version is not part of the key, so rows tuned by another tilegen
         release stay unless ``keep_tilegen`` names the one to keep (trials carry no tilegen
-        version and are kept then). Variants and GPUs left without rows go too.
+        version and are kept then). Variants and GPUs left without rows go too. Versions
+        compare exactly: "3.6" keeps no row of "3.6.0" (the CLI refuses a version no row has).
         """
+        with self._session(write=not dry_run) as session:
+            tuned, trials = self._stale(keep_triton, keep_templates, keep_tilegen, all_families)
+            if dry_run:
+                rows = [_tuned_row(row) for row in session.execute(_tuned_query().where(tuned))]
+                return rows, _count(session, Trial, trials)
+            removed = _delete(session, TunedConfig, tuned) + _delete(session, Trial, trials)
+            for model, column in ((Variant, "variant_id"), (Gpu, "gpu_id")):
+                in_use = or_(*(model.id.in_(select(getattr(table, column))) for table in (TunedConfig, Trial)))
+                _delete(session, model, ~in_use)
+        return removed
+
+    def delete_tuned(self, row: TunedRow) -> int:
+        """Delete one tuned row (its variant, GPU, Triton version and bucket); returns 1, or 0 if gone."""
+        with self._session(write=True) as session:
+            variant = select(Variant.id).where(
+                Variant.spec_hash == row.spec_hash, Variant.template_hash == row.template_hash)
+            gpu = select(Gpu.id).where(Gpu.key == row.gpu_key)
+            return _delete(session, TunedConfig, and_(
+                TunedConfig.variant_id.in_(variant), TunedConfig.gpu_id.in_(gpu),
+                TunedConfig.triton_version == row.triton_version, TunedConfig.bucket == row.bucket,
+            ))
+
+    def versions(self) -> tuple[set[str], set[str]]:
+        """The Triton versions and the tilegen versions the file's tuned rows and trials name."""
+        with self._session() as session:
+            tritons = set(session.scalars(select(TunedConfig.triton_version).distinct()))
+            tritons |= set(session.scalars(select(Trial.triton_version).distinct()))
+            tilegens = set(session.scalars(select(TunedConfig.tilegen_version).distinct()))
+        return tritons, tilegens
+
+    @staticmethod
+    def _stale(keep_triton, keep_templates, keep_tilegen, all_families):
+        """Where-clauses of the stale tuned rows and trials (see ``prune``)."""
         triton_version = keep_triton or triton.__version__
         known = [family.name for family in families()]
         if keep_templates is not None:
@@ -189,20 +274,14 @@ class TuningDB:
             current = or_(*(and_(Variant.family == family.name, Variant.template_hash == current_template_hash(family))
                             for family in families()))
         judged = true() if all_families else Variant.family.in_(known)
-        with self._session(write=True) as session:
-            judged_variants = select(Variant.id).where(judged)
-            stale_variants = select(Variant.id).where(judged, ~current)
-            stale_tuned = [TunedConfig.triton_version != triton_version, TunedConfig.variant_id.in_(stale_variants)]
-            if keep_tilegen is not None:
-                stale_tuned.append(TunedConfig.tilegen_version != keep_tilegen)
-            judged_tuned = TunedConfig.variant_id.in_(judged_variants)
-            removed = _delete(session, TunedConfig, and_(judged_tuned, or_(*stale_tuned)))
-            stale_trials = or_(Trial.triton_version != triton_version, Trial.variant_id.in_(stale_variants))
-            removed += _delete(session, Trial, and_(Trial.variant_id.in_(judged_variants), stale_trials))
-            for model, column in ((Variant, "variant_id"), (Gpu, "gpu_id")):
-                in_use = or_(*(model.id.in_(select(getattr(table, column))) for table in (TunedConfig, Trial)))
-                _delete(session, model, ~in_use)
-        return removed
+        judged_variants = select(Variant.id).where(judged)
+        stale_variants = select(Variant.id).where(judged, ~current)
+        stale_tuned = [TunedConfig.triton_version != triton_version, TunedConfig.variant_id.in_(stale_variants)]
+        if keep_tilegen is not None:
+            stale_tuned.append(TunedConfig.tilegen_version != keep_tilegen)
+        judged_tuned = TunedConfig.variant_id.in_(judged_variants)
+        stale_trials = or_(Trial.triton_version != triton_version, Trial.variant_id.in_(stale_variants))
+        return and_(judged_tuned, or_(*stale_tuned)), and_(Trial.variant_id.in_(judged_variants), stale_trials)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -314,6 +393,10 @@ def _entry_ids(
     return {"variant_id": variant_ids[entry["spec_hash"], entry["template_hash"]], "gpu_id": gpu_ids[entry["gpu_key"]]}
 
 
+def _count(session: Session, model: type[Base], where: ColumnElement[bool]) -> int:
+    return session.scalar(select(func.count()).select_from(model).where(where))
+
+
 def _delete(session: Session, model: type[Base], where: ColumnElement[bool]) -> int:
     result = session.execute(delete(model).where(where), execution_options={"synchronize_session": False})
     return result.rowcount
@@ -360,7 +443,7 @@ def _tuned_row(row: Any) -> TunedRow:
         bucket=tuned.bucket, triton_version=tuned.triton_version, torch_version=tuned.torch_version,
         tilegen_version=tuned.tilegen_version, config=json.loads(tuned.config_json), time_ms=tuned.time_ms,
         tflops=tuned.tflops, gbps=tuned.gbps, max_error=tuned.max_error, trials=tuned.trials,
-        created_at=tuned.created_at,
+        created_at=tuned.created_at, provenance=tuned.provenance,
     )
 
 
@@ -371,7 +454,7 @@ def _trial_row(row: Any) -> TrialRow:
         bucket=trial.bucket,
         triton_version=trial.triton_version, study_name=trial.study_name, trial_number=trial.trial_number,
         config=json.loads(trial.config_json), status=trial.status, time_ms=trial.time_ms,
-        max_error=trial.max_error, reason=trial.reason, created_at=trial.created_at,
+        max_error=trial.max_error, reason=trial.reason, created_at=trial.created_at, provenance=trial.provenance,
     )
 
 

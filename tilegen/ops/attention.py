@@ -124,18 +124,32 @@ _plans = dispatch.plan_cache()
 def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     table = _table(spec, q.device)
-    config = table.choose(max(q.shape[2], k.shape[2])).config
+    choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
     out_shape = torch.Size((batch, heads, n_q, spec.dv))
-    return _Plan(
+    plan = _Plan(
         out_shape=out_shape,
         lse_shape=(batch, heads, n_q) if spec.return_lse else None,
         launches=out_shape.numel() > 0,
         launch=table.launch,
         launch_args={
-            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **config.to_dict(),
+            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
         },
     )
+    if choice.tuned_bucket is not None:
+        # A stored row's first launch goes through the table, which falls back if it fails.
+        object.__setattr__(plan, "launch", functools.partial(_first_launch, plan, table, max(q.shape[2], k.shape[2])))
+    return plan
+
+
+def _first_launch(plan: _Plan, table: dispatch.Table, size: int, *args, **kwargs) -> None:
+    def launch(config):
+        table.launch(*args, **{**kwargs, **config.to_dict()})
+
+    choice, _ = table.run(size, launch)
+    # From now on the plan launches directly, with whatever config ran.
+    object.__setattr__(plan, "launch_args", {**plan.launch_args, **choice.config.to_dict()})
+    object.__setattr__(plan, "launch", table.launch)
 
 
 def _check_out(out, shape, q) -> None:
@@ -161,8 +175,9 @@ def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
 
 def _run(spec, q, k, v, scale, softcap, left, right):
     table = _table(spec, q.device)
-    config = table.choose(max(q.shape[2], k.shape[2])).config
-    return run_with_config(spec, config, q, k, v, scale, softcap, left, right, launch=table.launch)
+    _, result = table.run(max(q.shape[2], k.shape[2]), lambda config: run_with_config(
+        spec, config, q, k, v, scale, softcap, left, right, launch=table.launch))
+    return result
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):

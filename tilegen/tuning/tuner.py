@@ -1,7 +1,11 @@
 """Tuning one spec at one length bucket: Optuna proposes, the worker measures, the database keeps.
 
 One Optuna study per tuning key, stored next to the tuning database and opened with
-``load_if_exists``, so a killed tune resumes where it stopped. Every trial is written
+``load_if_exists``, so a killed tune resumes where it stopped. The database files trials
+by study name and Optuna's trial number, and never overwrites one: when the studies file
+no longer holds the study that numbered the database's trials (it was deleted, or the
+trials were imported), the tune runs a new study named ``<key>-run<k>`` instead of
+numbering from 0 again. Every trial is written
 to the database the moment it finishes (killing a tune loses at most the trial in
 flight), and the database, not the study, says which configs a key has measured: a
 config measured before is answered from there instead of measured again. After the
@@ -157,9 +161,27 @@ class Tuner:
     def _study(self, key: TuningKey, space) -> optuna.Study:
         with self._studies_lock():
             return optuna.create_study(
-                storage=self._storage, study_name=key.study_name, direction="minimize",
+                storage=self._storage, study_name=self._study_name(key), direction="minimize",
                 sampler=space.sampler(self.seed), load_if_exists=True,
             )
+
+    def _study_name(self, key: TuningKey) -> str:
+        """The study this run adds to: the key's latest one when Optuna still numbers past every trial
+        the database holds under it, else a new run, so no trial number is handed out twice."""
+        runs = {name: number for name, number in self.db.trial_numbers(key.study_name).items()
+                if _run_index(key.study_name, name) is not None}
+        if not runs:
+            return key.study_name
+        latest = max(runs, key=lambda name: _run_index(key.study_name, name))
+        try:
+            study_id = self._storage.get_study_id_from_name(latest)
+        except KeyError:
+            numbered = 0
+        else:
+            numbered = len(self._storage.get_all_trials(study_id, deepcopy=False))
+        if numbered > runs[latest]:
+            return latest
+        return f"{key.study_name}-run{_run_index(key.study_name, latest) + 1}"
 
     @contextlib.contextmanager
     def _studies_lock(self):
@@ -200,7 +222,8 @@ class Tuner:
             config = space.suggest(trial)
             earlier = done.get(config.to_json())
             if earlier is None:
-                result = done[config.to_json()] = self._run_trial(key, family, problem, trial, config)
+                result = done[config.to_json()] = self._run_trial(
+                    key, family, problem, study.study_name, trial, config)
                 measured += result.status != "infeasible"
                 self.reporter.trial(key, result, _best(done))
             else:
@@ -225,7 +248,7 @@ class Tuner:
         study.optimize(objective, n_trials=2 * budget + len(untried), timeout=self.timeout, callbacks=[stop_at_budget])
 
     def _run_trial(
-        self, key: TuningKey, family: Family, problem: Problem, trial: optuna.Trial, config: Config
+        self, key: TuningKey, family: Family, problem: Problem, study_name: str, trial: optuna.Trial, config: Config
     ) -> TrialResult:
         reason = family.feasible(key.spec, config, self.device)
         if reason is not None:  # rejected before anything compiles
@@ -234,15 +257,15 @@ class Tuner:
             task = (family, problem, config, self.seed * 1_000_003 + trial.number)
             result = TrialResult(config, **self._worker.measure(task, self.trial_timeout))
         self.db.record_trial(
-            **key.fields(), study_name=key.study_name, trial_number=trial.number, config=config.to_dict(),
+            **key.fields(), study_name=study_name, trial_number=trial.number, config=config.to_dict(),
             status=result.status, time_ms=result.time_ms, max_error=result.max_error, reason=result.reason,
         )
         return result
 
     def _measured(self, key: TuningKey, family: Family) -> dict[str, TrialResult]:
-        """Configs the key's study has measured, by canonical JSON, from the database: it holds every
-        finished trial, even one whose process was killed before Optuna heard of it."""
-        rows = [r for r in self.db.trials_for(key.spec.hash) if r.study_name == key.study_name]
+        """Configs the key's studies (every run) have measured, by canonical JSON, from the database: it
+        holds every finished trial, even one whose process was killed before Optuna heard of it."""
+        rows = [r for r in self.db.trials_for(key.spec.hash) if _run_index(key.study_name, r.study_name) is not None]
         results = (TrialResult.from_row(row, family.config_type) for row in rows)
         return {result.config.to_json(): result for result in results}
 
@@ -296,6 +319,16 @@ class _Choices:
 
     def params(self, config: Config) -> dict[str, str]:
         return {self._PARAM: config.to_json()}
+
+
+def _run_index(base: str, name: str) -> int | None:
+    """1 for the key's first study ``base``, k for ``base-run<k>``, None for another key's."""
+    if name == base:
+        return 1
+    suffix = name[len(base):] if name.startswith(base) else ""
+    if suffix.startswith("-run") and suffix[4:].isdigit():
+        return int(suffix[4:])
+    return None
 
 
 def _best(done: dict[str, TrialResult]) -> TrialResult | None:

@@ -1,0 +1,95 @@
+"""Every command, given bad paths, numbers or files, ends in one line ``error: ...`` and exit status 2.
+
+Each case runs ``tilegen.cli.main`` (what the ``tilegen`` script runs) in this process and
+checks stderr: exactly one line, starting ``error:``, naming the argument, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import triton
+
+from tilegen.cli import main
+from tilegen.codegen.render import template_hash
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER
+from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec, Config
+
+SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="bf16")
+
+# Each case: the arguments ({tmp}, {db}, {corrupt}, {bad_row} are filled in) and what the line names.
+CASES = {
+    "emit-output-in-missing-folder": (["emit", "-o", "{tmp}/missing/dir/x.py"], "-o: the folder"),
+    "emit-output-is-a-folder": (["emit", "-o", "{tmp}"], "-o: {tmp} is a folder"),
+    "emit-head-dim-not-a-number": (["emit", "--head-dim", "abc"], "'--head-dim'"),
+    "emit-head-dim-unsupported": (["emit", "--head-dim", "65"], "--head-dim"),
+    "emit-spec-missing-file": (["emit", "--spec", "{tmp}/nope.json"], "--spec"),
+    "emit-spec-not-json": (["emit", "--spec", "{{oops"], "--spec"),
+    "emit-unknown-preset": (["emit", "--preset", "nope"], "unknown preset 'nope'"),
+    "emit-db-without-tuned": (["emit", "--db", "{db}"], "--db: read only with --tuned"),
+    "emit-tuned-db-missing": (["emit", "--tuned", "--db", "{tmp}/missing.sqlite"], "no tilegen database at"),
+    "emit-tuned-db-is-a-folder": (["emit", "--tuned", "--db", "{tmp}"], "--db: {tmp} is a folder"),
+    "emit-tuned-db-corrupt": (["emit", "--tuned", "--db", "{corrupt}"], "not a tilegen database / corrupt"),
+    "emit-unknown-option": (["emit", "--bogus"], "No such option: --bogus"),
+    "tune-huge-size": (["tune", "--seqlens", "99999999999999999999"], "--seqlens: 99999999999999999999 is too large"),
+    "tune-size-not-a-number": (["tune", "--seqlens", "abc"], "--seqlens"),
+    "tune-trials-zero": (["tune", "--trials", "0"], "--trials: expected a positive integer"),
+    "tune-trials-not-a-number": (["tune", "--trials", "abc"], "'--trials'"),
+    "tune-timeout-negative": (["tune", "--timeout", "-1"], "--timeout: expected a positive number"),
+    "tune-timeout-nan": (["tune", "--timeout", "nan"], "--timeout: expected a positive number"),
+    "tune-seed-negative": (["tune", "--seed", "-1"], "--seed: expected an integer from 0"),
+    "tune-seed-huge": (["tune", "--seed", "99999999999999999999"], "--seed"),
+    "tune-unknown-sampler": (["tune", "--sampler", "random"], "--sampler"),
+    "tune-db-is-a-folder": (["tune", "--db", "{tmp}"], "--db: {tmp} is a folder"),
+    "tune-db-corrupt": (["tune", "--db", "{corrupt}"], "not a tilegen database / corrupt"),
+    "tune-spec-missing-file": (["tune", "--spec", "{tmp}/nope.json"], "--spec"),
+    "db-list-db-is-a-folder": (["db", "list", "--db", "{tmp}"], "--db: {tmp} is a folder"),
+    "db-list-db-corrupt": (["db", "list", "--db", "{corrupt}"], "not a tilegen database / corrupt"),
+    "db-show-unknown-hash": (["db", "show", "ffffffff", "--db", "{db}"], "no variant with spec hash 'ffffffff'"),
+    "db-show-empty-hash": (["db", "show", "", "--db", "{db}"], "SPEC_HASH_OR_PREFIX"),
+    "db-export-db-missing": (["db", "export", "{tmp}/x.json", "--db", "{tmp}/missing.sqlite"], "no tilegen database"),
+    "db-export-to-missing-folder": (["db", "export", "{tmp}/missing/x.json", "--db", "{db}"], "FILE.json: cannot write"),
+    "db-import-missing-file": (["db", "import", "{tmp}/nope.json", "--db", "{db}"], "FILE.json: cannot read"),
+    "db-import-a-folder": (["db", "import", "{tmp}", "--db", "{db}"], "FILE.json: cannot read"),
+    "db-import-not-json": (["db", "import", "{corrupt}", "--db", "{db}"], "is not JSON"),
+    "db-import-bad-row": (["db", "import", "{bad_row}", "--db", "{db}"], "refused tilegen export: tuned[0]"),
+    "db-prune-near-version": (["db", "prune", "--triton", "3.6", "--db", "{db}"], "--triton: no row of"),
+    "db-prune-unconfirmed": (["db", "prune", "--db", "{db}"], "pass --yes"),
+    "db-prune-db-missing": (["db", "prune", "--db", "{tmp}/missing.sqlite"], "no tilegen database"),
+    "db-verify-timeout-zero": (["db", "verify", "--timeout", "0", "--db", "{db}"], "--timeout"),
+    "db-verify-drop-shipped": (["db", "verify", "--shipped", "--drop-failed"], "--drop-failed"),
+    "db-unknown-command": (["db", "frobnicate"], "No such command"),
+}
+
+
+@pytest.fixture
+def paths(tmp_path):
+    db = tmp_path / "tuning.sqlite"
+    with TuningDB(db) as database:
+        database.record_best(
+            spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()),
+            triton_version="0.0-old", bucket=64, config=Config(32, 32, 4, 1).to_dict(), time_ms=1.0,
+            max_error=0.0, trials=1,
+        )
+        export = database.export_json()
+    export["tuned"][0]["config"]["block_m"] = 48
+    (tmp_path / "bad_row.json").write_text(json.dumps(export))
+    (tmp_path / "corrupt.sqlite").write_bytes(os.urandom(4096))
+    return {"tmp": str(tmp_path), "db": str(db), "corrupt": str(tmp_path / "corrupt.sqlite"),
+            "bad_row": str(tmp_path / "bad_row.json")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_ends_in_one_error_line_and_exit_status_2(case, paths, capsys):
+    args, needle = CASES[case]
+    with pytest.raises(SystemExit) as exit:
+        main([a.format(**paths) for a in args])
+    captured = capsys.readouterr()
+    assert exit.value.code == 2, captured.err
+    last = captured.err.splitlines()[-1] if captured.err else ""
+    assert last.startswith("error: ") and needle.format(**paths) in last, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert all(not line.startswith("error") for line in captured.err.splitlines()[:-1])

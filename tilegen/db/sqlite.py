@@ -1,0 +1,91 @@
+"""The database layer's SQLAlchemy-free core: file names, revisions, read-only URIs, error wording.
+
+Dispatch reads its handful of rows through here with the standard library's sqlite3:
+importing SQLAlchemy, the models and an engine costs an inference process hundreds of
+milliseconds on its first call, for one indexed query. Writers and the CLI use the
+SQLAlchemy layer (``tilegen.db.store``), which shares these definitions.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+from urllib.parse import quote
+
+from tilegen.db.errors import DatabaseError
+
+__all__ = ["BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error", "readonly_uri"]
+
+#: Every revision in ``migrations/versions``, oldest first (a test checks them against Alembic's).
+REVISIONS = ("0001", "0002")
+
+#: The newest revision: what a writable open upgrades a file to.
+SCHEMA_REVISION = REVISIONS[-1]
+
+#: Alembic's revision table, prefixed like the rest (Optuna has its own ``alembic_version``).
+VERSION_TABLE = "tg_alembic_version"
+
+#: How long a connection waits for another process's write lock before giving up.
+BUSY_TIMEOUT_MS = 30_000
+
+
+def readonly_uri(path: Path) -> str:
+    """A URI that opens ``path`` read-only; SQLite itself then refuses writes, so a shipped or shared
+    file is never touched."""
+    uri = f"file:{quote(str(path))}?mode=ro"
+    if not os.access(path.parent, os.W_OK):
+        # Reading a WAL file needs its -shm file, which SQLite cannot create in a folder we
+        # cannot write (an installed wheel). Nothing writes the file there: read it as immutable.
+        uri += "&immutable=1"
+    return uri
+
+
+def explain_error(error: Exception, path: Path, readonly: bool) -> DatabaseError:
+    """Turn SQLite's message (raw, or wrapped by SQLAlchemy) into one line that names the file."""
+    text = str(getattr(error, "orig", None) or error)
+    if "not a database" in text or "malformed" in text:
+        return DatabaseError(f"not a tilegen database / corrupt: {path}")
+    if "unable to open" in text or "readonly" in text or "read-only" in text:
+        return DatabaseError(f"cannot open the tilegen database {path} for {'reading' if readonly else 'writing'}: {text}")
+    return DatabaseError(f"tilegen database {path}: {text}")
+
+
+def stored_revisions(conn: sqlite3.Connection, path: Path) -> tuple[str, ...]:
+    """The file's revisions; ``DatabaseError`` for a file that is not tilegen's or is newer than this tilegen."""
+    tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+    if conn.execute(tables, (VERSION_TABLE,)).fetchone() is None:
+        raise DatabaseError(f"not a tilegen database / corrupt: {path}")
+    current = tuple(revision for (revision,) in conn.execute(f"SELECT version_num FROM {VERSION_TABLE}"))
+    newer = [revision for revision in current if revision not in REVISIONS]
+    if newer:
+        raise DatabaseError(
+            f"{path} was written by a newer tilegen schema (revision {newer[0]}); "
+            f"this tilegen knows up to revision {SCHEMA_REVISION}. Upgrade tilegen or use another database file"
+        )
+    if not current:
+        raise DatabaseError(f"not a tilegen database / corrupt: {path}")
+    return current
+
+
+#: The rows dispatch reads, with the columns every revision since 0001 has.
+_TUNED = (
+    "SELECT t.bucket, t.config_json FROM tg_tuned_configs t"
+    " JOIN tg_variants v ON v.id = t.variant_id JOIN tg_gpus g ON g.id = t.gpu_id"
+    " WHERE v.spec_hash = ? AND v.template_hash = ? AND g.key = ? AND t.triton_version = ?"
+)
+
+
+def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str, triton_version: str) -> dict[int, str]:
+    """Config JSON by bucket of one variant on one GPU and Triton, read-only; any known revision."""
+    try:
+        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error as e:
+        raise explain_error(e, path, True) from e
+    try:
+        stored_revisions(conn, path)
+        return dict(conn.execute(_TUNED, (spec_hash, template_hash, gpu_key, triton_version)).fetchall())
+    except sqlite3.Error as e:
+        raise explain_error(e, path, True) from e
+    finally:
+        conn.close()
