@@ -13,6 +13,10 @@ import ast
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -488,3 +492,21 @@ def test_torch_compile_fullgraph(device, backend):
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend=backend)(cache, k, v, cu)
     assert_appended(cache, k, v, cu)
+
+
+def test_the_kernel_compiles_for_an_h200(tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept (block shapes, types, constexprs)."""
+    pytest.importorskip("triton.backends.nvidia")
+    configs = [{"BLOCK_T": 1, "BLOCK_H": 8, "num_warps": 2}, {"BLOCK_T": 64, "BLOCK_H": 1, "num_warps": 8}]
+    for spec, dtype in ((KVAppendSpec(head_dim=128, page_size=16), "bf16"),
+                        (KVAppendSpec(head_dim=40, head_dim_v=24, page_size=1, dtype="fp32"), "fp32")):
+        pointers = {**dict.fromkeys(("K", "V", "KPages", "VPages"), f"*{dtype}"),
+                    **dict.fromkeys(("CuSeqlens", "Indptr", "Indices", "LastPageLen"), "*i32")}
+        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+        script = Path(__file__).with_name("sm90_compile.py")
+        done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("cubin bytes") == len(configs)

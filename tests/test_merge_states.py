@@ -9,6 +9,10 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,3 +313,20 @@ def test_torch_compile_fullgraph(device, backend):
     o2, lse = torch.compile(f, fullgraph=True, backend=backend)(*parts)
     assert lse is out_lse or torch.equal(lse, out_lse)
     assert_merged(o2 / 2, out_lse, *parts)
+
+
+def test_the_kernel_compiles_for_an_h200(tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept (block shapes, types, constexprs)."""
+    pytest.importorskip("triton.backends.nvidia")
+    configs = [{"BLOCK_R": 1, "num_warps": 1}, {"BLOCK_R": 64, "num_warps": 8}]
+    for spec in (MergeStatesSpec(head_dim=128), MergeStatesSpec(head_dim=40, dtype="fp32")):
+        pointers = {**dict.fromkeys(("OA", "OB", "Out"), f"*{spec.dtype}"),
+                    **dict.fromkeys(("LseA", "LseB", "OutLse"), "*fp32")}
+        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+        script = Path(__file__).with_name("sm90_compile.py")
+        done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("cubin bytes") == len(configs)

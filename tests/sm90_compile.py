@@ -1,0 +1,49 @@
+"""Compile a generated kernel for an H200 (sm90) ahead of time, with no GPU: the Triton compiler
+rejects what its CPU interpreter lets through (types, block shapes, constexpr rules).
+
+    python tests/sm90_compile.py '{"spec": {...}, "pointers": {"K": "*bf16", ...}, "configs": [...]}'
+
+Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` makes compilable
+functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
+argument is an i32. Prints one line per compiled config.
+"""
+
+import json
+import os
+import sys
+import types
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tilegen.codegen import source_for  # noqa: E402
+from tilegen.ir import spec_from_json  # noqa: E402
+
+
+def main(request: dict) -> None:
+    spec = spec_from_json(request["spec"])
+    module = types.ModuleType(spec.name)
+    path = os.path.join(os.environ["TILEGEN_CACHE_DIR"], f"sm90_{spec.hash}.py")  # jit reads its source file
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(source_for(spec))
+    module.__file__ = path
+    sys.modules[spec.name] = module
+    exec(compile(open(path).read(), path, "exec"), module.__dict__)
+    kernel = getattr(module, f"_{spec.name}_kernel")
+    for config in request["configs"]:
+        config = dict(config)
+        warps = config.pop("num_warps")
+        signature = {
+            name: "constexpr" if name in config else request["pointers"].get(name, "i32") for name in kernel.arg_names
+        }
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=config), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps})
+        print(spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"]))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
