@@ -391,7 +391,10 @@ def test_the_problem_poisons_its_pages_and_its_check_fails_until_written():
     outputs[1].view(-1)[torch.isfinite(outputs[1].view(-1)).nonzero()[0]] += 1  # one value wrong, by little
     error, _ = problem.check(inputs, outputs)
     assert not error <= problem.tolerance  # the tuner's gate: a copy must be exact
-    assert problem.bytes_moved() > 2 * problem.total_new * problem.kv_heads * 64 * 4
+    pages, _ = target_slots(inputs.indptr, inputs.indices, inputs.last_page_len, inputs.cu_seqlens, 16)
+    batch = len(problem.new_tokens)
+    table = 4 * (2 * (batch + 1) + batch + len(set(pages.tolist())))
+    assert problem.bytes_moved() == 2 * problem.total_new * problem.kv_heads * (40 + 24) * 4 + table
 
 
 def test_dispatch_buckets_by_new_tokens_and_uses_the_default_untuned(device):

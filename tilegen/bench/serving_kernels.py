@@ -115,8 +115,8 @@ def append_rows(*, kv_heads, dim, cases, max_prefix, device, on_gpu) -> list[dic
         if on_gpu:
             providers["tilegen-graph"] = _graphed(providers["tilegen"])
         written = 2 * k.numel() * k.element_size()
-        moved = 2 * written + 4 * (cache.indptr.numel() + cache.last_page_len.numel() + cu.numel()
-                                   + cache.indices.numel())
+        pages_written = int(torch.unique(slots // PAGE_SIZE).numel())  # page indices the kernel must read
+        moved = 2 * written + 4 * (cache.indptr.numel() + cache.last_page_len.numel() + cu.numel() + pages_written)
         config = explain_append(cache, k, v, cu)
         for name, fn in providers.items():
             row = {"part": "append", "case": f"{batch}x{new}", "provider": name}

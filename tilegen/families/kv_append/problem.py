@@ -87,9 +87,10 @@ class Problem(base.Problem):
         return sum(self.new_tokens)
 
     @property
-    def pages_used(self) -> int:
+    def pages_written(self) -> int:
+        """Pages the new tokens land in: the page-table entries the kernel must read."""
         size = self.spec.page_size
-        return sum(-(-(c + n) // size) for c, n in zip(self.context, self.new_tokens))
+        return sum((c + n - 1) // size - c // size + 1 for c, n in zip(self.context, self.new_tokens) if n)
 
     def inputs(self, seed: int) -> AppendInputs:
         device = "cuda" if self.on_gpu else "cpu"
@@ -139,10 +140,11 @@ class Problem(base.Problem):
         return 0.0
 
     def bytes_moved(self) -> float:
-        """The new K and V read once and written once, plus the page table and cu_seqlens read once."""
+        """The new K and V read once and written once, plus cu_seqlens, the per-sequence page-table
+        entries and the page indices of the pages written, read once."""
         rows = self.total_new * self.kv_heads * (self.spec.head_dim + self.spec.dv) * self.torch_dtype().itemsize
         batch = len(self.new_tokens)
-        table = 4 * (2 * (batch + 1) + batch + self.pages_used)
+        table = 4 * (2 * (batch + 1) + batch + self.pages_written)
         return float(2 * rows + table)
 
 
