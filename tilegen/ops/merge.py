@@ -44,8 +44,9 @@ def merge_states(
             any strides.
         lse_a, lse_b: fp32 ``[..., heads]`` (``o``'s shape without head_dim), same device.
         out: write the merged output here (``o_a``'s shape and dtype, any strides); it may be
-            ``o_a`` or ``o_b`` itself.
-        out_lse: write the merged LSE here (``lse_a``'s shape, fp32); it may be ``lse_a`` or ``lse_b``.
+            ``o_a`` or ``o_b`` itself, and must not otherwise overlap an input.
+        out_lse: write the merged LSE here (``lse_a``'s shape, fp32); it may be ``lse_a`` or ``lse_b``,
+            likewise.
 
     Returns:
         ``(o, lse)``: ``out`` and ``out_lse`` when given.
