@@ -9,7 +9,6 @@ need not pay.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_fwd import AttentionSpec
-from tilegen.families.attention_fwd.masks import launch_window, mask_kind, window_bounds
+from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
 from tilegen.ir import SpecError
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
@@ -247,23 +246,11 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         heads_kv, n_k = k.shape[1], k.shape[2]
         dim_v, dtype = v.shape[3], q.dtype
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
-    ):
-        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
     mask = mask_kind(left, right)
     spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
-    return (
-        spec,
-        *launch_window(mask, left, right, n_q, n_k),
-        float(scale),
-        float(softcap) if softcap is not None else 0.0,
-    )
+    return (spec, *launch_window(mask, left, right, n_q, n_k), scale_value, softcap_value)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -29,7 +29,7 @@ from tilegen import dispatch
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
-from tilegen.families.attention_fwd.masks import launch_window, mask_kind, window_bounds
+from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache
@@ -225,20 +225,12 @@ def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return
     """The spec and launch values of a call; errors name the argument."""
     if dtype not in SPEC_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
-    ):
-        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
     mask = mask_kind(left, right)
     spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, bool(return_lse),
                      layout, page_size)
-    return (spec, *launch_window(mask, left, right, max_q, max_k), float(scale),
-            float(softcap) if softcap is not None else 0.0)
+    return (spec, *launch_window(mask, left, right, max_q, max_k), scale_value, softcap_value)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -12,15 +12,20 @@ import triton
 
 from tilegen.families.attention_fwd.spec import AttentionSpec
 
-__all__ = ["lower"]
+__all__ = ["lower", "attention_values"]
 
 
 def lower(spec: AttentionSpec) -> dict[str, Any]:
     if spec.kv_layout != "contiguous":
         raise NotImplementedError(
             f"kv_layout={spec.kv_layout!r}: the dense template reads contiguous [batch, heads, seq, dim] KV only; "
-            "ragged and paged KV need the serving kernels, which tilegen does not generate yet"
+            "ragged and paged KV are the attention_varlen family's (tilegen.varlen_attention, tilegen.PagedAttention)"
         )
+    return {**attention_values(spec), "layout": "dense"}
+
+
+def attention_values(spec) -> dict[str, Any]:
+    """The values every attention template takes, from the fields every attention spec has."""
     dim_pad = triton.next_power_of_2(spec.head_dim)
     dim_v_pad = triton.next_power_of_2(spec.dv)
     return {
@@ -36,7 +41,6 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         "softcap": spec.softcap,
         "return_lse": spec.return_lse,
         "heavy_tiles_first": spec.mask != "none",
-        "layout": "dense",
         # fp32 inputs must not silently drop to tf32 inside tl.dot.
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
     }

@@ -8,7 +8,25 @@ has no imports because ``tilegen emit --tuned`` copies its source into standalon
 
 from __future__ import annotations
 
-__all__ = ["window_bounds", "mask_kind", "launch_window"]
+import math
+
+__all__ = ["window_bounds", "mask_kind", "launch_window", "score_scalars"]
+
+
+def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
+    """The launcher's ``(scale, softcap)``: ``1/sqrt(head_dim)`` by default, softcap 0.0 for none.
+
+    A ``ValueError`` names the argument that is not a finite number (a positive one for softcap).
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
+    ):
+        raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    return float(scale), float(softcap) if softcap is not None else 0.0
 
 
 def window_bounds(window, causal) -> tuple[int | None, int | None]:

@@ -7,13 +7,33 @@ from typing import ClassVar
 
 from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
 
-__all__ = ["AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields"]
 
 MASKS = ("none", "causal", "window")
 KV_LAYOUTS = ("contiguous", "ragged", "paged")
 #: Head dims the dense template accepts: multiples of 8 from 16 to 256. Dims that are
 #: not powers of two are padded to the next one inside the kernel and masked.
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
+
+
+def check_attention_fields(spec) -> None:
+    """Validate the fields every attention family's spec has (head dims, grouping, mask, flags);
+    an explicit V dim equal to ``head_dim`` becomes ``None``, one canonical form per kernel."""
+    if type(spec.head_dim_v) is int and spec.head_dim_v == spec.head_dim:
+        object.__setattr__(spec, "head_dim_v", None)
+    check_int("head_dim", spec.head_dim)
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise SpecError("head_dim", f"expected a multiple of 8 in [16, 256], got {spec.head_dim}")
+    if spec.head_dim_v is not None:
+        check_int("head_dim_v", spec.head_dim_v)
+        if spec.head_dim_v not in SUPPORTED_HEAD_DIMS:
+            raise SpecError("head_dim_v", f"expected None or a multiple of 8 in [16, 256], got {spec.head_dim_v}")
+    check_int("q_per_kv", spec.q_per_kv)
+    if spec.q_per_kv < 1:
+        raise SpecError("q_per_kv", f"expected a positive integer, got {spec.q_per_kv}")
+    check_choice("mask", spec.mask, MASKS)
+    check_bool("softcap", spec.softcap)
+    check_bool("return_lse", spec.return_lse)
 
 
 @dataclass(frozen=True)
@@ -51,26 +71,9 @@ class AttentionSpec(Spec):
     return_lse: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
-            # One canonical form per kernel: an explicit V dim equal to head_dim is the default.
-            object.__setattr__(self, "head_dim_v", None)
-        check_int("head_dim", self.head_dim)
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise SpecError("head_dim", f"expected a multiple of 8 in [16, 256], got {self.head_dim}")
-        if self.head_dim_v is not None:
-            check_int("head_dim_v", self.head_dim_v)
-            if self.head_dim_v not in SUPPORTED_HEAD_DIMS:
-                raise SpecError(
-                    "head_dim_v", f"expected None or a multiple of 8 in [16, 256], got {self.head_dim_v}"
-                )
-        check_int("q_per_kv", self.q_per_kv)
-        if self.q_per_kv < 1:
-            raise SpecError("q_per_kv", f"expected a positive integer, got {self.q_per_kv}")
-        check_choice("mask", self.mask, MASKS)
+        check_attention_fields(self)
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
-        check_bool("softcap", self.softcap)
-        check_bool("return_lse", self.return_lse)
 
     __hash__ = Spec.__hash__  # a frozen dataclass would otherwise write its own, per call
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import MASKS, SUPPORTED_HEAD_DIMS
-from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
+from tilegen.families.attention_fwd.spec import check_attention_fields
+from tilegen.ir import Spec, SpecError, check_choice
 
 __all__ = ["VarlenAttentionSpec", "LAYOUTS"]
 
@@ -37,23 +37,9 @@ class VarlenAttentionSpec(Spec):
     return_lse: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
-            object.__setattr__(self, "head_dim_v", None)
+        check_attention_fields(self)
         super().__post_init__()
-        for name in ("head_dim", "head_dim_v"):
-            value = getattr(self, name)
-            if value is None and name == "head_dim_v":
-                continue
-            check_int(name, value)
-            if value not in SUPPORTED_HEAD_DIMS:
-                raise SpecError(name, f"expected a multiple of 8 in [16, 256], got {value}")
-        check_int("q_per_kv", self.q_per_kv)
-        if self.q_per_kv < 1:
-            raise SpecError("q_per_kv", f"expected a positive integer, got {self.q_per_kv}")
-        check_choice("mask", self.mask, MASKS)
         check_choice("kv_layout", self.kv_layout, LAYOUTS)
-        check_bool("softcap", self.softcap)
-        check_bool("return_lse", self.return_lse)
         if self.kv_layout == "paged":
             if self.page_size not in PAGE_SIZES or isinstance(self.page_size, bool):
                 raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
