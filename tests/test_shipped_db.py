@@ -61,3 +61,17 @@ def test_dispatch_on_an_h200_finds_every_shipped_row(preset, tmp_path):
         assert family.feasible(spec, config, H200) is None
     table = dispatch.Table(spec, H200, rows)
     assert table.choose(3000).tuned_bucket == 4096 and table.choose(3000).source == str(env.shipped_db_path())
+
+
+#: Serving presets tuned on the H200 at two buckets each.
+SERVING = {"varlen-llama": [2048, 8192], "paged16-llama": [2048, 8192]}
+
+
+@pytest.mark.parametrize("preset", sorted(SERVING))
+def test_dispatch_on_an_h200_finds_the_shipped_serving_rows(preset, tmp_path):
+    spec = presets()[preset]
+    family = family_of(spec)
+    rows = tuned_rows(spec, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
+    assert sorted(rows) == SERVING[preset]
+    for config, source in rows.values():
+        assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None
