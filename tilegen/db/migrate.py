@@ -9,9 +9,10 @@ committed in between.
 
 Opening a file runs ``alembic upgrade head`` inside such a locked transaction, so two
 processes opening a fresh file at once migrate it exactly once. A file already at
-``SCHEMA_REVISION`` is recognised with one query: Alembic, a slow import that an
-inference process should not pay, is loaded only when a file needs upgrading or holds an
-unknown revision.
+``SCHEMA_REVISION`` is recognised with one query, and a newer one against the revision
+list of ``tilegen.db.sqlite``: Alembic, a slow import, is loaded only when a file needs
+upgrading. A read-only open of an older revision reads an upgraded copy in memory.
+(Dispatch does not come here at all: it reads with ``tilegen.db.sqlite``.)
 """
 
 from __future__ import annotations

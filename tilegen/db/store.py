@@ -78,6 +78,7 @@ class TuningDB:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, readonly: bool = False):
         self.path = Path(path if path is not None else env.db_path()).expanduser()
         self.readonly = readonly
+        self.skipped: list[str] = []  # rows the last import_json(skip_bad=True) left out, each named
         if readonly and not self.path.is_file():
             raise DatabaseError(f"no tilegen database at {self.path}")
         if not readonly:
@@ -191,7 +192,7 @@ class TuningDB:
         naming it; with ``skip_bad`` such rows are left out instead (``self.skipped`` says which).
         """
         sections = check(data, skip_bad=skip_bad)
-        self.skipped: list[str] = sections.pop("skipped")
+        self.skipped = sections.pop("skipped")
         changed = 0
         with self._session(write=True) as session:
             gpu_ids = {g["key"]: _insert_or_fetch(session, Gpu, {"key": g["key"]}, g)[0].id for g in sections["gpus"]}
