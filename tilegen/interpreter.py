@@ -1,6 +1,6 @@
 """Fixes for Triton's CPU interpreter, applied only when ``TRITON_INTERPRET=1`` and only where needed.
 
-Two interpreter bugs matter to tilegen's kernels; Triton 3.6.0 and 3.8.0 both have them:
+Two interpreter bugs matter to tilegen's kernels; Triton 3.6.0, 3.8.0 and 3.9.0 all have them:
 
 - ``tl.dot`` hands bfloat16 operands, stored as raw uint16 bits, straight to ``np.matmul``,
   so every bf16 dot returns garbage;

@@ -81,7 +81,7 @@ _STANDALONE = string.Template('''
 # of DEFAULTS, a list of (largest bucket, config) ending in None: the rules and the code of
 # tilegen's own dispatch.
 # Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come
-# out wrong (3.6.0 through 3.8.0 at least): mend_interpreter, tilegen's own fix, mends each
+# out wrong (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each
 # bug that the installed Triton shows when this module is imported.
 import math
 import os
