@@ -60,6 +60,8 @@ CASES = {
     "db-prune-unconfirmed": (["db", "prune", "--db", "{db}"], "pass --yes"),
     "db-prune-db-missing": (["db", "prune", "--db", "{tmp}/missing.sqlite"], "no tilegen database"),
     "db-verify-timeout-zero": (["db", "verify", "--timeout", "0", "--db", "{db}"], "--timeout"),
+    "db-verify-timeout-nan": (["db", "verify", "--timeout", "nan", "--db", "{db}"], "--timeout"),
+    "db-verify-seed-negative": (["db", "verify", "--seed", "-3", "--db", "{db}"], "--seed"),
     "db-verify-drop-shipped": (["db", "verify", "--shipped", "--drop-failed"], "--drop-failed"),
     "db-unknown-command": (["db", "frobnicate"], "No such command"),
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -210,7 +211,7 @@ def prune(
 @db_app.command()
 def verify(
     ctx: typer.Context,
-    spec_hash: str = typer.Argument("", metavar="[SPEC_HASH_OR_PREFIX]", help="Only this variant (default: all)."),
+    spec_hash: str = typer.Argument("", metavar="SPEC_HASH_OR_PREFIX", help="Only this variant (default: all)."),
     shipped: bool = typer.Option(False, "--shipped", help="Verify the database shipped with tilegen instead."),
     seed: int = typer.Option(0, help="Seed of the random inputs."),
     timeout: float = typer.Option(300.0, help="Seconds one row may take (compilation included)."),
@@ -225,8 +226,10 @@ def verify(
     """
     from tilegen.cli.verify import verify_rows
 
-    if timeout <= 0:
+    if not 0 < timeout < math.inf:
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+    if not 0 <= seed < 2**32:
+        fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
     if shipped and drop_failed:
         fail("--drop-failed: the shipped database is read-only; drop rows from your own database")
     path = env.shipped_db_path() if shipped else _path(ctx, db)
