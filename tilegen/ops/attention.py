@@ -286,7 +286,10 @@ def _check_tensors(q, k, v) -> None:
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device} while q is on {q.device}; all inputs must share a device")
     if q.device.type == "cpu" and not interpreting():
-        raise ValueError("q: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1")
+        raise ValueError(
+            "q: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before the first import of tilegen or triton"
+        )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q: device {q.device} is not supported; expected cuda")
     batch, heads_q, n_q, dim = q.shape
