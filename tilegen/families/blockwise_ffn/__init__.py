@@ -1,0 +1,52 @@
+"""Pre-norm feed-forward with its residual, fused a block of tokens at a time (Blockwise Parallel Transformer).
+
+After attention each token's FFN is independent of the others', so the FFN runs on one
+fusion block of rows at a time and its ``[tokens, d_ffn]`` intermediate never exists beyond
+one block. Three generated kernels per block: the norm, gate/up projections with the
+activation, the down projection with the residual. Files: ``spec`` (norm and FFN kind,
+widths, dtype), ``lower`` (template values), ``config`` (knobs incl. the fusion block,
+search space, feasibility, defaults), ``reference`` (float64 torch), ``problem`` (what a
+tuning trial measures). The ops are ``tilegen.blockwise_ffn`` and ``tilegen.blockwise_layer``
+(``tilegen.ops.blockwise``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.device import DeviceInfo
+from tilegen.families.base import Family
+from tilegen.families.blockwise_ffn import config as _config
+from tilegen.families.blockwise_ffn.config import Config
+from tilegen.families.blockwise_ffn.lower import lower as _lower
+from tilegen.families.blockwise_ffn.problem import Problem
+from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
+from tilegen.families.buckets import PowerOfTwoBuckets
+
+__all__ = ["BlockwiseFFN", "BlockwiseFFNSpec", "Config", "Problem"]
+
+
+class BlockwiseFFN(Family):
+    name = "blockwise_ffn"
+    spec_type = BlockwiseFFNSpec
+    config_type = Config
+    template = "blockwise_ffn.py.jinja"
+    # A call is bucketed by its token rows: the matmuls' M and the number of fusion blocks.
+    buckets = PowerOfTwoBuckets("tokens")
+    presets = {"llama3-8b-ffn": BlockwiseFFNSpec(d_model=4096, d_ffn=14336, norm="rmsnorm", ffn="swiglu",
+                                                 dtype="bf16")}
+
+    def lower(self, spec: BlockwiseFFNSpec) -> dict[str, Any]:
+        return _lower(spec)
+
+    def search_space(self, spec: BlockwiseFFNSpec, device: DeviceInfo) -> dict[str, list[int]]:
+        return _config.search_space(spec, device)
+
+    def feasible(self, spec: BlockwiseFFNSpec, config: Config, device: DeviceInfo) -> str | None:
+        return _config.feasible(spec, config, device)
+
+    def default_rule(self, spec: BlockwiseFFNSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        return _config.default_rule(spec, device)
+
+    def problem(self, spec: BlockwiseFFNSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
+        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
