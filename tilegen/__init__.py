@@ -10,6 +10,7 @@ from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
 from tilegen.ir import SpecError, spec_from_json  # noqa: E402
 from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
+from tilegen.ops.decode import PagedDecode  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
 from tilegen.ops.merge import merge_states  # noqa: E402
 from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
@@ -17,6 +18,7 @@ from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 __all__ = [
     "AttentionSpec",
     "PagedAttention",
+    "PagedDecode",
     "PagedKVCache",
     "SpecError",
     "append_kv",

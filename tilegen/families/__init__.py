@@ -37,10 +37,12 @@ from tilegen.families.attention_fwd import AttentionFwd  # noqa: E402
 from tilegen.families.kv_append import KVAppend  # noqa: E402
 from tilegen.families.merge_states import MergeStates  # noqa: E402
 from tilegen.families.attention_varlen import AttentionVarlen  # noqa: E402
+from tilegen.families.attention_decode import AttentionDecode  # noqa: E402
 from tilegen.families.blockwise_ffn import BlockwiseFFN  # noqa: E402
 
 register(AttentionFwd())
 register(KVAppend())
 register(MergeStates())
 register(AttentionVarlen())
+register(AttentionDecode())
 register(BlockwiseFFN())

@@ -1,0 +1,136 @@
+"""Batch decode over a paged cache against the float64 reference on gathered pages.
+
+Contexts of 0, 1, page_size - 1, page_size + 1 and 300 tokens share a batch; pages are
+shuffled, unused pages and slots are NaN; split counts 1, 2 and 7 are forced through
+``plan(num_splits=...)`` and must agree with a single pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_varlen import make_cache, paged_reference
+
+import tilegen
+from tilegen.families import relative_error
+
+
+def _contexts(page_size):
+    return [0, 1, max(1, page_size - 1), page_size + 1, 300]
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "output elements never written"
+    error, _ = relative_error(out.cpu(), ref)
+    assert error < (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+    if lse is not None:
+        lse = lse.cpu()
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse must be -inf exactly on empty contexts"
+        seen = torch.isfinite(ref_lse)
+        assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=lambda g: f"gqa{g}")
+def test_decode_matches_reference(page_size, group, splits, device):
+    gen = torch.Generator().manual_seed(page_size + group + splits)
+    dtype = torch.bfloat16 if group == 4 else torch.float32
+    cache = make_cache(_contexts(page_size), page_size, 2 if group != 8 else 1, 32, dtype, device, gen)
+    heads_q = cache.kv_heads * group
+    q = torch.randn(cache.batch, heads_q, 32, generator=gen).to(device=device, dtype=dtype)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=heads_q, return_lse=True, num_splits=splits)
+    assert decode.num_splits == splits
+    out = torch.full((cache.batch, heads_q, 32), math.nan, dtype=dtype, device=device)
+    result, lse = decode.run(q, cache, out=out)
+    assert result is out
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("kwargs", [{"window": (20, 0)}, {"softcap": 3.0, "scale": 0.2}], ids=["window", "softcap"])
+def test_decode_window_and_softcap_with_splits(kwargs, device):
+    gen = torch.Generator().manual_seed(9)
+    cache = make_cache([300, 5, 64, 0], 16, 1, 64, torch.float32, device, gen)
+    q = torch.randn(cache.batch, 32, 64, generator=gen).to(device)  # MQA: 32 query heads on one KV head
+    single, split = tilegen.PagedDecode(), tilegen.PagedDecode()
+    single.plan(cache, heads_q=32, num_splits=1, **kwargs)
+    split.plan(cache, heads_q=32, num_splits=7, **kwargs)
+    one, seven = single.run(q, cache), split.run(q, cache)
+    ref, _ = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32), causal=False,
+                             **{k: v for k, v in kwargs.items()})
+    for out in (one, seven):
+        _check(out, None, ref, None, torch.float32)
+    torch.testing.assert_close(one, seven, rtol=1e-5, atol=1e-5)  # the merge against a single pass
+
+
+def test_the_split_rule_fills_the_gpu_and_never_exceeds_the_key_blocks():
+    from tilegen.device import DeviceInfo
+    from tilegen.families.attention_decode.config import DecodeConfig, split_count
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
+    config = DecodeConfig(64, 4, 3, 2)
+    assert split_count(config, h200, batch=1, kv_heads=8, max_context=131072) == 33  # 264 CTAs / 8
+    assert split_count(config, h200, batch=64, kv_heads=8, max_context=4096) == 1
+    assert split_count(config, h200, batch=1, kv_heads=8, max_context=100) == 2  # two key blocks only
+
+
+def test_decode_bad_input_names_the_argument(device):
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache([20, 3], 16, 2, 32, torch.float32, device, gen)
+    decode = tilegen.PagedDecode()
+    with pytest.raises(RuntimeError, match="plan"):
+        decode.run(torch.randn(2, 4, 32, device=device), cache)
+    with pytest.raises(ValueError, match="heads_q"):
+        decode.plan(cache, heads_q=3)
+    with pytest.raises(ValueError, match="num_splits"):
+        decode.plan(cache, heads_q=4, num_splits=0)
+    with pytest.raises(TypeError, match="cache"):
+        decode.plan("pages", heads_q=4)
+    decode.plan(cache, heads_q=4)
+    with pytest.raises(ValueError, match=r"q: expected \[2, 4, 32\]"):
+        decode.run(torch.randn(3, 4, 32, device=device), cache)
+    with pytest.raises(ValueError, match="q: torch.float16"):
+        decode.run(torch.randn(2, 4, 32, device=device).half(), cache)
+    with pytest.raises(ValueError, match="cache: expected"):
+        decode.run(torch.randn(2, 4, 32, device=device), make_cache([20, 3], 8, 2, 32, torch.float32, device, gen))
+
+
+def test_decode_tunes_into_the_database(tmp_path, monkeypatch):
+    from tilegen import dispatch
+    from tilegen.db import TuningDB
+    from tilegen.device import device_info
+    from tilegen.families.attention_decode import DecodeSpec
+    from tilegen.tuning import Tuner
+
+    spec = DecodeSpec(head_dim=32, q_per_kv=4, dtype="fp32", page_size=16)
+    path = tmp_path / "tuning.sqlite"
+    monkeypatch.setenv("TILEGEN_DB", str(path))
+    with TuningDB(path) as db, Tuner(db, device_info(), trials=2) as tuner:
+        result = tuner.tune(spec, 64)
+    assert result.best is not None and result.statuses["ok"] == 2
+    dispatch.reset()
+    assert dispatch.table_for(spec, device_info()).choose(40).source == str(path)
+
+
+@pytest.mark.gpu
+def test_decode_run_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(5)
+    cache = make_cache([4000, 17, 1, 900], 16, 2, 128, torch.bfloat16, "cuda", gen)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, max_seqlen_k=4000)
+    q = torch.randn(cache.batch, 8, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    decode.run(q, cache, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(q, cache, out=out)
+    q.copy_(torch.randn_like(q))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, None, ref, None, torch.bfloat16)

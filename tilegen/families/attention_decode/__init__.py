@@ -1,0 +1,49 @@
+"""Batch decode over a paged KV cache: one query token per sequence, GQA-packed, split-KV.
+
+The query heads that share a KV head are computed together, so each page is read once
+per KV head; when batch x KV heads cannot fill the GPU, each sequence's keys are split
+across programs (flash-decoding) and a merge kernel combines the partial results by their
+log-sum-exp. The split count comes from the SM count, the batch and the config's
+``ctas_per_sm`` knob. The online-softmax loop and the page addressing are the prefill
+kernels' shared pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.device import DeviceInfo
+from tilegen.families.attention_decode import config as _config
+from tilegen.families.attention_decode.config import DecodeConfig
+from tilegen.families.attention_decode.lower import lower as _lower
+from tilegen.families.attention_decode.problem import DecodeProblem
+from tilegen.families.attention_decode.spec import DecodeSpec
+from tilegen.families.base import Family
+from tilegen.families.buckets import PowerOfTwoBuckets
+
+__all__ = ["AttentionDecode", "DecodeConfig", "DecodeSpec", "DecodeProblem"]
+
+
+class AttentionDecode(Family):
+    name = "attention_decode"
+    spec_type = DecodeSpec
+    config_type = DecodeConfig
+    template = "attention_decode.py.jinja"
+    # The longest context sets the key blocks a program streams; the batch enters through the split rule.
+    buckets = PowerOfTwoBuckets("longest context")
+    presets = {"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)}
+
+    def lower(self, spec: DecodeSpec) -> dict[str, Any]:
+        return _lower(spec)
+
+    def search_space(self, spec: DecodeSpec, device: DeviceInfo) -> dict[str, list[int]]:
+        return _config.search_space(spec, device)
+
+    def feasible(self, spec: DecodeSpec, config: DecodeConfig, device: DeviceInfo) -> str | None:
+        return _config.feasible(spec, config, device)
+
+    def default_rule(self, spec: DecodeSpec, device: DeviceInfo) -> list[tuple[int | None, DecodeConfig]]:
+        return _config.default_rule(spec, device)
+
+    def problem(self, spec: DecodeSpec, bucket: int, *, on_gpu: bool, **shape: Any) -> DecodeProblem:
+        return DecodeProblem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)

@@ -1,0 +1,67 @@
+"""Decode configs: key block, warps, stages, and how many CTAs per SM the split rule aims for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import triton
+
+from tilegen.device import DeviceInfo
+from tilegen.families import base
+from tilegen.families.attention_decode.spec import DecodeSpec
+
+__all__ = ["DecodeConfig", "search_space", "feasible", "default_rule", "split_count", "MAX_SPLITS"]
+
+#: More splits than this only add merge work: a split then holds a few key blocks at most.
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, order=True)
+class DecodeConfig(base.Config):
+    block_n: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+    def __str__(self) -> str:
+        return f"BN{self.block_n}-w{self.num_warps}-s{self.num_stages}-c{self.ctas_per_sm}"
+
+
+def search_space(spec: DecodeSpec, device: DeviceInfo) -> dict[str, list[int]]:
+    if device.is_interpreter:
+        return {"block_n": [16, 32], "num_warps": [4], "num_stages": [1], "ctas_per_sm": [1, 2]}
+    return {"block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4], "ctas_per_sm": [1, 2, 4]}
+
+
+def feasible(spec: DecodeSpec, config: DecodeConfig, device: DeviceInfo) -> str | None:
+    if config.block_n % 16 or config.block_n & (config.block_n - 1):
+        return f"block_n={config.block_n}: the template asserts a power of two and a multiple of 16"
+    if device.is_interpreter:
+        return None
+    dim_pad = triton.next_power_of_2(spec.head_dim)
+    dim_v_pad = triton.next_power_of_2(spec.dv)
+    elt = 4 if spec.dtype == "fp32" else 2
+    block_m = max(16, triton.next_power_of_2(spec.q_per_kv))
+    smem = (block_m * dim_pad + config.num_stages * config.block_n * (dim_pad + dim_v_pad)) * elt
+    if smem > device.smem_bytes:
+        return f"~{smem} bytes of shared memory against the device's {device.smem_bytes}"
+    return None
+
+
+def default_rule(spec: DecodeSpec, device: DeviceInfo) -> list[tuple[int | None, DecodeConfig]]:
+    """Memory-bound: small tiles with several stages in flight, and two CTAs per SM to hide latency."""
+    if device.is_interpreter:
+        return [(None, DecodeConfig(32, 4, 1, 1))]
+    if spec.dtype == "fp32" or max(spec.head_dim, spec.dv) > 128:
+        return [(None, DecodeConfig(32, 4, 2, 2))]
+    return [(None, DecodeConfig(64, 4, 3, 2))]
+
+
+def split_count(config: DecodeConfig, device: DeviceInfo, batch: int, kv_heads: int, max_context: int) -> int:
+    """Splits per sequence so that batch x KV heads x splits reaches ``ctas_per_sm`` CTAs per SM,
+    never more than the longest context has key blocks (nor ``MAX_SPLITS``)."""
+    programs = max(1, batch * kv_heads)
+    wanted = math.ceil(device.sm_count * config.ctas_per_sm / programs)
+    blocks = max(1, math.ceil(max_context / config.block_n))
+    return max(1, min(wanted, blocks, MAX_SPLITS))

@@ -1,0 +1,68 @@
+"""What a tuning trial of batch decode measures: a batch of one-token queries over ragged paged contexts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from tilegen.device import device_info
+from tilegen.families.attention_decode.config import DecodeConfig, split_count
+from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
+
+__all__ = ["DecodeProblem", "decode_buffers"]
+
+#: KV tokens a GPU trial reads: enough to take the H200 to its bandwidth.
+_GPU_KV_TOKENS = 1 << 18
+_CPU_MAX_CONTEXT = 48
+
+
+def decode_buffers(batch: int, heads: int, dv: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split partials, fp32 ``[batch, num_splits, heads_q, dv]`` and ``[batch, num_splits, heads_q]``
+    (empty without splits: the kernel then writes the output directly)."""
+    if num_splits == 1:
+        return torch.empty(0, device=device), torch.empty(0, device=device)
+    return (torch.empty((batch, num_splits, heads, dv), dtype=torch.float32, device=device),
+            torch.empty((batch, num_splits, heads), dtype=torch.float32, device=device))
+
+
+@dataclass(frozen=True)
+class DecodeProblem(VarlenProblem):
+    """``len(k_lens)`` sequences, one query token each; ``num_splits`` forces the split count (tests)."""
+
+    num_splits: int | None = None
+
+    @classmethod
+    def for_bucket(cls, spec, bucket: int, *, on_gpu: bool, k_lens=None, heads_q=None, num_splits=None,
+                   **_: object) -> DecodeProblem:
+        heads = heads_q or (32 if on_gpu else 4)
+        if k_lens is None:
+            longest = bucket if on_gpu else min(bucket, _CPU_MAX_CONTEXT)
+            k_lens = tuple(ragged_lengths(longest, _GPU_KV_TOKENS if on_gpu else 3 * longest))
+            if not on_gpu:
+                k_lens = (*k_lens, 0, 1, spec.page_size + 1)
+        return cls(spec, tuple(1 for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu,
+                   num_splits)
+
+    def launch(self, module: ModuleType, config: DecodeConfig, inputs: dict, outputs) -> None:
+        out, lse = outputs
+        q = inputs["q"].view(len(self.k_lens), self.heads_q, -1)
+        splits = self.num_splits or split_count(config, device_info(), len(self.k_lens), self.heads_kv,
+                                                max(self.k_lens))
+        chunk = math.ceil(max(max(self.k_lens), 1) / splits / config.block_n) * config.block_n
+        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1], self.spec.dv, splits, q.device)
+        left, right = launch_window(self.spec.mask, *self.bounds, 1, max(self.k_lens))
+        module.launch(
+            q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, inputs["indptr"],
+            inputs["indices"], inputs["last"], chunk=chunk, num_splits=splits,
+            scale=1.0 / math.sqrt(self.spec.head_dim), softcap=self.softcap or 0.0, window_left=left,
+            window_right=right, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+
+    def bytes_moved(self) -> float:
+        """The K and V a decode step must read: the figure of merit of a memory-bound kernel."""
+        elt = self.torch_dtype().itemsize
+        return float(sum(self.k_lens) * self.heads_kv * (self.spec.head_dim + self.spec.dv) * elt)

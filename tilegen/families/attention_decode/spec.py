@@ -1,0 +1,54 @@
+"""The spec of the batch-decode family: one query token per sequence against a paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tilegen.families.attention_fwd.spec import check_attention_fields
+from tilegen.ir import Spec, SpecError
+from tilegen.families.attention_varlen.spec import PAGE_SIZES
+
+__all__ = ["DecodeSpec"]
+
+
+@dataclass(frozen=True)
+class DecodeSpec(Spec):
+    """Batch decode. Fields as in ``AttentionSpec``; ``page_size`` is the cache's (part of the key)."""
+
+    family: ClassVar[str] = "attention_decode"
+
+    head_dim: int
+    head_dim_v: int | None = None
+    q_per_kv: int = 1
+    mask: str = "none"
+    softcap: bool = False
+    page_size: int = 16
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        check_attention_fields(self)
+        super().__post_init__()
+        if isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
+            raise SpecError("page_size", f"expected one of {PAGE_SIZES}, got {self.page_size!r}")
+
+    __hash__ = Spec.__hash__
+
+    @property
+    def kv_layout(self) -> str:
+        return "paged"
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def name(self) -> str:
+        parts = [self.family, self.dtype, f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else ""),
+                 f"g{self.q_per_kv}", self.mask]
+        if self.softcap:
+            parts.append("softcap")
+        parts.append(f"paged{self.page_size}")
+        if self.return_lse:
+            parts.append("lse")
+        return "_".join(parts)

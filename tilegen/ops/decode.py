@@ -1,0 +1,155 @@
+"""``tilegen.PagedDecode``: batch decode over a paged KV cache, FlashInfer's plan/run split.
+
+``plan`` takes the cache's page table, the heads and the mask once per decode step and
+decides the config and the split count (from the SM count, the batch and the tuned
+``ctas_per_sm``); it also allocates the split partials, so ``run`` allocates nothing but its
+output, synchronizes nothing and can be captured in a CUDA graph.
+
+Checks: every call checks shapes, dtypes and devices on the host; ``TILEGEN_DEBUG=1`` (or
+``PagedKVCache.validate()``) checks the page table's values on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tilegen import dispatch
+from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.env import interpreting
+from tilegen.families.attention_decode import DecodeSpec
+from tilegen.families.attention_decode.config import MAX_SPLITS, split_count
+from tilegen.families.attention_decode.problem import decode_buffers
+from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
+from tilegen.ir import SpecError
+from tilegen.ops.kv_cache import PagedKVCache
+
+__all__ = ["PagedDecode"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    spec: DecodeSpec
+    heads_q: int
+    batch: int
+    launch: Any
+    launch_args: dict[str, Any]
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    choice: dispatch.Choice
+
+
+class PagedDecode:
+    """One new token per sequence attending to its whole paged context.
+
+    Example::
+
+        decode = tilegen.PagedDecode()
+        decode.plan(caches[0], heads_q=32)              # once per step
+        for layer in range(n_layers):
+            out = decode.run(q[layer], caches[layer])   # q [batch, heads_q, head_dim]
+    """
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+
+    def plan(
+        self, cache: PagedKVCache, *, heads_q: int, window: tuple[int | None, int | None] | None = None,
+        softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
+        max_seqlen_k: int | None = None, num_splits: int | None = None,
+    ) -> dispatch.Choice:
+        """Fix the step's layout; returns the dispatch choice (config and where it came from).
+
+        ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
+        split rule (1 to 64), for tests and experiments. The query sits at its sequence's last
+        key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last ``left + 1``.
+        """
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+        if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
+            raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
+                             f"got {heads_q!r}")
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or not 1 <= num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")
+        if max_seqlen_k is None:
+            max_seqlen_k = int(cache.seq_lens().max()) if cache.batch else 0
+        if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+            raise ValueError(f"max_seqlen_k: expected a host int >= 0, got {max_seqlen_k!r}")
+        pages = cache.k_pages
+        if pages.dtype not in SPEC_DTYPES:
+            raise TypeError(f"cache: expected float16, bfloat16 or float32 pages, got {pages.dtype}")
+        scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
+        left, right = window_bounds(window, False)
+        mask = mask_kind(left, right)
+        try:
+            spec = DecodeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
+                              q_per_kv=heads_q // cache.kv_heads, mask=mask, softcap=softcap is not None,
+                              dtype=SPEC_DTYPES[pages.dtype], page_size=cache.page_size, return_lse=bool(return_lse))
+        except SpecError as e:
+            raise ValueError(f"cache: {e}") from None
+        device = pages.device
+        if device.type == "cpu" and not interpreting():
+            raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
+                             "TRITON_INTERPRET=1")
+        info = device_info(device.index if device.type == "cuda" else None)
+        table = dispatch.table_for(spec, info)
+        choice = table.choose(max(max_seqlen_k, 1))
+        config = choice.config
+        splits = num_splits or split_count(config, info, cache.batch, cache.kv_heads, max_seqlen_k)
+        chunk = math.ceil(max(max_seqlen_k, 1) / splits / config.block_n) * config.block_n
+        left, right = launch_window(mask, left, right, 1, max_seqlen_k)
+        part_o, part_lse = decode_buffers(cache.batch, heads_q, spec.dv, splits, device)
+        if os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0"):
+            cache.validate()
+        self._plan = _Plan(
+            spec=spec, heads_q=heads_q, batch=cache.batch, launch=table.launch, part_o=part_o, part_lse=part_lse,
+            choice=choice,
+            launch_args={"chunk": chunk, "num_splits": splits, "scale": scale_value, "softcap": softcap_value,
+                         "window_left": left, "window_right": right, "block_n": config.block_n,
+                         "num_warps": config.num_warps, "num_stages": config.num_stages},
+        )
+        return choice
+
+    @property
+    def num_splits(self) -> int:
+        """The planned split count."""
+        if self._plan is None:
+            raise RuntimeError("PagedDecode: call plan(...) first")
+        return self._plan.launch_args["num_splits"]
+
+    def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
+        """Decode ``q`` ``[batch, heads_q, head_dim]`` against one layer's ``cache``; ``(out, lse)`` with LSE."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("PagedDecode.run: call plan(...) first, once per step")
+        spec = plan.spec
+        pages = cache.k_pages if isinstance(cache, PagedKVCache) else None
+        if pages is None or (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], cache.batch,
+                             SPEC_DTYPES.get(pages.dtype)) != (spec.page_size, spec.head_dim, spec.dv, plan.batch,
+                                                               spec.dtype) \
+                or plan.heads_q != cache.kv_heads * spec.q_per_kv:
+            raise ValueError(f"cache: expected a tilegen.PagedKVCache shaped as planned ({spec.name}, "
+                             f"batch {plan.batch})")
+        shape = (plan.batch, plan.heads_q, spec.head_dim)
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != shape:
+            raise ValueError(f"q: expected {list(shape)}, got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if q.dtype != pages.dtype or q.device != pages.device:
+            raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        out_shape = (plan.batch, plan.heads_q, spec.dv)
+        if out is None:
+            out = q.new_empty(out_shape)
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != out_shape or out.dtype != q.dtype \
+                or out.device != q.device:
+            raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
+        lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
+        if plan.batch:
+            plan.launch(q, pages, cache.v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
+                        cache.indptr, cache.indices, cache.last_page_len, **plan.launch_args)
+        return (out, lse) if spec.return_lse else out
