@@ -10,6 +10,8 @@ from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
 from tilegen.ir import SpecError, spec_from_json  # noqa: E402
 from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
+from tilegen.ops.blockwise import blockwise_ffn, blockwise_layer  # noqa: E402
+from tilegen.layers import BlockwiseLayer, LayerConfig  # noqa: E402
 from tilegen.ops.decode import PagedDecode  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
 from tilegen.ops.merge import merge_states  # noqa: E402
@@ -17,12 +19,16 @@ from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 
 __all__ = [
     "AttentionSpec",
+    "BlockwiseLayer",
+    "LayerConfig",
     "PagedAttention",
     "PagedDecode",
     "PagedKVCache",
     "SpecError",
     "append_kv",
     "attention",
+    "blockwise_ffn",
+    "blockwise_layer",
     "explain",
     "merge_states",
     "spec_from_json",

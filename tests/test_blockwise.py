@@ -1,0 +1,312 @@
+"""The Blockwise Parallel Transformer layer: the blockwise FFN family and ``tilegen.blockwise_layer``.
+
+Layer sizes are tiny (the interpreter is slow) and none is a multiple of a block: 45 tokens
+in query blocks of 16 (two whole blocks and a partial one), d_model 40 and d_ffn 72 against
+kernel tiles of 16 and 32. Errors are relative Frobenius errors against float64 references
+on the same rounded inputs and weights: below 1e-2 in bf16, 1e-4 in fp32. The residual
+stream dominates a layer's output, so the layer's own contribution (out - x) is held to the
+same bound too: a layer that dropped attention or the MLP fails both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tilegen
+from tilegen import dispatch
+from tilegen.codegen import module_for, source_for
+from tilegen.db import TuningDB, tuned_rows
+from tilegen.device import device_info
+from tilegen.families import family_of, relative_error
+from tilegen.families.blockwise_ffn import BlockwiseFFNSpec, Config
+from tilegen.families.blockwise_ffn.problem import random_weights
+from tilegen.families.blockwise_ffn.reference import ffn_reference
+from tilegen.ir import SpecError
+from tilegen.key import TuningKey
+from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
+from tilegen.tuning import Tuner
+
+DEVICE = device_info()
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+D_MODEL, D_FFN, TOKENS, BLOCK = 40, 72, 45, 16
+
+
+def _spec(norm="rmsnorm", ffn="swiglu", dtype="fp32"):
+    return BlockwiseFFNSpec(d_model=D_MODEL, d_ffn=D_FFN, norm=norm, ffn=ffn, dtype=dtype)
+
+
+def layer_weights(config: LayerConfig, dtype, device, seed=0) -> dict[str, torch.Tensor]:
+    """Fresh weights: norms near one (biases near zero, never zero), projections scaled by 1/sqrt(fan_in)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in config.weight_shapes().items():
+        if len(shape) == 1:
+            t = torch.randn(shape, generator=gen) * 0.2 + (0.0 if name.endswith("bias") else 1.0)
+        else:
+            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+        weights[name] = t.to(device=device, dtype=dtype)
+    return weights
+
+
+def _x(shape, dtype, device, seed=1):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1.5).to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------- the FFN kernels alone
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("norm,ffn", [("rmsnorm", "swiglu"), ("layernorm", "gelu_mlp"),
+                                      ("rmsnorm", "gelu_mlp"), ("layernorm", "swiglu")])
+def test_the_ffn_kernels_match_the_reference_into_poisoned_outputs(norm, ffn, dtype):
+    spec = _spec(norm, ffn, dtype)
+    family = family_of(spec)
+    problem = family.problem(spec, 64, on_gpu=not DEVICE.is_interpreter)
+    inputs = problem.inputs(seed=0)
+    # Several fusion blocks and a partial one, tiles that straddle every edge, and the default.
+    for config in (Config(16, 16, 32, 16, 1, 1), family.default_config(spec, DEVICE, 64)):
+        outputs = problem.outputs(inputs)
+        assert torch.isnan(outputs[0]).all()
+        assert problem.check(inputs, outputs) == (math.inf, math.inf)  # unwritten never passes
+        problem.launch(module_for(spec), config, inputs, outputs)
+        error, _ = problem.check(inputs, outputs)
+        assert error < problem.tolerance, (config, error)
+    # The check sees a wrong result: the output without the MLP is just x, normalized away.
+    outputs[0][3, 5] += 1.0
+    assert problem.check(inputs, outputs)[0] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_ffn_op_in_place_and_strided(dtype, device):
+    spec = _spec("layernorm", "swiglu", "fp32" if dtype == torch.float32 else "bf16")
+    w = random_weights(spec, torch.Generator().manual_seed(2), device, dtype)
+    x = _x((TOKENS, D_MODEL + 8), dtype, device)[:, 4:4 + D_MODEL]  # row stride 48, wider than the rows
+    ref = ffn_reference(x, w.w_norm, w.b_norm, w.w_gate, w.w_up, w.w_down, norm="layernorm", ffn="swiglu", eps=1e-6)
+    kwargs = dict(w_norm=w.w_norm, b_norm=w.b_norm, w_gate=w.w_gate, w_up=w.w_up, w_down=w.w_down.t().contiguous().t(),
+                  norm="layernorm", eps=1e-6)
+    out = tilegen.blockwise_ffn(x, **kwargs)
+    assert relative_error(out, ref)[0] < TOL[dtype]
+    assert relative_error(out - x, ref - x.double())[0] < TOL[dtype]
+    y = x.clone()
+    assert tilegen.blockwise_ffn(y, **kwargs, out=y) is y
+    assert relative_error(y, ref)[0] < TOL[dtype]
+
+
+def test_the_ffn_op_names_bad_arguments(device):
+    spec = _spec("rmsnorm", "swiglu")
+    w = random_weights(spec, torch.Generator().manual_seed(2), device, torch.float32)
+    x = _x((5, D_MODEL), torch.float32, device)
+    good = dict(w_norm=w.w_norm, w_gate=w.w_gate, w_up=w.w_up, w_down=w.w_down)
+    with pytest.raises(ValueError, match=r"w_down: expected shape \(40, 72\)"):
+        tilegen.blockwise_ffn(x, **{**good, "w_down": w.w_down[:, :-1]})
+    with pytest.raises(TypeError, match="w_gate: dtype torch.bfloat16 differs"):
+        tilegen.blockwise_ffn(x, **{**good, "w_gate": w.w_gate.bfloat16()})
+    with pytest.raises(ValueError, match="w_norm: on meta"):
+        tilegen.blockwise_ffn(x, **{**good, "w_norm": w.w_norm.to("meta")})
+    with pytest.raises(ValueError, match="b_norm: norm='layernorm' needs"):
+        tilegen.blockwise_ffn(x, **good, norm="layernorm")
+    with pytest.raises(ValueError, match="eps"):
+        tilegen.blockwise_ffn(x, **good, eps=0.0)
+    with pytest.raises(SpecError, match="norm"):
+        BlockwiseFFNSpec(d_model=8, d_ffn=8, norm="batchnorm")
+
+
+# --------------------------------------------------------------------------------- the layer
+
+LAYERS = [
+    pytest.param(dict(causal=True, norm="rmsnorm", ffn="swiglu", heads_q=4, heads_kv=2), id="causal-gqa-rms-swiglu"),
+    pytest.param(dict(causal=False, norm="layernorm", ffn="gelu_mlp", heads_q=4, heads_kv=1), id="full-mqa-ln-gelu"),
+    pytest.param(dict(causal=True, norm="layernorm", ffn="gelu_mlp", heads_q=2, heads_kv=2, rope_theta=None),
+                 id="causal-mha-ln-gelu-norope"),
+    pytest.param(dict(causal=False, norm="rmsnorm", ffn="swiglu", heads_q=4, heads_kv=2), id="full-gqa-rms-swiglu"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", LAYERS)
+def test_the_layer_matches_the_reference(options, dtype, device):
+    config = LayerConfig(d_model=D_MODEL, head_dim=16, d_ffn=D_FFN, eps=1e-5, **options)
+    weights = layer_weights(config, dtype, device)
+    x = _x((TOKENS, D_MODEL), dtype, device)
+    out = tilegen.blockwise_layer(x, weights, config, block=BLOCK)
+    assert out.shape == x.shape and out.dtype == dtype and torch.isfinite(out).all()
+    ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
+    assert relative_error(out, ref)[0] < TOL[dtype]
+    assert relative_error(out - x, ref - x.double())[0] < TOL[dtype]
+
+
+def test_the_layer_takes_a_batch_the_default_block_and_out(device):
+    config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    weights = layer_weights(config, torch.float32, device)
+    x = _x((2, 37, D_MODEL), torch.float32, device)
+    out = torch.full_like(x, math.nan)
+    assert tilegen.blockwise_layer(x, weights, heads_q=4, heads_kv=2, out=out) is out  # widths from the weights
+    ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
+    assert relative_error(out, ref)[0] < 1e-4
+    # Each query block really sees only its keys: a block size of one row gives the same layer.
+    one = tilegen.blockwise_layer(x[1, :9], weights, config, block=1)
+    assert relative_error(one, reference_layer(x[1, :9], weights, config, compute_dtype=torch.float64))[0] < 1e-4
+
+
+def test_a_blockwise_layer_in_the_wrong_order_is_caught(device):
+    """The comparison can fail: K projected from the un-normalized input is a different layer."""
+    config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    weights = layer_weights(config, torch.float32, device)
+    x = _x((TOKENS, D_MODEL), torch.float32, device)
+    other = dict(weights, **{"self_attn.k_proj.weight": weights["self_attn.k_proj.weight"] * 1.01})
+    ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
+    out = tilegen.blockwise_layer(x, other, config, block=BLOCK)
+    assert relative_error(out - x, ref - x.double())[0] > 1e-4
+
+
+class _Linear(torch.nn.Linear):
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out, bias=False)
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+
+class _LlamaLayer(torch.nn.Module):
+    """The module tree of transformers' ``LlamaDecoderLayer``, with its parameter names and a rotary buffer."""
+
+    def __init__(self, d, heads_q, heads_kv, head_dim, d_ffn):
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        self.self_attn.q_proj = _Linear(d, heads_q * head_dim)
+        self.self_attn.k_proj = _Linear(d, heads_kv * head_dim)
+        self.self_attn.v_proj = _Linear(d, heads_kv * head_dim)
+        self.self_attn.o_proj = _Linear(heads_q * head_dim, d)
+        self.self_attn.rotary_emb = torch.nn.Module()
+        self.self_attn.rotary_emb.register_buffer("inv_freq", torch.ones(head_dim // 2))
+        self.mlp = torch.nn.Module()
+        self.mlp.gate_proj = _Linear(d, d_ffn)
+        self.mlp.up_proj = _Linear(d, d_ffn)
+        self.mlp.down_proj = _Linear(d_ffn, d)
+        self.input_layernorm = _RMSNorm(d)
+        self.post_attention_layernorm = _RMSNorm(d)
+
+
+def test_a_llama_layer_loads_into_the_module(device):
+    torch.manual_seed(0)
+    llama = _LlamaLayer(D_MODEL, 4, 2, 16, D_FFN)
+    with torch.no_grad():  # nn.Linear's init would make the layer's contribution small beside bf16's rounding of x
+        for name, p in llama.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    llama = llama.to(device=device, dtype=torch.bfloat16)
+    layer = BlockwiseLayer.from_llama(llama, heads_q=4, heads_kv=2, rope_theta=500000.0, eps=1e-5, block=BLOCK)
+    assert layer.config == LayerConfig(D_MODEL, 4, 2, 16, D_FFN, rope_theta=500000.0, eps=1e-5)
+    assert set(layer.state_dict()) == set(layer.config.weight_shapes())
+    assert torch.equal(layer.mlp.down_proj.weight, llama.mlp.down_proj.weight)
+    # The state dict loads as it is (the rotary buffer aside) into a module built from a config.
+    fresh = BlockwiseLayer(layer.config, dtype=torch.bfloat16, device=device, block=BLOCK)
+    fresh.load_state_dict({k: v for k, v in llama.state_dict().items() if "inv_freq" not in k})
+    x = _x((TOKENS, D_MODEL), torch.bfloat16, device)
+    ref = reference_layer(x, llama.state_dict(), layer.config, compute_dtype=torch.float64)
+    for module in (layer, fresh):
+        out = module(x)
+        assert relative_error(out, ref)[0] < 1e-2 and relative_error(out - x, ref - x.double())[0] < 1e-2
+
+
+def test_bad_weights_are_named(device):
+    config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    weights = layer_weights(config, torch.float32, device)
+    x = _x((7, D_MODEL), torch.float32, device)
+
+    def call(**changes):
+        tilegen.blockwise_layer(x, {**weights, **changes}, config)
+
+    with pytest.raises(ValueError, match=r"mlp.up_proj.weight: expected shape \(72, 40\).*got \(72, 39\)"):
+        call(**{"mlp.up_proj.weight": weights["mlp.up_proj.weight"][:, :-1]})
+    with pytest.raises(TypeError, match="self_attn.v_proj.weight: dtype torch.bfloat16 differs"):
+        call(**{"self_attn.v_proj.weight": weights["self_attn.v_proj.weight"].bfloat16()})
+    with pytest.raises(ValueError, match="post_attention_layernorm.weight: on meta"):
+        call(**{"post_attention_layernorm.weight": weights["post_attention_layernorm.weight"].to("meta")})
+    with pytest.raises(ValueError, match="self_attn.q_proj.bias: not a weight of this layer.*no projection biases"):
+        call(**{"self_attn.q_proj.bias": torch.ones(64)})
+    missing = dict(weights)
+    del missing["mlp.gate_proj.weight"]
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight: missing"):
+        tilegen.blockwise_layer(x, missing, config)
+    with pytest.raises(ValueError, match="x: expected"):
+        tilegen.blockwise_layer(x[:, :-1], weights, config)
+    with pytest.raises(ValueError, match="heads_q"):
+        LayerConfig(d_model=D_MODEL, heads_q=3, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    with pytest.raises(ValueError, match=r"self_attn.o_proj.weight: expected shape"):
+        BlockwiseLayer(config).load_weights({**weights, "self_attn.o_proj.weight": torch.ones(40, 40)})
+
+
+# ------------------------------------------------------------------ generated source and tuning
+
+def test_generated_source_reads_constexpr_globals_only_and_compiles():
+    source = source_for(BlockwiseFFNSpec(d_model=4096, d_ffn=14336))
+    assert "{{" not in source and "{%" not in source and "Glossary" in source
+    compile(source, "<generated>", "exec")
+
+
+def test_the_kernels_compile_for_sm90(tmp_path):
+    """What the interpreter runs, the H200's compiler must accept too (no GPU needed)."""
+    pytest.importorskip("triton.backends.nvidia")
+    script = textwrap.dedent("""
+        import sys, types
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from tilegen.codegen import source_for
+        from tilegen.ir import spec_from_json
+        spec = spec_from_json(sys.argv[1])
+        path = sys.argv[2]
+        open(path, "w").write(source_for(spec))
+        module = types.ModuleType(spec.name)
+        module.__file__ = path
+        sys.modules[spec.name] = module
+        exec(compile(open(path).read(), path, "exec"), module.__dict__)
+        ptr = {"bf16": "*bf16", "fp32": "*fp32"}[spec.dtype]
+        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+        for kind, constexprs in (("norm", {}), ("up", tiles), ("down", tiles)):
+            kernel = getattr(module, f"_{spec.name}_{kind}_kernel")
+            signature = {n: "constexpr" if n in constexprs else "fp32" if n == "eps" else ptr if n[0].isupper()
+                         else "i32" for n in kernel.arg_names}
+            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": 3})
+            print("compiled", kind)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for spec in (BlockwiseFFNSpec(d_model=4096, d_ffn=14336), BlockwiseFFNSpec(d_model=1000, d_ffn=2700,
+                                                                                norm="layernorm", ffn="gelu_mlp",
+                                                                                dtype="fp32")):
+        done = subprocess.run([sys.executable, "-c", script, spec.to_json(), str(tmp_path / f"{spec.hash}.py")],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("compiled") == 3
+
+
+def test_a_tune_stores_a_row_that_dispatch_and_the_op_use(tmp_path, monkeypatch, device):
+    spec = _spec("rmsnorm", "swiglu", "fp32")
+    path = tmp_path / "tuning.sqlite"
+    monkeypatch.setenv("TILEGEN_DB", str(path))
+    bucket = family_of(spec).buckets.of(TOKENS)
+    with TuningDB(path) as db, Tuner(db, DEVICE, trials=3) as tuner:
+        result = tuner.tune(spec, bucket)
+    assert result.best is not None and result.statuses["ok"] == 3
+    assert tuned_rows(**TuningKey.current(spec, DEVICE).variant_fields()) == {bucket: (result.best.config, str(path))}
+    dispatch.reset()
+    choice = dispatch.table_for(spec, DEVICE).choose(TOKENS)
+    assert (choice.config, choice.source) == (result.best.config, str(path))
+    # The layer's query block is the tuned fusion block.
+    config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    weights = layer_weights(config, torch.float32, device)
+    x = _x((TOKENS, D_MODEL), torch.float32, device)
+    out = tilegen.blockwise_layer(x, weights, config)
+    assert relative_error(out, reference_layer(x, weights, config, compute_dtype=torch.float64))[0] < 1e-4
+    assert json.loads(spec.to_json())["family"] == "blockwise_ffn"

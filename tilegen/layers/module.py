@@ -1,0 +1,78 @@
+"""``tilegen.BlockwiseLayer``: a Llama-style decoder layer as a ``torch.nn.Module`` running the blockwise schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tilegen.layers.config import LayerConfig
+from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
+
+__all__ = ["BlockwiseLayer"]
+
+
+class BlockwiseLayer(torch.nn.Module):
+    """Inference forward of a pre-norm decoder layer through ``tilegen.blockwise_layer``.
+
+    Its parameters carry Llama's names (``self_attn.q_proj.weight``, ``mlp.gate_proj.weight``, ...),
+    so ``load_state_dict`` takes a ``LlamaDecoderLayer``'s state dict as it is, and
+    ``BlockwiseLayer.from_llama(layer_or_state_dict, heads_q=32, heads_kv=8)`` builds one from it.
+
+    Args:
+        config: the layer's ``LayerConfig``.
+        dtype, device: of the (uninitialized) parameters.
+        block: query tokens per block; ``None`` uses the FFN kernels' tuned fusion block.
+    """
+
+    def __init__(self, config: LayerConfig, *, dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                 block: int | None = None):
+        super().__init__()
+        self.config = config
+        self.block = block
+        for name, shape in config.weight_shapes().items():
+            module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                                               requires_grad=False))
+
+    @classmethod
+    def from_llama(cls, source: Mapping[str, torch.Tensor] | torch.nn.Module, *, heads_q: int,
+                   heads_kv: int | None = None, block: int | None = None, **options: Any) -> BlockwiseLayer:
+        """A layer holding ``source``'s weights (a state dict, or a module such as ``LlamaDecoderLayer``),
+        its widths read from their shapes; ``options`` are ``LayerConfig``'s (``rope_theta``,
+        ``eps``, ``causal``, ...). Weights that do not fit raise an error naming the weight."""
+        weights = as_state_dict(source)
+        config = config_from_weights(weights, heads_q=heads_q, heads_kv=heads_kv, **options)
+        check_weights(weights, config)
+        first = weights["self_attn.q_proj.weight"]
+        layer = cls(config, dtype=first.dtype, device=first.device, block=block)
+        layer.load_weights(weights)
+        return layer
+
+    def load_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module) -> BlockwiseLayer:
+        """Copy a Llama-style layer's weights in (dtype and device converted to the layer's);
+        a missing, unexpected or misshapen weight raises an error naming it."""
+        weights = as_state_dict(source)
+        check_weights(weights, self.config)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(weights[name])
+        return self
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: param for name, param in self.named_parameters()}
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        from tilegen.ops.blockwise import blockwise_layer
+
+        return blockwise_layer(x, self.weights(), self.config, block=self.block, out=out)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)
