@@ -130,6 +130,9 @@ class Problem(abc.ABC):
 class Family(abc.ABC):
     """One kernel family. Subclasses are stateless singletons, registered once.
 
+    The abstract methods may be given as ``staticmethod``s of the family's module functions
+    (``lower = staticmethod(lower)``); they are called with the arguments shown here.
+
     Class attributes:
         name: the registry's name, also the spec type's ``family`` and the JSON ``"family"``.
         spec_type, config_type: the family's frozen dataclasses.

@@ -10,9 +10,7 @@ kernels' shared pieces.
 
 from __future__ import annotations
 
-from typing import Any
 
-from tilegen.device import DeviceInfo
 from tilegen.families.attention_decode import config as _config
 from tilegen.families.attention_decode.config import DecodeConfig
 from tilegen.families.attention_decode.lower import lower as _lower
@@ -33,17 +31,9 @@ class AttentionDecode(Family):
     buckets = PowerOfTwoBuckets("longest context")
     presets = {"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)}
 
-    def lower(self, spec: DecodeSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: DecodeSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: DecodeSpec, config: DecodeConfig, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: DecodeSpec, device: DeviceInfo) -> list[tuple[int | None, DecodeConfig]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: DecodeSpec, bucket: int, *, on_gpu: bool, **shape: Any) -> DecodeProblem:
-        return DecodeProblem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(DecodeProblem.for_bucket)

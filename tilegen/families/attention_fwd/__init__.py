@@ -9,9 +9,7 @@ torch), ``problem`` (what a tuning trial measures), ``standalone`` (``emit --tun
 
 from __future__ import annotations
 
-from typing import Any
 
-from tilegen.device import DeviceInfo
 from tilegen.families.attention_fwd import config as _config
 from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.lower import lower as _lower
@@ -39,20 +37,12 @@ class AttentionFwd(Family):
         "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
     }
 
-    def lower(self, spec: AttentionSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: AttentionSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
-        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(Problem.for_bucket)
 
     def standalone_entry_point(self, spec, tuned, device, *, template_hash, triton_version) -> str:
         from tilegen.families.attention_fwd.standalone import entry_point

@@ -9,9 +9,7 @@ Configs, search space and defaults are the dense family's.
 
 from __future__ import annotations
 
-from typing import Any
 
-from tilegen.device import DeviceInfo
 from tilegen.families.attention_fwd import config as _config
 from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_varlen.lower import lower as _lower
@@ -36,17 +34,9 @@ class AttentionVarlen(Family):
                                              kv_layout="paged", page_size=16),
     }
 
-    def lower(self, spec: VarlenAttentionSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: VarlenAttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: VarlenAttentionSpec, config: Config, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: VarlenAttentionSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: VarlenAttentionSpec, bucket: int, *, on_gpu: bool, **shape: Any) -> VarlenProblem:
-        return VarlenProblem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(VarlenProblem.for_bucket)

@@ -10,9 +10,7 @@ the page table, so the launch needs no host-side map and no synchronization. Fil
 
 from __future__ import annotations
 
-from typing import Any
 
-from tilegen.device import DeviceInfo
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.families.kv_append import config as _config
@@ -35,17 +33,9 @@ class KVAppend(Family):
         "append-d128-p16": KVAppendSpec(head_dim=128, page_size=16, dtype="bf16"),
     }
 
-    def lower(self, spec: KVAppendSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: KVAppendSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: KVAppendSpec, config: Config, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: KVAppendSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: KVAppendSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
-        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(Problem.for_bucket)

@@ -10,9 +10,7 @@ block of (token, head) rows, each whole in registers. Files: ``spec`` (dtype, he
 
 from __future__ import annotations
 
-from typing import Any
 
-from tilegen.device import DeviceInfo
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.families.merge_states import config as _config
@@ -33,17 +31,9 @@ class MergeStates(Family):
     buckets = PowerOfTwoBuckets("rows")
     presets = {"merge-d128": MergeStatesSpec(head_dim=128, dtype="bf16")}
 
-    def lower(self, spec: MergeStatesSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: MergeStatesSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: MergeStatesSpec, config: Config, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: MergeStatesSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: MergeStatesSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
-        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(Problem.for_bucket)
