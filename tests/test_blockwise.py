@@ -310,3 +310,14 @@ def test_a_tune_stores_a_row_that_dispatch_and_the_op_use(tmp_path, monkeypatch,
     out = tilegen.blockwise_layer(x, weights, config)
     assert relative_error(out, reference_layer(x, weights, config, compute_dtype=torch.float64))[0] < 1e-4
     assert json.loads(spec.to_json())["family"] == "blockwise_ffn"
+
+
+def test_the_benchmark_runs_its_smoke_shapes(tmp_path):
+    from tilegen.bench import blockwise as bench
+
+    out = tmp_path / "blockwise.json"
+    assert bench.main(["--smoke", "--runs", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["provider"], r["tokens"]) for r in rows} == {(p, n) for p in bench.PROVIDERS for n in bench.SMOKE_LENGTHS}
+    assert all(r["correct"] is True for r in rows)
+    assert all(0 < r["error"] < 1e-2 for r in rows if r["provider"] == "tilegen")

@@ -1,0 +1,368 @@
+"""Blockwise Parallel Transformer layer benchmark: peak memory and time against the unfused layer.
+
+    python -m tilegen.bench.blockwise --out blockwise.json     # on a GPU (about 3 minutes on an H200)
+    python -m tilegen.bench.blockwise --smoke                  # tiny shapes; the interpreter without a GPU
+
+The layer: Llama-3-8B's (d_model 4096, 32 query / 8 KV heads of dim 128, SwiGLU of width 14336,
+RMSNorm, RoPE), bf16, causal, one sequence. Providers, each run on the same input and weights:
+- ``unfused``: ``tilegen.layers.reference_layer`` in bf16: SDPA (flash or cuDNN; never the math
+  backend) and the MLP over the whole sequence at once;
+- ``chunked``: the same with the MLP over 4096 tokens at a time, in plain torch;
+- ``tilegen``: ``tilegen.blockwise_layer`` (query blocks through attention, o_proj and the
+  generated blockwise FFN kernels), with the tuned (else default) fusion block.
+
+For each length of the sweep (default 4k..64k tokens): every provider's output is checked
+against the unfused one first (relative Frobenius error of the output and of the layer's own
+contribution ``out - x``, both below 1e-2); then its peak memory above the input and weights
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
+before the call; the output counts) and its time (median of ``--runs`` timed runs after one
+warm-up, CUDA events). Then the longest sequence that fits: lengths double from twice the sweep's
+longest until a run fails with out-of-memory (``oom_at``), or until the next run's projected
+time passes ``--fit-run-s`` or the provider's ``--fit-budget-s`` (then ``fits_up_to`` is a lower
+bound, and ``projected_max_tokens``, from a straight-line fit of peak memory against length over
+every measured run and the memory left beside the weights, is the estimate). Results go to
+``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default: ``--out`` with
+``.png``). Exit status 1 when an output disagrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+
+import tilegen
+from tilegen.env import interpreting
+from tilegen.layers import LayerConfig, reference_layer
+from tilegen.ops.blockwise import ffn_table
+
+__all__ = ["main"]
+
+DTYPE = torch.bfloat16
+LAYER = LayerConfig(d_model=4096, heads_q=32, heads_kv=8, head_dim=128, d_ffn=14336, norm="rmsnorm", ffn="swiglu",
+                    causal=True, rope_theta=500000.0, eps=1e-5)
+LENGTHS = [4096, 8192, 16384, 32768, 65536]
+CHUNK = 4096
+TOLERANCE = 1e-2
+#: --smoke: shapes the interpreter runs in seconds.
+SMOKE_LAYER = LayerConfig(d_model=64, heads_q=4, heads_kv=2, head_dim=16, d_ffn=96, causal=True, rope_theta=10000.0)
+SMOKE_LENGTHS = [24, 40]
+SMOKE_CHUNK = 16
+PROVIDERS = ("unfused", "chunked", "tilegen")
+
+
+def _weights(config: LayerConfig, device, seed=0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in config.weight_shapes().items():
+        if len(shape) == 1:
+            t = torch.randn(shape, generator=gen, device=device) * 0.2 + 1.0
+        else:
+            t = torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5
+        weights[name] = t.to(DTYPE)
+    return weights
+
+
+def _input(config: LayerConfig, n: int, device, seed=1) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, config.d_model, generator=gen, device=device).to(DTYPE)
+
+
+def _sdpa_without_math():
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # The math backend would hold [heads, n, n] scores: not the peer the issue describes.
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
+def _provider(name: str, config: LayerConfig, chunk: int):
+    if name == "unfused":
+        def run(x, w):
+            with _sdpa_without_math():
+                return reference_layer(x, w, config)
+    elif name == "chunked":
+        def run(x, w):
+            with _sdpa_without_math():
+                return reference_layer(x, w, config, ffn_chunk=chunk)
+    else:
+        def run(x, w):
+            return tilegen.blockwise_layer(x, w, config)
+    return run
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, rows: int = 4096) -> tuple[float, float]:
+    """Relative Frobenius errors of ``out`` against ``ref`` and of ``out - x`` against ``ref - x``, in
+    fp32 a block of rows at a time (a 64k-token fp32 copy would itself be gigabytes)."""
+    if torch.isnan(out).any():
+        return math.inf, math.inf
+    e = r = rd = 0.0
+    for s in range(0, out.shape[0], rows):
+        o, f, xi = out[s:s + rows].float(), ref[s:s + rows].float(), x[s:s + rows].float()
+        e += float((o - f).pow(2).sum())
+        r += float(f.pow(2).sum())
+        rd += float((f - xi).pow(2).sum())
+    # (out - x) - (ref - x) is out - ref: the same numerator over the contribution's norm.
+    return math.sqrt(e / max(r, 1e-30)), math.sqrt(e / max(rd, 1e-30))
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_run(run, x, w) -> tuple[torch.Tensor, float | None, float]:
+    """``(out, bytes allocated at the peak above what was allocated before, seconds)``."""
+    gc.collect()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = run(x, w)
+    _sync()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base if on_gpu else None
+    return out, peak, seconds
+
+
+def _time_ms(run, x, w, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        if torch.cuda.is_available():
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = run(x, w)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            out = run(x, w)
+            times.append((time.perf_counter() - start) * 1e3)
+        del out
+    return statistics.median(times)
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def sweep(config, lengths, chunk, runs, device) -> list[dict]:
+    w = _weights(config, device)
+    rows = []
+    for n in lengths:
+        x = _input(config, n, device)
+        ref = None
+        for name in PROVIDERS:
+            run = _provider(name, config, chunk)
+            row = {"provider": name, "tokens": n}
+            try:
+                out, peak, _ = _peak_run(run, x, w)  # also the warm-up (compiles the kernels)
+            except Exception as error:  # a provider that fails is reported, not fatal
+                if not _is_oom(error):
+                    raise
+                row.update(status="oom")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                gc.collect()
+                continue
+            if ref is None and name == "unfused":
+                ref = out
+                row.update(error=0.0, delta_error=0.0)
+            elif ref is not None:
+                error, delta_error = _errors(out, ref, x)
+                row.update(error=error, delta_error=delta_error)
+            # Unchecked (None) when the unfused layer did not fit: nothing to compare with.
+            row["correct"] = None if "error" not in row else bool(
+                row["error"] < TOLERANCE and row["delta_error"] < TOLERANCE)
+            if name != "unfused":
+                del out
+            row.update(status="ok", peak_gb=None if peak is None else peak / 1e9, time_ms=_time_ms(run, x, w, runs))
+            if name == "tilegen":
+                row["block"] = ffn_table(_ffn_spec(config), x.device).choose(n).config.block_tokens
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, ref
+        gc.collect()
+    return rows
+
+
+def _ffn_spec(config):
+    from tilegen.ops.blockwise import _ffn_spec as spec_of
+
+    return spec_of(config, DTYPE)
+
+
+def _projected_max(points: list[tuple[int, float]], free_bytes: float, d_model: int) -> int | None:
+    """Longest length whose input plus peak stays within ``free_bytes``, from a straight line through
+    (tokens, peak bytes); ``None`` with fewer than two lengths."""
+    if len(points) < 2 or free_bytes <= 0:
+        return None
+    xs, ys = zip(*points)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((a - mx) * (b - my) for a, b in points) / max(sum((a - mx) ** 2 for a in xs), 1e-30)
+    per_token = slope + d_model * DTYPE.itemsize  # the input counts too
+    return int((free_bytes - (my - slope * mx)) / per_token) if per_token > 0 else None
+
+
+def fit(config, start, chunk, run_cap_s, budget_s, measured, device) -> list[dict]:
+    """The longest length each provider runs: doubling from ``start`` until out-of-memory or the time budget."""
+    w = _weights(config, device)
+    weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
+    total = torch.cuda.get_device_properties(device).total_memory if torch.cuda.is_available() else 0
+    results = []
+    for name in PROVIDERS:
+        run = _provider(name, config, chunk)
+        points = [(r["tokens"], r["peak_gb"] * 1e9) for r in measured if r["provider"] == name and r.get("peak_gb")]
+        times = [(r["tokens"], r["time_ms"] / 1e3) for r in measured if r["provider"] == name and r.get("time_ms")]
+        result = {"provider": name, "fits_up_to": max((n for n, _ in points), default=None), "oom_at": None,
+                  "stopped": None, "runs": []}
+        spent, n = 0.0, start
+        while True:
+            if len(times) >= 2:
+                (n0, t0), (n1, t1) = times[-2], times[-1]
+                growth = math.log(max(t1, 1e-9) / max(t0, 1e-9)) / math.log(n1 / n0)
+                projected = t1 * (n / n1) ** max(1.0, growth)
+            else:
+                projected = 0.0
+            if projected > run_cap_s or spent + projected > budget_s:
+                result["stopped"] = f"time: a run at {n} tokens would take about {projected:.0f} s"
+                break
+            try:
+                x = _input(config, n, device)
+                out, peak, seconds = _peak_run(run, x, w)
+                del out, x
+            except Exception as error:
+                if not _is_oom(error):
+                    raise
+                result["oom_at"] = n
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                break
+            spent += seconds
+            times.append((n, seconds))
+            if peak is not None:
+                points.append((n, float(peak)))
+            result["fits_up_to"] = n
+            result["runs"].append({"tokens": n, "peak_gb": None if peak is None else peak / 1e9, "seconds": seconds})
+            print(json.dumps({"provider": name, "fit_tokens": n, "peak_gb": result["runs"][-1]["peak_gb"],
+                              "seconds": round(seconds, 2)}), flush=True)
+            n *= 2
+        result["projected_max_tokens"] = _projected_max(points, total - weights_bytes, config.d_model)
+        results.append(result)
+        gc.collect()
+    return results
+
+
+def plot(rows, fits, path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in PROVIDERS:
+        points = {r["tokens"]: r["peak_gb"] for r in rows if r["provider"] == name and r.get("peak_gb") is not None}
+        for f in fits:
+            if f["provider"] == name:
+                points.update({r["tokens"]: r["peak_gb"] for r in f["runs"] if r["peak_gb"] is not None})
+        if points:
+            xs = sorted(points)
+            ax.plot(xs, [points[n] for n in xs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak memory above input and weights (GB)")
+    ax.set_title("Llama-3-8B layer, bf16, causal: peak activation memory")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _print_table(rows, fits) -> None:
+    print(f"\n{'provider':<9} {'tokens':>8} {'peak GB':>9} {'time ms':>9} {'error':>9}  ok")
+    for r in rows:
+        peak = "-" if r.get("peak_gb") is None else f"{r['peak_gb']:.2f}"
+        t = "-" if r.get("time_ms") is None else f"{r['time_ms']:.1f}"
+        e = "-" if r.get("error") is None else f"{r['error']:.1e}"
+        print(f"{r['provider']:<9} {r['tokens']:>8} {peak:>9} {t:>9} {e:>9}  {r.get('correct', r['status'])}")
+    longest = max(r["tokens"] for r in rows)
+    at = {r["provider"]: r for r in rows if r["tokens"] == longest and r["status"] == "ok"}
+    if "unfused" in at and at["unfused"].get("peak_gb"):
+        base = at["unfused"]
+        for name in ("chunked", "tilegen"):
+            if name in at:
+                print(f"at {longest} tokens, {name}: {base['peak_gb'] / at[name]['peak_gb']:.2f}x less peak memory "
+                      f"than unfused, {at[name]['time_ms'] / base['time_ms']:.3f}x its time")
+    for f in fits:
+        print(f"{f['provider']}: fits up to {f['fits_up_to']} tokens; out of memory at {f['oom_at']}; "
+              f"stopped: {f['stopped']}; projected longest: {f['projected_max_tokens']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="write the memory plot here (default: --out with .png)")
+    parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median)")
+    parser.add_argument("--fit-run-s", type=float, default=25.0, help="longest single run of the fit search")
+    parser.add_argument("--fit-budget-s", type=float, default=45.0, help="fit-search seconds per provider")
+    parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        if not args.smoke:
+            raise SystemExit("tilegen.bench.blockwise measures CUDA memory and time; run it on a GPU, or pass --smoke")
+        if not interpreting():
+            # Triton picks the interpreter when it is imported, which `import tilegen` already did.
+            env = {**os.environ, "TRITON_INTERPRET": "1"}
+            argv = sys.argv[1:] if argv is None else argv
+            return subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", *argv], env=env).returncode
+    if args.runs < 1:
+        raise SystemExit("--runs: expected at least 1")
+    device = torch.device("cuda" if on_gpu else "cpu")
+    config, chunk = (SMOKE_LAYER, SMOKE_CHUNK) if args.smoke else (LAYER, CHUNK)
+    try:
+        lengths = ([int(v) for v in args.lengths.split(",")] if args.lengths
+                   else SMOKE_LENGTHS if args.smoke else LENGTHS)
+    except ValueError:
+        raise SystemExit(f"--lengths: expected comma-separated ints, got {args.lengths!r}") from None
+    rows = sweep(config, lengths, chunk, args.runs, device)
+    fits = [] if args.no_fit or not on_gpu else fit(config, 2 * max(lengths), chunk, args.fit_run_s,
+                                                       args.fit_budget_s, rows, device)
+    _print_table(rows, fits)
+    plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
+    if plot_path and on_gpu:
+        written = plot(rows, fits, plot_path)
+        print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-interpreter",
+                       "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
+                       "layer": config.__dict__, "ffn_chunk": chunk, "rows": rows, "fit": fits}, f, indent=1)
+    wrong = [r for r in rows if r["status"] == "ok" and r["correct"] is False]
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
