@@ -134,3 +134,29 @@ def test_decode_run_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref, _ = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
     _check(out, None, ref, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "kwargs, heads_kv",
+    [
+        pytest.param({}, 2, id="full-gqa4"),
+        pytest.param({"causal": True, "return_lse": True}, 1, id="causal-mqa-lse"),
+        pytest.param({"window": (40, 0), "softcap": 5.0}, 8, id="window-softcap-mha"),
+    ],
+)
+def test_dense_op_runs_one_query_row_through_the_decode_kernel(kwargs, heads_kv, device):
+    from helpers import check_against_reference, poisoned_like_out
+
+    from tilegen.families.attention_decode import DecodeConfig
+
+    gen = torch.Generator().manual_seed(heads_kv)
+    q = torch.randn(3, 8, 1, 64, generator=gen).to(device)
+    k = torch.randn(3, heads_kv, 257, 64, generator=gen).to(device)
+    v = torch.randn(3, heads_kv, 257, 40, generator=gen).to(device)
+    call = {k_: v_ for k_, v_ in kwargs.items() if k_ != "return_lse"}
+    assert isinstance(tilegen.explain(q, k, v, **kwargs).config, DecodeConfig)
+    out = poisoned_like_out(q, v)
+    result = tilegen.attention(q, k, v, out=out, **kwargs)
+    result, lse = result if kwargs.get("return_lse") else (result, None)
+    assert result is out
+    check_against_reference(out, lse, q, k, v, **call)

@@ -9,6 +9,7 @@ need not pay.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ from tilegen.codegen import module_for
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
+from tilegen.families.attention_decode import DecodeSpec
+from tilegen.families.attention_decode.config import split_count
+from tilegen.families.attention_decode.problem import decode_buffers
 from tilegen.families.attention_fwd import AttentionSpec
 from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
 from tilegen.ir import SpecError
@@ -115,6 +119,7 @@ class _Plan:
     launches: bool  # False when the output is empty: nothing to compute
     launch: Callable[..., Any]
     launch_args: dict[str, Any]
+    choice: dispatch.Choice | None = None
 
 
 _plans = dispatch.plan_cache()
@@ -126,6 +131,8 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
     choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
     out_shape = torch.Size((batch, heads, n_q, spec.dv))
+    if n_q == 1 and k.shape[2] > 0 and out_shape.numel() > 0:
+        return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
     plan = _Plan(
         out_shape=out_shape,
         lse_shape=(batch, heads, n_q) if spec.return_lse else None,
@@ -134,11 +141,40 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
         launch_args={
             "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
         },
+        choice=choice,
     )
     if choice.tuned_bucket is not None:
         # A stored row's first launch goes through the table, which falls back if it fails.
         object.__setattr__(plan, "launch", functools.partial(_first_launch, plan, table, max(q.shape[2], k.shape[2])))
     return plan
+
+
+def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
+    """One query row: the decode family's kernel, whose query-head groups and key splits fill the
+    GPU where the prefill kernel would run a single mostly empty query tile per head."""
+    decode_spec = DecodeSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, q_per_kv=spec.q_per_kv,
+                             mask=spec.mask, softcap=spec.softcap, dtype=spec.dtype, kv_layout="dense",
+                             return_lse=spec.return_lse)
+    info = device_info(_device_index(q.device))
+    table = dispatch.table_for(decode_spec, info)
+    n_k = k.shape[2]
+    choice = table.choose(n_k)
+    config = choice.config
+    splits = split_count(config, info, q.shape[0], k.shape[1], n_k)
+    decode_launch = table.launch
+
+    def launch(q, k, v, out, lse, **args):
+        # Split partials per call, not per plan: two streams may run one plan at once.
+        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1], spec.dv, splits, q.device)
+        decode_launch(q[:, :, 0], k, v, out[:, :, 0], lse, part_o, part_lse, **args)
+
+    return _Plan(
+        out_shape=out_shape, lse_shape=(q.shape[0], q.shape[1], 1) if spec.return_lse else None, launches=True,
+        launch=launch, choice=choice,
+        launch_args={"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
+                     "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                     "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages},
+    )
 
 
 def _first_launch(plan: _Plan, table: dispatch.Table, size: int, *args, **kwargs) -> None:
@@ -164,8 +200,7 @@ def _check_out(out, shape, q) -> None:
 
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
-    spec, *_ = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
-    return _table(spec, q.device).choose(max(q.shape[2], k.shape[2]))
+    return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
 
 
 def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:

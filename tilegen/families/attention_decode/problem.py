@@ -42,10 +42,32 @@ class DecodeProblem(VarlenProblem):
         if k_lens is None:
             longest = bucket if on_gpu else min(bucket, _CPU_MAX_CONTEXT)
             k_lens = tuple(ragged_lengths(longest, _GPU_KV_TOKENS if on_gpu else 3 * longest))
-            if not on_gpu:
+            if spec.kv_layout == "dense":
+                k_lens = (longest,) * min(len(k_lens), 64)  # one length for all: dense tensors
+            elif not on_gpu:
                 k_lens = (*k_lens, 0, 1, spec.page_size + 1)
         return cls(spec, tuple(1 for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu,
                    num_splits)
+
+    def inputs(self, seed: int) -> dict:
+        if self.spec.kv_layout == "paged":
+            return super().inputs(seed)
+        # Dense: [batch, kv_heads, n_k, dim] tensors, every sequence as long as the longest.
+        gen = torch.Generator("cuda" if self.on_gpu else "cpu").manual_seed(seed)
+        n, batch = max(self.k_lens), len(self.k_lens)
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen, device=gen.device, dtype=self.torch_dtype())
+
+        return {"q": randn(batch, self.heads_q, self.spec.head_dim),
+                "k": randn(batch, self.heads_kv, n, self.spec.head_dim),
+                "v": randn(batch, self.heads_kv, n, self.spec.dv),
+                "cu_q": torch.arange(batch + 1, dtype=torch.int32, device=gen.device)}
+
+    def key_sequences(self, inputs: dict):
+        if self.spec.kv_layout == "paged":
+            return super().key_sequences(inputs)
+        return ([k.transpose(0, 1) for k in inputs["k"]], [v.transpose(0, 1) for v in inputs["v"]])
 
     def launch(self, module: ModuleType, config: DecodeConfig, inputs: dict, outputs) -> None:
         out, lse = outputs
@@ -55,9 +77,10 @@ class DecodeProblem(VarlenProblem):
         chunk = math.ceil(max(max(self.k_lens), 1) / splits / config.block_n) * config.block_n
         part_o, part_lse = decode_buffers(q.shape[0], q.shape[1], self.spec.dv, splits, q.device)
         left, right = launch_window(self.spec.mask, *self.bounds, 1, max(self.k_lens))
+        table = (inputs["indptr"], inputs["indices"], inputs["last"]) if self.spec.kv_layout == "paged" else ()
         module.launch(
-            q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, inputs["indptr"],
-            inputs["indices"], inputs["last"], chunk=chunk, num_splits=splits,
+            q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, *table,
+            chunk=chunk, num_splits=splits,
             scale=1.0 / math.sqrt(self.spec.head_dim), softcap=self.softcap or 0.0, window_left=left,
             window_right=right, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         )

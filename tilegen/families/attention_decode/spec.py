@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tilegen.families.attention_fwd.spec import check_attention_fields
-from tilegen.ir import Spec, SpecError
+from tilegen.ir import Spec, SpecError, check_choice
 from tilegen.families.attention_varlen.spec import PAGE_SIZES
 
 __all__ = ["DecodeSpec"]
@@ -14,7 +14,10 @@ __all__ = ["DecodeSpec"]
 
 @dataclass(frozen=True)
 class DecodeSpec(Spec):
-    """Batch decode. Fields as in ``AttentionSpec``; ``page_size`` is the cache's (part of the key)."""
+    """Batch decode. Fields as in ``AttentionSpec``; ``kv_layout`` is ``"paged"`` (a
+    ``tilegen.PagedKVCache``, whose ``page_size`` is part of the key) or ``"dense"``
+    (``[batch, kv_heads, n_k, dim]`` tensors, every sequence as long: ``tilegen.attention``
+    with one query row)."""
 
     family: ClassVar[str] = "attention_decode"
 
@@ -23,20 +26,21 @@ class DecodeSpec(Spec):
     q_per_kv: int = 1
     mask: str = "none"
     softcap: bool = False
-    page_size: int = 16
+    kv_layout: str = "paged"
+    page_size: int | None = None
     return_lse: bool = False
 
     def __post_init__(self) -> None:
         check_attention_fields(self)
         super().__post_init__()
-        if isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
-            raise SpecError("page_size", f"expected one of {PAGE_SIZES}, got {self.page_size!r}")
+        check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
+        if self.kv_layout == "dense":
+            if self.page_size is not None:
+                raise SpecError("page_size", f"dense KV has no pages; got {self.page_size!r}")
+        elif isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
+            raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
 
     __hash__ = Spec.__hash__
-
-    @property
-    def kv_layout(self) -> str:
-        return "paged"
 
     @property
     def dv(self) -> int:
@@ -48,7 +52,7 @@ class DecodeSpec(Spec):
                  f"g{self.q_per_kv}", self.mask]
         if self.softcap:
             parts.append("softcap")
-        parts.append(f"paged{self.page_size}")
+        parts.append(f"paged{self.page_size}" if self.kv_layout == "paged" else "dense")
         if self.return_lse:
             parts.append("lse")
         return "_".join(parts)
