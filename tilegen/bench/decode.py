@@ -6,8 +6,8 @@ bf16, 32 query / 8 KV heads, head dim 128, one query token per sequence, every c
 full. Figure of merit: GB/s of K and V read (2 x batch x 8 x context x 128 x 2 bytes) per
 ``do_bench`` median. The paged cache holds the same keys as the contiguous tensors, in
 shuffled pages; the paged output is checked against SDPA's before timing. ``tilegen-dense``
-is ``tilegen.attention`` with one query row on the contiguous tensors: today it runs the
-prefill kernel.
+is ``tilegen.attention`` with one query row on the contiguous tensors, which dispatch routes
+to the decode family's dense layout.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def case(batch: int, ctx: int, page_size: int) -> dict:
                 row[name] = gb / _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) * 1e3
         except Exception as e:  # a backend missing on this GPU/torch is reported, not fatal
             row[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    dense_error = relative_error(tilegen.attention(q, k, v)[:, :, 0].float(), ref.float())[0]
     row["tilegen-dense"] = gb / _bench(lambda: tilegen.attention(q, k, v)) * 1e3
+    row["dense_config"] = str(tilegen.explain(q, k, v).config)
+    row["dense_rel_err"] = dense_error
     return row
 
 
