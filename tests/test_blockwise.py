@@ -321,3 +321,15 @@ def test_the_benchmark_runs_its_smoke_shapes(tmp_path):
     assert {(r["provider"], r["tokens"]) for r in rows} == {(p, n) for p in bench.PROVIDERS for n in bench.SMOKE_LENGTHS}
     assert all(r["correct"] is True for r in rows)
     assert all(0 < r["error"] < 1e-2 for r in rows if r["provider"] == "tilegen")
+
+
+def test_the_gpu_defaults_are_feasible_on_an_h200():
+    h200 = type(DEVICE)("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232448)
+    for spec in (BlockwiseFFNSpec(d_model=4096, d_ffn=14336), BlockwiseFFNSpec(d_model=4096, d_ffn=14336, dtype="fp32"),
+                 BlockwiseFFNSpec(d_model=1024, d_ffn=4096, norm="layernorm", ffn="gelu_mlp", dtype="fp16")):
+        family = family_of(spec)
+        for _, config in family.default_rule(spec, h200):
+            assert family.feasible(spec, config, h200) is None, config
+        assert len(family.candidates(spec, h200)) > 20
+    # What the rule refuses, it names.
+    assert "spill" in family_of(spec).feasible(BlockwiseFFNSpec(d_model=64, d_ffn=64), Config(1024, 128, 256, 64, 4, 3), h200)

@@ -24,7 +24,7 @@ from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.reference import apply_rope, norm, rope_tables
+from tilegen.layers.reference import norm, rope_tables
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 
@@ -199,7 +199,10 @@ def _layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig, 
             return t
         positions = torch.arange(start, end, device=x.device)
         cos, sin = rope_tables(positions, hd, config.rope_theta, torch.float32)
-        return apply_rope(t.view(end - start, heads, hd).float(), cos, sin).to(x.dtype).view(end - start, heads * hd)
+        # In fp32 with one rounding, in place: a block's transient is two fp32 copies of q, not five.
+        tf = t.view(end - start, heads, hd).float()
+        rotated = torch.cat((-tf[..., hd // 2:], tf[..., :hd // 2]), dim=-1).mul_(sin[:, None, :])
+        return tf.mul_(cos[:, None, :]).add_(rotated).to(x.dtype).view(end - start, heads * hd)
 
     def project_kv(start, end, xn):
         k_all[start:end] = rope(xn @ w["self_attn.k_proj.weight"].T, start, end, hkv)
