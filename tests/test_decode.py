@@ -160,3 +160,31 @@ def test_dense_op_runs_one_query_row_through_the_decode_kernel(kwargs, heads_kv,
     result, lse = result if kwargs.get("return_lse") else (result, None)
     assert result is out
     check_against_reference(out, lse, q, k, v, **call)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept (the GPU runs of this kernel are in BENCHMARKS.md)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    from tilegen.families.attention_decode import DecodeSpec
+
+    spec = DecodeSpec(head_dim=96, q_per_kv=32, dtype="bf16", kv_layout=layout, mask="window", softcap=True,
+                      return_lse=True, **({"page_size": 16} if layout == "paged" else {}))
+    pointers = {**dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), **dict.fromkeys(("Lse", "PartO", "PartLse"), "*fp32"),
+                **dict.fromkeys(("PageIndptr", "Pages", "LastLen"), "*i32"), "qk_scale": "fp32", "softcap_scale": "fp32"}
+    configs = [{"SPLIT": True, "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
+               {"SPLIT": False, "BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 2}]
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == len(configs)
