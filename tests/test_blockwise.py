@@ -126,6 +126,12 @@ LAYERS = [
     pytest.param(dict(causal=True, norm="layernorm", ffn="gelu_mlp", heads_q=2, heads_kv=2, rope_theta=None),
                  id="causal-mha-ln-gelu-norope"),
     pytest.param(dict(causal=False, norm="rmsnorm", ffn="swiglu", heads_q=4, heads_kv=2), id="full-gqa-rms-swiglu"),
+    pytest.param(dict(causal=True, norm="rmsnorm", ffn="swiglu", heads_q=4, heads_kv=2, window=(20, 0), softcap=5.0),
+                 id="causal-window20-softcap"),
+    pytest.param(dict(causal=False, norm="rmsnorm", ffn="gelu_mlp", heads_q=4, heads_kv=2, window=(7, 19)),
+                 id="window7-19"),
+    pytest.param(dict(causal=False, norm="layernorm", ffn="swiglu", heads_q=2, heads_kv=1, window=(None, 3)),
+                 id="window-inf-3"),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tilegen.families.attention_fwd.masks import score_scalars, window_bounds
 from tilegen.families.blockwise_ffn.spec import FFNS, NORMS
 
 __all__ = ["LayerConfig"]
@@ -27,6 +28,9 @@ class LayerConfig:
             with this base; ``None`` applies no position embedding.
         eps: the norms' epsilon.
         scale: the softmax scale; ``None`` is ``1/sqrt(head_dim)``.
+        window: ``(left, right)``: a token sees keys at most ``left`` positions before it and
+            ``right`` after (``None``: unbounded on that side); with ``causal`` right is 0.
+        softcap: attention logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
     """
 
     d_model: int
@@ -40,6 +44,8 @@ class LayerConfig:
     rope_theta: float | None = 10000.0
     eps: float = 1e-5
     scale: float | None = None
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "heads_q", "heads_kv", "head_dim", "d_ffn"):
@@ -60,6 +66,14 @@ class LayerConfig:
             raise ValueError(f"rope_theta: expected a positive number or None, got {self.rope_theta!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps > 0):
             raise ValueError(f"eps: expected a positive number, got {self.eps!r}")
+        score_scalars(self.scale, self.softcap, self.head_dim)  # raises naming scale or softcap
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(self.window) if isinstance(self.window, list) else self.window)
+        window_bounds(self.window, self.causal)  # raises naming window
+
+    def attention_bounds(self) -> tuple[int | None, int | None]:
+        """``(left, right)`` of the keys a token sees around its own position (``None``: unbounded)."""
+        return window_bounds(self.window, self.causal)
 
     def replace(self, **changes) -> LayerConfig:
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,8 @@
 """The plain PyTorch decoder layer that defines what ``tilegen.blockwise_layer`` computes.
 
 Pre-norm, as Llama: ``h = x + o_proj(attention(q, k, v))`` with ``q, k, v`` projected from
-``norm1(x)`` (rotary embedding on q and k unless ``rope_theta`` is None; causal or not; GQA
-by repeating KV heads), then ``out = h + mlp(norm2(h))``. The norms and the MLP are the
+``norm1(x)`` (rotary embedding on q and k unless ``rope_theta`` is None; causal or not, a
+window and a softcap if the config has them; GQA), then ``out = h + mlp(norm2(h))``. The norms and the MLP are the
 blockwise FFN family's (``tilegen.families.blockwise_ffn.reference``).
 
 Tests run it in float64 (``compute_dtype=torch.float64``) on the same rounded weights and
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.layers.config import LayerConfig
 
 __all__ = ["reference_layer", "rope_tables", "apply_rope", "norm"]
@@ -82,8 +83,13 @@ def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config
         q = torch.stack([apply_rope(q[b], cos, sin) for b in range(batch)])
         k = torch.stack([apply_rope(k[b], cos, sin) for b in range(batch)])
     scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
-    attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=config.causal, scale=scale, enable_gqa=hq != hkv)
+    if config.window is None and config.softcap is None:
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=config.causal, scale=scale, enable_gqa=hq != hkv)
+    else:  # SDPA has neither: the attention family's reference (the whole score matrix) does
+        attn = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=config.causal,
+                                   window=config.window, softcap=config.softcap, scale=scale,
+                                   compute_dtype=dtype)[0].to(dtype)
     del q, k, v
     h = x + attn.transpose(1, 2).reshape(batch, n, hq * hd) @ w["self_attn.o_proj.weight"].T
     del attn

@@ -3,7 +3,7 @@
 After attention every token's FFN is independent of the others', so a layer needs no barrier
 between attention and the FFN. ``blockwise_layer`` takes one block of query tokens at a time
 through the whole layer: norm and q projection, attention over the keys that block sees
-(``tilegen.attention``), ``o_proj`` and the residual, then the generated blockwise FFN kernels
+(``tilegen.attention``: causal or not, a window, a softcap, GQA), ``o_proj`` and the residual, then the generated blockwise FFN kernels
 (norm, MLP, residual), written into that block's rows of the output. K and V are projected
 once for the whole sequence, a block at a time, since every query block needs them; nothing
 else sequence-sized is ever held but the output. The block is the FFN config's fusion block
@@ -136,7 +136,7 @@ def blockwise_layer(
             ``gate_proj`` for a GELU MLP), as a dict or a module whose ``state_dict()`` has them.
         config: a ``tilegen.layers.LayerConfig``; or leave it out and give ``heads_q`` (and
             optionally ``heads_kv``, ``norm``, ``ffn``, ``causal``, ``rope_theta``, ``eps``,
-            ``scale``) as keywords, the widths being read from the weights' shapes.
+            ``scale``, ``window``, ``softcap``) as keywords, the widths being read from the weights' shapes.
         block: query tokens per block; by default the tuned (or default) fusion block of the
             FFN kernels for this length.
         out: where to write the result, ``x``'s shape, dtype and device, not overlapping ``x``.
@@ -208,23 +208,30 @@ def _layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig, 
         k_all[start:end] = rope(xn @ w["self_attn.k_proj.weight"].T, start, end, hkv)
         torch.matmul(xn, w["self_attn.v_proj.weight"].T, out=v_all[start:end])
 
-    if not config.causal:  # every query block sees every key: K and V first
+    left, right = config.attention_bounds()
+    progressive = right == 0  # a block sees no key after its own: K and V can be filled as blocks go
+    if not progressive:  # a block sees later keys too: K and V first
         for start, end in blocks:
             project_kv(start, end, normed(start, end))
     for start, end in blocks:
         rows = end - start
         xn = normed(start, end)
-        if config.causal:  # this block's keys are the last it needs; earlier blocks filled the rest
+        if progressive:
             project_kv(start, end, xn)
         q = rope(xn @ w["self_attn.q_proj.weight"].T, start, end, hq)
         del xn
-        # Causal: the block's rows see keys [0, end), aligned bottom-right (row i sees keys <= start + i).
-        n_keys = end if config.causal else n
-        k = k_all[:n_keys].view(n_keys, hkv, hd).transpose(0, 1)[None]
-        v = v_all[:n_keys].view(n_keys, hkv, hd).transpose(0, 1)[None]
+        # The block sees keys [k0, k1). tilegen.attention aligns query row i with key k1 - rows + i
+        # (bottom-right); token start + i sits at key start + i, so the window moves by k1 - end.
+        k0 = 0 if left is None else max(0, start - left)
+        k1 = n if right is None else min(n, end + right)
+        shift = k1 - end
+        window = None if left is None and right is None else (
+            None if left is None else left + shift, None if right is None else right - shift)
+        k = k_all[k0:k1].view(k1 - k0, hkv, hd).transpose(0, 1)[None]
+        v = v_all[k0:k1].view(k1 - k0, hkv, hd).transpose(0, 1)[None]
         attn = x.new_empty(rows, hq * hd)
-        attention(q.view(rows, hq, hd).transpose(0, 1)[None], k, v, causal=config.causal, scale=scale,
-                  out=attn.view(rows, hq, hd).transpose(0, 1)[None])
+        attention(q.view(rows, hq, hd).transpose(0, 1)[None], k, v, window=window, softcap=config.softcap,
+                  scale=scale, out=attn.view(rows, hq, hd).transpose(0, 1)[None])
         del q
         h = torch.addmm(x[start:end], attn, w["self_attn.o_proj.weight"].T)
         del attn
