@@ -71,7 +71,7 @@ def test_the_ffn_kernels_match_the_reference_into_poisoned_outputs(norm, ffn, dt
     problem = family.problem(spec, 64, on_gpu=not DEVICE.is_interpreter)
     inputs = problem.inputs(seed=0)
     # Several fusion blocks and a partial one, tiles that straddle every edge, and the default.
-    for config in (Config(16, 16, 32, 16, 1, 1), family.default_config(spec, DEVICE, 64)):
+    for config in (Config(16, 16, 32, 16, 16, 1, 1), family.default_config(spec, DEVICE, 64)):
         outputs = problem.outputs(inputs)
         assert torch.isnan(outputs[0]).all()
         assert problem.check(inputs, outputs) == (math.inf, math.inf)  # unwritten never passes
@@ -278,8 +278,8 @@ def test_the_kernels_compile_for_sm90(tmp_path):
         sys.modules[spec.name] = module
         exec(compile(open(path).read(), path, "exec"), module.__dict__)
         ptr = {"bf16": "*bf16", "fp32": "*fp32"}[spec.dtype]
-        tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
-        for kind, constexprs in (("norm", {}), ("up", tiles), ("down", tiles)):
+        up, down = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
+        for kind, constexprs in (("norm", {}), ("up", up), ("down", down)):
             kernel = getattr(module, f"_{spec.name}_{kind}_kernel")
             signature = {n: "constexpr" if n in constexprs else "fp32" if n == "eps" else ptr if n[0].isupper()
                          else "i32" for n in kernel.arg_names}
@@ -338,4 +338,4 @@ def test_the_gpu_defaults_are_feasible_on_an_h200():
             assert family.feasible(spec, config, h200) is None, config
         assert len(family.candidates(spec, h200)) > 20
     # What the rule refuses, it names.
-    assert "spill" in family_of(spec).feasible(BlockwiseFFNSpec(d_model=64, d_ffn=64), Config(1024, 128, 256, 64, 4, 3), h200)
+    assert "spill" in family_of(spec).feasible(BlockwiseFFNSpec(d_model=64, d_ffn=64), Config(1024, 128, 256, 64, 64, 4, 3), h200)
