@@ -99,6 +99,21 @@ def test_decode_bad_input_names_the_argument(device):
         decode.run(torch.randn(2, 4, 32, device=device), make_cache([20, 3], 8, 2, 32, torch.float32, device, gen))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_speculative_rows_split_and_merge_like_a_single_pass(splits):
+    from tilegen.device import CPU_INTERPRETER
+    from tilegen.families import get
+    from tilegen.families.attention_decode import DecodeSpec
+    from tilegen.tuning.measure import measure
+
+    family = get("attention_decode")
+    spec = DecodeSpec(head_dim=32, q_per_kv=2, dtype="fp32", kv_layout="dense", mask="causal", q_tokens=5,
+                      return_lse=True)
+    problem = family.problem(spec, 48, on_gpu=False, num_splits=splits)
+    result = measure(problem, family.default_config(spec, CPU_INTERPRETER, 48), seed=1)
+    assert result["status"] == "ok", result["reason"]
+
+
 def test_decode_tunes_into_the_database(tmp_path, monkeypatch):
     from tilegen import dispatch
     from tilegen.db import TuningDB
@@ -137,20 +152,22 @@ def test_decode_run_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize(
-    "kwargs, heads_kv",
+    "kwargs, heads_kv, n_q",
     [
-        pytest.param({}, 2, id="full-gqa4"),
-        pytest.param({"causal": True, "return_lse": True}, 1, id="causal-mqa-lse"),
-        pytest.param({"window": (40, 0), "softcap": 5.0}, 8, id="window-softcap-mha"),
+        pytest.param({}, 2, 1, id="full-gqa4"),
+        pytest.param({"causal": True, "return_lse": True}, 1, 1, id="causal-mqa-lse"),
+        pytest.param({"window": (40, 0), "softcap": 5.0}, 8, 1, id="window-softcap-mha"),
+        pytest.param({"causal": True, "return_lse": True}, 2, 3, id="speculative-3-causal-lse"),
+        pytest.param({"window": (17, 2)}, 8, 8, id="speculative-8-window"),
     ],
 )
-def test_dense_op_runs_one_query_row_through_the_decode_kernel(kwargs, heads_kv, device):
+def test_dense_op_runs_a_few_query_rows_through_the_decode_kernel(kwargs, heads_kv, n_q, device):
     from helpers import check_against_reference, poisoned_like_out
 
     from tilegen.families.attention_decode import DecodeConfig
 
     gen = torch.Generator().manual_seed(heads_kv)
-    q = torch.randn(3, 8, 1, 64, generator=gen).to(device)
+    q = torch.randn(3, 8, n_q, 64, generator=gen).to(device)
     k = torch.randn(3, heads_kv, 257, 64, generator=gen).to(device)
     v = torch.randn(3, heads_kv, 257, 40, generator=gen).to(device)
     call = {k_: v_ for k_, v_ in kwargs.items() if k_ != "return_lse"}
@@ -164,7 +181,8 @@ def test_dense_op_runs_one_query_row_through_the_decode_kernel(kwargs, heads_kv,
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
-    """What the interpreter runs, the sm90 compiler must accept (the GPU runs of this kernel are in BENCHMARKS.md)."""
+    """What the interpreter runs, the sm90 compiler must accept: a group of 8 heads with 4 tokens
+    (dense) and with 1 (paged); padded head dim, window, softcap, LSE, split and single pass."""
     import json
     import os
     import subprocess
@@ -174,9 +192,11 @@ def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     from tilegen.families.attention_decode import DecodeSpec
 
-    spec = DecodeSpec(head_dim=96, q_per_kv=32, dtype="bf16", kv_layout=layout, mask="window", softcap=True,
-                      return_lse=True, **({"page_size": 16} if layout == "paged" else {}))
-    pointers = {**dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), **dict.fromkeys(("Lse", "PartO", "PartLse"), "*fp32"),
+    spec = DecodeSpec(head_dim=96, q_per_kv=8, dtype="bf16", kv_layout=layout, mask="window", softcap=True,
+                      return_lse=True, q_tokens=4 if layout == "dense" else 1,
+                      **({"page_size": 16} if layout == "paged" else {}))
+    pointers = {**dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"),
+                **dict.fromkeys(("Lse", "PartO", "PartLse"), "*fp32"),
                 **dict.fromkeys(("PageIndptr", "Pages", "LastLen"), "*i32"), "qk_scale": "fp32", "softcap_scale": "fp32"}
     configs = [{"SPLIT": True, "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
                {"SPLIT": False, "BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 2}]

@@ -22,6 +22,7 @@ from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
+from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 from tilegen.families.attention_decode.config import split_count
 from tilegen.families.attention_decode.problem import decode_buffers
 from tilegen.families.attention_fwd import AttentionSpec
@@ -131,7 +132,7 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
     choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
     out_shape = torch.Size((batch, heads, n_q, spec.dv))
-    if n_q == 1 and k.shape[2] > 0 and out_shape.numel() > 0:
+    if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and out_shape.numel() > 0 and spec.q_per_kv * n_q <= 64:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
     plan = _Plan(
         out_shape=out_shape,
@@ -150,11 +151,12 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
 
 
 def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
-    """One query row: the decode family's kernel, whose query-head groups and key splits fill the
-    GPU where the prefill kernel would run a single mostly empty query tile per head."""
+    """A few query rows (decode, speculative decoding): the decode family's kernel, whose
+    query-head groups and key splits fill the GPU where the prefill kernel would run one
+    mostly empty query tile per head."""
     decode_spec = DecodeSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, q_per_kv=spec.q_per_kv,
                              mask=spec.mask, softcap=spec.softcap, dtype=spec.dtype, kv_layout="dense",
-                             return_lse=spec.return_lse)
+                             return_lse=spec.return_lse, q_tokens=q.shape[2])
     info = device_info(_device_index(q.device))
     table = dispatch.table_for(decode_spec, info)
     n_k = k.shape[2]
@@ -165,11 +167,11 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
 
     def launch(q, k, v, out, lse, **args):
         # Split partials per call, not per plan: two streams may run one plan at once.
-        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1], spec.dv, splits, q.device)
-        decode_launch(q[:, :, 0], k, v, out[:, :, 0], lse, part_o, part_lse, **args)
+        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, splits, q.device)
+        decode_launch(q, k, v, out, lse, part_o, part_lse, **args)
 
     return _Plan(
-        out_shape=out_shape, lse_shape=(q.shape[0], q.shape[1], 1) if spec.return_lse else None, launches=True,
+        out_shape=out_shape, lse_shape=tuple(q.shape[:3]) if spec.return_lse else None, launches=True,
         launch=launch, choice=choice,
         launch_args={"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
                      "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,

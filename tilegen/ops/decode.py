@@ -104,7 +104,7 @@ class PagedDecode:
         splits = num_splits or split_count(config, info, cache.batch, cache.kv_heads, max_seqlen_k)
         chunk = math.ceil(max(max_seqlen_k, 1) / splits / config.block_n) * config.block_n
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)
-        part_o, part_lse = decode_buffers(cache.batch, heads_q, spec.dv, splits, device)
+        part_o, part_lse = decode_buffers(cache.batch, heads_q * spec.q_tokens, spec.dv, splits, device)
         if os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0"):
             cache.validate()
         self._plan = _Plan(
@@ -150,6 +150,7 @@ class PagedDecode:
             raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
-            plan.launch(q, pages, cache.v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
+            plan.launch(q.unsqueeze(2), pages, cache.v_pages, out.unsqueeze(2), out if lse is None else lse,
+                        plan.part_o, plan.part_lse,
                         cache.indptr, cache.indices, cache.last_page_len, **plan.launch_args)
         return (out, lse) if spec.return_lse else out

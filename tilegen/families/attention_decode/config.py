@@ -11,7 +11,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_decode.spec import DecodeSpec
 
-__all__ = ["DecodeConfig", "search_space", "feasible", "default_rule", "split_count", "MAX_SPLITS"]
+__all__ = ["DecodeConfig", "search_space", "feasible", "default_rule", "split_count", "query_rows_pad", "MAX_SPLITS"]
 
 #: More splits than this only add merge work: a split then holds a few key blocks at most.
 MAX_SPLITS = 64
@@ -34,15 +34,22 @@ def search_space(spec: DecodeSpec, device: DeviceInfo) -> dict[str, list[int]]:
     return {"block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4], "ctas_per_sm": [1, 2, 4]}
 
 
+def query_rows_pad(spec: DecodeSpec) -> int:
+    """BLOCK_M: a KV head's query heads times tokens, padded to a power of two of at least 16."""
+    return max(16, triton.next_power_of_2(spec.q_per_kv * spec.q_tokens))
+
+
 def feasible(spec: DecodeSpec, config: DecodeConfig, device: DeviceInfo) -> str | None:
     if config.block_n % 16 or config.block_n & (config.block_n - 1):
         return f"block_n={config.block_n}: the template asserts a power of two and a multiple of 16"
+    if query_rows_pad(spec) * triton.next_power_of_2(spec.dv) > 128 * 256:
+        return f"{spec.q_per_kv * spec.q_tokens} query rows per KV head: the accumulator does not fit in registers"
     if device.is_interpreter:
         return None
     dim_pad = triton.next_power_of_2(spec.head_dim)
     dim_v_pad = triton.next_power_of_2(spec.dv)
     elt = 4 if spec.dtype == "fp32" else 2
-    block_m = max(16, triton.next_power_of_2(spec.q_per_kv))
+    block_m = query_rows_pad(spec)
     smem = (block_m * dim_pad + config.num_stages * config.block_n * (dim_pad + dim_v_pad)) * elt
     if smem > device.smem_bytes:
         return f"~{smem} bytes of shared memory against the device's {device.smem_bytes}"

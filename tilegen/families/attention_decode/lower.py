@@ -11,4 +11,5 @@ __all__ = ["lower"]
 
 
 def lower(spec: DecodeSpec) -> dict[str, Any]:
-    return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size}
+    return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size,
+            "q_tokens": spec.q_tokens}

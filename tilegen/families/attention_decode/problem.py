@@ -20,13 +20,14 @@ _GPU_KV_TOKENS = 1 << 18
 _CPU_MAX_CONTEXT = 48
 
 
-def decode_buffers(batch: int, heads: int, dv: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split partials, fp32 ``[batch, num_splits, heads_q, dv]`` and ``[batch, num_splits, heads_q]``
-    (empty without splits: the kernel then writes the output directly)."""
+def decode_buffers(batch: int, rows: int, dv: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split partials of ``rows`` query rows (heads x tokens) per sequence, fp32
+    ``[batch, num_splits, rows, dv]`` and ``[batch, num_splits, rows]`` (empty without splits:
+    the kernel then writes the output directly)."""
     if num_splits == 1:
         return torch.empty(0, device=device), torch.empty(0, device=device)
-    return (torch.empty((batch, num_splits, heads, dv), dtype=torch.float32, device=device),
-            torch.empty((batch, num_splits, heads), dtype=torch.float32, device=device))
+    return (torch.empty((batch, num_splits, rows, dv), dtype=torch.float32, device=device),
+            torch.empty((batch, num_splits, rows), dtype=torch.float32, device=device))
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class DecodeProblem(VarlenProblem):
                 k_lens = (longest,) * min(len(k_lens), 64)  # one length for all: dense tensors
             elif not on_gpu:
                 k_lens = (*k_lens, 0, 1, spec.page_size + 1)
-        return cls(spec, tuple(1 for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu,
-                   num_splits)
+        return cls(spec, tuple(spec.q_tokens for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket,
+                   on_gpu, num_splits)
 
     def inputs(self, seed: int) -> dict:
         if self.spec.kv_layout == "paged":
@@ -59,10 +60,21 @@ class DecodeProblem(VarlenProblem):
         def randn(*shape):
             return torch.randn(shape, generator=gen, device=gen.device, dtype=self.torch_dtype())
 
-        return {"q": randn(batch, self.heads_q, self.spec.head_dim),
+        tokens = self.spec.q_tokens
+        return {"q": randn(batch * tokens, self.heads_q, self.spec.head_dim),
                 "k": randn(batch, self.heads_kv, n, self.spec.head_dim),
                 "v": randn(batch, self.heads_kv, n, self.spec.dv),
-                "cu_q": torch.arange(batch + 1, dtype=torch.int32, device=gen.device)}
+                "cu_q": torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32, device=gen.device)}
+
+    def outputs(self, inputs: dict):
+        out, lse = super().outputs(inputs)
+        # The kernel writes the LSE as [batch, heads, tokens]; check() reads it back packed.
+        return out, None if lse is None else lse.new_full((len(self.k_lens), self.heads_q, self.spec.q_tokens),
+                                                          math.nan)
+
+    def check(self, inputs: dict, outputs):
+        out, lse = outputs
+        return super().check(inputs, (out, None if lse is None else lse.permute(0, 2, 1).reshape(-1, self.heads_q)))
 
     def key_sequences(self, inputs: dict):
         if self.spec.kv_layout == "paged":
@@ -71,12 +83,15 @@ class DecodeProblem(VarlenProblem):
 
     def launch(self, module: ModuleType, config: DecodeConfig, inputs: dict, outputs) -> None:
         out, lse = outputs
-        q = inputs["q"].view(len(self.k_lens), self.heads_q, -1)
+        batch, tokens = len(self.k_lens), self.spec.q_tokens
+        # Packed [batch * tokens, heads, dim] seen as the kernel's [batch, heads, tokens, dim].
+        q = inputs["q"].view(batch, tokens, self.heads_q, -1).permute(0, 2, 1, 3)
         splits = self.num_splits or split_count(config, device_info(), len(self.k_lens), self.heads_kv,
                                                 max(self.k_lens))
         chunk = math.ceil(max(max(self.k_lens), 1) / splits / config.block_n) * config.block_n
-        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1], self.spec.dv, splits, q.device)
-        left, right = launch_window(self.spec.mask, *self.bounds, 1, max(self.k_lens))
+        part_o, part_lse = decode_buffers(batch, self.heads_q * tokens, self.spec.dv, splits, q.device)
+        out = out.view(batch, tokens, self.heads_q, -1).permute(0, 2, 1, 3)
+        left, right = launch_window(self.spec.mask, *self.bounds, self.spec.q_tokens, max(self.k_lens))
         table = (inputs["indptr"], inputs["indices"], inputs["last"]) if self.spec.kv_layout == "paged" else ()
         module.launch(
             q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, *table,

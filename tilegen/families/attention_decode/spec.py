@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tilegen.families.attention_fwd.spec import check_attention_fields
-from tilegen.ir import Spec, SpecError, check_choice
+from tilegen.ir import Spec, SpecError, check_choice, check_int
 from tilegen.families.attention_varlen.spec import PAGE_SIZES
 
-__all__ = ["DecodeSpec"]
+__all__ = ["DecodeSpec", "MAX_Q_TOKENS"]
+
+#: Query tokens per sequence a decode kernel takes: one, or speculative decoding's few.
+MAX_Q_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class DecodeSpec(Spec):
     """Batch decode. Fields as in ``AttentionSpec``; ``kv_layout`` is ``"paged"`` (a
     ``tilegen.PagedKVCache``, whose ``page_size`` is part of the key) or ``"dense"``
     (``[batch, kv_heads, n_k, dim]`` tensors, every sequence as long: ``tilegen.attention``
-    with one query row)."""
+    with a few query rows); ``q_tokens`` query tokens per sequence, aligned bottom-right."""
 
     family: ClassVar[str] = "attention_decode"
 
@@ -29,11 +32,15 @@ class DecodeSpec(Spec):
     kv_layout: str = "paged"
     page_size: int | None = None
     return_lse: bool = False
+    q_tokens: int = 1
 
     def __post_init__(self) -> None:
         check_attention_fields(self)
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
+        check_int("q_tokens", self.q_tokens)
+        if not 1 <= self.q_tokens <= MAX_Q_TOKENS:
+            raise SpecError("q_tokens", f"expected 1..{MAX_Q_TOKENS} query tokens per sequence, got {self.q_tokens}")
         if self.kv_layout == "dense":
             if self.page_size is not None:
                 raise SpecError("page_size", f"dense KV has no pages; got {self.page_size!r}")
@@ -53,6 +60,8 @@ class DecodeSpec(Spec):
         if self.softcap:
             parts.append("softcap")
         parts.append(f"paged{self.page_size}" if self.kv_layout == "paged" else "dense")
+        if self.q_tokens > 1:
+            parts.append(f"q{self.q_tokens}")
         if self.return_lse:
             parts.append("lse")
         return "_".join(parts)
