@@ -318,6 +318,9 @@ def test_a_tune_stores_a_row_that_dispatch_and_the_op_use(tmp_path, monkeypatch,
     assert json.loads(spec.to_json())["family"] == "blockwise_ffn"
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
 def test_the_benchmark_runs_its_smoke_shapes(tmp_path):
     from tilegen.bench import blockwise as bench
 
@@ -327,6 +330,10 @@ def test_the_benchmark_runs_its_smoke_shapes(tmp_path):
     assert {(r["provider"], r["tokens"]) for r in rows} == {(p, n) for p in bench.PROVIDERS for n in bench.SMOKE_LENGTHS}
     assert all(r["correct"] is True for r in rows)
     assert all(0 < r["error"] < 1e-2 for r in rows if r["provider"] == "tilegen")
+    fits = json.loads(out.read_text())["fit"]
+    assert [f["provider"] for f in fits] == list(bench.PROVIDERS) and all(f["runs"] for f in fits)
+    # The replay skips attention's arithmetic only while it runs.
+    assert torch.nn.functional.scaled_dot_product_attention is _SDPA
 
 
 def test_the_gpu_defaults_are_feasible_on_an_h200():

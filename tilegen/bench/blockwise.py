@@ -17,10 +17,13 @@ contribution ``out - x``, both below 1e-2); then its peak memory above the input
 (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
 before the call; the output counts) and its time (median of ``--runs`` timed runs after one
 warm-up, CUDA events). Then the longest sequence that fits: lengths double from twice the sweep's
-longest until a run fails with out-of-memory (``oom_at``), or until the next run's projected
-time passes ``--fit-run-s`` or the provider's ``--fit-budget-s`` (then ``fits_up_to`` is a lower
-bound, and ``projected_max_tokens``, from a straight-line fit of peak memory against length over
-every measured run and the memory left beside the weights, is the estimate). Results go to
+longest until a run fails with out-of-memory, then bisect between the longest that ran
+(``fits_up_to``) and the shortest that did not (``oom_at``) to 1/16 of the length, within
+``--fit-budget-s`` per provider. These runs replay the layer's allocations with attention's
+arithmetic skipped (a causal layer at millions of tokens takes minutes per run): every tensor is
+allocated as in a real run, so the peak is the same (``replay_check`` sets a replay's peak beside
+the real run's at the sweep's longest length); ``projected_max_tokens`` is a straight-line fit of
+peak memory against length, for comparison. Results go to
 ``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default: ``--out`` with
 ``.png``). Exit status 1 when an output disagrees.
 """
@@ -39,6 +42,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 import tilegen
@@ -219,53 +223,99 @@ def _projected_max(points: list[tuple[int, float]], free_bytes: float, d_model: 
     return int((free_bytes - (my - slope * mx)) / per_token) if per_token > 0 else None
 
 
-def fit(config, start, chunk, run_cap_s, budget_s, measured, device) -> list[dict]:
-    """The longest length each provider runs: doubling from ``start`` until out-of-memory or the time budget."""
+@contextlib.contextmanager
+def _attention_skipped():
+    """Attention's outputs allocated as the real kernels allocate them (SDPA's output and its fp32
+    log-sum-exp, tilegen's preallocated ``out``), its arithmetic skipped: every other allocation of
+    the layer happens as in a real run, in time linear in the length."""
+    from tilegen.ops import blockwise as ops
+
+    sdpa, attention = F.scaled_dot_product_attention, ops.attention
+
+    def sdpa_stand_in(q, k, v, **kwargs):
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        del lse
+        return torch.empty_like(q)
+
+    def attention_stand_in(q, k, v, *, out=None, **kwargs):
+        return out if out is not None else torch.empty_like(q)
+
+    F.scaled_dot_product_attention, ops.attention = sdpa_stand_in, attention_stand_in
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, ops.attention = sdpa, attention
+
+
+def _try(run, config, n, w, device) -> tuple[float | None, float] | None:
+    """``(peak bytes, seconds)`` of a run at ``n`` tokens, ``None`` when it runs out of memory."""
+    failed = False
+    try:
+        x = _input(config, n, device)
+        out, peak, seconds = _peak_run(run, x, w)
+    except Exception as error:
+        if not _is_oom(error):
+            raise
+        failed = True
+    # Outside the except block, so the traceback's frames (and their tensors) are gone.
+    x = out = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None if failed else (peak, seconds)
+
+
+def fit(config, start, chunk, budget_s, measured, device) -> list[dict]:
+    """The longest length each provider fits: lengths double from ``start`` until a run runs out of
+    memory, then bisect (to 1/16 of the length) until ``budget_s`` is spent. The runs replay the
+    layer's allocations with attention's arithmetic skipped (``_attention_skipped``): a causal layer
+    at millions of tokens would take minutes per run. ``replay_check`` compares a replay's peak with
+    the real run's at the sweep's longest length."""
     w = _weights(config, device)
     weights_bytes = sum(t.numel() * t.element_size() for t in w.values())
     total = torch.cuda.get_device_properties(device).total_memory if torch.cuda.is_available() else 0
     results = []
-    for name in PROVIDERS:
-        run = _provider(name, config, chunk)
-        points = [(r["tokens"], r["peak_gb"] * 1e9) for r in measured if r["provider"] == name and r.get("peak_gb")]
-        times = [(r["tokens"], r["time_ms"] / 1e3) for r in measured if r["provider"] == name and r.get("time_ms")]
-        result = {"provider": name, "fits_up_to": max((n for n, _ in points), default=None), "oom_at": None,
-                  "stopped": None, "runs": []}
-        spent, n = 0.0, start
-        while True:
-            if len(times) >= 2:
-                (n0, t0), (n1, t1) = times[-2], times[-1]
-                growth = math.log(max(t1, 1e-9) / max(t0, 1e-9)) / math.log(n1 / n0)
-                projected = t1 * (n / n1) ** max(1.0, growth)
-            else:
-                projected = 0.0
-            if projected > run_cap_s or spent + projected > budget_s:
-                result["stopped"] = f"time: a run at {n} tokens would take about {projected:.0f} s"
-                break
-            try:
-                x = _input(config, n, device)
-                out, peak, seconds = _peak_run(run, x, w)
-                del out, x
-            except Exception as error:
-                if not _is_oom(error):
-                    raise
-                result["oom_at"] = n
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                break
-            spent += seconds
-            times.append((n, seconds))
-            if peak is not None:
-                points.append((n, float(peak)))
-            result["fits_up_to"] = n
-            result["runs"].append({"tokens": n, "peak_gb": None if peak is None else peak / 1e9, "seconds": seconds})
-            print(json.dumps({"provider": name, "fit_tokens": n, "peak_gb": result["runs"][-1]["peak_gb"],
-                              "seconds": round(seconds, 2)}), flush=True)
-            n *= 2
-        result["projected_max_tokens"] = _projected_max(points, total - weights_bytes, config.d_model)
-        results.append(result)
-        gc.collect()
+    with _attention_skipped():
+        for name in PROVIDERS:
+            run = _provider(name, config, chunk)
+            real = [r for r in measured if r["provider"] == name and r.get("peak_gb") is not None]
+            points = [(r["tokens"], r["peak_gb"] * 1e9) for r in real]
+            result = {"provider": name, "mode": "allocation replay (attention arithmetic skipped)",
+                      "fits_up_to": None, "oom_at": None, "stopped": None, "runs": []}
+            if real:
+                check = max(real, key=lambda r: r["tokens"])
+                replay = _try(run, config, check["tokens"], w, device)
+                result["replay_check"] = {"tokens": check["tokens"], "peak_gb": check["peak_gb"],
+                                          "replay_peak_gb": None if replay is None else replay[0] / 1e9}
+                result["fits_up_to"] = check["tokens"]
+            spent, n, lo, hi = 0.0, start, result["fits_up_to"] or 0, None
+            while True:
+                if spent > budget_s:
+                    result["stopped"] = f"time budget of {budget_s:.0f} s"
+                    break
+                outcome = _try(run, config, n, w, device)
+                if outcome is None:
+                    hi = n
+                    print(json.dumps({"provider": name, "fit_tokens": n, "oom": True}), flush=True)
+                else:
+                    peak, seconds = outcome
+                    spent += seconds
+                    lo = n
+                    peak_gb = None if peak is None else peak / 1e9
+                    if peak is not None:
+                        points.append((n, float(peak)))
+                    result["runs"].append({"tokens": n, "peak_gb": peak_gb, "seconds": seconds})
+                    print(json.dumps({"provider": name, "fit_tokens": n, "peak_gb": peak_gb,
+                                      "seconds": round(seconds, 2)}), flush=True)
+                if hi is None:
+                    n = 2 * lo
+                    continue
+                if hi - lo <= max(1024, lo // 16):
+                    break
+                n = (lo + hi) // 2 // 1024 * 1024
+            result["fits_up_to"], result["oom_at"] = lo or None, hi
+            result["projected_max_tokens"] = _projected_max(points, total - weights_bytes, config.d_model)
+            results.append(result)
     return results
 
 
@@ -314,8 +364,11 @@ def _print_table(rows, fits) -> None:
                 print(f"at {longest} tokens, {name}: {base['peak_gb'] / at[name]['peak_gb']:.2f}x less peak memory "
                       f"than unfused, {at[name]['time_ms'] / base['time_ms']:.3f}x its time")
     for f in fits:
-        print(f"{f['provider']}: fits up to {f['fits_up_to']} tokens; out of memory at {f['oom_at']}; "
-              f"stopped: {f['stopped']}; projected longest: {f['projected_max_tokens']}")
+        check = f.get("replay_check") or {}
+        print(f"{f['provider']}: fits up to {f['fits_up_to']} tokens, out of memory at {f['oom_at']} "
+              f"(stopped early: {f['stopped']}); straight-line projection {f['projected_max_tokens']}; "
+              f"replay peak {check.get('replay_peak_gb')} GB against the real {check.get('peak_gb')} GB "
+              f"at {check.get('tokens')} tokens")
 
 
 def main(argv=None) -> int:
@@ -324,8 +377,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None, help="write the memory plot here (default: --out with .png)")
     parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median)")
-    parser.add_argument("--fit-run-s", type=float, default=25.0, help="longest single run of the fit search")
-    parser.add_argument("--fit-budget-s", type=float, default=45.0, help="fit-search seconds per provider")
+    parser.add_argument("--fit-budget-s", type=float, default=40.0, help="fit-search seconds per provider")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
     args = parser.parse_args(argv)
@@ -348,8 +400,9 @@ def main(argv=None) -> int:
     except ValueError:
         raise SystemExit(f"--lengths: expected comma-separated ints, got {args.lengths!r}") from None
     rows = sweep(config, lengths, chunk, args.runs, device)
-    fits = [] if args.no_fit or not on_gpu else fit(config, 2 * max(lengths), chunk, args.fit_run_s,
-                                                       args.fit_budget_s, rows, device)
+    # Under --smoke the search only runs through (the CPU has no allocator statistics and never runs out).
+    budget = min(args.fit_budget_s, 1.0) if args.smoke else args.fit_budget_s
+    fits = [] if args.no_fit else fit(config, 2 * max(lengths), chunk, budget, rows, device)
     _print_table(rows, fits)
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path and on_gpu:
