@@ -7,7 +7,7 @@ from pathlib import Path
 
 import platformdirs
 
-__all__ = ["cache_dir", "db_path", "shipped_db_path", "template_dir", "interpreting"]
+__all__ = ["cache_dir", "db_path", "shipped_db_path", "template_dir", "interpreting", "debug"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -43,3 +43,8 @@ def template_dir() -> Path:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def debug() -> bool:
+    """Whether ops also check values on the device, at one synchronization per call (``TILEGEN_DEBUG=1``)."""
+    return os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0")

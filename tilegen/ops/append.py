@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tilegen import dispatch
+from tilegen import dispatch, env
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
@@ -79,7 +78,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         plan = _plan(cache, k, v, cu_seqlens)
         if key is not None:
             _plans.put(key, plan)
-    if _debug():
+    if env.debug():
         _check_device_values(cache, k, cu_seqlens)
     if plan.launches:
         plan.launch(
@@ -174,10 +173,6 @@ def _spec_for(dtype: str, dim: int, dim_v: int, page_size: int) -> KVAppendSpec:
             raise ValueError(f"{arg}: head dim {dim if arg == 'k' else dim_v} is not supported; "
                              f"expected 1..{MAX_HEAD_DIM}") from None
         raise ValueError(f"{arg}: {e}") from None
-
-
-def _debug() -> bool:
-    return os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0")
 
 
 def _check_device_values(cache: PagedKVCache, k: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

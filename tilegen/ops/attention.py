@@ -22,11 +22,16 @@ from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
-from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 from tilegen.families.attention_decode.config import split_count
 from tilegen.families.attention_decode.problem import decode_buffers
+from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 from tilegen.families.attention_fwd import AttentionSpec
-from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
+from tilegen.families.attention_fwd.masks import (
+    launch_window,
+    mask_kind,
+    score_scalars,
+    window_bounds,
+)
 from tilegen.ir import SpecError
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]

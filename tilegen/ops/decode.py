@@ -12,20 +12,24 @@ Checks: every call checks shapes, dtypes and devices on the host; ``TILEGEN_DEBU
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tilegen import dispatch
+from tilegen import dispatch, env
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_decode.config import MAX_SPLITS, split_count
 from tilegen.families.attention_decode.problem import decode_buffers
-from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
+from tilegen.families.attention_fwd.masks import (
+    launch_window,
+    mask_kind,
+    score_scalars,
+    window_bounds,
+)
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache
 
@@ -105,7 +109,7 @@ class PagedDecode:
         chunk = math.ceil(max(max_seqlen_k, 1) / splits / config.block_n) * config.block_n
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)
         part_o, part_lse = decode_buffers(cache.batch, heads_q * spec.q_tokens, spec.dv, splits, device)
-        if os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0"):
+        if env.debug():
             cache.validate()
         self._plan = _Plan(
             spec=spec, heads_q=heads_q, batch=cache.batch, launch=table.launch, part_o=part_o, part_lse=part_lse,

@@ -21,10 +21,11 @@ cost of one synchronization, and ``TILEGEN_DEBUG=1`` makes every construction ca
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from tilegen import env
 
 __all__ = ["PagedKVCache", "PAGE_SIZES"]
 
@@ -68,7 +69,7 @@ class PagedKVCache:
         if self.last_page_len.numel() != self.indptr.numel() - 1:
             raise ValueError(f"last_page_len: expected {self.indptr.numel() - 1} entries (one per sequence of "
                              f"indptr), got {self.last_page_len.numel()}")
-        if os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0"):
+        if env.debug():
             self.validate()
 
     @property

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tilegen import dispatch
+from tilegen import dispatch, env
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
-from tilegen.families.attention_fwd.masks import launch_window, mask_kind, score_scalars, window_bounds
+from tilegen.families.attention_fwd.masks import (
+    launch_window,
+    mask_kind,
+    score_scalars,
+    window_bounds,
+)
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache
@@ -73,7 +77,7 @@ def varlen_attention(
                             causal, window, softcap, scale, return_lse)
         if key is not None:
             _plans.put(key, plan)
-    if _debug():
+    if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     out = _output(plan, q, out)
@@ -146,7 +150,7 @@ class PagedAttention:
                          **config.to_dict()},
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
         )
-        if _debug():
+        if env.debug():
             cache.validate()
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
             if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
@@ -287,10 +291,6 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_len: i
         raise ValueError(f"{name}: ends at {values[-1]}, but the packed tensor has {total} tokens")
     if lengths and max(lengths) > max_len:
         raise ValueError(f"{name}: a sequence of {max(lengths)} tokens exceeds max_seqlen {max_len}")
-
-
-def _debug() -> bool:
-    return os.environ.get("TILEGEN_DEBUG", "0") not in ("", "0")
 
 
 def _shape(t: Any) -> str:
