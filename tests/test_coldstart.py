@@ -1,0 +1,42 @@
+"""The first call's row read stays off SQLAlchemy, and the cold-start benchmark runs (timings are its job, not a test's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tilegen.env import interpreting
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not interpreting(), reason="runs CPU tensors under the interpreter")
+
+
+def test_a_first_call_reads_its_rows_without_importing_sqlalchemy(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, torch, tilegen
+        q = torch.randn(1, 2, 20, 32)
+        tilegen.attention(q, q, q, causal=True)
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("sqlalchemy", "alembic", "optuna"))
+        assert not loaded, loaded
+        assert "tilegen.db.store" not in sys.modules
+        """
+    )
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_the_cold_start_benchmark_runs(tmp_path):
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
+    done = subprocess.run([sys.executable, "-m", "tilegen.bench.coldstart", "--runs", "1"], env=environment,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for line in ("empty caches, split", "warm caches, as users call it", "read rows", "first call", "second call"):
+        assert line in done.stdout
