@@ -1,6 +1,6 @@
 """Batch decode over a paged cache against the float64 reference on gathered pages.
 
-Contexts of 0, 1, page_size - 1, page_size + 1 and 300 tokens share a batch; pages are
+Contexts of 0, 1, page_size - 1, page_size + 1 and 1000 tokens share a batch; pages are
 shuffled, unused pages and slots are NaN; split counts 1, 2 and 7 are forced through
 ``plan(num_splits=...)`` and must agree with a single pass.
 """
@@ -18,7 +18,7 @@ from tilegen.families import relative_error
 
 
 def _contexts(page_size):
-    return [0, 1, max(1, page_size - 1), page_size + 1, 300]
+    return [0, 1, max(1, page_size - 1), page_size + 1, 1000]
 
 
 def _check(out, lse, ref, ref_lse, dtype):

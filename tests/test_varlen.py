@@ -129,7 +129,7 @@ def paged_reference(q, cache, cu_q, **kwargs):
 def test_paged_append_matches_reference(page_size, group, device):
     """Chunked prefill: each sequence's last n_q tokens attend causally to the whole cached prefix."""
     gen = torch.Generator().manual_seed(page_size * 10 + group)
-    k_lens = [0, 1, page_size - 1 or 2, page_size, page_size + 1, 300]
+    k_lens = [0, 1, page_size - 1 or 2, page_size, page_size + 1, 1000]
     q_lens = [0, 1, 1, 3, page_size + 1, 7]
     dtype = torch.bfloat16 if group == 4 else torch.float32
     cache = make_cache(k_lens, page_size, 1 if group == 8 else 2, 32, dtype, device, gen)
