@@ -156,6 +156,11 @@ def test_the_layer_takes_a_batch_the_default_block_and_out(device):
     assert tilegen.blockwise_layer(x, weights, heads_q=4, heads_kv=2, out=out) is out  # widths from the weights
     ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
     assert relative_error(out, ref)[0] < 1e-4
+    # In place: the layer reads a block's rows before it writes them.
+    for layer in (config, config.replace(causal=False)):
+        y = x.clone()
+        assert tilegen.blockwise_layer(y, weights, layer, block=BLOCK, out=y) is y
+        assert relative_error(y, reference_layer(x, weights, layer, compute_dtype=torch.float64))[0] < 1e-4
     # Each query block really sees only its keys: a block size of one row gives the same layer.
     one = tilegen.blockwise_layer(x[1, :9], weights, config, block=1)
     assert relative_error(one, reference_layer(x[1, :9], weights, config, compute_dtype=torch.float64))[0] < 1e-4

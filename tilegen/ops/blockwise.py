@@ -139,7 +139,9 @@ def blockwise_layer(
             ``scale``, ``window``, ``softcap``) as keywords, the widths being read from the weights' shapes.
         block: query tokens per block; by default the tuned (or default) fusion block of the
             FFN kernels for this length.
-        out: where to write the result, ``x``'s shape, dtype and device, not overlapping ``x``.
+        out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
+            (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
+            block writes them), but not a view that overlaps ``x`` partly.
 
     Returns the layer's output, ``x``'s shape and dtype; it computes the function of
     ``tilegen.layers.reference_layer``. Weights that do not match the config (missing,
