@@ -351,3 +351,31 @@ def test_the_gpu_defaults_are_feasible_on_an_h200():
         assert len(family.candidates(spec, h200)) > 20
     # What the rule refuses, it names.
     assert "spill" in family_of(spec).feasible(BlockwiseFFNSpec(d_model=64, d_ffn=64), Config(1024, 128, 256, 64, 64, 4, 3), h200)
+
+
+# ------------------------------------------------------------------------------ GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_layer_matches_the_reference_on_gpu(causal):
+    config = LayerConfig(d_model=1024, heads_q=8, heads_kv=2, head_dim=128, d_ffn=2816, causal=causal,
+                         rope_theta=500000.0)
+    weights = layer_weights(config, torch.bfloat16, "cuda")
+    x = _x((3000, 1024), torch.bfloat16, "cuda")
+    ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
+    for block in (None, 1024, 777):
+        out = tilegen.blockwise_layer(x, weights, config, block=block)
+        assert relative_error(out, ref)[0] < 1e-2 and relative_error(out - x, ref - x.double())[0] < 1e-2
+
+
+@pytest.mark.gpu
+def test_the_ffn_kernels_on_gpu_with_the_default_and_sampled_configs():
+    spec = BlockwiseFFNSpec(d_model=4096, d_ffn=14336)
+    family = family_of(spec)
+    problem = family.problem(spec, 4096, on_gpu=True, tokens=3001)
+    inputs = problem.inputs(seed=0)
+    candidates = family.candidates(spec, DEVICE)
+    for config in [family.default_config(spec, DEVICE, 4096), *candidates[:: max(1, len(candidates) // 6)]]:
+        outputs = problem.outputs(inputs)
+        problem.launch(module_for(spec), config, inputs, outputs)
+        assert problem.check(inputs, outputs)[0] < problem.tolerance, config
