@@ -6,8 +6,9 @@ through the whole layer: norm and q projection, attention over the keys that blo
 (``tilegen.attention``: causal or not, a window, a softcap, GQA), ``o_proj`` and the residual, then the generated blockwise FFN kernels
 (norm, MLP, residual), written into that block's rows of the output. K and V are projected
 once for the whole sequence, a block at a time, since every query block needs them; nothing
-else sequence-sized is ever held but the output. The block is the FFN config's fusion block
-(``block_tokens``, tuned with the family), so one number bounds the layer's working memory.
+else sequence-sized is ever held but the output. The query block is the FFN config's fusion
+block (``block_tokens``, tuned with the family), on a GPU at least 4096 rows so that attention
+fills the SMs; the FFN runs its fusion block inside it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from tilegen.layers.weights import as_state_dict, check_weights, config_from_wei
 from tilegen.ops.attention import attention
 
 __all__ = ["blockwise_ffn", "blockwise_layer", "ffn_table"]
+
+#: Fewest query rows per block on a GPU by default: with 8 KV heads' worth of query tiles of 128
+#: rows, fewer leave an H200's 132 SMs idle in attention. The FFN still runs its own (tuned)
+#: fusion block inside it; the block's other activations are a few [rows, d_model] tensors.
+_MIN_QUERY_BLOCK = 4096
 
 
 def ffn_table(spec: BlockwiseFFNSpec, device: torch.device) -> dispatch.Table:
@@ -138,7 +144,7 @@ def blockwise_layer(
             optionally ``heads_kv``, ``norm``, ``ffn``, ``causal``, ``rope_theta``, ``eps``,
             ``scale``, ``window``, ``softcap``) as keywords, the widths being read from the weights' shapes.
         block: query tokens per block; by default the tuned (or default) fusion block of the
-            FFN kernels for this length.
+            FFN kernels for this length, on a GPU at least 4096 (attention wants that many rows).
         out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
             (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
             block writes them), but not a view that overlaps ``x`` partly.
@@ -187,6 +193,8 @@ def _layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig, 
         return
     if block is None:
         block = ffn_table(_ffn_spec(config, x.dtype), x.device).choose(n).config.block_tokens
+        if x.device.type == "cuda":
+            block = max(block, _MIN_QUERY_BLOCK)
     hq, hkv, hd = config.heads_q, config.heads_kv, config.head_dim
     scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
     k_all = x.new_empty(n, hkv * hd)
