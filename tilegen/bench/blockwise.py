@@ -48,7 +48,7 @@ import triton
 import tilegen
 from tilegen.env import interpreting
 from tilegen.layers import LayerConfig, reference_layer
-from tilegen.ops.blockwise import ffn_table
+from tilegen.ops.blockwise import _MIN_QUERY_BLOCK, ffn_table
 
 __all__ = ["main"]
 
@@ -166,6 +166,7 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def sweep(config, lengths, chunk, runs, device) -> list[dict]:
+    on_gpu = device.type == "cuda"
     w = _weights(config, device)
     rows = []
     for n in lengths:
@@ -197,7 +198,9 @@ def sweep(config, lengths, chunk, runs, device) -> list[dict]:
                 del out
             row.update(status="ok", peak_gb=None if peak is None else peak / 1e9, time_ms=_time_ms(run, x, w, runs))
             if name == "tilegen":
-                row["block"] = ffn_table(_ffn_spec(config), x.device).choose(n).config.block_tokens
+                fusion = ffn_table(_ffn_spec(config), x.device).choose(n).config.block_tokens
+                row["fusion_block"] = fusion
+                row["query_block"] = max(fusion, _MIN_QUERY_BLOCK) if on_gpu else fusion
             rows.append(row)
             print(json.dumps(row), flush=True)
         del x, ref
