@@ -257,13 +257,13 @@ def _try(run, config, n, w, device) -> tuple[float | None, float] | None:
     failed = False
     try:
         x = _input(config, n, device)
-        out, peak, seconds = _peak_run(run, x, w)
+        _, peak, seconds = _peak_run(run, x, w)  # the output is dropped at once
     except Exception as error:
         if not _is_oom(error):
             raise
         failed = True
     # Outside the except block, so the traceback's frames (and their tensors) are gone.
-    x = out = None
+    x = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -296,7 +296,7 @@ def fit(config, start, chunk, budget_s, measured, device) -> list[dict]:
             spent, n, lo, hi = 0.0, start, result["fits_up_to"] or 0, None
             while True:
                 if spent > budget_s:
-                    result["stopped"] = f"time budget of {budget_s:.0f} s"
+                    result["stopped"] = f"time budget of {budget_s:g} s"
                     break
                 outcome = _try(run, config, n, w, device)
                 if outcome is None:

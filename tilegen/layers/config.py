@@ -61,7 +61,7 @@ class LayerConfig:
         if self.ffn not in FFNS:
             raise ValueError(f"ffn: expected one of {', '.join(FFNS)}, got {self.ffn!r}")
         if not isinstance(self.causal, bool):
-            raise ValueError(f"causal: expected a bool, got {self.causal!r}")
+            raise TypeError(f"causal: expected a bool, got {self.causal!r}")
         if self.rope_theta is not None and not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
             raise ValueError(f"rope_theta: expected a positive number or None, got {self.rope_theta!r}")
         if not (isinstance(self.eps, (int, float)) and self.eps > 0):
