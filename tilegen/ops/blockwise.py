@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tilegen import dispatch
 from tilegen.device import device_info
@@ -25,7 +26,7 @@ from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.reference import norm, rope_tables
+from tilegen.layers.reference import rope_tables
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 
@@ -202,7 +203,12 @@ def _layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig, 
     blocks = [(start, min(n, start + block)) for start in range(0, n, block)]
 
     def normed(start, end):
-        return norm(x[start:end], w["input_layernorm.weight"], w.get("input_layernorm.bias"), config.norm, config.eps)
+        # torch's fused norms: one kernel with fp32 statistics, where the reference's spelled-out
+        # norm is several elementwise passes over the block.
+        if config.norm == "rmsnorm":
+            return F.rms_norm(x[start:end], (config.d_model,), w["input_layernorm.weight"], config.eps)
+        return F.layer_norm(x[start:end], (config.d_model,), w["input_layernorm.weight"], w["input_layernorm.bias"],
+                            config.eps)
 
     def rope(t, start, end, heads):
         if config.rope_theta is None:
