@@ -170,10 +170,16 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
     splits = split_count(config, info, q.shape[0], k.shape[1], n_k)
     decode_launch = table.launch
 
-    def launch(q, k, v, out, lse, **args):
-        # Split partials per call, not per plan: two streams may run one plan at once.
-        part_o, part_lse = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, splits, q.device)
-        decode_launch(q, k, v, out, lse, part_o, part_lse, **args)
+    if splits == 1:  # no partials to write: the empty placeholders serve every call
+        unused = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, 1, q.device)
+
+        def launch(q, k, v, out, lse, **args):
+            decode_launch(q, k, v, out, lse, *unused, **args)
+    else:
+        def launch(q, k, v, out, lse, **args):
+            # Split partials per call, not per plan: two streams may run one plan at once.
+            part_o, part_lse = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, splits, q.device)
+            decode_launch(q, k, v, out, lse, part_o, part_lse, **args)
 
     return _Plan(
         out_shape=out_shape, lse_shape=tuple(q.shape[:3]) if spec.return_lse else None, launches=True,
