@@ -12,9 +12,6 @@ tuning trial measures). The ops are ``tilegen.blockwise_ffn`` and ``tilegen.bloc
 
 from __future__ import annotations
 
-from typing import Any
-
-from tilegen.device import DeviceInfo
 from tilegen.families.base import Family
 from tilegen.families.blockwise_ffn import config as _config
 from tilegen.families.blockwise_ffn.config import Config
@@ -36,17 +33,9 @@ class BlockwiseFFN(Family):
     presets = {"llama3-8b-ffn": BlockwiseFFNSpec(d_model=4096, d_ffn=14336, norm="rmsnorm", ffn="swiglu",
                                                  dtype="bf16")}
 
-    def lower(self, spec: BlockwiseFFNSpec) -> dict[str, Any]:
-        return _lower(spec)
-
-    def search_space(self, spec: BlockwiseFFNSpec, device: DeviceInfo) -> dict[str, list[int]]:
-        return _config.search_space(spec, device)
-
-    def feasible(self, spec: BlockwiseFFNSpec, config: Config, device: DeviceInfo) -> str | None:
-        return _config.feasible(spec, config, device)
-
-    def default_rule(self, spec: BlockwiseFFNSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        return _config.default_rule(spec, device)
-
-    def problem(self, spec: BlockwiseFFNSpec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
-        return Problem.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
+    # The family's parts are its modules' functions.
+    lower = staticmethod(_lower)
+    search_space = staticmethod(_config.search_space)
+    feasible = staticmethod(_config.feasible)
+    default_rule = staticmethod(_config.default_rule)
+    problem = staticmethod(Problem.for_bucket)
