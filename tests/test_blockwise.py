@@ -6,6 +6,13 @@ kernel tiles of 16 and 32. Errors are relative Frobenius errors against float64 
 on the same rounded inputs and weights: below 1e-2 in bf16, 1e-4 in fp32. The residual
 stream dominates a layer's output, so the layer's own contribution (out - x) is held to the
 same bound too: a layer that dropped attention or the MLP fails both.
+
+Covered: the FFN kernels alone (both norms, both MLPs, fp32 and bf16, NaN-poisoned outputs, a
+default and a many-block config), the op in place and strided; the layer causal or not, with
+GQA and MQA, windows, softcap and no RoPE, batched, in place, with one-row blocks; a
+Llama-shaped module's weights loading; bad weights named; the generated source's constexpr
+rule and an sm90 compile; a tune through the Tuner that dispatch and the layer then use; the
+benchmark's smoke run. Tests marked ``gpu`` run Llama-sized shapes on a GPU.
 """
 
 from __future__ import annotations
