@@ -42,7 +42,7 @@ from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
 from tilegen.tuning import Tuner
 
 DEVICE = device_info()
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 D_MODEL, D_FFN, TOKENS, BLOCK = 40, 72, 45, 16
 
 
@@ -69,9 +69,12 @@ def _x(shape, dtype, device, seed=1):
 
 # ----------------------------------------------------------------------- the FFN kernels alone
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("norm,ffn", [("rmsnorm", "swiglu"), ("layernorm", "gelu_mlp"),
-                                      ("rmsnorm", "gelu_mlp"), ("layernorm", "swiglu")])
+FFN_CASES = [pytest.param(norm, ffn, dtype, id=f"{norm}-{ffn}-{dtype}") for dtype in ("fp32", "bf16")
+             for norm, ffn in (("rmsnorm", "swiglu"), ("layernorm", "gelu_mlp"), ("rmsnorm", "gelu_mlp"),
+                               ("layernorm", "swiglu"))] + [pytest.param("rmsnorm", "swiglu", "fp16", id="fp16")]
+
+
+@pytest.mark.parametrize("norm,ffn,dtype", FFN_CASES)
 def test_the_ffn_kernels_match_the_reference_into_poisoned_outputs(norm, ffn, dtype):
     spec = _spec(norm, ffn, dtype)
     family = family_of(spec)
@@ -142,8 +145,13 @@ LAYERS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("options", LAYERS)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp16 on the first two cases only: the interpreter is slow.
+LAYER_CASES = [pytest.param(case.values[0], DTYPES[name], id=f"{case.id}-{name}")
+               for name in DTYPES for i, case in enumerate(LAYERS) if name != "fp16" or i < 2]
+
+
+@pytest.mark.parametrize("options,dtype", LAYER_CASES)
 def test_the_layer_matches_the_reference(options, dtype, device):
     config = LayerConfig(d_model=D_MODEL, head_dim=16, d_ffn=D_FFN, eps=1e-5, **options)
     weights = layer_weights(config, dtype, device)
