@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import check_attention_fields
-from tilegen.ir import Spec, SpecError, check_choice, check_int
+from tilegen.families.attention_fwd.spec import AttentionFields
 from tilegen.families.attention_varlen.spec import PAGE_SIZES
+from tilegen.ir import Spec, SpecError, check_choice, check_int
 
 __all__ = ["DecodeSpec", "MAX_Q_TOKENS"]
 
@@ -16,7 +16,7 @@ MAX_Q_TOKENS = 8
 
 
 @dataclass(frozen=True)
-class DecodeSpec(Spec):
+class DecodeSpec(AttentionFields):
     """Batch decode. Fields as in ``AttentionSpec``; ``kv_layout`` is ``"paged"`` (a
     ``tilegen.PagedKVCache``, whose ``page_size`` is part of the key) or ``"dense"``
     (``[batch, kv_heads, n_k, dim]`` tensors, every sequence as long: ``tilegen.attention``
@@ -24,18 +24,11 @@ class DecodeSpec(Spec):
 
     family: ClassVar[str] = "attention_decode"
 
-    head_dim: int
-    head_dim_v: int | None = None
-    q_per_kv: int = 1
-    mask: str = "none"
-    softcap: bool = False
     kv_layout: str = "paged"
     page_size: int | None = None
-    return_lse: bool = False
     q_tokens: int = 1
 
     def __post_init__(self) -> None:
-        check_attention_fields(self)
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
         check_int("q_tokens", self.q_tokens)
@@ -48,10 +41,6 @@ class DecodeSpec(Spec):
             raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
 
     __hash__ = Spec.__hash__
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def name(self) -> str:

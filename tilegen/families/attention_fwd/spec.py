@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
 
-__all__ = ["AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields"]
+__all__ = ["AttentionFields", "AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields"]
 
 MASKS = ("none", "causal", "window")
 KV_LAYOUTS = ("contiguous", "ragged", "paged")
@@ -37,7 +37,29 @@ def check_attention_fields(spec) -> None:
 
 
 @dataclass(frozen=True)
-class AttentionSpec(Spec):
+class AttentionFields(Spec):
+    """The fields every attention family's spec has (see ``AttentionSpec`` for their meaning)."""
+
+    head_dim: int
+    head_dim_v: int | None = None
+    q_per_kv: int = 1
+    mask: str = "none"
+    softcap: bool = False
+    return_lse: bool = False
+
+    def __post_init__(self) -> None:
+        check_attention_fields(self)
+        super().__post_init__()
+
+    __hash__ = Spec.__hash__  # a frozen dataclass would otherwise write its own, per call
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+
+@dataclass(frozen=True)
+class AttentionSpec(AttentionFields):
     """One attention-forward variant.
 
     Attributes:
@@ -62,24 +84,13 @@ class AttentionSpec(Spec):
         {"head_dim", "head_dim_v", "q_per_kv", "mask", "softcap", "dtype", "kv_layout", "return_lse"}
     )
 
-    head_dim: int
-    head_dim_v: int | None = None
-    q_per_kv: int = 1
-    mask: str = "none"
-    softcap: bool = False
     kv_layout: str = "contiguous"
-    return_lse: bool = False
 
     def __post_init__(self) -> None:
-        check_attention_fields(self)
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
 
-    __hash__ = Spec.__hash__  # a frozen dataclass would otherwise write its own, per call
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+    __hash__ = Spec.__hash__
 
     @property
     def name(self) -> str:

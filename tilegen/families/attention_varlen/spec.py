@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import check_attention_fields
+from tilegen.families.attention_fwd.spec import AttentionFields
 from tilegen.ir import Spec, SpecError, check_choice
 
 __all__ = ["VarlenAttentionSpec", "LAYOUTS"]
@@ -15,7 +15,7 @@ PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
-class VarlenAttentionSpec(Spec):
+class VarlenAttentionSpec(AttentionFields):
     """Attention forward over a ragged batch (FlashAttention's varlen convention).
 
     Attributes:
@@ -27,17 +27,10 @@ class VarlenAttentionSpec(Spec):
 
     family: ClassVar[str] = "attention_varlen"
 
-    head_dim: int
-    head_dim_v: int | None = None
-    q_per_kv: int = 1
-    mask: str = "none"
-    softcap: bool = False
     kv_layout: str = "ragged"
     page_size: int | None = None
-    return_lse: bool = False
 
     def __post_init__(self) -> None:
-        check_attention_fields(self)
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, LAYOUTS)
         if self.kv_layout == "paged":
@@ -47,10 +40,6 @@ class VarlenAttentionSpec(Spec):
             raise SpecError("page_size", f"only paged KV has pages; got {self.page_size!r} for {self.kv_layout!r}")
 
     __hash__ = Spec.__hash__
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def name(self) -> str:
