@@ -16,6 +16,7 @@ LSE of exactly -inf and an output row of exactly zero.
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, field
 
@@ -208,3 +209,23 @@ def poisoned_like_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN: any element the kernel leaves unwritten stays NaN."""
     batch, heads, n_q, _ = q.shape
     return torch.full((batch, heads, n_q, v.shape[3]), math.nan, dtype=q.dtype, device=q.device)
+
+
+def kernel_globals_are_constexpr(source: str) -> list[str]:
+    """Assert no ``@triton.jit`` function of ``source`` reads a plain module-level name (the GPU
+    compiler rejects that, the interpreter does not); return the kernels' names."""
+    tree = ast.parse(source)
+    plain = {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+               and any(ast.unparse(d).startswith("triton.jit") for d in n.decorator_list)]
+    assert kernels, "no @triton.jit function in the generated module"
+    for fn in kernels:
+        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
+    return [fn.name for fn in kernels]

@@ -9,7 +9,6 @@ page_size + 1 and a long one share a batch; token counts are no multiple of any 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import math
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import kernel_globals_are_constexpr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -44,24 +44,6 @@ from tilegen.tuning import Tuner
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICE = device_info()
-
-
-def kernel_globals_are_constexpr(source: str) -> None:
-    """The GPU compiler refuses a kernel that reads a plain module-level name; the interpreter does not."""
-    tree = ast.parse(source)
-    plain = {
-        target.id
-        for node in tree.body
-        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-               and any(ast.unparse(d).startswith("triton.jit") for d in n.decorator_list)]
-    assert kernels
-    for fn in kernels:
-        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
-        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
 
 
 def make_batch(context, new, *, page_size, kv_heads=2, dim=40, dim_v=None, dtype=torch.float32, device="cpu",

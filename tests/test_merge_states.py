@@ -6,7 +6,6 @@ one side ``-inf`` and both ``-inf``; row counts are no multiple of any block.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import kernel_globals_are_constexpr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -40,22 +40,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 DEVICE = device_info()
 
 
-def kernel_globals_are_constexpr(source: str) -> None:
-    """The GPU compiler refuses a kernel that reads a plain module-level name; the interpreter does not."""
-    tree = ast.parse(source)
-    plain = {
-        target.id
-        for node in tree.body
-        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    kernels = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-               and any(ast.unparse(d).startswith("triton.jit") for d in n.decorator_list)]
-    assert kernels
-    for fn in kernels:
-        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
-        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
 NEG_INF = -math.inf
 
 

@@ -1,45 +1,32 @@
 """Rules the compiler enforces but Triton's interpreter does not, checked on rendered source."""
 
-import ast
-
 import pytest
+from helpers import kernel_globals_are_constexpr
 
+from tilegen import AttentionSpec, spec_from_json
 from tilegen.codegen import source_for
-from tilegen import AttentionSpec
 
 SPECS = [
     pytest.param(AttentionSpec(64), id="d64-none"),
     pytest.param(AttentionSpec(96, head_dim_v=128, q_per_kv=4, mask="window", softcap=True, return_lse=True),
                  id="d96-v128-gqa4-window-softcap-lse"),
     pytest.param(AttentionSpec(128, mask="causal", dtype="fp32"), id="d128-causal-fp32"),
+    pytest.param(spec_from_json({"family": "attention_varlen", "head_dim": 96, "q_per_kv": 4, "mask": "window",
+                                 "softcap": True, "return_lse": True}), id="varlen-ragged"),
+    pytest.param(spec_from_json({"family": "attention_varlen", "head_dim": 64, "mask": "causal",
+                                 "kv_layout": "paged", "page_size": 16}), id="varlen-paged16"),
+    pytest.param(spec_from_json({"family": "attention_decode", "head_dim": 128, "q_per_kv": 8, "page_size": 1,
+                                 "return_lse": True}), id="decode-paged1"),
+    pytest.param(spec_from_json({"family": "attention_decode", "head_dim": 40, "kv_layout": "dense", "q_tokens": 4,
+                                 "mask": "window", "softcap": True}), id="decode-dense-q4"),
 ]
-
-
-def _kernel_functions(tree):
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and any(
-            ast.unparse(d).startswith("triton.jit") for d in node.decorator_list
-        ):
-            yield node
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_globals_read_by_kernels_are_constexpr(spec):
     # The GPU compiler rejects a kernel that reads a plain module-level int
     # ("Cannot access global variable ... from within @jit'ed function").
-    tree = ast.parse(source_for(spec))
-    plain = {
-        target.id
-        for node in tree.body
-        if isinstance(node, ast.Assign) and not ast.unparse(node.value).startswith("tl.constexpr(")
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    kernels = list(_kernel_functions(tree))
-    assert kernels, "no @triton.jit function in the generated module"
-    for fn in kernels:
-        used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
-        assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
+    kernel_globals_are_constexpr(source_for(spec))
 
 
 @pytest.mark.parametrize("spec", SPECS)
