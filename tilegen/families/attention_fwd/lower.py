@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import triton
-
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.lowering import head_dim_values
 
 __all__ = ["lower", "attention_values"]
 
@@ -26,16 +25,9 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
 
 def attention_values(spec) -> dict[str, Any]:
     """The values every attention template takes, from the fields every attention spec has."""
-    dim_pad = triton.next_power_of_2(spec.head_dim)
-    dim_v_pad = triton.next_power_of_2(spec.dv)
     return {
         "kernel_name": f"_{spec.name}_kernel",
-        "head_dim": spec.head_dim,
-        "head_dim_v": spec.dv,
-        "head_dim_pad": dim_pad,
-        "head_dim_v_pad": dim_v_pad,
-        "masked_d": dim_pad != spec.head_dim,
-        "masked_dv": dim_v_pad != spec.dv,
+        **head_dim_values(spec.head_dim, spec.dv),
         "q_per_kv": spec.q_per_kv,
         "mask": spec.mask,
         "softcap": spec.softcap,

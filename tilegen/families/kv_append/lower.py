@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import triton
-
 from tilegen.families.kv_append.spec import KVAppendSpec
+from tilegen.families.lowering import head_dim_values
 
 __all__ = ["lower", "MAX_BLOCK_ELEMENTS"]
 
@@ -15,17 +14,11 @@ MAX_BLOCK_ELEMENTS = 64 * 1024
 
 
 def lower(spec: KVAppendSpec) -> dict[str, Any]:
-    dim_pad = triton.next_power_of_2(spec.head_dim)
-    dim_v_pad = triton.next_power_of_2(spec.dv)
+    dims = head_dim_values(spec.head_dim, spec.dv)
     return {
         "kernel_name": f"_{spec.name}_kernel",
-        "head_dim": spec.head_dim,
-        "head_dim_v": spec.dv,
-        "head_dim_pad": dim_pad,
-        "head_dim_v_pad": dim_v_pad,
-        "head_dim_max_pad": max(dim_pad, dim_v_pad),
-        "masked_d": dim_pad != spec.head_dim,
-        "masked_dv": dim_v_pad != spec.dv,
+        **dims,
+        "head_dim_max_pad": max(dims["head_dim_pad"], dims["head_dim_v_pad"]),
         "page_size": spec.page_size,
         # Page sizes are powers of two: position -> (page, slot) is a shift and a mask.
         "page_shift": spec.page_size.bit_length() - 1,
