@@ -7,7 +7,7 @@ from pathlib import Path
 
 import platformdirs
 
-__all__ = ["cache_dir", "db_path", "shipped_db_path", "template_dir", "interpreting", "debug"]
+__all__ = ["cache_dir", "db_path", "db_target", "shipped_db_path", "template_dir", "interpreting", "debug"]
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -19,9 +19,22 @@ def cache_dir() -> Path:
 
 
 def db_path() -> Path:
-    """The user's tuning database (``TILEGEN_DB`` overrides; ``--db`` overrides both)."""
+    """The user's local tuning database file, which dispatch reads (``TILEGEN_DB`` overrides).
+
+    When ``TILEGEN_DB`` names a database server, this is still the file in the user data
+    folder: dispatch never talks to a server (``tilegen db pull`` copies rows into this file).
+    """
     override = os.environ.get("TILEGEN_DB")
-    return Path(override) if override else Path(platformdirs.user_data_dir("tilegen")) / "tuning.sqlite"
+    if override and "://" not in override:
+        return Path(override)
+    return Path(platformdirs.user_data_dir("tilegen")) / "tuning.sqlite"
+
+
+def db_target() -> str | Path:
+    """Where ``tilegen tune`` and ``tilegen db`` read and write: ``TILEGEN_DB`` (a file, or a server's
+    URL), else the file in the user data folder; ``--db`` overrides both."""
+    override = os.environ.get("TILEGEN_DB")
+    return override if override and "://" in override else db_path()
 
 
 def shipped_db_path() -> Path:

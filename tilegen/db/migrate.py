@@ -13,6 +13,12 @@ processes opening a fresh file at once migrate it exactly once. A file already a
 list of ``tilegen.db.sqlite``: Alembic, a slow import, is loaded only when a file needs
 upgrading. A read-only open of an older revision reads an upgraded copy in memory.
 (Dispatch does not come here at all: it reads with ``tilegen.db.sqlite``.)
+
+A PostgreSQL server (``open_server_engine``) is migrated by the same revisions. There the
+transaction that checks and upgrades the schema first takes a transaction-scoped advisory
+lock, the server's counterpart of ``BEGIN IMMEDIATE``: tune processes on several hosts
+starting at once against an empty database migrate it exactly once (PostgreSQL's DDL is
+transactional, so the others find the tables when the lock is theirs).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool, StaticPool
@@ -35,11 +41,20 @@ if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
 __all__ = [
-    "BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "WRITE", "open_engine", "explain_error", "known_revisions",
+    "BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "WRITE", "open_engine", "open_server_engine",
+    "explain_error", "explain_server_error", "advisory_key", "known_revisions",
 ]
 
 #: Execution option that makes a connection begin with ``BEGIN IMMEDIATE``.
 WRITE = {"tilegen_write": True}
+
+#: First half of every PostgreSQL advisory lock key tilegen takes ("tg"), so its locks never
+#: collide with another application's on the same server.
+ADVISORY_CLASS = 0x7467
+
+#: Seconds a connection attempt to a server may take: an unreachable host fails in one line
+#: instead of hanging for the operating system's TCP timeout.
+CONNECT_TIMEOUT_S = 10
 
 _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -82,6 +97,57 @@ def open_engine(path: Path, *, readonly: bool) -> Engine:
         engine.dispose()
         raise
     return engine
+
+
+def open_server_engine(url, shown: str, *, readonly: bool) -> Engine:
+    """An engine on a PostgreSQL database whose schema is at the head revision (upgraded unless ``readonly``).
+
+    Raises ``DatabaseError`` for a server it cannot reach or log in to, a database it may not
+    read or write, or one of a newer schema; ``shown`` is the URL as messages print it.
+    """
+    engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    try:
+        _check_schema(engine, shown, readonly, server=True)
+    except SQLAlchemyError as e:
+        engine.dispose()
+        raise explain_server_error(e, shown, readonly) from e
+    except _OlderSchema as e:
+        engine.dispose()
+        raise DatabaseError(
+            f"{shown} holds tilegen schema revision {e.args[0]}, older than this tilegen's {SCHEMA_REVISION}; "
+            f"open it writable once (e.g. tilegen db list --db <url>) to upgrade it"
+        ) from None
+    except DatabaseError:
+        engine.dispose()
+        raise
+    return engine
+
+
+def explain_server_error(error: Exception, shown: str, readonly: bool) -> DatabaseError:
+    """One line for what went wrong talking to a server, saying what to check."""
+    text = " ".join(str(getattr(error, "orig", None) or error).split())
+    lowered = text.lower()
+    if "password" in lowered or "authentication" in lowered or ("role" in lowered and "does not exist" in lowered):
+        return DatabaseError(f"cannot log in to {shown}: {text}; check the user name and password in the URL")
+    if "database" in lowered and "does not exist" in lowered:
+        return DatabaseError(f"{shown}: {text}; create the database first (createdb), or fix its name in the URL")
+    if any(words in lowered for words in ("connection refused", "could not translate", "timeout", "timed out",
+                                          "no such file or directory", "could not connect", "connection failed",
+                                          "network is unreachable", "no route to host", "server closed")):
+        return DatabaseError(f"cannot reach the database server {shown}: {text}; "
+                             f"check the host and port in the URL, and that the server runs")
+    if "permission denied" in lowered or "read-only" in lowered:
+        return DatabaseError(f"cannot {'read' if readonly else 'write'} the tilegen database {shown}: {text}; "
+                             f"grant this user access, or give another --db")
+    return DatabaseError(f"tilegen database {shown}: {text}")
+
+
+def advisory_key(name: str) -> int:
+    """The second half of an advisory lock key: a stable signed 32-bit hash of ``name``."""
+    import zlib
+
+    value = zlib.crc32(name.encode())
+    return value - 2**32 if value >= 2**31 else value
 
 
 class _OlderSchema(Exception):
@@ -156,9 +222,11 @@ def _begin(connection: Connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def _check_schema(engine: Engine, path: Path, readonly: bool) -> None:
+def _check_schema(engine: Engine, path: Path | str, readonly: bool, *, server: bool = False) -> None:
     connectable = engine if readonly else engine.execution_options(**WRITE)
     with connectable.connect() as connection, connection.begin():
+        if server and not readonly:
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({ADVISORY_CLASS}, 0)")
         current = _stored_revisions(connection)
         if current == (SCHEMA_REVISION,):
             return
@@ -170,6 +238,9 @@ def _check_schema(engine: Engine, path: Path, readonly: bool) -> None:
             )
         if readonly:
             if not current:
+                if server:
+                    raise DatabaseError(f"{path} holds no tilegen tables; any tilegen db command or tune with "
+                                        f"--db and this URL creates them")
                 raise DatabaseError(f"not a tilegen database / corrupt: {path}")
             raise _OlderSchema(current[0])
         from alembic import command  # here, not at the top: see the module docstring
@@ -181,7 +252,10 @@ def _check_schema(engine: Engine, path: Path, readonly: bool) -> None:
 
 def _stored_revisions(connection: Connection) -> tuple[str, ...]:
     """The revisions in the version table, none for a file without one (empty, or not tilegen's)."""
-    tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
-    if connection.exec_driver_sql(tables, (VERSION_TABLE,)).first() is None:
+    if connection.dialect.name == "sqlite":
+        tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        if connection.exec_driver_sql(tables, (VERSION_TABLE,)).first() is None:
+            return ()
+    elif not inspect(connection).has_table(VERSION_TABLE):
         return ()
     return tuple(revision for (revision,) in connection.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import (
+    BigInteger,
     CheckConstraint,
     DateTime,
     Float,
@@ -33,9 +34,10 @@ from tilegen.db.sqlite import VERSION_TABLE  # noqa: E402  (defined with the SQL
 #: result, failed to compile, crashed at run time, rejected before compiling, or too slow.
 TRIAL_STATUSES = ("ok", "wrong", "compile_error", "fault", "infeasible", "timeout")
 
-#: Where a tuned row or trial came from: measured by ``tilegen tune`` into this file, or merged
-#: in by ``tilegen db import`` (measured elsewhere; ``tilegen db verify`` re-runs it here).
-PROVENANCES = ("tuned", "imported")
+#: Where a tuned row or trial came from: measured by ``tilegen tune`` into this database, merged
+#: in by ``tilegen db import``, or copied from a server by ``tilegen db pull`` (both measured
+#: elsewhere; ``tilegen db verify`` re-runs such a row here).
+PROVENANCES = ("tuned", "imported", "pulled")
 
 
 def utcnow() -> datetime:
@@ -57,7 +59,9 @@ class Gpu(Base):
     name: Mapped[str] = mapped_column(String(255))
     capability: Mapped[str] = mapped_column(String(16))  # "9.0"
     sm_count: Mapped[int] = mapped_column(Integer)
-    memory_bytes: Mapped[int] = mapped_column(Integer)
+    # 64 bits: a GPU's memory passes 2**31 bytes. SQLite's INTEGER is 64 bits already, and
+    # revision 0003 widens the column on other servers only.
+    memory_bytes: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))
 
 
 class Variant(Base):

@@ -18,7 +18,7 @@ from tilegen.db.errors import DatabaseError
 __all__ = ["BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error", "readonly_uri"]
 
 #: Every revision in ``migrations/versions``, oldest first (a test checks them against Alembic's).
-REVISIONS = ("0001", "0002")
+REVISIONS = ("0001", "0002", "0003")
 
 #: The newest revision: what a writable open upgrades a file to.
 SCHEMA_REVISION = REVISIONS[-1]

@@ -1,4 +1,4 @@
-"""``TuningDB``: tuned configs and every trial behind them, in one SQLite file.
+"""``TuningDB``: tuned configs and every trial behind them, in one SQLite file or a PostgreSQL database.
 
 Example::
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -35,10 +37,14 @@ from tilegen import env
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
+from tilegen.db.location import is_url, server_url, shown
 from tilegen.db.validate import check_best, check_trial
-from tilegen.db.migrate import WRITE, explain_error, open_engine
+from tilegen.db.migrate import (
+    ADVISORY_CLASS, WRITE, advisory_key, explain_error, explain_server_error, open_engine, open_server_engine,
+)
 from tilegen.db.models import (
     TRIAL_STATUSES,
+    VERSION_TABLE,
     Base,
     Gpu,
     Trial,
@@ -68,17 +74,30 @@ def studies_url(db_path: str | os.PathLike[str]) -> str:
 
 
 class TuningDB:
-    """One tuning database file; safe to share between threads and between processes.
+    """One tuning database; safe to share between threads and between processes (and hosts, on a server).
 
-    ``path=None`` opens ``tilegen.env.db_path()``. A writable open creates the file and its
-    folder and upgrades the schema; ``readonly=True`` never writes (the shipped database).
-    Every failure to open, read or write raises ``DatabaseError`` naming the file.
+    ``path`` is a SQLite file or a ``postgresql+psycopg://`` URL; ``None`` opens
+    ``tilegen.env.db_target()``. A writable open creates the file and its folder (a server's
+    database must exist) and upgrades the schema; ``readonly=True`` never writes (the shipped
+    database). Every failure to open, read or write raises ``DatabaseError`` naming the file
+    or the server (its password hidden). ``location`` is that name; ``path`` is the file,
+    ``None`` on a server.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, readonly: bool = False):
-        self.path = Path(path if path is not None else env.db_path()).expanduser()
+        target = path if path is not None else env.db_target()
         self.readonly = readonly
         self.skipped: list[str] = []  # rows the last import_json(skip_bad=True) left out, each named
+        if is_url(target):
+            self.path = None
+            self.url = server_url(target)
+            self.location = shown(self.url)
+            self._engine = open_server_engine(self.url, self.location, readonly=readonly)
+            self._writer = self._engine
+            return
+        self.path = Path(target).expanduser()
+        self.url = None
+        self.location = str(self.path)
         if readonly and not self.path.is_file():
             raise DatabaseError(f"no tilegen database at {self.path}")
         if not readonly:
@@ -90,14 +109,58 @@ class TuningDB:
         self._writer = self._engine.execution_options(**WRITE)
 
     def __repr__(self) -> str:
-        return f"TuningDB({str(self.path)!r}{', readonly=True' if self.readonly else ''})"
+        return f"TuningDB({self.location!r}{', readonly=True' if self.readonly else ''})"
+
+    @property
+    def is_server(self) -> bool:
+        return self.url is not None
+
+    def studies_url(self) -> str:
+        """Optuna's storage URL for the studies: the file beside a SQLite database, the same server database."""
+        if self.is_server:
+            return self.url.render_as_string(hide_password=False)
+        return studies_url(self.path)
+
+    @contextlib.contextmanager
+    def studies_lock(self, name: str = "") -> Iterator[None]:
+        """Hold, across processes (and hosts, on a server), the lock on Optuna's studies named ``name``.
+
+        Optuna creates its tables and studies with check-then-create, and a tune decides which
+        study (``<key>-run<k>``) to add to from what the database holds: both must be one step
+        for every process. A file lock beside a SQLite database (one host shares it); a
+        session advisory lock on a server, held on a connection of its own.
+        """
+        if not self.is_server:
+            lock = Path(self.studies_url().removeprefix("sqlite:///") + ".lock")
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with open(lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                yield
+            return
+        key = (ADVISORY_CLASS, advisory_key("studies:" + name))
+        try:
+            connection = self._engine.connect()
+            connection.exec_driver_sql("SELECT pg_advisory_lock(%s, %s)", key)
+        except SQLAlchemyError as e:
+            raise explain_server_error(e, self.location, False) from e
+        try:
+            yield
+        finally:
+            with contextlib.suppress(SQLAlchemyError):
+                connection.exec_driver_sql("SELECT pg_advisory_unlock(%s, %s)", key)
+            connection.close()
 
     def check_writable(self) -> None:
-        """Raise ``DatabaseError`` unless this file can be written now (a tune asks before it measures).
+        """Raise ``DatabaseError`` unless this database can be written now (a tune asks before it measures).
 
         SQLite opens a read-only file without complaint and fails only at the first write, so
-        the permissions are asked first and then a write that changes nothing is made.
+        the permissions are asked first and then a write that changes nothing is made. A
+        server gets that write alone: it answers for its own permissions.
         """
+        if self.is_server:
+            with self._session(write=True) as session:
+                session.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = version_num"))
+            return
         where = self.path if self.path.exists() else self.path.parent
         if self.readonly or not os.access(where, os.W_OK) or not os.access(self.path.parent, os.W_OK):
             raise DatabaseError(
@@ -134,6 +197,8 @@ class TuningDB:
         if status not in TRIAL_STATUSES:
             raise ValueError(f"status: expected one of {', '.join(TRIAL_STATUSES)}, got {status!r}")
         check_trial(spec, device, bucket, config, status, time_ms)
+        # SQLite stores NaN as NULL; a server would keep it, and exports (JSON) refuse it.
+        time_ms, max_error = (None if isinstance(v, float) and math.isnan(v) else v for v in (time_ms, max_error))
         with self._session(write=True) as session:
             values = dict(
                 **_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version,
@@ -145,11 +210,16 @@ class TuningDB:
             if not created:
                 if row.config_json != values["config_json"] or row.variant_id != values["variant_id"]:
                     raise DatabaseError(
-                        f"{self.path} already holds trial {trial_number} of study {study_name} with another config; "
+                        f"{self.location} already holds trial {trial_number} of study {study_name} with another config; "
                         f"trials are never overwritten (start a new study for this key)"
                     )
                 for name, value in values.items():
                     setattr(row, name, value)
+
+    def trials_in_studies(self, study_prefix: str) -> list[TrialRow]:
+        """Every trial filed under a study whose name is ``study_prefix`` or starts with it."""
+        with self._session() as session:
+            return _trials(session, Trial.study_name.startswith(study_prefix, autoescape=True))
 
     def trial_numbers(self, study_prefix: str) -> dict[str, int]:
         """The largest trial number stored per study whose name is ``study_prefix`` or starts with it."""
@@ -182,11 +252,11 @@ class TuningDB:
             )
             return _merge_best(session, key, values)
 
-    def import_json(self, data: dict[str, Any], *, skip_bad: bool = False) -> int:
+    def import_json(self, data: dict[str, Any], *, skip_bad: bool = False, provenance: str = "imported") -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
 
         Tuned rows merge as ``record_best`` does; trials already here are kept as they are.
-        Every row is marked ``provenance="imported"``. A malformed document raises ``ValueError``
+        Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
         before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
         its kernel cannot run, a time that is not positive, a bucket its family never gives),
         naming it; with ``skip_bad`` such rows are left out instead (``self.skipped`` says which).
@@ -204,14 +274,14 @@ class TuningDB:
                 key = dict(**ids, bucket=entry["bucket"], triton_version=entry["triton_version"])
                 values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
                                                 "max_error", "trials", "created_at")}
-                values.update(config_json=_canonical(entry["config"]), provenance="imported")
+                values.update(config_json=_canonical(entry["config"]), provenance=provenance)
                 changed += _merge_best(session, key, values)
             for entry in sections["trials"]:
                 key = {"study_name": entry["study_name"], "trial_number": entry["trial_number"]}
                 values = {n: entry[n] for n in ("bucket", "triton_version", "status", "time_ms", "max_error",
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
-                              provenance="imported")
+                              provenance=provenance)
                 changed += _insert_or_fetch(session, Trial, key, values)[1]
         return changed
 
@@ -312,17 +382,49 @@ class TuningDB:
         with self._session() as session:
             return _trials(session, Variant.spec_hash == spec_hash)
 
-    def export_json(self) -> dict[str, Any]:
-        """The whole database in the JSON form ``import_json`` reads (see ``tilegen.db.exchange``)."""
+    def export_json(
+        self, *, gpu_key: str | None = None, triton_version: str | None = None, tilegen_version: str | None = None,
+    ) -> dict[str, Any]:
+        """The database in the JSON form ``import_json`` reads (see ``tilegen.db.exchange``).
+
+        Without arguments, all of it. ``gpu_key``, ``triton_version`` and ``tilegen_version``
+        keep only the tuned rows of that GPU, Triton and tilegen release (``tilegen db pull``),
+        with the trials of their variants on that GPU and Triton (trials carry no tilegen
+        version), and the GPUs and variants those name.
+        """
+        tuned_where, trial_where = [], []
+        if gpu_key is not None:
+            tuned_where.append(Gpu.key == gpu_key)
+            trial_where.append(Gpu.key == gpu_key)
+        if triton_version is not None:
+            tuned_where.append(TunedConfig.triton_version == triton_version)
+            trial_where.append(Trial.triton_version == triton_version)
+        if tilegen_version is not None:
+            tuned_where.append(TunedConfig.tilegen_version == tilegen_version)
+        whole = not tuned_where
         with self._session() as session:  # one transaction: a consistent snapshot under concurrent writers
-            return {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "gpus": [{n: getattr(g, n) for n in SECTIONS["gpus"]} for g in session.scalars(_GPUS_BY_KEY)],
-                "variants": [dataclasses.asdict(v) for v in _variants(session, "")],
-                "tuned": [_jsonable(row) for row in _list_tuned(session)],
-                "trials": [_jsonable(row) for row in _trials(session, true())],
-            }
+            tuned = _list_tuned(session, and_(true(), *tuned_where))
+            if whole:
+                trials = _trials(session, true())
+            else:
+                pulled = {(row.spec_hash, row.template_hash) for row in tuned}
+                trials = [row for row in _trials(session, and_(true(), *trial_where))
+                          if (row.spec_hash, row.template_hash) in pulled]
+            gpus = [{n: getattr(g, n) for n in SECTIONS["gpus"]} for g in session.scalars(_GPUS_BY_KEY)]
+            variants = [dataclasses.asdict(v) for v in _variants(session, "")]
+        if not whole:
+            named = {row.gpu_key for row in [*tuned, *trials]}
+            gpus = [g for g in gpus if g["key"] in named]
+            named_variants = {(row.spec_hash, row.template_hash) for row in [*tuned, *trials]}
+            variants = [v for v in variants if (v["spec_hash"], v["template_hash"]) in named_variants]
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "gpus": gpus,
+            "variants": variants,
+            "tuned": [_jsonable(row) for row in tuned],
+            "trials": [_jsonable(row) for row in trials],
+        }
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -330,19 +432,26 @@ class TuningDB:
     def _session(self, *, write: bool = False) -> Iterator[Session]:
         """One transaction: committed on success, rolled back on any error."""
         if write and self.readonly:
-            raise DatabaseError(f"{self.path} is open read-only")
+            raise DatabaseError(f"{self.location} is open read-only")
         try:
             with Session(self._writer if write else self._engine, expire_on_commit=False) as session, session.begin():
                 yield session
         except SQLAlchemyError as e:
+            if self.is_server:
+                raise explain_server_error(e, self.location, self.readonly) from e
             raise explain_error(e, self.path, self.readonly) from e
 
 
 def _insert_or_fetch(
     session: Session, model: type[_M], key: dict[str, Any], values: dict[str, Any]
 ) -> tuple[_M, bool]:
-    """The row with unique ``key``, inserted with ``values`` when absent; ``True`` when inserted."""
-    query = select(model).filter_by(**key)
+    """The row with unique ``key``, inserted with ``values`` when absent; ``True`` when inserted.
+
+    The row comes locked (``FOR UPDATE``, which SQLite's dialect leaves out: there ``BEGIN
+    IMMEDIATE`` already holds the whole file), so on a server two writers merging into one
+    tuned row take turns instead of the slower overwriting the faster.
+    """
+    query = select(model).filter_by(**key).with_for_update()
     row = session.scalars(query).one_or_none()
     if row is not None:
         return row, False
@@ -352,7 +461,8 @@ def _insert_or_fetch(
             session.add(row)
     except IntegrityError:
         # Another writer stored the key between our read and our insert. BEGIN IMMEDIATE rules
-        # that out among tilegen processes; a writer that does not lock first still can.
+        # that out among tilegen processes on SQLite; on a server (no predicate locks) and for
+        # a writer that does not lock first, it happens.
         return session.scalars(query).one(), False
     return row, True
 
@@ -415,8 +525,8 @@ def _trial_query() -> Select:
     return select(Trial, Variant, Gpu).join(Variant, Trial.variant_id == Variant.id).join(Gpu, Trial.gpu_id == Gpu.id)
 
 
-def _list_tuned(session: Session) -> list[TunedRow]:
-    query = _tuned_query().order_by(
+def _list_tuned(session: Session, where: ColumnElement[bool] | None = None) -> list[TunedRow]:
+    query = _tuned_query().where(true() if where is None else where).order_by(
         Variant.name, Variant.spec_hash, Gpu.key, TunedConfig.triton_version, TunedConfig.bucket
     )
     return [_tuned_row(row) for row in session.execute(query)]
