@@ -11,23 +11,38 @@ flight), and the database, not the study, says which configs a key has measured:
 config measured before is answered from there instead of measured again. After the
 study the best correct config goes to the tuned-config table, which is what
 ``tilegen.attention`` dispatches from.
+
+Several tune processes may share a study: the workers of ``tilegen tune --gpus``, or
+processes on several hosts against one database server (Optuna's parallel optimization).
+A run aims at a count of measured configs per key (its goal: what the key held plus the
+budget), which all processes started with the same goal reach together. Under the
+database's studies lock, each trial reads what the others have measured and are
+measuring, and a config another process has in flight is never measured a second time.
+Each running trial beats a heartbeat; a trial whose process died (kill -9, a lost host)
+goes stale, any process of the study marks it failed and queues it again, and a process
+does not leave a bucket while trials it still counts on run elsewhere. So no trial stays
+RUNNING, none is lost, and none is measured twice.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
+import inspect
 import math
+import os
 import random
-from dataclasses import dataclass
-from pathlib import Path
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
 
 import optuna
+from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tilegen import dispatch
-from tilegen.db import DatabaseError, TrialRow, studies_url
+from tilegen.db import DatabaseError, TrialRow
 from tilegen.device import DeviceInfo
 from tilegen.families import Config, Family, Problem, family_of
 from tilegen.ir import Spec
@@ -41,6 +56,16 @@ SAMPLERS = ("tpe", "grid")
 _NEIGHBOURS = 3
 #: How long a write to the studies file waits while another tune process writes (SQLite's busy timeout).
 _SQLITE_TIMEOUT_S = 60
+#: Seconds between a running trial's heartbeats, by default.
+HEARTBEAT_S = 20
+#: A trial whose heartbeat is this many intervals old belongs to a dead process: it is failed and queued again.
+_GRACE_BEATS = 3
+#: A config whose trials keep dying (its process is killed each time) is queued again at most this often.
+_RETRIES = 3
+#: How often a process that waits for trials running elsewhere looks again, in seconds.
+_POLL_S = 0.5
+#: The user attribute each trial carries: which host and process measured it.
+WORKER_ATTR = "tilegen_worker"
 
 
 @dataclass(frozen=True)
@@ -82,7 +107,7 @@ class Tuner:
     """Tunes buckets one after another with one worker process; use as a context manager.
 
     Args:
-        db: an open ``tilegen.db.TuningDB``; the studies live beside it.
+        db: an open ``tilegen.db.TuningDB``; the studies live beside it (in it, on a server).
         device: the device the rows are filed under (``device_info()``).
         sampler: ``"tpe"`` or ``"grid"`` (every feasible config once).
         trials: configs to measure per bucket in this run; ``None`` measures every untried one.
@@ -94,13 +119,20 @@ class Tuner:
         worker: what measures a config: ``measure(task, timeout) -> dict`` and ``close()``;
             a spawned ``tilegen.tuning.worker.Worker`` by default (a replay answers from
             recorded timings instead).
+        heartbeat: seconds between a running trial's heartbeats; a trial silent for three
+            is failed and measured again by a live process.
+        worker_index: this process's place among processes sharing the studies (0 alone);
+            it varies the sampler's seed, so parallel workers propose different configs.
     """
 
     def __init__(
         self, db, device: DeviceInfo, *, sampler: str = "tpe", trials: int | None = None,
         timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
         reporter: Reporter | None = None, warm_start: bool = True, worker=None,
+        heartbeat: int = HEARTBEAT_S, worker_index: int = 0,
     ):
+        if not (isinstance(heartbeat, int) and heartbeat > 0):
+            raise ValueError(f"heartbeat: expected a positive whole number of seconds, got {heartbeat!r}")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
         self.db = db
@@ -112,12 +144,11 @@ class Tuner:
         self.trial_timeout = trial_timeout
         self.reporter = reporter or Reporter()
         self.warm_start = warm_start
-        url = studies_url(db.path)
-        self._studies_path = Path(url.removeprefix("sqlite:///"))
-        with self._studies_errors(), self._studies_lock():
-            self._storage = optuna.storages.RDBStorage(
-                url, engine_kwargs={"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
-            )
+        self.heartbeat = heartbeat
+        self.worker_index = worker_index
+        self._label = f"{socket.gethostname()}:{os.getpid()}"
+        with self._studies_errors(), db.studies_lock():
+            self._storage, self._retry = _storage(db, heartbeat)
         self._worker = worker or Worker()
 
     def __enter__(self) -> Tuner:
@@ -126,8 +157,38 @@ class Tuner:
     def __exit__(self, *exc) -> None:
         self._worker.close()
 
-    def tune(self, spec: Spec, bucket: int) -> BucketResult:
-        """Measure configs of ``spec`` at ``bucket`` and store the fastest correct one for dispatch."""
+    def tune(self, spec: Spec, bucket: int, *, goal: int | None = None) -> BucketResult:
+        """Measure configs of ``spec`` at ``bucket`` and store the fastest correct one for dispatch.
+
+        ``goal`` is how many configs the key should have measured when the tune ends, counting
+        every process's (``goal()`` gives this run's); processes given one goal share it.
+        """
+        return self.tune_many(spec, [bucket], goals=None if goal is None else {bucket: goal})[0]
+
+    def tune_many(self, spec: Spec, buckets: list[int], *, goals: dict[int, int] | None = None) -> list[BucketResult]:
+        """``tune`` for each bucket, except that waiting for trials other processes still run comes
+        last: a process that has nothing left to start in one bucket starts the next one's."""
+        runs = []
+        for bucket in buckets:
+            run = self._open(spec, bucket, (goals or {}).get(bucket))
+            self._search(run)
+            self._record(run)
+            runs.append(run)
+        for run in runs:
+            if self._finish(run):
+                self._record(run)
+        return [self._result(run) for run in runs]
+
+    def goal(self, spec: Spec, bucket: int) -> int:
+        """The measured-config count this run aims at for a key: what it holds plus the budget."""
+        family = family_of(spec)
+        key = TuningKey.current(spec, self.device, bucket)
+        feasible = {c.to_json() for c in family.candidates(spec, self.device)}
+        measured = len(feasible & set(self._measured(key, family)))
+        budget = len(feasible) - measured
+        return measured + (budget if self.trials is None else min(self.trials, budget))
+
+    def _open(self, spec: Spec, bucket: int, goal: int | None) -> _Run:
         family = family_of(spec)
         key = TuningKey.current(spec, self.device, bucket)
         problem = family.problem(spec, bucket, on_gpu=not self.device.is_interpreter)
@@ -136,33 +197,40 @@ class Tuner:
             space = _Knobs(family.config_type, family.search_space(spec, self.device))
         else:
             space = _Choices(feasible_configs)
-        done = self._measured(key, family)
-        untried = [c for c in feasible_configs if c.to_json() not in done]
-        budget = len(untried) if self.trials is None else min(self.trials, len(untried))
-        self.reporter.start(key, budget, _best(done))
+        run = _Run(key, family, problem, space, feasible_configs, self._measured(key, family))
+        run.goal = self.goal(spec, bucket) if goal is None else goal
+        budget = max(0, run.goal - run.measured())
+        self.reporter.start(key, budget, _best(run.done))
         if budget:
             with self._studies_errors():
-                study = self._study(key, space)
+                run.study = self._study(key, space)
+                self._reap(run)  # a killed earlier run's trial is measured again first
                 if space.takes_queue and self.warm_start:
-                    for config in self._warm_start(key, family, untried)[:budget]:
-                        study.enqueue_trial(space.params(config), skip_if_exists=True)
-                self._optimize(study, space, key, family, problem, done, untried, budget)
+                    for config in self._warm_start(key, family, run.untried())[:budget]:
+                        run.study.enqueue_trial(space.params(config), skip_if_exists=True)
+        return run
 
-        best = _best(done)
-        tflops = problem.flops() / (best.time_ms * 1e9) if best else None
-        gbps = problem.bytes_moved() / (best.time_ms * 1e6) if best else None
-        recorded = best is not None and self.db.record_best(
-            **key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
-            trials=sum(r.status != "infeasible" for r in done.values()), tflops=tflops, gbps=gbps,
-        )
+    def _record(self, run: _Run) -> None:
+        best = _best(run.done)
+        run.tflops = run.problem.flops() / (best.time_ms * 1e9) if best else None
+        run.gbps = run.problem.bytes_moved() / (best.time_ms * 1e6) if best else None
+        if best is not None:
+            run.recorded |= self.db.record_best(
+                **run.key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
+                trials=sum(r.status != "infeasible" for r in run.done.values()), tflops=run.tflops, gbps=run.gbps,
+            )
         dispatch.reset()  # this process's next call reads the new row
-        return BucketResult(key, best, tflops, gbps, collections.Counter(r.status for r in done.values()), recorded)
+
+    def _result(self, run: _Run) -> BucketResult:
+        statuses = collections.Counter(r.status for r in run.done.values())
+        return BucketResult(run.key, _best(run.done), run.tflops, run.gbps, statuses, run.recorded)
 
     def _study(self, key: TuningKey, space) -> optuna.Study:
-        with self._studies_lock():
+        # Choosing the run and creating its study is one step for every process (see studies_lock).
+        with self.db.studies_lock(key.study_name):
             return optuna.create_study(
                 storage=self._storage, study_name=self._study_name(key), direction="minimize",
-                sampler=space.sampler(self.seed), load_if_exists=True,
+                sampler=space.sampler(self.seed + self.worker_index), load_if_exists=True,
             )
 
     def _study_name(self, key: TuningKey) -> str:
@@ -184,23 +252,14 @@ class Tuner:
         return f"{key.study_name}-run{_run_index(key.study_name, latest) + 1}"
 
     @contextlib.contextmanager
-    def _studies_lock(self):
-        # Optuna creates its tables and studies with check-then-create; two tune processes
-        # opening one fresh file race on that, so creation is serialized across processes.
-        lock = self._studies_path.with_name(self._studies_path.name + ".lock")
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            yield
-
-    @contextlib.contextmanager
     def _studies_errors(self):
-        """Report a studies file SQLite cannot use as the database layer reports its own files."""
+        """Report studies the database cannot hold as the database layer reports its own tables."""
         try:
             yield
         except SQLAlchemyError as e:
-            text = str(getattr(e, "orig", None) or e).splitlines()[0]
-            raise DatabaseError(f"Optuna studies file {self._studies_path}: {text}") from e
+            text = " ".join(str(getattr(e, "orig", None) or e).split())
+            where = self.db.location if self.db.is_server else self.db.studies_url().removeprefix("sqlite:///")
+            raise DatabaseError(f"Optuna studies {'in' if self.db.is_server else 'file'} {where}: {text}") from e
 
     def _warm_start(self, key: TuningKey, family: Family, untried: list[Config]) -> list[Config]:
         """Untried configs worth measuring first: the heuristic default, then neighbouring buckets' best."""
@@ -213,39 +272,128 @@ class Tuner:
             del rows[bucket]
         return list(dict.fromkeys(c for c in seeds if c in untried))
 
-    def _optimize(self, study, space, key, family, problem, done, untried, budget) -> None:
-        rng = random.Random(self.seed)
-        measured = 0
+    def _search(self, run: _Run) -> None:
+        """Run the study until the goal is met, counting the configs other processes are measuring."""
+        if run.study is None:
+            return
+        study, space = run.study, run.space
+        rng = random.Random(self.seed if self.worker_index == 0 else f"{self.seed}/{self.worker_index}")
 
         def objective(trial: optuna.Trial) -> float:
-            nonlocal measured
-            config = space.suggest(trial)
-            earlier = done.get(config.to_json())
+            trial.set_user_attr(WORKER_ATTR, self._label)
+            # One process at a time decides what its trial measures, so two never take one config.
+            with self.db.studies_lock(run.key.study_name):
+                config = space.suggest(trial)
+                run.done = self._measured(run.key, run.family)
+                flying = self._in_flight(run, trial)
+                earlier = run.done.get(config.to_json())
+                taken = config.to_json() in flying
+                spent = run.measured() + len(flying & run.feasible) >= run.goal
+                if space.takes_queue and (earlier is not None or taken) and not spent:
+                    # The sampler proposed nothing measurable: queue an untried config next, so
+                    # every trial of the budget measures something new.
+                    left = [c for c in run.untried() if c.to_json() not in flying]
+                    if left:
+                        study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
+            if earlier is None and (taken or spent):
+                raise optuna.TrialPruned("measured by another process" if taken else "the budget is spent")
             if earlier is None:
-                result = done[config.to_json()] = self._run_trial(
-                    key, family, problem, study.study_name, trial, config)
-                measured += result.status != "infeasible"
-                self.reporter.trial(key, result, _best(done))
+                result = run.done[config.to_json()] = self._run_trial(
+                    run.key, run.family, run.problem, study.study_name, trial, config)
+                self.reporter.trial(run.key, result, _best(run.done))
+                if space.takes_queue and result.status == "infeasible":
+                    left = [c for c in run.untried() if c.to_json() not in flying]
+                    if left:
+                        study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
             else:
                 result = earlier
-            if space.takes_queue and (earlier is not None or result.status == "infeasible"):
-                # The sampler proposed nothing measurable: queue an untried config next, so
-                # every trial of the budget measures something new.
-                left = [c for c in untried if c.to_json() not in done]
-                if left:
-                    study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
             if result.status == "infeasible":
                 raise optuna.TrialPruned(result.reason)
             return result.time_ms if result.status == "ok" else math.inf  # a failed config can never win
 
-        def stop_at_budget(study: optuna.Study, _trial) -> None:
-            if measured >= budget:
+        def stop_at_goal(study: optuna.Study, _trial) -> None:
+            if run.measured() >= run.goal:
                 study.stop()
 
+        budget = max(0, run.goal - run.measured())
         # With TPE each trial that measures nothing queues one that does, so 2 * budget trials
         # suffice; the grid stops itself when exhausted. The bound only guards against another
         # process taking the queued trials.
-        study.optimize(objective, n_trials=2 * budget + len(untried), timeout=self.timeout, callbacks=[stop_at_budget])
+        run.objective, run.callbacks = objective, [stop_at_goal]
+        self._optimize(run, 2 * budget + len(run.untried()), self.timeout)
+
+    def _optimize(self, run: _Run, n_trials: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = n_trials
+        while left > 0:
+            before = len(run.study.get_trials(deepcopy=False))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    run.study.optimize(run.objective, n_trials=left, callbacks=run.callbacks,
+                                       timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                return
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # This process missed its heartbeats (a stalled host) and another one failed its
+                # trial as stale; the result is in the database all the same, so carry on.
+                left -= max(1, len(run.study.get_trials(deepcopy=False)) - before)
+
+    def _finish(self, run: _Run) -> bool:
+        """Wait until the trials counted towards the goal have finished, measuring again those whose
+        process died; ``True`` when anything was measured here meanwhile."""
+        if run.study is None:
+            return False
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        measured_here = False
+        while deadline is None or time.monotonic() < deadline:
+            run.done = self._measured(run.key, run.family)
+            if run.measured() >= run.goal or not run.untried():
+                break
+            with self._studies_errors():
+                self._reap(run)
+                waiting = len(run.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+                flying = self._in_flight(run, None)
+            if waiting:
+                self._optimize(run, waiting, None)
+                measured_here = True
+            elif flying:
+                time.sleep(_POLL_S)
+            else:
+                break  # the sampler is done or the time is up; nobody measures the rest
+        run.done = self._measured(run.key, run.family)
+        return measured_here
+
+    def _in_flight(self, run: _Run, trial: optuna.Trial | None) -> set[str]:
+        """Configs (canonical JSON) that other live processes' trials of the study are measuring now.
+
+        A RUNNING trial without a worker label comes from a tilegen that ran no heartbeats: its
+        process is long gone, and nothing will ever finish it, so it holds no config.
+        """
+        running = run.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        others = (t for t in running if (trial is None or t.number != trial.number) and _alive(t))
+        configs = (run.space.config_of(t.params) for t in others)
+        return {c.to_json() for c in configs if c is not None}
+
+    def _reap(self, run: _Run) -> None:
+        """Fail the study's trials whose process is dead, and queue their configs again.
+
+        Optuna's heartbeat finds a dead process on any host once its grace period passes; a
+        process of this host is known dead at once, so a killed tune resumes, and a replaced
+        worker carries on, without waiting for that.
+        """
+        storage = run.study._storage
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(run.study)
+        for trial in run.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if WORKER_ATTR not in trial.user_attrs or _alive(trial):
+                continue
+            try:
+                failed = storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                failed = False  # another process failed it first, and queued it
+            if failed:
+                self._retry(run.study, storage.get_trial(trial._trial_id))
 
     def _run_trial(
         self, key: TuningKey, family: Family, problem: Problem, study_name: str, trial: optuna.Trial, config: Config
@@ -265,9 +413,59 @@ class Tuner:
     def _measured(self, key: TuningKey, family: Family) -> dict[str, TrialResult]:
         """Configs the key's studies (every run) have measured, by canonical JSON, from the database: it
         holds every finished trial, even one whose process was killed before Optuna heard of it."""
-        rows = [r for r in self.db.trials_for(key.spec.hash) if _run_index(key.study_name, r.study_name) is not None]
+        rows = [r for r in self.db.trials_in_studies(key.study_name)
+                if _run_index(key.study_name, r.study_name) is not None]
         results = (TrialResult.from_row(row, family.config_type) for row in rows)
         return {result.config.to_json(): result for result in results}
+
+
+@dataclass(eq=False)
+class _Run:
+    """One bucket's tune in this process: its study, the goal, and what the key has measured."""
+
+    key: TuningKey
+    family: Family
+    problem: Problem
+    space: object
+    configs: list[Config]  # the feasible ones
+    done: dict[str, TrialResult]  # every measured config of the key, by canonical JSON
+    goal: int = 0
+    study: optuna.Study | None = None
+    recorded: bool = False
+    tflops: float | None = None
+    gbps: float | None = None
+    objective: object = None
+    callbacks: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.feasible = {c.to_json() for c in self.configs}
+
+    def measured(self) -> int:
+        return len(self.feasible & self.done.keys())
+
+    def untried(self) -> list[Config]:
+        return [c for c in self.configs if c.to_json() not in self.done]
+
+
+def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
+    """Optuna's storage for the database's studies, with heartbeats: a trial of a dead process is
+    failed and queued again (same config, same grid point) instead of staying RUNNING."""
+    if db.is_server:
+        engine = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
+    else:
+        engine = {"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
+    # Optuna 4.9 renamed the retry callback and the argument that takes it.
+    renamed = "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
+    name = "heartbeat_stale_trial_callback" if renamed else "failed_trial_callback"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback" if renamed else "RetryFailedTrialCallback")(
+            max_retry=_RETRIES)
+        storage = optuna.storages.RDBStorage(
+            db.studies_url(), engine_kwargs=engine, heartbeat_interval=heartbeat,
+            grace_period=_GRACE_BEATS * heartbeat, **{name: retry},
+        )
+    return storage, retry
 
 
 class _Knobs:
@@ -286,7 +484,9 @@ class _Knobs:
         # warm start), ordinal knobs sampled independently came within 3% of the best in a median
         # of 7, 8 and 6.5 trials; sampled jointly (Optuna 5's default) 7, 11 and 8; one categorical
         # per knob, jointly, 7.5, 12.5 and 9; with Optuna's default 10 random trials, 9.5, 10 and 6.5.
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=3, multivariate=False)
+        # constant_liar: a trial another process is running counts as a poor result, so parallel
+        # workers spread out; alone, no other trial runs while one samples, so nothing changes.
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=3, multivariate=False, constant_liar=True)
 
     # Parameter names of their own: a study made when the knobs were categorical by value keeps
     # those names, and Optuna refuses a second distribution under a name it already knows.
@@ -296,6 +496,13 @@ class _Knobs:
 
     def params(self, config: Config) -> dict[str, int]:
         return {f"{name}_index": values.index(getattr(config, name)) for name, values in self.space.items()}
+
+    def config_of(self, params: dict) -> Config | None:
+        """The config a trial's parameters name; ``None`` before it has them all."""
+        try:
+            return self.config_type(**{name: values[params[f"{name}_index"]] for name, values in self.space.items()})
+        except (KeyError, IndexError, ValueError, TypeError):
+            return None
 
 
 class _Choices:
@@ -319,6 +526,32 @@ class _Choices:
 
     def params(self, config: Config) -> dict[str, str]:
         return {self._PARAM: config.to_json()}
+
+    def config_of(self, params: dict) -> Config | None:
+        return self.by_json.get(params.get(self._PARAM))
+
+
+def _alive(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether the process a trial's worker label names may still run it (another host's always may)."""
+    label = trial.user_attrs.get(WORKER_ATTR)
+    if label is None:
+        return False
+    host, _, pid = label.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def _run_index(base: str, name: str) -> int | None:

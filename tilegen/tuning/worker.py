@@ -10,7 +10,12 @@ Testing hook: ``TILEGEN_TUNE_INJECT='{"<config>": "<failure>"}'``, the config wr
 as its label (``str(config)``, e.g. ``"BM32-BN32-w4-s1"``) or its canonical JSON, makes the worker fail it on
 purpose: ``"compile_error"`` raises the error Triton 3.6 gives when its pipeliner
 rejects a config, ``"wrong"`` spoils the output after the kernel, ``"crash"`` exits the
-worker mid-trial, ``"hang"`` never answers. The worker reads it when it starts.
+worker mid-trial, ``"hang"`` never answers, ``"sleep:<seconds>"`` waits that long and then
+measures (a trial that is in flight long enough to kill its tune process). The worker
+reads it when it starts.
+
+The child leaves when its parent dies: killed with -9, the tune process cannot close the
+pipe's other end in a way a measuring child notices, and an orphan would keep its GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -122,6 +128,7 @@ def _serve(conn) -> None:
         return
     # Ctrl-C reaches the whole process group; the parent decides, and closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(),), daemon=True).start()
     conn.send({"ready": True})
     while True:
         try:
@@ -134,6 +141,8 @@ def _serve(conn) -> None:
             os._exit(1)
         if failure == "hang":
             time.sleep(1e9)
+        if failure and failure.startswith("sleep:"):
+            time.sleep(float(failure.removeprefix("sleep:")))
         broken = False
         try:
             if failure == "compile_error":
@@ -149,6 +158,12 @@ def _serve(conn) -> None:
         conn.send(result)
         if broken:
             return  # this context cannot launch again; the parent starts a new worker
+
+
+def _leave_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def _cuda_broken() -> bool:
