@@ -11,11 +11,13 @@ import torch
 import typer
 from rich.console import Console
 
+from tilegen import env
 from tilegen.cli import app, fail
 from tilegen.cli.spec_args import takes_spec
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ir import Spec
+from tilegen.key import TuningKey
 
 _GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 _INTERPRETER_SEQLENS = (16, 32)  # the interpreter is slow: tiny lengths finish in seconds
@@ -39,8 +41,22 @@ def tune(
     ),
     timeout: Optional[float] = typer.Option(None, help="Seconds per bucket (default: no limit)."),
     sampler: str = typer.Option("tpe", help="tpe (learns from earlier trials) or grid (every feasible config)."),
-    db: Optional[Path] = typer.Option(None, help="Tuning database (default: $TILEGEN_DB or the user data folder)."),
+    db: Optional[str] = typer.Option(
+        None, help="Tuning database: a SQLite file, or a server URL such as postgresql+psycopg://user@host/tilegen "
+        "(default: $TILEGEN_DB or the user data folder).",
+    ),
     seed: int = typer.Option(0, help="Seed of the sampler and of the random inputs."),
+    gpus: Optional[str] = typer.Option(
+        None, help="GPUs to tune on, one tune process each, sharing every study: indices such as 0,1, or all "
+        "(default: one process on the current GPU).",
+    ),
+    workers: Optional[int] = typer.Option(
+        None, help="Without a GPU: interpreter processes sharing every study, as --gpus runs one per GPU.",
+    ),
+    heartbeat: int = typer.Option(
+        20, help="Seconds between a running trial's heartbeats; a trial silent for three (its process died) "
+        "is failed and measured again.",
+    ),
 ) -> None:
     """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
@@ -50,28 +66,91 @@ def tune(
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
     if not 0 <= seed < 2**32:
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
-    if db is not None and db.is_dir():
-        fail(f"--db: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
+    if heartbeat < 1:
+        fail(f"--heartbeat: expected a positive whole number of seconds, got {heartbeat}")
+    db = check_db_option(db)
+    slots = _parse_slots(gpus, workers)
 
     if not torch.cuda.is_available():
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
-    _tune(spec, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed)
+    _tune(spec, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
+          heartbeat=heartbeat)
 
 
-def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
+def check_db_option(db: str | None) -> str | Path | None:
+    """``--db`` as a file path or a checked server URL; a bad one ends in one line before anything runs."""
+    from tilegen.db.errors import DatabaseError
+    from tilegen.db.location import is_url, server_url
+
+    if db is None:
+        return None
+    if is_url(db):
+        try:
+            server_url(db)
+        except DatabaseError as e:
+            fail(f"--db: {e}")
+        return db
+    path = Path(db)
+    if path.is_dir():
+        fail(f"--db: {path} is a folder; give the database file, e.g. {path / 'tuning.sqlite'}")
+    return path
+
+
+def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | None:
+    """The tune processes to run, one per slot (a GPU index, or ``None`` for an interpreter worker);
+    ``None`` for today's single process."""
+    if gpus is not None and workers is not None:
+        fail("--workers: give --gpus (one process per GPU) or --workers (interpreter processes), not both")
+    if workers is not None:
+        if workers < 1:
+            fail(f"--workers: expected a positive number of processes, got {workers}")
+        if torch.cuda.is_available():
+            fail("--workers: this machine has a GPU; give --gpus (one tune process per GPU) instead")
+        return [None] * workers
+    if gpus is None:
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    text = gpus.strip()
+    if text == "all":
+        if not count:
+            fail("--gpus: this machine has no CUDA GPU; without one, run interpreter processes with --workers N")
+        return list(range(count))
+    try:
+        indices = [int(part) for part in text.split(",")]
+    except ValueError:
+        fail(f"--gpus: expected GPU indices such as 0,1 or all; got {gpus!r}")
+    if min(indices) < 0:
+        fail(f"--gpus: GPU indices start at 0; got {min(indices)}")
+    repeated = sorted({i for i in indices if indices.count(i) > 1})
+    if repeated:
+        fail(f"--gpus: GPU {repeated[0]} is given twice; give each GPU once (one tune process per GPU)")
+    if max(indices) >= count:
+        have = f"has {count} (0..{count - 1})" if count else "has no CUDA GPU; without one, use --workers N"
+        fail(f"--gpus: there is no GPU {max(indices)}; this machine {have}")
+    names = {torch.cuda.get_device_name(i) for i in indices}
+    if len(names) > 1:
+        fail(f"--gpus: the GPUs are of different models ({', '.join(sorted(names))}); their rows are keyed apart, "
+             f"so tune each model with its own command")
+    return indices
+
+
+def _tune(spec, lengths, *, trials, timeout, sampler, db, seed, slots, heartbeat) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
     from tilegen.db import DatabaseError, TuningDB
+    from tilegen.db.location import is_url
     from tilegen.tuning import (
         SAMPLERS,
         ProgressReporter,
+        Reporter,
         Tuner,
         WorkerError,
         summary_table,
     )
+    from tilegen.tuning.pool import Plan, PoolError, run_pool
 
     if sampler not in SAMPLERS:
         fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
@@ -84,7 +163,7 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
         database = TuningDB(db)
         database.check_writable()  # a read-only file fails here, before anything is measured
     except DatabaseError as e:
-        fail(str(e))
+        fail(f"--db: {e}" if is_url(db if db is not None else env.db_target()) else str(e))
     device = device_info()
     if device.is_interpreter:
         typer.echo(
@@ -99,18 +178,36 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed) -> None:
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
 
     try:
-        with ProgressReporter(Console(stderr=True)) as progress, Tuner(
-            database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
-        ) as tuner:
-            results = [tuner.tune(spec, bucket) for bucket in buckets]
-    except (DatabaseError, WorkerError) as e:
+        if slots is None:
+            with ProgressReporter(Console(stderr=True)) as progress, Tuner(
+                database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
+                heartbeat=heartbeat,
+            ) as tuner:
+                results = [tuner.tune(spec, bucket) for bucket in buckets]
+        else:
+            # This process plans and reports; the workers measure. Its Tuner never starts a worker.
+            with ProgressReporter(Console(stderr=True)) as progress, Tuner(
+                database, device, sampler=sampler, trials=trials, seed=seed, heartbeat=heartbeat, reporter=Reporter(),
+            ) as tuner:
+                goals, keys = {}, {}
+                for bucket in buckets:
+                    measured, _ = tuner.measured(spec, bucket)
+                    goals[bucket] = tuner.goal(spec, bucket)
+                    keys[bucket] = TuningKey.current(spec, device, bucket)
+                    progress.start(keys[bucket], goals[bucket] - measured, None)
+                plan = Plan(db=str(db) if db is not None else str(env.db_target()), spec=spec, buckets=tuple(buckets),
+                            goals=goals, sampler=sampler, seed=seed, timeout=timeout, trial_timeout=120.0,
+                            heartbeat=heartbeat)
+                run_pool(plan, slots, keys, progress, echo=lambda line: typer.echo(line, err=True))
+                results = tuner.collect(spec, buckets)
+    except (DatabaseError, WorkerError, PoolError) as e:
         fail(str(e))
     Console().print(summary_table(results))
     unsolved = [r.key.bucket for r in results if r.best is None]
     if unsolved:
         fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
-             f"the trials' reasons: tilegen db show --db {database.path} {spec.hash}")
-    typer.echo(f"stored in {database.path}", err=True)
+             f"the trials' reasons: tilegen db show --db {database.location} {spec.hash}")
+    typer.echo(f"stored in {database.location}", err=True)
 
 
 #: Sizes past this overflow the kernels' int32 index arithmetic, and no tune could allocate them.

@@ -181,12 +181,21 @@ class Tuner:
 
     def goal(self, spec: Spec, bucket: int) -> int:
         """The measured-config count this run aims at for a key: what it holds plus the budget."""
+        measured, feasible = self.measured(spec, bucket)
+        budget = feasible - measured
+        return measured + (budget if self.trials is None else min(self.trials, budget))
+
+    def measured(self, spec: Spec, bucket: int) -> tuple[int, int]:
+        """How many of the key's feasible configs have been measured (by any process), and how many there are."""
         family = family_of(spec)
         key = TuningKey.current(spec, self.device, bucket)
         feasible = {c.to_json() for c in family.candidates(spec, self.device)}
-        measured = len(feasible & set(self._measured(key, family)))
-        budget = len(feasible) - measured
-        return measured + (budget if self.trials is None else min(self.trials, budget))
+        return len(feasible & set(self._measured(key, family))), len(feasible)
+
+    def collect(self, spec: Spec, buckets: list[int]) -> list[BucketResult]:
+        """Each bucket's result as the database holds it, best recorded for dispatch; measures nothing
+        (the parent of ``tilegen tune --gpus`` reports what its workers did)."""
+        return self.tune_many(spec, buckets, goals=dict.fromkeys(buckets, 0))
 
     def _open(self, spec: Spec, bucket: int, goal: int | None) -> _Run:
         family = family_of(spec)
@@ -230,7 +239,7 @@ class Tuner:
         with self.db.studies_lock(key.study_name):
             return optuna.create_study(
                 storage=self._storage, study_name=self._study_name(key), direction="minimize",
-                sampler=space.sampler(self.seed + self.worker_index), load_if_exists=True,
+                sampler=space.sampler(self.seed, self.worker_index), load_if_exists=True,
             )
 
     def _study_name(self, key: TuningKey) -> str:
@@ -478,7 +487,7 @@ class _Knobs:
         self.config_type = config_type
         self.space = {name: sorted(values) for name, values in space.items()}
 
-    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+    def sampler(self, seed: int, worker_index: int = 0) -> optuna.samplers.BaseSampler:
         # Three random trials before modelling, because with ~30 configs a longer random start is
         # most of the budget. Replaying an H200 grid (d128 causal at 1k, 4k and 16k, 20 seeds, no
         # warm start), ordinal knobs sampled independently came within 3% of the best in a median
@@ -486,7 +495,8 @@ class _Knobs:
         # per knob, jointly, 7.5, 12.5 and 9; with Optuna's default 10 random trials, 9.5, 10 and 6.5.
         # constant_liar: a trial another process is running counts as a poor result, so parallel
         # workers spread out; alone, no other trial runs while one samples, so nothing changes.
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=3, multivariate=False, constant_liar=True)
+        return optuna.samplers.TPESampler(seed=seed + worker_index, n_startup_trials=3, multivariate=False,
+                                          constant_liar=True)
 
     # Parameter names of their own: a study made when the knobs were categorical by value keeps
     # those names, and Optuna refuses a second distribution under a name it already knows.
@@ -518,7 +528,8 @@ class _Choices:
     def __init__(self, configs: list[Config]):
         self.by_json = {c.to_json(): c for c in configs}
 
-    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+    def sampler(self, seed: int, worker_index: int = 0) -> optuna.samplers.BaseSampler:
+        # One seed for every worker: it orders the grid, and grid point k must be one config for all.
         return optuna.samplers.GridSampler({self._PARAM: list(self.by_json)}, seed=seed)
 
     def suggest(self, trial: optuna.Trial) -> Config:
