@@ -18,7 +18,7 @@ from types import ModuleType
 import triton
 
 import tilegen
-from tilegen import env
+from tilegen import env, warmup
 from tilegen.codegen.render import render_spec, template_hash
 from tilegen.families import family_of
 from tilegen.ir import Spec
@@ -55,6 +55,8 @@ def module_for(spec: Spec) -> ModuleType:
         from tilegen.interpreter import patch_interpreter
 
         patch_interpreter()
+    else:
+        warmup.wait()  # the module's first launch would otherwise redo the warm-up's work beside it
     path = source_path(spec)
     text = source_for(spec)
     # Rewrite when absent or different (a hand-edited or truncated file must not be trusted).

@@ -1,0 +1,58 @@
+"""Triton's one-time costs of a process, paid in the background from ``import tilegen``.
+
+The first kernel launch of a process, even with every cache warm, spends most of its time
+in two places that have nothing to do with the kernel (measured on the H200, Triton 3.6:
+0.61 s for the first ``tilegen.attention`` call, 0.39 s and 0.13 s of it here):
+
+- ``triton.runtime.cache.triton_key()``: a hash of Triton's own compiler sources and of
+  ``libtriton.so`` (hundreds of megabytes), which every compiled kernel's cache key includes;
+  computed once per process and memoised.
+- importing ``triton.experimental.gluon``, which the argument specialization of the first
+  launch pulls in.
+
+Both are pure functions of the installed Triton, so a daemon thread started at import does
+them while the process goes on importing and setting up (hashing releases the GIL). The
+first compile or cache lookup waits for the thread, so the work is never done twice. On
+a Triton without these internals the thread does nothing; under the interpreter, which
+compiles nothing, it is not started.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+
+__all__ = ["start", "wait"]
+
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+def _work() -> None:
+    try:
+        from triton.runtime import cache
+
+        key = getattr(cache, "triton_key", None)
+        if callable(key):
+            key()
+        if importlib.util.find_spec("triton.experimental.gluon") is not None:
+            importlib.import_module("triton.experimental.gluon")
+    except BaseException:  # noqa: BLE001 - a warm-up must never fail a process; the launch redoes it
+        pass
+
+
+def start() -> None:
+    """Start the warm-up once per process (a no-op afterwards)."""
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_work, name="tilegen-triton-warmup", daemon=True)
+            _thread.start()
+
+
+def wait() -> None:
+    """Block until the warm-up is done, if it was started; cheap once it is."""
+    thread = _thread
+    if thread is not None and thread.is_alive():
+        thread.join()
