@@ -2,7 +2,9 @@
 
 ``list`` and ``show`` read the user's database and the one shipped with tilegen (marked
 as such), as dispatch does. Every command takes ``--db`` itself, and the group takes it
-too (``tilegen db --db X list`` and ``tilegen db list --db X`` are the same).
+too (``tilegen db --db X list`` and ``tilegen db list --db X`` are the same); it names a
+SQLite file or a database server's URL. ``pull`` copies one GPU's rows from a server into
+a local file, which is what dispatch reads.
 """
 
 from __future__ import annotations
@@ -23,18 +25,39 @@ from rich.table import Table
 from tilegen import env
 from tilegen.cli import app, fail
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
+from tilegen.db.location import is_url
 from tilegen.families import ConfigError, get
 from tilegen.ir import SpecError
 
 db_app = typer.Typer(no_args_is_help=True, add_completion=False)
 app.add_typer(db_app, name="db")
 
-_DB_HELP = "The database file (default: $TILEGEN_DB, else tuning.sqlite in the user data folder)."
+_DB_HELP = ("The database: a SQLite file or a server URL such as postgresql+psycopg://user@host/tilegen "
+            "(default: $TILEGEN_DB, else tuning.sqlite in the user data folder).")
 _DbOption = typer.Option(None, "--db", help=_DB_HELP, show_default=False)
 
 
+class _Server(str):
+    """A server URL given as ``--db``: formats with its password hidden, and always "exists"
+    (whether it answers is found by opening it)."""
+
+    def __new__(cls, url: str, option: str = "--db"):
+        from tilegen.db.location import server_url, shown
+
+        try:
+            parsed = server_url(url)
+        except DatabaseError as e:
+            fail(f"{option}: {e}")
+        self = super().__new__(cls, shown(parsed))
+        self.url = url
+        return self
+
+    def exists(self) -> bool:
+        return True
+
+
 @db_app.callback()
-def _db(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
+def _db(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
     """The tuning database: tuned configs and the trials behind them.
 
     The Optuna studies of `tilegen tune` sit beside the database, in <db stem>.optuna.sqlite.
@@ -44,24 +67,29 @@ def _db(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
     ctx.obj = db
 
 
-def _path(ctx: typer.Context, db: Path | None) -> Path:
+def _path(ctx: typer.Context, db: str | None) -> Path | _Server:
     """The command's --db, else the group's, else $TILEGEN_DB or the user data folder."""
-    chosen = db if db is not None else ctx.obj if ctx.obj is not None else env.db_path()
+    chosen = db if db is not None else ctx.obj if ctx.obj is not None else env.db_target()
+    if is_url(chosen):
+        return _Server(chosen)
+    chosen = Path(chosen)
     if chosen.is_dir():
         fail(f"--db: {chosen} is a folder; give the database file, e.g. {chosen / 'tuning.sqlite'}")
     return chosen
 
 
-def _shipped(path: Path) -> Path | None:
+def _shipped(path: Path | _Server) -> Path | None:
     """The shipped database, unless it is missing or is the file already given."""
     shipped = env.shipped_db_path()
+    if isinstance(path, _Server):
+        return shipped if shipped.is_file() else None
     if not shipped.is_file() or (path.exists() and path.resolve() == shipped.resolve()):
         return None
     return shipped
 
 
 @db_app.command("list")
-def list_(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
+def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
     """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
     path = _path(ctx, db)
     console = _console()
@@ -84,7 +112,7 @@ def list_(ctx: typer.Context, db: Optional[Path] = _DbOption) -> None:
 @db_app.command()
 def show(
     ctx: typer.Context, spec_hash: str = typer.Argument(..., metavar="SPEC_HASH_OR_PREFIX"),
-    db: Optional[Path] = _DbOption,
+    db: Optional[str] = _DbOption,
 ) -> None:
     """One variant: its spec, its tuned configs and every trial, fastest first within a study.
 
@@ -121,7 +149,7 @@ def show(
 
 @db_app.command("export")
 def export(
-    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[Path] = _DbOption,
+    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[str] = _DbOption,
 ) -> None:
     """Write the whole database as JSON (`tilegen db import` reads it back, on any machine)."""
     path = _path(ctx, db)
@@ -135,7 +163,7 @@ def export(
 
 @db_app.command("import")
 def import_(
-    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[Path] = _DbOption,
+    ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[str] = _DbOption,
     skip_bad: bool = typer.Option(
         False, "--skip-bad", help="Leave out rows that fail the checks (a config the kernel cannot run, a time that "
         "is not positive, a bucket its family never gives) and import the rest; by default one such row refuses "
@@ -175,7 +203,7 @@ def prune(
         "a newer tilegen may have written them).",
     ),
     yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
-    db: Optional[Path] = _DbOption,
+    db: Optional[str] = _DbOption,
 ) -> None:
     """Delete tuned configs and trials that dispatch can no longer use (other Triton, changed template).
 
@@ -209,6 +237,64 @@ def prune(
 
 
 @db_app.command()
+def pull(
+    ctx: typer.Context,
+    source: str = typer.Option(
+        ..., "--from", metavar="URL", help="The database server to copy from (postgresql+psycopg://user@host/db).",
+    ),
+    gpu: Optional[str] = typer.Option(
+        None, help="GPU key of the rows to copy, as `tilegen db list` shows it (default: this machine's; any: all).",
+    ),
+    triton: Optional[str] = typer.Option(None, help="Triton version (default: the installed one; any: all)."),
+    tilegen_version: Optional[str] = typer.Option(
+        None, "--tilegen", help="tilegen version of the tuned rows (default: this one; any: all).",
+    ),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Leave out rows that fail the import checks."),
+    db: Optional[str] = _DbOption,
+) -> None:
+    """Copy tuned rows (and their trials) for one GPU, Triton and tilegen version from a server into a local
+    SQLite file, the one dispatch reads (default: yours).
+
+    Rows are checked as `tilegen db import` checks them and marked as pulled; per bucket the
+    faster config wins. Inference never talks to the server: it reads the file.
+    """
+    import triton as triton_module
+
+    import tilegen
+    from tilegen.device import device_info
+
+    if not is_url(source):
+        fail(f"--from: {source!r} is not a server URL; give one such as postgresql+psycopg://user@host/tilegen "
+             f"(a JSON export goes in with tilegen db import)")
+    server = _Server(source, "--from")
+    target = _path(ctx, db)
+    if isinstance(target, _Server):
+        fail("--db: pull writes a local SQLite file, the one dispatch reads; give a file path (default: yours)")
+    wanted = {
+        "gpu_key": gpu if gpu is not None else device_info().key,
+        "triton_version": triton if triton is not None else triton_module.__version__,
+        "tilegen_version": tilegen_version if tilegen_version is not None else tilegen.__version__,
+    }
+    filters = {name: None if value == "any" else value for name, value in wanted.items()}
+    with _open(server, option="--from") as source_db:
+        data = source_db.export_json(**filters)
+        if not data["tuned"]:
+            rows = source_db.list_tuned()
+            there = "; ".join(f"{what} there: {', '.join(sorted({getattr(r, field) for r in rows})) or 'none'}"
+                              for what, field in (("GPUs", "gpu_key"), ("Tritons", "triton_version"),
+                                                  ("tilegen versions", "tilegen_version")))
+            fail(f"--from: no tuned row of {server} has GPU {wanted['gpu_key']}, Triton {wanted['triton_version']} "
+                 f"and tilegen {wanted['tilegen_version']} ({there}); choose with --gpu, --triton and --tilegen")
+    with _open(target, write=True) as database, _errors():
+        count = database.import_json(data, skip_bad=skip_bad, provenance="pulled")
+        skipped = database.skipped
+    for line in skipped:
+        typer.echo(f"skipped {line}", err=True)
+    typer.echo(f"pulled {len(data['tuned'])} tuned configs and {len(data['trials'])} trials from {server} into "
+               f"{target} ({count} rows new or faster)", err=True)
+
+
+@db_app.command()
 def verify(
     ctx: typer.Context,
     spec_hash: str = typer.Argument("", metavar="SPEC_HASH_OR_PREFIX", help="Only this variant (default: all)."),
@@ -216,7 +302,7 @@ def verify(
     seed: int = typer.Option(0, help="Seed of the random inputs."),
     timeout: float = typer.Option(300.0, help="Seconds one row may take (compilation included)."),
     drop_failed: bool = typer.Option(False, "--drop-failed", help="Delete the rows that fail."),
-    db: Optional[Path] = _DbOption,
+    db: Optional[str] = _DbOption,
 ) -> None:
     """Re-run tuned rows on this machine against the family's reference: does each config compile, run and
     give the right answer here, and how fast is it?
@@ -242,24 +328,32 @@ def verify(
              + (f" {spec_hash}" if spec_hash else ""))
 
 
-def _need(path: Path) -> None:
+def _need(path: Path | _Server) -> None:
     if not path.exists():
         fail(f"no tilegen database at {path} (give --db, or set TILEGEN_DB)")
 
 
 @contextlib.contextmanager
-def _errors(prefix: str = "") -> Iterator[None]:
-    """A database, file or JSON problem the user can fix ends in one line and exit code 2."""
+def _errors(prefix: str = "", *, option: str = "") -> Iterator[None]:
+    """A database, file or JSON problem the user can fix ends in one line and exit code 2; ``option``
+    names the argument that gave a server, whose messages do not name a file."""
     try:
         yield
     except OSError as e:
         fail(f"{prefix}: {e.strerror or e}" if prefix else str(e))
     except (DatabaseError, ValueError) as e:
-        fail(str(e))
+        fail(f"{option}: {e}" if option else str(e))
 
 
 @contextlib.contextmanager
-def _open(path: Path, *, write: bool = False) -> Iterator[TuningDB]:
+def _open(path: Path | _Server, *, write: bool = False, option: str = "--db") -> Iterator[TuningDB]:
+    if isinstance(path, _Server):
+        # A server is opened writable, which upgrades an older schema there as on a file.
+        with _errors(option=option):
+            database = TuningDB(path.url)
+        with _errors(option=option), database:
+            yield database
+        return
     with _errors():
         # Reading a file this user cannot write (the shipped one, say) opens it read-only;
         # anything else opens writable, which also upgrades an older schema.
