@@ -190,10 +190,10 @@ def test_public_op_writes_every_element(request, monkeypatch, case, device):
     def plan_poisoning(*args):
         plan = real_plan(*args)
 
-        def launch(q, k, v, out, lse, **kwargs):
+        def launch(key, q, k, v, out, lse):
             buffers.append(out.fill_(math.nan))
             lse.fill_(math.nan)
-            return plan.launch(q, k, v, out, lse, **kwargs)
+            return plan.launch(key, q, k, v, out, lse)
 
         return dataclasses.replace(plan, launch=launch)
 

@@ -33,6 +33,7 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
+from tilegen.launch import Launcher, launcher_for
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -112,7 +113,9 @@ def attention(
         _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.lse_shape is not None else None
     if plan.launches:
-        plan.launch(q, k, v, out, out if lse is None else lse, **plan.launch_args)
+        # The plan fixes every shape, dtype and scalar the launcher reads; the strides complete the key
+        # under which its launches are replayed (tilegen.launch.Replay). lse, when made here, is contiguous.
+        plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
     return (out, lse) if return_lse else out
 
 
@@ -123,7 +126,7 @@ class _Plan:
     out_shape: torch.Size
     lse_shape: tuple[int, int, int] | None
     launches: bool  # False when the output is empty: nothing to compute
-    launch: Callable[..., Any]
+    launch: Callable[..., Any]  # launch(key, q, k, v, out, lse): a Replay of the launcher with launch_args
     launch_args: dict[str, Any]
     choice: dispatch.Choice | None = None
 
@@ -139,19 +142,22 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
     out_shape = torch.Size((batch, heads, n_q, spec.dv))
     if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and out_shape.numel() > 0 and spec.q_per_kv * n_q <= 64:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
+    launch_args = {
+        "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
+    }
+    launcher = launcher_for(spec)
     plan = _Plan(
         out_shape=out_shape,
         lse_shape=(batch, heads, n_q) if spec.return_lse else None,
         launches=out_shape.numel() > 0,
-        launch=table.launch,
-        launch_args={
-            "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
-        },
+        launch=launcher.replay(launch_args),
+        launch_args=launch_args,
         choice=choice,
     )
     if choice.tuned_bucket is not None:
         # A stored row's first launch goes through the table, which falls back if it fails.
-        object.__setattr__(plan, "launch", functools.partial(_first_launch, plan, table, max(q.shape[2], k.shape[2])))
+        object.__setattr__(plan, "launch", functools.partial(
+            _first_launch, plan, table, launcher, max(q.shape[2], k.shape[2])))
     return plan
 
 
@@ -168,36 +174,37 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
     choice = table.choose(n_k)
     config = choice.config
     splits = split_count(config, info, q.shape[0], k.shape[1], n_k)
-    decode_launch = table.launch
+    launch_args = {"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
+                   "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                   "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    replay = launcher_for(decode_spec).replay(launch_args)
+    rows = q.shape[1] * q.shape[2]
 
     if splits == 1:  # no partials to write: the empty placeholders serve every call
-        unused = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, 1, q.device)
+        unused = decode_buffers(q.shape[0], rows, spec.dv, 1, q.device)
 
-        def launch(q, k, v, out, lse, **args):
-            decode_launch(q, k, v, out, lse, *unused, **args)
+        def launch(key, q, k, v, out, lse):
+            replay(key, q, k, v, out, lse, *unused)
     else:
-        def launch(q, k, v, out, lse, **args):
-            # Split partials per call, not per plan: two streams may run one plan at once.
-            part_o, part_lse = decode_buffers(q.shape[0], q.shape[1] * q.shape[2], spec.dv, splits, q.device)
-            decode_launch(q, k, v, out, lse, part_o, part_lse, **args)
+        def launch(key, q, k, v, out, lse):
+            # Split partials per call, not per plan: two streams may run one plan at once. Their shapes are
+            # the plan's and they are contiguous, so the key holds for them too.
+            replay(key, q, k, v, out, lse, *decode_buffers(q.shape[0], rows, spec.dv, splits, q.device))
 
     return _Plan(
         out_shape=out_shape, lse_shape=tuple(q.shape[:3]) if spec.return_lse else None, launches=True,
-        launch=launch, choice=choice,
-        launch_args={"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
-                     "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                     "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages},
+        launch=launch, choice=choice, launch_args=launch_args,
     )
 
 
-def _first_launch(plan: _Plan, table: dispatch.Table, size: int, *args, **kwargs) -> None:
+def _first_launch(plan: _Plan, table: dispatch.Table, launcher: Launcher, size: int, key, *args) -> None:
     def launch(config):
-        table.launch(*args, **{**kwargs, **config.to_dict()})
+        launcher.direct(*args, **{**plan.launch_args, **config.to_dict()})
 
     choice, _ = table.run(size, launch)
     # From now on the plan launches directly, with whatever config ran.
     object.__setattr__(plan, "launch_args", {**plan.launch_args, **choice.config.to_dict()})
-    object.__setattr__(plan, "launch", table.launch)
+    object.__setattr__(plan, "launch", launcher.replay(plan.launch_args))
 
 
 def _check_out(out, shape, q) -> None:
@@ -223,7 +230,7 @@ def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
 def _run(spec, q, k, v, scale, softcap, left, right):
     table = _table(spec, q.device)
     _, result = table.run(max(q.shape[2], k.shape[2]), lambda config: run_with_config(
-        spec, config, q, k, v, scale, softcap, left, right, launch=table.launch))
+        spec, config, q, k, v, scale, softcap, left, right, launch=launcher_for(spec).direct))
     return result
 
 

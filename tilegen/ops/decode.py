@@ -31,6 +31,7 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
+from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 
 __all__ = ["PagedDecode"]
@@ -41,7 +42,7 @@ class _Plan:
     spec: DecodeSpec
     heads_q: int
     batch: int
-    launch: Any
+    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args
     launch_args: dict[str, Any]
     part_o: torch.Tensor
     part_lse: torch.Tensor
@@ -111,12 +112,15 @@ class PagedDecode:
         part_o, part_lse = decode_buffers(cache.batch, heads_q * spec.q_tokens, spec.dv, splits, device)
         if env.debug():
             cache.validate()
+        launch_args = {"chunk": chunk, "num_splits": splits, "scale": scale_value, "softcap": softcap_value,
+                       "window_left": left, "window_right": right, "block_n": config.block_n,
+                       "num_warps": config.num_warps, "num_stages": config.num_stages}
+        # The launcher takes q and out as [batch, heads, 1, dim]; replays pass the 3-d tensors themselves,
+        # whose data pointers those views share.
+        launch = launcher_for(spec).replay(launch_args, views={0: _token_dim, 3: _token_dim})
         self._plan = _Plan(
-            spec=spec, heads_q=heads_q, batch=cache.batch, launch=table.launch, part_o=part_o, part_lse=part_lse,
-            choice=choice,
-            launch_args={"chunk": chunk, "num_splits": splits, "scale": scale_value, "softcap": softcap_value,
-                         "window_left": left, "window_right": right, "block_n": config.block_n,
-                         "num_warps": config.num_warps, "num_stages": config.num_stages},
+            spec=spec, heads_q=heads_q, batch=cache.batch, launch=launch, part_o=part_o, part_lse=part_lse,
+            choice=choice, launch_args=launch_args,
         )
         return choice
 
@@ -154,7 +158,14 @@ class PagedDecode:
             raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
-            plan.launch(q.unsqueeze(2), pages, cache.v_pages, out.unsqueeze(2), out if lse is None else lse,
-                        plan.part_o, plan.part_lse,
-                        cache.indptr, cache.indices, cache.last_page_len, **plan.launch_args)
+            v_pages = cache.v_pages
+            # The plan and the checks above fix every shape and dtype the launcher reads: the strides
+            # complete the key under which its launches are replayed (tilegen.launch.Replay).
+            plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
+                        q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
+                        cache.indptr, cache.indices, cache.last_page_len)
         return (out, lse) if spec.return_lse else out
+
+
+def _token_dim(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(2)

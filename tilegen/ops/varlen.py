@@ -36,6 +36,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
+from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 
 __all__ = ["varlen_attention", "PagedAttention"]
@@ -83,8 +84,10 @@ def varlen_attention(
     out = _output(plan, q, out)
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
-        plan.launch(q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    **plan.launch_args)
+        # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
+        # key under which its launches are replayed (tilegen.launch.Replay).
+        plan.launch((q.stride(), k.stride(), v.stride(), out.stride()),
+                    q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out
@@ -144,10 +147,11 @@ class PagedAttention:
         )
         table = _table(spec, cache.k_pages.device)
         config = table.choose(max(max_seqlen_q, max_seqlen_k)).config
+        launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                       **config.to_dict()}
         self._plan = _Plan(
-            spec=spec, heads_q=heads_q, launch=table.launch, launches=max_seqlen_q > 0 and cache.batch > 0,
-            launch_args={"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                         **config.to_dict()},
+            spec=spec, heads_q=heads_q, launch=launcher_for(spec).replay(launch_args),
+            launches=max_seqlen_q > 0 and cache.batch > 0, launch_args=launch_args,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
         )
         if env.debug():
@@ -177,8 +181,12 @@ class PagedAttention:
         out = _output(plan, q, out)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
-            plan.launch(q, pages, cache.v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last,
-                        max_q, **plan.launch_args)
+            # The plan and the checks above fix what the launcher reads but the strides (q's token count
+            # it never reads): they complete the replay key. The page table is the plan's, as run() has
+            # always used it.
+            v_pages = cache.v_pages
+            plan.launch((q.stride(), pages.stride(), v_pages.stride(), out.stride()),
+                        q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q)
         elif lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if spec.return_lse else out
@@ -188,7 +196,7 @@ class PagedAttention:
 class _Plan:
     spec: VarlenAttentionSpec
     heads_q: int
-    launch: Any
+    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args
     launches: bool
     launch_args: dict[str, Any]
     extra: tuple = ()
@@ -219,9 +227,9 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     )
     table = _table(spec, q.device)
     config = table.choose(max(max_q, max_k)).config
-    return _Plan(spec=spec, heads_q=q.shape[1], launch=table.launch, launches=max_q > 0 and q.shape[0] > 0,
-                 launch_args={"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                              **config.to_dict()})
+    launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **config.to_dict()}
+    return _Plan(spec=spec, heads_q=q.shape[1], launch=launcher_for(spec).replay(launch_args),
+                 launches=max_q > 0 and q.shape[0] > 0, launch_args=launch_args)
 
 
 def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return_lse, max_q, max_k, *, layout,

@@ -1,0 +1,229 @@
+"""Direct launches against Triton's JIT, with kernels compiled for sm90 and no GPU (``fake_cuda``).
+
+    python tests/direct_launch_check.py [case ...]
+
+Run without TRITON_INTERPRET (``tests/test_launch.py`` does, once per case). Every op call
+made here is checked twice: its launches must be exactly those that the generated launcher
+makes through ``JITFunction.run`` on the same arguments, and each call must go through the
+JIT only when something that decides the specialization is new (counted, and asserted per
+call). Prints one ``ok <case>`` line per case.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import fake_cuda  # noqa: F401  (first: the fake driver, before any kernel compiles)
+from fake_cuda import JIT_RUNS, LAUNCHES
+
+import torch  # noqa: E402
+
+import tilegen  # noqa: E402
+from tilegen import dispatch, launch  # noqa: E402
+
+_replay_call = launch.Replay.__call__
+CHECKED = [0]
+
+
+def _checked_call(self, key, *args):
+    """The replay's launches, then the JIT's on the same arguments: they must be equal."""
+    start = len(LAUNCHES)
+    _replay_call(self, key, *args)
+    got = LAUNCHES[start:]
+    del LAUNCHES[start:]
+    given = [self.views[i](a) if i in self.views else a for i, a in enumerate(args)]
+    runs = JIT_RUNS[0]
+    self.launcher.jit(*given, **self.kwargs)
+    JIT_RUNS[0] = runs  # the reference launch is not the op's
+    want = LAUNCHES[start:]
+    del LAUNCHES[start:]
+    assert got == want, f"direct launches differ from the JIT's:\n{got}\n{want}"
+    assert got, "no launch recorded"
+    CHECKED[0] += 1
+
+
+launch.Replay.__call__ = _checked_call
+
+
+def jit_runs(call) -> int:
+    """How many launches of ``call`` went through JITFunction.run."""
+    before = JIT_RUNS[0]
+    call()
+    return JIT_RUNS[0] - before
+
+
+def fresh(direct: bool = True) -> None:
+    os.environ["TILEGEN_DIRECT_LAUNCH"] = "1" if direct else "0"
+    dispatch.reset()
+    launch.launcher_for.cache_clear()
+
+
+def bf16(*shape):
+    return torch.randn(*shape, dtype=torch.bfloat16)
+
+
+def misaligned(*shape):
+    """A tensor whose data pointer is 2 bytes past a 16-byte boundary."""
+    n = 1
+    for s in shape:
+        n *= s
+    return bf16(n + 1)[1:].view(*shape)
+
+
+def case_dense() -> None:
+    """tilegen.attention: repeats replay; new alignment or int classes go through the JIT once."""
+    fresh()
+    out = bf16(1, 8, 16, 64)
+    calls = [
+        ("first call", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64)), 1),
+        ("new tensors", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64)), 0),
+        ("out=", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), out=out), 0),
+        ("misaligned q", lambda: tilegen.attention(misaligned(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                   bf16(1, 8, 16, 64)), 1),
+        ("misaligned q again", lambda: tilegen.attention(misaligned(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                         bf16(1, 8, 16, 64)), 0),
+        ("aligned again", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64)), 0),
+        # Other strides of the same classes (multiples of 16, unit head dim): the kernel compiled already.
+        ("heads-major k", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 16, 8, 64).transpose(1, 2),
+                                                    bf16(1, 8, 16, 64)), 0),
+        # A head-dim stride of 2 is no longer the constant 1.
+        ("strided head dim", lambda: tilegen.attention(bf16(1, 8, 16, 128)[..., ::2], bf16(1, 8, 16, 64),
+                                                       bf16(1, 8, 16, 64)), 1),
+        ("return_lse", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                 return_lse=True), 1),
+        ("return_lse again", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                       return_lse=True), 0),
+    ]
+    for name, call, expected in calls:
+        got = jit_runs(call)
+        assert got == expected, f"{name}: {got} launches through the JIT, expected {expected}"
+
+
+def case_dense_decode() -> None:
+    """tilegen.attention with a few query rows goes to the decode kernel: replayed too."""
+    fresh()
+    for expected in (1, 0, 0):
+        got = jit_runs(lambda: tilegen.attention(bf16(2, 8, 2, 64), bf16(2, 2, 40, 64), bf16(2, 2, 40, 64),
+                                                 causal=True))
+        assert got == expected, (got, expected)
+
+
+def _cache(batch=2, kv_heads=2, page=16, pages=8, dim=64):
+    k, v = bf16(pages, page, kv_heads, dim), bf16(pages, page, kv_heads, dim)
+    indptr = torch.tensor([0, 3, 5][: batch + 1], dtype=torch.int32)
+    indices = torch.tensor([4, 1, 6, 0, 2], dtype=torch.int32)
+    last = torch.tensor([7, 16][:batch], dtype=torch.int32)
+    return tilegen.PagedKVCache(k, v, indptr, indices, last)
+
+
+def case_paged_decode() -> None:
+    """PagedDecode.run, split (two kernels per call) and not, across layers' caches."""
+    for splits in (1, 3):
+        fresh()
+        decode = tilegen.PagedDecode()
+        decode.plan(_cache(), heads_q=8, num_splits=splits, return_lse=True)
+        for layer, expected in enumerate((1 + (splits > 1), 0, 0)):
+            got = jit_runs(lambda: decode.run(bf16(2, 8, 64), _cache()))
+            assert got == expected, (splits, layer, got, expected)
+        got = jit_runs(lambda: decode.run(misaligned(2, 8, 64), _cache()))
+        assert got == 1, got
+
+
+def case_paged_prefill() -> None:
+    """PagedAttention.run (chunked prefill over the paged cache)."""
+    fresh()
+    attn = tilegen.PagedAttention()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    attn.plan(cu, _cache(), heads_q=8, causal=True, max_seqlen_q=4, max_seqlen_k=48)
+    for expected in (1, 0, 0):
+        got = jit_runs(lambda: attn.run(bf16(7, 8, 64), _cache()))
+        assert got == expected, (got, expected)
+
+
+def case_jit_only() -> None:
+    """TILEGEN_DIRECT_LAUNCH=0, and Triton internals not recognised: every launch through the JIT."""
+    fresh(direct=False)
+    assert launch.launcher_for(_spec()).direct is launch.launcher_for(_spec()).jit
+    for _ in range(3):
+        assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))) == 1
+    fresh()
+    saved = launch._internals
+    launch._internals = lambda: "Triton 9.9: JITFunction.run is not one this module knows"
+    try:
+        assert "not one this module knows" in launch.support()
+        for _ in range(3):
+            assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                      bf16(1, 8, 16, 64))) == 1
+    finally:
+        launch._internals = saved
+    assert launch.support() is None
+
+
+def case_disagreement() -> None:
+    """When the JIT's binding contradicts the fingerprint's model, the kernel goes back to the JIT for good."""
+    fresh()
+    saved = launch._agrees
+    launch._agrees = lambda param, arg, spec: False
+    try:
+        for _ in range(3):
+            assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64),
+                                                      bf16(1, 8, 16, 64))) == 1
+    finally:
+        launch._agrees = saved
+    kernels = launch.launcher_for(_spec())._kernels.values()
+    assert all(k.broken for k in kernels), [k.broken for k in kernels]
+
+
+def case_state() -> None:
+    """Triton's debug knob and launch hooks, read on every call as the JIT reads them."""
+    from triton import knobs
+
+    fresh()
+    call = lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))  # noqa: E731
+    assert jit_runs(call) == 1
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        assert jit_runs(call) == 0  # the checked call compares the hooks and metadata passed
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    state = launch._state(launch._internals())
+    old = knobs.runtime.debug
+    knobs.runtime.debug = not old
+    try:
+        assert launch._state(launch._internals()) != state
+    finally:
+        knobs.runtime.debug = old
+
+
+def _spec():
+    from tilegen.families.attention_fwd import AttentionSpec
+
+    return AttentionSpec(head_dim=64, dtype="bf16", mask="none")
+
+
+def case_direct_kernel() -> None:
+    """The generated launcher with direct kernels, called as the tuner would: same launches as the JIT's."""
+    fresh()
+    launcher = launch.launcher_for(_spec())
+    q, k, v, out = (bf16(1, 8, 16, 64) for _ in range(4))
+    kwargs = dict(scale=0.125, softcap=0.0, window_left=1 << 30, window_right=1 << 30, block_m=64, block_n=32,
+                  num_warps=4, num_stages=2)
+    for args, expected in (((q, k, v, out, out), 1), ((bf16(1, 8, 16, 64), k, v, out, out), 0),
+                           ((misaligned(1, 8, 16, 64), k, v, out, out), 1)):
+        start = len(LAUNCHES)
+        assert jit_runs(lambda: launcher.direct(*args, **kwargs)) == expected
+        launcher.jit(*args, **kwargs)
+        assert LAUNCHES[start] == LAUNCHES[start + 1], LAUNCHES[start:]
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    if not isinstance(fake_cuda.INTERNALS, launch._Variant):
+        print("not recognised:", fake_cuda.INTERNALS)
+        sys.exit(0)
+    for name in sys.argv[1:] or CASES:
+        CASES[name]()
+        print("ok", name, "checked calls:", CHECKED[0], flush=True)

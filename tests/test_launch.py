@@ -1,0 +1,108 @@
+"""Direct launches of compiled kernels (``tilegen.launch``).
+
+The launches themselves are checked in a process of their own, compiled for sm90 with no GPU
+(``direct_launch_check.py``): every call of the ops' hot paths against the generated launcher
+through ``JITFunction.run`` on the same arguments, and which calls go through the JIT. Here,
+in the interpreter's process: the interpreter always takes the JIT's path, a Triton whose
+internals are not recognised does too, and the fingerprint's model of Triton's
+specialization agrees with Triton's own on the values that decide it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+import tilegen
+from tilegen import launch
+from tilegen.codegen import module_for
+from tilegen.families.attention_fwd import AttentionSpec
+
+SPEC = AttentionSpec(head_dim=64, dtype="bf16", mask="none")
+#: The Triton versions whose launch path tilegen.launch was written against.
+KNOWN = {"3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks against a fake driver; a GPU runs the real launches")
+def test_direct_launches_match_the_jit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TILEGEN_DB"] = str(tmp_path / "tuning.sqlite")
+    script = Path(__file__).with_name("direct_launch_check.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    if "not recognised" in done.stdout:
+        assert triton.__version__ not in KNOWN
+        pytest.skip(f"Triton {triton.__version__}: every launch goes through the JIT")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "jit_only", "disagreement", "state",
+                 "direct_kernel"):
+        assert f"ok {case} " in done.stdout
+
+
+def test_the_interpreter_takes_the_jit_path(device):
+    if device != "cpu":
+        pytest.skip("the interpreter runs without a GPU only")
+    launcher = launch.launcher_for(SPEC)
+    assert "interpreter" in launch.support()
+    assert launcher.direct is module_for(SPEC).launch
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    expected = tilegen.attention(q, k, v)
+    torch.testing.assert_close(tilegen.attention(q, k, v), expected, rtol=0, atol=0)
+
+
+def test_installed_triton_is_recognised_by_its_internals():
+    found = launch._internals()
+    assert isinstance(found, launch._Variant) == (triton.__version__ in KNOWN), found
+    if isinstance(found, launch._Variant):
+        assert triton.__version__ in found.versions
+
+
+def test_unknown_triton_internals_fall_back(monkeypatch):
+    monkeypatch.setattr(launch, "_VARIANTS", {})
+    launch._internals.cache_clear()
+    try:
+        reason = launch._internals()
+        assert isinstance(reason, str) and "JITFunction.run is not one this module knows" in reason
+    finally:
+        launch._internals.cache_clear()
+
+
+class _Param:
+    """The flags of a kernel parameter that Triton's specialization reads."""
+
+    def __init__(self, specialize=True, align=True, constexpr=False):
+        self.do_not_specialize = not specialize
+        self.do_not_specialize_on_alignment = not align
+        self.is_constexpr = constexpr
+
+
+INTS = [0, 1, 2, 15, 16, 17, -1, -16, 48, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, (1 << 63) - 16,
+        1 << 63, (1 << 64) - 1]
+
+
+@pytest.mark.parametrize("flags", [(True, True), (True, False), (False, True)])
+def test_fingerprint_model_agrees_with_triton(flags):
+    """``_agrees`` is what lets an entry be kept: it must accept Triton's own specialization of
+    every kind of value the fingerprint classifies, and the fingerprint must separate values
+    that Triton specializes differently."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    specialize, align = flags
+    param = _Param(specialize, align)
+    base = torch.empty(64, dtype=torch.bfloat16)
+    values = INTS + [0.5, 1.0, True, False, None, base, base[1:], base[8:], torch.empty(4, dtype=torch.int32)]
+    by_class = {}
+    for value in values:
+        spec = native_specialize_impl(BaseBackend, value, False, specialize, align)
+        assert launch._agrees(param, value, spec), (value, spec)
+        if value.__class__ is int:
+            by_class.setdefault(launch._int_class(value), set()).add(spec)
+    assert all(len(specs) == 1 for specs in by_class.values()), by_class

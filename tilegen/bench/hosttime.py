@@ -1,0 +1,182 @@
+"""Host time per call on launch-bound shapes: tilegen's ops against SDPA's flash and cuDNN backends.
+
+    python -m tilegen.bench.hosttime --out hosttime.json     # on a GPU, well under a minute
+    TRITON_INTERPRET=1 python -m tilegen.bench.hosttime      # no GPU: checks the script, times nothing real
+
+Shapes (bf16): the dense op on 1 x 8 heads x 16 tokens x 64, and decode of one sequence of
+16 tokens in one page of 16, 32 query and 8 KV heads of 128 (``PagedDecode.run``; the dense
+op and SDPA take the same token as a [1, 32, 1, 128] query against [1, 8, 16, 128] K and V).
+Each tilegen row is measured twice in the same run: as shipped, compiled kernels launched
+directly (``tilegen.launch``), and ``(JIT launch)``, every launch through Triton's
+``JITFunction.run`` as before direct launches.
+
+Host time per call: after a synchronize, the wall time to issue ``--calls`` back-to-back
+calls, stopped before the closing synchronize, divided by the calls. The calls are few enough
+(at most two launches each) that the launch queue never fills, so the GPU never holds the host
+back; the synchronized time per call, also shown, is the pace of a loop of such calls when the
+GPU is slower. Rounds of all rows are interleaved, so drifts of the host's speed reach every
+row alike; the table gives each row's median round and its fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tilegen
+import tilegen.ops.attention as attention_op
+import tilegen.ops.decode as decode_op
+from tilegen import dispatch, launch
+from tilegen.codegen import module_for
+from tilegen.env import interpreting
+
+__all__ = ["main"]
+
+DTYPE = torch.bfloat16
+DENSE, DECODE = "dense 1x8x16x64", "decode 1x32/8x16x128"
+
+_jit_plans = dispatch.plan_cache()
+_jit_launcher = functools.cache(lambda spec: launch.Launcher(module_for(spec), direct=False))
+
+
+@contextlib.contextmanager
+def _jit_launches():
+    """The ops as they were before direct launches: plans of their own, whose launchers go through the JIT."""
+    saved = attention_op._plans, attention_op.launcher_for, decode_op.launcher_for
+    attention_op._plans, attention_op.launcher_for, decode_op.launcher_for = _jit_plans, _jit_launcher, _jit_launcher
+    try:
+        yield
+    finally:
+        attention_op._plans, attention_op.launcher_for, decode_op.launcher_for = saved
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return functools.partial(sdpa_kernel, getattr(SDPBackend, name))
+
+
+def _rows(device: str) -> list[dict]:
+    """Each row: shape, provider, a zero-argument call, and the context (a factory) its calls run in."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=DTYPE)
+
+    q, k, v = rand(1, 8, 16, 64), rand(1, 8, 16, 64), rand(1, 8, 16, 64)
+    out = torch.empty_like(q)
+    qd, kd, vd = rand(1, 32, 1, 128), rand(1, 8, 16, 128), rand(1, 8, 16, 128)
+    # The same 16 keys in one page: slot s of page 0 holds key s of every KV head.
+    cache = tilegen.PagedKVCache(
+        kd[0].transpose(0, 1).unsqueeze(0).contiguous(), vd[0].transpose(0, 1).unsqueeze(0).contiguous(),
+        torch.tensor([0, 1], dtype=torch.int32, device=device), torch.tensor([0], dtype=torch.int32, device=device),
+        torch.tensor([16], dtype=torch.int32, device=device))
+    q_run = qd[:, :, 0].contiguous()
+    out_run = torch.empty_like(q_run)
+
+    rows = []
+    for tag, context in (("", contextlib.nullcontext), (" (JIT launch)", _jit_launches)):
+        decoder = tilegen.PagedDecode()
+        with context():
+            decoder.plan(cache, heads_q=32, max_seqlen_k=16)
+        rows += [
+            dict(shape=DENSE, provider=f"tilegen.attention{tag}", call=lambda: tilegen.attention(q, k, v),
+                 context=context),
+            dict(shape=DENSE, provider=f"tilegen.attention out={tag}",
+                 call=lambda: tilegen.attention(q, k, v, out=out), context=context),
+            dict(shape=DECODE, provider=f"tilegen.attention{tag}", call=lambda: tilegen.attention(qd, kd, vd),
+                 context=context),
+            dict(shape=DECODE, provider=f"PagedDecode.run{tag}",
+                 call=lambda decoder=decoder: decoder.run(q_run, cache).unsqueeze(2), context=context),
+            dict(shape=DECODE, provider=f"PagedDecode.run out={tag}",
+                 call=lambda decoder=decoder: decoder.run(q_run, cache, out=out_run).unsqueeze(2), context=context),
+        ]
+    if device == "cuda":
+        for backend, name in (("FLASH_ATTENTION", "SDPA flash"), ("CUDNN_ATTENTION", "SDPA cuDNN")):
+            rows.append(dict(shape=DENSE, provider=name, call=lambda: F.scaled_dot_product_attention(q, k, v),
+                             context=_sdpa_backend(backend)))
+            rows.append(dict(shape=DECODE, provider=name,
+                             call=lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
+                             context=_sdpa_backend(backend)))
+    references = {DENSE: F.scaled_dot_product_attention(q.float(), k.float(), v.float()),
+                  DECODE: F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), enable_gqa=True)}
+    for row in rows:
+        row["reference"] = references[row["shape"]]
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _round(call, calls: int, device: str) -> tuple[float, float]:
+    """(host us per call, synchronized us per call) of one round."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    issued = time.perf_counter()
+    _sync(device)
+    return (issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--calls", type=int, default=200, help="calls per round (few: the launch queue never fills)")
+    parser.add_argument("--rounds", type=int, default=100)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        if not interpreting():
+            sys.exit("no GPU: run under TRITON_INTERPRET=1, which only checks the script")
+        args.calls, args.rounds = 2, 2
+
+    rows = _rows(device)
+    for row in rows:  # checked first; these calls also compile, plan and record every row
+        with row["context"]():
+            for _ in range(10):
+                result = row["call"]().float()
+        reference = row["reference"]
+        row["rel_err"] = float((result - reference).abs().max() / reference.abs().max())
+        assert row["rel_err"] < 2e-2, f"{row['shape']} {row['provider']}: relative error {row['rel_err']:.2e}"
+        row["rounds"] = []
+    for _ in range(args.rounds):
+        for row in rows:
+            with row["context"]():
+                row["rounds"].append(_round(row["call"], args.calls, device))
+
+    results = []
+    for row in rows:
+        host = [h for h, _ in row["rounds"]]
+        results.append({"shape": row["shape"], "provider": row["provider"], "host_us_median": statistics.median(host),
+                        "host_us_min": min(host), "synced_us_median": statistics.median(s for _, s in row["rounds"]),
+                        "rel_err": row["rel_err"]})
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter: times mean nothing)"
+    import triton
+
+    print(f"{name}; torch {torch.__version__}, Triton {triton.__version__}; {args.rounds} rounds of {args.calls} "
+          f"calls; direct launches: {launch.support() or 'on'}")
+    print("| shape | provider | host us/call (median) | fastest round | synchronized us/call |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['provider']} | {r['host_us_median']:.1f} | {r['host_us_min']:.1f} | "
+              f"{r['synced_us_median']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,
+                       "rounds": args.rounds, "calls": args.calls, "rows": results}, f, indent=1)
+        print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
