@@ -1,0 +1,177 @@
+"""Tuning on several GPUs against a PostgreSQL server: wall time, speedup, same winners, no trial lost.
+
+    python -m tilegen.bench.scaleout --out DIR            # 2 GPUs, then 1, mha-d128-causal, 7 buckets
+    python -m tilegen.bench.scaleout --smoke --out DIR    # the same on the CPU, interpreter, tiny sizes
+
+Starts PostgreSQL from the ``pgserver`` package in a temporary folder, then runs a full grid
+tune (``--sampler grid``) of the preset over buckets 512..32768 with ``--gpus 0,1`` into one
+database on it, and the same command as one plain process on GPU 0 into a fresh database.
+Each run starts with empty kernel caches (its own ``TRITON_CACHE_DIR`` and
+``TILEGEN_CACHE_DIR``), so neither compiles less because the other ran first.
+
+It reports, and writes to ``DIR/scaleout.json``: both wall times and the speedup; each
+bucket's winner in both runs and the ratio of their times (the grids are the same, so they
+should agree within 2%); per bucket, the configs measured to the end against the grid's
+size (a lost trial shows as fewer, a doubled one in ``doubled``), and Optuna trials left
+RUNNING. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
+spec at size 16; its times say nothing about GPUs, and winners are not compared.
+Exit status 1 when a trial was lost or doubled, or (on GPUs) a winner differs by over 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+PRESET = "mha-d128-causal"
+SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+SMOKE_SPEC = ["--head-dim", "16"]
+SMOKE_SIZES = (16,)
+#: One run's limit in seconds: a full tune on one H200 takes about 105 s, two GPUs about half.
+RUN_TIMEOUT_S = 240
+WINNER_TOLERANCE = 0.02
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="Folder for scaleout.json and the runs' logs.")
+    parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes: checks the machinery.")
+    parser.add_argument("--gpus", default="0,1", help="GPUs of the parallel run (default 0,1); the other uses the first.")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import pgserver  # here: the module is usable without it, to read its doc
+    from sqlalchemy.engine import make_url
+
+    folder = Path(tempfile.mkdtemp(prefix="tgbench"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server = pgserver.get_server(str(folder / "pg"), cleanup_mode="delete")
+    try:
+        urls = {}
+        for name in ("parallel", "single"):
+            server.psql(f"CREATE DATABASE tg_{name};")
+            urls[name] = make_url(server.get_uri()).set(drivername="postgresql+psycopg", database=f"tg_{name}")
+        if args.smoke:
+            spec_args, sizes = SMOKE_SPEC, SMOKE_SIZES
+            modes = {"parallel": ["--workers", "2"], "single": []}
+        else:
+            spec_args, sizes = ["--preset", PRESET], SIZES
+            first = args.gpus.split(",")[0]
+            modes = {"parallel": ["--gpus", args.gpus], "single": []}
+        report: dict = {"smoke": args.smoke, "spec": spec_args, "sizes": list(sizes), "sampler": "grid"}
+        for name in ("parallel", "single"):
+            env = {**os.environ, "TRITON_CACHE_DIR": str(folder / name / "triton"),
+                   "TILEGEN_CACHE_DIR": str(folder / name / "tilegen")}
+            env.pop("TILEGEN_TUNE_INJECT", None)
+            if name == "single" and not args.smoke:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(first)] if visible else first
+            url = urls[name].render_as_string(hide_password=False)
+            command = [sys.executable, "-m", "tilegen", "tune", *spec_args, "--seqlens", ",".join(map(str, sizes)),
+                       "--sampler", "grid", "--db", url, *modes[name]]
+            shown = urls[name].render_as_string(hide_password=True)
+            print(f"{name}: tilegen {' '.join(command[3:]).replace(url, shown)}", flush=True)
+            start = time.perf_counter()
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+            wall = time.perf_counter() - start
+            (out / f"scaleout-{name}.log").write_text(run.stdout + run.stderr)
+            if run.returncode != 0:
+                print(run.stdout + run.stderr, file=sys.stderr)
+                raise SystemExit(f"the {name} run failed (exit {run.returncode}); log in {out}/scaleout-{name}.log")
+            report[name] = {"wall_s": round(wall, 2), "gpus": modes[name], **_outcome(url, spec_args)}
+            print(f"  {wall:.1f} s", flush=True)
+        report["grid_size"] = report["parallel"].pop("grid_size")
+        report["single"].pop("grid_size")
+        report["speedup"] = round(report["single"]["wall_s"] / report["parallel"]["wall_s"], 3)
+        report["winners"] = _winners(report)
+        report["winners_within_2pct"] = all(abs(w["time_ratio"] - 1) <= WINNER_TOLERANCE
+                                            for w in report["winners"].values())
+    finally:
+        server.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    (out / "scaleout.json").write_text(json.dumps(report, indent=1) + "\n")
+    _print(report)
+    bad = any(report[n]["trials_lost"] or report[n]["doubled"] or report[n]["running"] for n in ("parallel", "single"))
+    if not args.smoke:
+        bad |= not report["winners_within_2pct"]
+    return 1 if bad else 0
+
+
+def _outcome(url: str, spec_args: list[str]) -> dict:
+    """What one run left in its database: winners, finished configs per bucket against the grid, stuck trials."""
+    import optuna
+
+    from tilegen.cli.spec_args import resolve_spec
+    from tilegen.db import TuningDB
+    from tilegen.device import device_info
+    from tilegen.families import family_of
+
+    spec = resolve_spec(spec=None, preset=spec_args[1] if spec_args[0] == "--preset" else None,
+                        head_dim=int(spec_args[1]) if spec_args[0] == "--head-dim" else None)
+    device = device_info()
+    grid = len(family_of(spec).candidates(spec, device))
+    with TuningDB(url) as db:
+        tuned = [r for r in db.list_tuned() if r.spec_hash == spec.hash and r.gpu_key == device.key]
+        trials = [t for t in db.trials_for(spec.hash) if t.gpu_key == device.key]
+    finished: dict[int, set] = {}
+    rows: dict[int, int] = {}
+    for trial in trials:
+        if trial.status != "infeasible":
+            finished.setdefault(trial.bucket, set()).add(json.dumps(trial.config, sort_keys=True))
+            rows[trial.bucket] = rows.get(trial.bucket, 0) + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = optuna.storages.RDBStorage(url)
+        running = sum(len(optuna.load_study(study_name=s.study_name, storage=storage).get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))) for s in optuna.get_all_study_summaries(storage))
+    buckets = sorted({r.bucket for r in tuned} | set(finished))
+    return {
+        "winners": {str(r.bucket): {"config": r.config, "time_ms": r.time_ms} for r in tuned},
+        "finished": {str(b): len(finished.get(b, ())) for b in buckets},
+        "grid_size": {str(b): grid for b in buckets},
+        "trials_lost": sum(grid - len(finished.get(b, ())) for b in buckets),
+        "doubled": sum(rows.get(b, 0) - len(finished.get(b, ())) for b in buckets),
+        "running": running,
+    }
+
+
+def _winners(report: dict) -> dict:
+    both = {}
+    for bucket, parallel in report["parallel"]["winners"].items():
+        single = report["single"]["winners"].get(bucket)
+        if single is None:
+            continue
+        both[bucket] = {"parallel": parallel, "single": single,
+                        "time_ratio": round(parallel["time_ms"] / single["time_ms"], 4)}
+    return both
+
+
+def _print(report: dict) -> None:
+    print(f"\nparallel {report['parallel']['wall_s']} s, single {report['single']['wall_s']} s: "
+          f"speedup {report['speedup']}x")
+    print(f"{'bucket':>7} {'grid':>5} {'done 2':>7} {'done 1':>7} {'ms 2':>9} {'ms 1':>9} {'ratio':>7}")
+    for bucket, size in report["grid_size"].items():
+        winner = report["winners"].get(bucket, {})
+        print(f"{bucket:>7} {size:>5} {report['parallel']['finished'].get(bucket, 0):>7} "
+              f"{report['single']['finished'].get(bucket, 0):>7} "
+              f"{winner.get('parallel', {}).get('time_ms', float('nan')):>9.4f} "
+              f"{winner.get('single', {}).get('time_ms', float('nan')):>9.4f} {winner.get('time_ratio', float('nan')):>7.4f}")
+    for name in ("parallel", "single"):
+        r = report[name]
+        print(f"{name}: {r['trials_lost']} trials lost, {r['doubled']} doubled, {r['running']} left RUNNING")
+    print(f"winners within 2%: {report['winners_within_2pct']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
