@@ -47,6 +47,10 @@ class _Plan:
     part_o: torch.Tensor
     part_lse: torch.Tensor
     choice: dispatch.Choice
+    # What run() compares, precomputed: (page size, KV heads, head dim, head dim v, batch + 1, torch dtype).
+    cache_layout: tuple = ()
+    q_shape: tuple[int, int, int] = ()
+    out_shape: tuple[int, int, int] = ()
 
 
 class PagedDecode:
@@ -121,6 +125,8 @@ class PagedDecode:
         self._plan = _Plan(
             spec=spec, heads_q=heads_q, batch=cache.batch, launch=launch, part_o=part_o, part_lse=part_lse,
             choice=choice, launch_args=launch_args,
+            cache_layout=(cache.page_size, cache.kv_heads, spec.head_dim, spec.dv, cache.batch + 1, pages.dtype),
+            q_shape=(cache.batch, heads_q, spec.head_dim), out_shape=(cache.batch, heads_q, spec.dv),
         )
         return choice
 
@@ -137,28 +143,30 @@ class PagedDecode:
         if plan is None:
             raise RuntimeError("PagedDecode.run: call plan(...) first, once per step")
         spec = plan.spec
-        pages = cache.k_pages if isinstance(cache, PagedKVCache) else None
-        if pages is None or (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], cache.batch,
-                             SPEC_DTYPES.get(pages.dtype)) != (spec.page_size, spec.head_dim, spec.dv, plan.batch,
-                                                               spec.dtype) \
-                or plan.heads_q != cache.kv_heads * spec.q_per_kv:
+        if cache.__class__ is PagedKVCache or isinstance(cache, PagedKVCache):
+            pages, v_pages = cache.k_pages, cache.v_pages
+            shape = pages.shape
+            # page size, KV heads, head dims, batch (indptr's length) and dtype, against the plan's
+            planned = (shape[1], shape[2], shape[3], v_pages.shape[3], cache.indptr.shape[0], pages.dtype) == \
+                plan.cache_layout
+        else:
+            planned = False
+        if not planned:
             raise ValueError(f"cache: expected a tilegen.PagedKVCache shaped as planned ({spec.name}, "
                              f"batch {plan.batch})")
-        shape = (plan.batch, plan.heads_q, spec.head_dim)
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != shape:
-            raise ValueError(f"q: expected {list(shape)}, got "
+        if not isinstance(q, torch.Tensor) or q.shape != plan.q_shape:
+            raise ValueError(f"q: expected {list(plan.q_shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
-        out_shape = (plan.batch, plan.heads_q, spec.dv)
+        out_shape = plan.out_shape
         if out is None:
             out = q.new_empty(out_shape)
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != out_shape or out.dtype != q.dtype \
+        elif not isinstance(out, torch.Tensor) or out.shape != out_shape or out.dtype != q.dtype \
                 or out.device != q.device:
             raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
-            v_pages = cache.v_pages
             # The plan and the checks above fix every shape and dtype the launcher reads: the strides
             # complete the key under which its launches are replayed (tilegen.launch.Replay).
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
