@@ -14,13 +14,12 @@ from __future__ import annotations
 import os
 import sys
 
-import fake_cuda  # noqa: F401  (first: the fake driver, before any kernel compiles)
+import fake_cuda  # before tilegen's kernels: the fake driver and the recording launcher
+import torch
 from fake_cuda import JIT_RUNS, LAUNCHES
 
-import torch  # noqa: E402
-
-import tilegen  # noqa: E402
-from tilegen import dispatch, launch  # noqa: E402
+import tilegen
+from tilegen import dispatch, launch
 
 _replay_call = launch.Replay.__call__
 CHECKED = [0]
@@ -124,9 +123,9 @@ def case_paged_decode() -> None:
         decode = tilegen.PagedDecode()
         decode.plan(_cache(), heads_q=8, num_splits=splits, return_lse=True)
         for layer, expected in enumerate((1 + (splits > 1), 0, 0)):
-            got = jit_runs(lambda: decode.run(bf16(2, 8, 64), _cache()))
+            got = jit_runs(lambda decode=decode: decode.run(bf16(2, 8, 64), _cache()))
             assert got == expected, (splits, layer, got, expected)
-        got = jit_runs(lambda: decode.run(misaligned(2, 8, 64), _cache()))
+        got = jit_runs(lambda decode=decode: decode.run(misaligned(2, 8, 64), _cache()))
         assert got == 1, got
 
 
@@ -180,7 +179,7 @@ def case_state() -> None:
     from triton import knobs
 
     fresh()
-    call = lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))  # noqa: E731
+    call = lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))
     assert jit_runs(call) == 1
     seen = []
     knobs.runtime.launch_enter_hook.add(seen.append)
@@ -208,12 +207,12 @@ def case_direct_kernel() -> None:
     fresh()
     launcher = launch.launcher_for(_spec())
     q, k, v, out = (bf16(1, 8, 16, 64) for _ in range(4))
-    kwargs = dict(scale=0.125, softcap=0.0, window_left=1 << 30, window_right=1 << 30, block_m=64, block_n=32,
-                  num_warps=4, num_stages=2)
+    kwargs = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 1 << 30, "block_m": 64,
+              "block_n": 32, "num_warps": 4, "num_stages": 2}
     for args, expected in (((q, k, v, out, out), 1), ((bf16(1, 8, 16, 64), k, v, out, out), 0),
                            ((misaligned(1, 8, 16, 64), k, v, out, out), 1)):
         start = len(LAUNCHES)
-        assert jit_runs(lambda: launcher.direct(*args, **kwargs)) == expected
+        assert jit_runs(lambda args=args: launcher.direct(*args, **kwargs)) == expected
         launcher.jit(*args, **kwargs)
         assert LAUNCHES[start] == LAUNCHES[start + 1], LAUNCHES[start:]
 

@@ -12,13 +12,13 @@ import os
 
 assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run without TRITON_INTERPRET"
 
-import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import compiler  # noqa: E402
-from triton.runtime import jit  # noqa: E402
-from triton.runtime.driver import driver  # noqa: E402
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compiler
+from triton.runtime import jit
+from triton.runtime.driver import driver
 
-from tilegen import launch  # noqa: E402
+from tilegen import launch
 
 # Read before JITFunction.run is wrapped below, as the unwrapped Triton is the one to recognise.
 INTERNALS = launch._internals()
@@ -73,9 +73,9 @@ jit.JITFunction.run = _counting_run
 driver.set_active(FakeDriver())
 
 # After the patches: the ops check the device as under the interpreter.
-import tilegen.ops.attention  # noqa: E402
-import tilegen.ops.decode  # noqa: E402
-import tilegen.ops.varlen  # noqa: E402
+import tilegen.ops.attention
+import tilegen.ops.decode
+import tilegen.ops.varlen
 
 for _op in (tilegen.ops.attention, tilegen.ops.decode, tilegen.ops.varlen):
     _op.interpreting = lambda: True

@@ -108,7 +108,7 @@ def _internals() -> _Variant | str:
             if _source_hash(member.fget if isinstance(member, property) else member) != digest:
                 return f"Triton {triton.__version__}: CompiledKernel.{name} is not one this module knows"
         return variant
-    except Exception as error:  # a Triton laid out differently: launch through the JIT
+    except Exception as error:  # noqa: BLE001 - a Triton laid out differently: launch through the JIT
         return f"Triton internals not recognised ({type(error).__name__}: {error})"
 
 
@@ -167,7 +167,7 @@ _SCALARS = (int, float, bool, str, type(None))
 class _Entry:
     """A kernel compiled for one fingerprint, and how to lay out a call's arguments for it."""
 
-    __slots__ = ("fn", "kernel", "tail", "globals")
+    __slots__ = ("fn", "globals", "kernel", "tail")
 
     def __init__(self, fn, kernel, tail, globals_):
         self.fn = fn
@@ -323,7 +323,6 @@ class DirectKernel:
         self.broken = reason
         self.entries.clear()
         log.warning("tilegen: launching %s through Triton's JIT from now on: %s", self.fn.__name__, reason)
-        return None
 
 
 def _agrees(param, arg, spec) -> bool:
@@ -421,7 +420,7 @@ def _rebind(function: types.FunctionType, replacements: dict[str, Any]) -> types
 class _Recording:
     """One call's launches, to replay with the tensors of a later call."""
 
-    __slots__ = ("align", "aliases", "calls", "entries")
+    __slots__ = ("aliases", "align", "calls", "entries")
 
     def __init__(self, align, aliases, calls, n_args):
         self.align = align  # (argument index, 16-byte aligned)

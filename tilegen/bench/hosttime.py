@@ -88,24 +88,24 @@ def _rows(device: str) -> list[dict]:
         with context():
             decoder.plan(cache, heads_q=32, max_seqlen_k=16)
         rows += [
-            dict(shape=DENSE, provider=f"tilegen.attention{tag}", call=lambda: tilegen.attention(q, k, v),
-                 context=context),
-            dict(shape=DENSE, provider=f"tilegen.attention out={tag}",
-                 call=lambda: tilegen.attention(q, k, v, out=out), context=context),
-            dict(shape=DECODE, provider=f"tilegen.attention{tag}", call=lambda: tilegen.attention(qd, kd, vd),
-                 context=context),
-            dict(shape=DECODE, provider=f"PagedDecode.run{tag}",
-                 call=lambda decoder=decoder: decoder.run(q_run, cache).unsqueeze(2), context=context),
-            dict(shape=DECODE, provider=f"PagedDecode.run out={tag}",
-                 call=lambda decoder=decoder: decoder.run(q_run, cache, out=out_run).unsqueeze(2), context=context),
+            {"shape": DENSE, "provider": f"tilegen.attention{tag}", "call": lambda: tilegen.attention(q, k, v),
+             "context": context},
+            {"shape": DENSE, "provider": f"tilegen.attention out={tag}",
+             "call": lambda: tilegen.attention(q, k, v, out=out), "context": context},
+            {"shape": DECODE, "provider": f"tilegen.attention{tag}", "call": lambda: tilegen.attention(qd, kd, vd),
+             "context": context},
+            {"shape": DECODE, "provider": f"PagedDecode.run{tag}",
+             "call": lambda decoder=decoder: decoder.run(q_run, cache).unsqueeze(2), "context": context},
+            {"shape": DECODE, "provider": f"PagedDecode.run out={tag}",
+             "call": lambda decoder=decoder: decoder.run(q_run, cache, out=out_run).unsqueeze(2), "context": context},
         ]
     if device == "cuda":
         for backend, name in (("FLASH_ATTENTION", "SDPA flash"), ("CUDNN_ATTENTION", "SDPA cuDNN")):
-            rows.append(dict(shape=DENSE, provider=name, call=lambda: F.scaled_dot_product_attention(q, k, v),
-                             context=_sdpa_backend(backend)))
-            rows.append(dict(shape=DECODE, provider=name,
-                             call=lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
-                             context=_sdpa_backend(backend)))
+            rows.append({"shape": DENSE, "provider": name, "call": lambda: F.scaled_dot_product_attention(q, k, v),
+                         "context": _sdpa_backend(backend)})
+            rows.append({"shape": DECODE, "provider": name,
+                         "call": lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
+                         "context": _sdpa_backend(backend)})
     references = {DENSE: F.scaled_dot_product_attention(q.float(), k.float(), v.float()),
                   DECODE: F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), enable_gqa=True)}
     for row in rows:
