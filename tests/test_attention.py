@@ -422,6 +422,28 @@ def test_torch_compile_fullgraph(device, backend):
     check_against_reference(out2 / 2, lse, q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("n_q", [1, 3])
+def test_torch_compile_runs_short_queries_on_the_decode_kernel(device, n_q):
+    from tilegen.families.attention_decode import DecodeConfig
+    from tilegen.ops import attention as attention_op
+
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, n_q, 64, generator=gen).to(device, torch.float16)
+    k = torch.randn(2, 2, 45, 64, generator=gen).to(device, torch.float16)
+    v = torch.randn(2, 2, 45, 64, generator=gen).to(device, torch.float16)
+
+    def f(q, k, v):
+        return tilegen.attention(q, k, v, causal=True, return_lse=True)
+
+    torch._dynamo.reset()
+    attention_op._op_plans.clear()
+    out, lse = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    check_against_reference(out, lse, q, k, v, causal=True)
+    # The compiled graph took the same route as an eager call: the decode family's kernel.
+    assert [type(plan.choice.config) for plan in attention_op._op_plans.values()] == [DecodeConfig]
+    assert type(tilegen.explain(q, k, v, causal=True, return_lse=True).config) is DecodeConfig
+
+
 def test_scale_default_is_inverse_sqrt_head_dim(device):
     case = Case(40, dtype="fp32", head_dim=40)
     q, k, v = case.inputs(device)

@@ -132,10 +132,15 @@ class _Plan:
 
 
 _plans = dispatch.plan_cache()
+_op_plans = dispatch.plan_cache()  # the compiled custom op's, keyed by its (already checked) arguments
 
 
 def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
-    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
+    return _plan_for(q, k, v, *prepare_call(q, k, v, causal, window, softcap, scale, return_lse))
+
+
+def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Plan:
+    """The plan of checked arguments: eager calls and the compiled custom op both launch through it."""
     table = _table(spec, q.device)
     choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
@@ -227,13 +232,6 @@ def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
     return dispatch.table_for(spec, device_info(_device_index(device)))
 
 
-def _run(spec, q, k, v, scale, softcap, left, right):
-    table = _table(spec, q.device)
-    _, result = table.run(max(q.shape[2], k.shape[2]), lambda config: run_with_config(
-        spec, config, q, k, v, scale, softcap, left, right, launch=launcher_for(spec).direct))
-    return result
-
-
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
     """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
 
@@ -265,9 +263,19 @@ def _attention_op(
     return_lse: bool, scale: float, softcap: float, window_left: int, window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, return_lse)
-    out, lse = _run(spec, q, k, v, scale, softcap, window_left, window_right)
+    # The eager path's plans, so a compiled graph runs the same kernels (short queries: the decode family's).
+    key = (q.shape, k.shape, v.shape, q.device, spec, window_left, window_right, scale, softcap)
+    plan = _op_plans.get(key)
+    if plan is None:
+        plan = _plan_for(q, k, v, spec, window_left, window_right, scale, softcap)
+        _op_plans.put(key, plan)
+    out = q.new_empty(plan.out_shape)
     # A custom op returns tensors only: an empty one stands for "no LSE".
-    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+    lse = q.new_empty(plan.lse_shape if plan.lse_shape is not None else (0,), dtype=torch.float32)
+    if plan.launches:
+        plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out,
+                    out if plan.lse_shape is None else lse)
+    return out, lse
 
 
 @_attention_op.register_fake
