@@ -158,7 +158,9 @@ def test_processes_opening_an_empty_server_database_at_once_migrate_it_once(pg_u
 
 
 def test_two_tune_processes_on_one_study_measure_what_one_process_does_while_db_list_reads(pg_url):
-    procs = [_start(*TUNE, "--sampler", "grid", "--db", pg_url) for _ in range(2)]
+    # Each trial lasts a second at least, so both processes are started before the grid is done.
+    slow = json.dumps(dict.fromkeys(_grid(), "sleep:1"))
+    procs = [_start(*TUNE, "--sampler", "grid", "--db", pg_url, TILEGEN_TUNE_INJECT=slow) for _ in range(2)]
     listed = 0
     while listed < 3 and any(proc.poll() is None for proc in procs):
         time.sleep(2)  # into the trials, past the tables' creation
@@ -176,7 +178,7 @@ def test_two_tune_processes_on_one_study_measure_what_one_process_does_while_db_
     assert list(studies) == [_key().study_name]  # one study, not one per process
     trials = studies[_key().study_name]
     assert not [t for t in trials if t.state.name == "RUNNING"]
-    assert {t.user_attrs[WORKER_ATTR] for t in trials if t.state.name == "COMPLETE"}.__len__() == 2
+    assert len({t.user_attrs[WORKER_ATTR] for t in trials if t.state.name == "COMPLETE"}) == 2
 
 
 def test_a_tune_process_killed_mid_trial_leaves_a_failed_trial_and_the_tune_finishes(pg_url):

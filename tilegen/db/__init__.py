@@ -1,9 +1,11 @@
 """The tuning database: tuned configs, the trials behind them, and the lookup dispatch uses.
 
 One SQLite file per user (``tilegen.env.db_path()``, ``TILEGEN_DB`` overrides) plus a
-read-only one shipped with tilegen (``tilegen.env.shipped_db_path()``). The schema is
-versioned with Alembic (``tilegen/db/migrations``); opening a file writable upgrades it.
-Optuna's studies live beside the database, at ``studies_url(db_path)``.
+read-only one shipped with tilegen (``tilegen.env.shipped_db_path()``); tuning may write to a
+PostgreSQL server instead (a ``postgresql+psycopg://`` URL, ``tilegen.db.location``), which
+dispatch never reads. The schema is versioned with Alembic (``tilegen/db/migrations``);
+opening a database writable upgrades it. Optuna's studies live beside a file, at
+``studies_url(db_path)``, and in the same database on a server.
 
 Names load on first use: dispatch needs only ``tuned_rows`` (the standard library's
 sqlite3), and should not pay for SQLAlchemy, which ``TuningDB`` and the models import.

@@ -293,8 +293,10 @@ class Tuner:
             # One process at a time decides what its trial measures, so two never take one config.
             with self.db.studies_lock(run.key.study_name):
                 config = space.suggest(trial)
-                run.done = self._measured(run.key, run.family)
+                # Running trials first, then the database: a trial records its result before it
+                # leaves RUNNING, so one finishing between the two reads is seen by the second.
                 flying = self._in_flight(run, trial)
+                run.done = self._measured(run.key, run.family)
                 earlier = run.done.get(config.to_json())
                 taken = config.to_json() in flying
                 spent = run.measured() + len(flying & run.feasible) >= run.goal
@@ -305,6 +307,8 @@ class Tuner:
                     if left:
                         study.enqueue_trial(space.params(rng.choice(left)), skip_if_exists=True)
             if earlier is None and (taken or spent):
+                if spent or all(c.to_json() in flying for c in run.untried()):
+                    study.stop()  # the rest is running elsewhere: proposing more would only spin
                 raise optuna.TrialPruned("measured by another process" if taken else "the budget is spent")
             if earlier is None:
                 result = run.done[config.to_json()] = self._run_trial(
