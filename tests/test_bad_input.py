@@ -234,7 +234,7 @@ def test_bad_input_is_refused_before_any_kernel_is_generated(device, monkeypatch
         raise AssertionError("a kernel was launched for a bad call")
 
     monkeypatch.setattr(attention_module, "run_with_config", fail)
-    monkeypatch.setattr(attention_module, "_run", fail)
+    monkeypatch.setattr(attention_module, "_plan_for", fail)
     monkeypatch.setattr(attention_module, "_table", fail)
     q, k, v = qkv(device)
     with raises(ValueError, "softcap:"):
