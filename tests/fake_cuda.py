@@ -48,13 +48,15 @@ def _describe(value):
 def _init_handles(self):
     if self.module is not None:
         return
-    self.module, self.function, self.n_regs, self.n_spills = "module", id(self), 0, 0
+    # The binary by its cache hash, not the object: two processes (or the JIT and the kernel index)
+    # that load one cached kernel load two objects of it.
+    self.module, self.function, self.n_regs, self.n_spills = "module", (self.hash, self.name), 0, 0
 
     def run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter, exit_, *args):
         idle = [h is None or (type(h).__name__ == "HookChain" and not h.calls) for h in (enter, exit_)]
         # An idle hook is passed as None by the direct path; the launcher skips both alike.
         hooks = None if all(idle) else (enter, exit_, type(launch_metadata).__name__)
-        LAUNCHES.append((self.name, (grid_0, grid_1, grid_2), stream, function, id(packed_metadata), hooks,
+        LAUNCHES.append((self.name, (grid_0, grid_1, grid_2), stream, function, repr(packed_metadata), hooks,
                          tuple(_describe(a) for a in args)))
 
     self._run = run

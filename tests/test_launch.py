@@ -11,6 +11,7 @@ specialization agrees with Triton's own on the values that decide it.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,33 @@ def test_direct_launches_match_the_jit(tmp_path):
     for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "jit_only", "disagreement", "state",
                  "direct_kernel"):
         assert f"ok {case} " in done.stdout
+
+
+@pytest.mark.slow
+def test_a_new_process_finds_checked_kernels_without_the_jit(tmp_path):
+    """The kernel index: a second process launches what the first checked, from Triton's cache."""
+    if torch.cuda.is_available():
+        pytest.skip("the fake driver stands in for a GPU only where there is none")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TILEGEN_CACHE_DIR=str(tmp_path / "cache"), TILEGEN_DB=str(tmp_path / "tuning.sqlite"),
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    script = Path(__file__).with_name("kernel_index_check.py")
+
+    def run(phase):
+        done = subprocess.run([sys.executable, str(script), phase], env=env, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        return done.stdout
+
+    first = run("record")
+    if "not recognised" in first:
+        pytest.skip(f"Triton {triton.__version__}: every launch goes through the JIT")
+    assert "ok record" in first
+    assert list((tmp_path / "cache" / "kernels").glob("*.pkl"))
+    assert "ok reuse 0" in run("reuse")
+    # Kernels gone from Triton's cache: the index is no help, and the JIT compiles them again.
+    shutil.rmtree(tmp_path / "triton")
+    assert "ok record" in run("record")
 
 
 def test_the_interpreter_takes_the_jit_path(device):

@@ -51,7 +51,7 @@ try:
 except ImportError:  # a Triton without it is not recognised (_internals) and never launches directly
     HookChain = None
 
-from tilegen import env
+from tilegen import env, kernel_index, warmup
 
 __all__ = ["DirectKernel", "Launcher", "Replay", "launcher_for", "support"]
 
@@ -231,17 +231,33 @@ class DirectKernel:
         if key is not None:
             key = (state, key)
             entry = self.entries.get(key)
+            if entry is None:
+                entry = self._indexed(state, key)
             if entry is not None and entry.ready():
                 entry.launch(grid, state[0].get_current_stream(state[1]), entry.arguments(args, kwargs))
                 return entry
+        warmup.wait()  # the JIT's first call would otherwise redo the warm-up's work beside it
         kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
         if key is None:
             return None
         entry = self._check(state, kernel, args, kwargs)
         if entry is not None:
-            if len(self.entries) >= _LIMIT:
-                self.entries.clear()
-            self.entries[key] = entry
+            self._keep(key, entry)
+            kernel_index.store(self.fn, state[1], key[1], kernel, entry.tail)
+        return entry
+
+    def _keep(self, key, entry: _Entry) -> None:
+        if len(self.entries) >= _LIMIT:
+            self.entries.clear()
+        self.entries[key] = entry
+
+    def _indexed(self, state, key) -> _Entry | None:
+        """The entry of a launch checked in an earlier process, its kernel loaded from Triton's cache."""
+        found = kernel_index.load(self.fn, state[1], key[1])
+        if found is None:
+            return None
+        entry = _Entry(self.fn, found[0], found[1], ())
+        self._keep(key, entry)
         return entry
 
     def _fingerprint(self, grid, args, kwargs):
@@ -364,6 +380,7 @@ class Launcher:
         self._lock = threading.Lock()
         self._sink: list | None = None
         if self.reason is not None:
+            warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
             return
         variant = _internals()
         launch = self.jit

@@ -18,7 +18,7 @@ from types import ModuleType
 import triton
 
 import tilegen
-from tilegen import env, warmup
+from tilegen import env
 from tilegen.codegen.render import render_spec, template_hash
 from tilegen.families import family_of
 from tilegen.ir import Spec
@@ -36,11 +36,11 @@ def source_path(spec: Spec) -> Path:
     return folder / f"{spec.name}_{spec.hash}_{template_hash(family_of(spec))}.py"
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)  # readers see the old file or the whole new one, never a torn one
     except BaseException:
@@ -55,8 +55,6 @@ def module_for(spec: Spec) -> ModuleType:
         from tilegen.interpreter import patch_interpreter
 
         patch_interpreter()
-    else:
-        warmup.wait()  # the module's first launch would otherwise redo the warm-up's work beside it
     path = source_path(spec)
     text = source_for(spec)
     # Rewrite when absent or different (a hand-edited or truncated file must not be trusted).

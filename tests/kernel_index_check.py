@@ -1,0 +1,54 @@
+"""The kernel index across processes, with kernels compiled for sm90 and no GPU (``fake_cuda``).
+
+    python tests/kernel_index_check.py record|reuse
+
+Run twice with one TILEGEN_CACHE_DIR and one TRITON_CACHE_DIR (``tests/test_launch.py`` does):
+``record`` makes each call's first launch through the JIT, ``reuse`` (a new process) must make
+none, loading the kernels the index names from Triton's cache. Every call's launches are
+also compared with the generated launcher's through the JIT on the same arguments
+(``direct_launch_check``). Prints ``ok <phase> <JIT launches>``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import direct_launch_check as check  # the fake driver, and launches compared with the JIT's
+from fake_cuda import INTERNALS
+
+import tilegen
+from tilegen import launch
+
+
+def calls():
+    decode = tilegen.PagedDecode()
+    decode.plan(check._cache(), heads_q=8, num_splits=3, return_lse=True)
+    bf16 = check.bf16
+    return [
+        ("dense", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))),
+        ("dense causal lse", lambda: tilegen.attention(bf16(1, 8, 40, 64), bf16(1, 8, 40, 64), bf16(1, 8, 40, 64),
+                                                       causal=True, return_lse=True)),
+        ("decode route", lambda: tilegen.attention(bf16(2, 8, 2, 64), bf16(2, 2, 40, 64), bf16(2, 2, 40, 64),
+                                                   causal=True)),
+        ("paged decode, split", lambda: decode.run(bf16(2, 8, 64), check._cache())),
+    ]
+
+
+if __name__ == "__main__":
+    if not isinstance(INTERNALS, launch._Variant):
+        print("not recognised:", INTERNALS)
+        sys.exit(0)
+    phase = sys.argv[1]
+    check.fresh()
+    total = 0
+    for name, call in calls():
+        runs = check.jit_runs(call)
+        total += runs
+        if phase == "reuse":
+            assert runs == 0, f"{name}: {runs} launches through the JIT in a process that should find them indexed"
+        else:
+            assert runs >= 1, f"{name}: no launch through the JIT in a fresh cache"
+        # A second call replays what the first recorded.
+        assert check.jit_runs(call) == 0, f"{name}: the second call went through the JIT"
+    assert check.CHECKED[0] >= 8, check.CHECKED[0]
+    print("ok", phase, total, flush=True)
