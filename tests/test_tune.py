@@ -139,6 +139,22 @@ def test_grid_measures_every_feasible_config_once(tmp_path):
     assert sum(again.statuses.values()) == len(trials)
 
 
+def test_grid_measures_every_config_when_finished_trials_still_look_in_flight(tmp_path, monkeypatch):
+    # Another process's trial records its result before it leaves RUNNING, so for a moment its config
+    # is measured and in flight at once. Here every measured config stays in flight for good: counting
+    # such a config twice would stop the grid short, and the config it stopped on would be lost.
+    def in_flight(self, run, trial):
+        if trial is None:  # the wait after the search: nothing runs elsewhere
+            return set()
+        return set(run.done) - {run.space.config_of(trial.params).to_json()}
+
+    monkeypatch.setattr(Tuner, "_in_flight", in_flight)
+    with TuningDB(tmp_path / "tuning.sqlite") as tdb, Tuner(tdb, CPU_INTERPRETER, sampler="grid") as tuner:
+        tuner.tune(SPEC, 16)
+        trials = _trials(tdb.path, 16)
+    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+
+
 def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
     with TuningDB(tmp_path / "tuning.sqlite") as tdb:
         neighbour = Config(64, 64, 4, 1)

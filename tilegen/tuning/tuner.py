@@ -299,7 +299,7 @@ class Tuner:
                 run.done = self._measured(run.key, run.family)
                 earlier = run.done.get(config.to_json())
                 taken = config.to_json() in flying
-                spent = run.measured() + len(flying & run.feasible) >= run.goal
+                spent = run.spent(flying)
                 if space.takes_queue and (earlier is not None or taken) and not spent:
                     # The sampler proposed nothing measurable: queue an untried config next, so
                     # every trial of the budget measures something new.
@@ -458,6 +458,12 @@ class _Run:
 
     def untried(self) -> list[Config]:
         return [c for c in self.configs if c.to_json() not in self.done]
+
+    def spent(self, flying: set[str]) -> bool:
+        """Whether the configs measured and those in flight elsewhere reach the goal. A trial records
+        its result before it leaves RUNNING, so a config can be in both: counting it twice would stop
+        the study one config short, and the grid point this trial pruned would never be measured."""
+        return len(self.feasible & (self.done.keys() | flying)) >= self.goal
 
 
 def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
