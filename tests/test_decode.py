@@ -109,8 +109,9 @@ def test_speculative_rows_split_and_merge_like_a_single_pass(splits):
     family = get("attention_decode")
     spec = DecodeSpec(head_dim=32, q_per_kv=2, dtype="fp32", kv_layout="dense", mask="causal", q_tokens=5,
                       return_lse=True)
-    problem = family.problem(spec, 48, on_gpu=False, num_splits=splits)
-    result = measure(problem, family.default_config(spec, CPU_INTERPRETER, 48), seed=1)
+    bucket = family.buckets.of((48, 2))
+    problem = family.problem(spec, bucket, on_gpu=False, num_splits=splits)
+    result = measure(problem, family.default_config(spec, CPU_INTERPRETER, bucket), seed=1)
     assert result["status"] == "ok", result["reason"]
 
 
@@ -119,16 +120,17 @@ def test_decode_tunes_into_the_database(tmp_path, monkeypatch):
     from tilegen.db import TuningDB
     from tilegen.device import device_info
     from tilegen.families.attention_decode import DecodeSpec
+    from tilegen.families.attention_decode.problem import BUCKETS
     from tilegen.tuning import Tuner
 
     spec = DecodeSpec(head_dim=32, q_per_kv=4, dtype="fp32", page_size=16)
     path = tmp_path / "tuning.sqlite"
     monkeypatch.setenv("TILEGEN_DB", str(path))
     with TuningDB(path) as db, Tuner(db, device_info(), trials=2) as tuner:
-        result = tuner.tune(spec, 64)
+        result = tuner.tune(spec, BUCKETS.of((64, 4)))
     assert result.best is not None and result.statuses["ok"] == 2
     dispatch.reset()
-    assert dispatch.table_for(spec, device_info()).choose(40).source == str(path)
+    assert dispatch.table_for(spec, device_info()).choose((40, 3)).source == str(path)
 
 
 @pytest.mark.gpu

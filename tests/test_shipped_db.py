@@ -7,6 +7,7 @@ written differently, a template or shared piece edited) must re-key them in the 
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 import pytest
@@ -75,3 +76,45 @@ def test_dispatch_on_an_h200_finds_the_shipped_serving_rows(preset, tmp_path):
     assert sorted(rows) == SERVING[preset]
     for config, source in rows.values():
         assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None
+
+
+#: The dense decode route's H200 rows (GQA 32/8, d=128, bf16), by (longest context, batch): the batch
+#: each row's trials measured (64 sequences up to 4k, then 2**18 KV tokens' worth: 8 at 64k, 3 at 128k).
+DECODE_SPEC = {"family": "attention_decode", "head_dim": 128, "q_per_kv": 4, "dtype": "bf16", "kv_layout": "dense"}
+DECODE_HASH = "0675482e97e41f8a"
+DECODE_ROWS = [(1024, 64), (4096, 64), (65536, 8), (131072, 4)]
+#: tilegen.bench.decode's shapes, (context, batch), and the row each should run.
+DECODE_BENCH = {(4096, 64): (4096, 64), (1024, 256): (1024, 64), (131072, 1): (131072, 4),
+                (65536, 4): (65536, 8)}
+
+
+def test_dispatch_on_an_h200_finds_the_shipped_decode_rows_for_the_benchmark_shapes(tmp_path):
+    from tilegen.ir import spec_from_json
+
+    spec = spec_from_json(json.dumps(DECODE_SPEC))
+    family = family_of(spec)
+    assert spec.hash == DECODE_HASH
+    raw = _shipped_rows(spec.hash)
+    assert sorted(raw) == [family.buckets.of(shape) for shape in DECODE_ROWS], "rows lost or keyed by context alone"
+    rows = tuned_rows(spec, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
+    assert sorted(rows) == sorted(raw)
+    for config, source in rows.values():
+        assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None
+    table = dispatch.Table(spec, H200, rows)
+    for (context, batch), row in DECODE_BENCH.items():
+        choice = table.choose((context, batch))
+        assert choice.tuned_bucket == family.buckets.of(row), (context, batch)
+        assert choice.source == str(env.shipped_db_path())
+        assert choice.config.to_json() == raw[choice.tuned_bucket]
+
+
+def test_the_shipped_trials_are_filed_under_their_rows_buckets():
+    conn = sqlite3.connect(f"file:{env.shipped_db_path()}?mode=ro", uri=True)
+    try:
+        query = ("select t.bucket, t.study_name from tg_trials t join tg_variants v on v.id = t.variant_id "
+                 "where v.spec_hash = ?")
+        trials = conn.execute(query, (DECODE_HASH,)).fetchall()
+    finally:
+        conn.close()
+    assert {bucket for bucket, _ in trials} == set(_shipped_rows(DECODE_HASH))
+    assert all(study.endswith(f"-n{bucket}") for bucket, study in trials)

@@ -2,8 +2,9 @@
 
 The first call for a (spec, device) pair loads the tuned rows that apply to it (this
 GPU, this Triton, this template) from the user's database and then the shipped one;
-every later call is a dictionary lookup. The family's bucket rule maps a call's size to
-a bucket; the exact bucket is used when tuned, else the nearest tuned one
+every later call is a dictionary lookup. The family's bucket rule maps a call's size (one
+int, or the pair a two-size family buckets: decode's ``(context, batch)``) to a bucket;
+the exact bucket is used when tuned, else the nearest tuned one
 (``tilegen.families.buckets``). With no tuned row at all, the family's heuristic default
 for the bucket is used and one log line names the ``tilegen tune`` command that would
 tune this variant.
@@ -21,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tilegen.codegen import module_for
 from tilegen.device import DeviceInfo
-from tilegen.families import Config, family_of
+from tilegen.families import Buckets, Config, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
 
@@ -45,6 +46,16 @@ class Choice:
     source: str  # "default" or the database file the row came from
     bucket: int  # the call's bucket
     tuned_bucket: int | None  # the bucket of the tuned row used, None for the default
+    rule: Buckets | None = field(default=None, compare=False)  # the family's, to show what a bucket means
+
+    def __repr__(self) -> str:
+        def shown(bucket: int | None) -> str:
+            label = None if bucket is None or self.rule is None else self.rule.label(bucket)
+            # A packed bucket (decode's context x batch) says what it holds; a plain one is its own label.
+            return f"{bucket}" if label in (None, str(bucket)) else f"{bucket} ({label})"
+
+        return (f"Choice(config={self.config!r}, source={self.source!r}, bucket={shown(self.bucket)}, "
+                f"tuned_bucket={shown(self.tuned_bucket)})")
 
 
 class Table:
@@ -58,8 +69,9 @@ class Table:
         self._choices: dict[int, Choice] = {}
         self.launch = module_for(spec).launch
 
-    def choose(self, size: int) -> Choice:
-        """The choice for a call of ``size`` (what the family buckets: the longer sequence, say)."""
+    def choose(self, size: int | tuple[int, int]) -> Choice:
+        """The choice for a call of ``size`` (what the family buckets: the longer sequence, say, or
+        decode's ``(max context, batch)``)."""
         bucket = self.family.buckets.of(size)
         choice = self._choices.get(bucket)
         if choice is None:
@@ -74,12 +86,12 @@ class Table:
                     "tilegen: no tuned config for %s on %s; using the default %s. Tune it with: %s",
                     self.spec.name, self.device.key, default, tune_command(self.spec, bucket),
                 )
-            return Choice(default, "default", bucket, None)
+            return Choice(default, "default", bucket, None, self.family.buckets)
         nearest = self.family.buckets.nearest(bucket, self.rows)
         config, source = self.rows[nearest]
-        return Choice(config, source, bucket, nearest)
+        return Choice(config, source, bucket, nearest, self.family.buckets)
 
-    def run(self, size: int, launch: Callable[[Config], Any]) -> tuple[Choice, Any]:
+    def run(self, size: int | tuple[int, int], launch: Callable[[Config], Any]) -> tuple[Choice, Any]:
         """``launch(config)`` with the choice for ``size``; a tuned row that fails is skipped for good
         (one warning) and the next choice runs, down to the default, whose failure is raised."""
         while True:
@@ -97,7 +109,8 @@ class Table:
         self._choices.clear()
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         message = (
-            f"tilegen: skipping the tuned config {choice.config} of {self.spec.name} (bucket {choice.tuned_bucket}) "
+            f"tilegen: skipping the tuned config {choice.config} of {self.spec.name} "
+            f"(bucket {self.family.buckets.label(choice.tuned_bucket)}) "
             f"from {choice.source}: it failed here ({type(error).__name__}: {reason}). `tilegen db verify` checks "
             f"every row"
         )
@@ -107,7 +120,7 @@ class Table:
 
 
 def tune_command(spec: Spec, bucket: int) -> str:
-    return f"tilegen tune --spec '{spec.to_json()}' --sizes {bucket}"
+    return f"tilegen tune --spec '{spec.to_json()}' {family_of(spec).buckets.cli_args(bucket)}"
 
 
 class PlanCache(dict):

@@ -379,6 +379,15 @@ def _config_text(row: TunedRow | TrialRow) -> str:
         return json.dumps(row.config, sort_keys=True)
 
 
+def _bucket_text(row: TunedRow | TrialRow) -> str:
+    """The family's reading of a bucket (decode's packed one as "4096 ctx x 64 seqs"); the number when the
+    family is unknown here."""
+    try:
+        return get(row.family).buckets.label(row.bucket)
+    except SpecError:
+        return str(row.bucket)
+
+
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -387,10 +396,11 @@ def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
     table = Table(title=title)
     for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date",
                  "from"):
-        table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left")
+        table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left",
+                         no_wrap=name == "bucket")
     for row in rows:
         table.add_row(
-            row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, str(row.bucket),
+            row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, _bucket_text(row),
             _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
             _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"), row.provenance,
         )
@@ -400,11 +410,12 @@ def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
 def _trials_table(rows: list[TrialRow]) -> Table:
     table = Table(title="trials")
     for name in ("study", "#", "GPU", "bucket", "config", "status", "time ms", "max err", "reason"):
-        table.add_column(name, justify="right" if name in ("#", "bucket", "time ms", "max err") else "left")
+        table.add_column(name, justify="right" if name in ("#", "bucket", "time ms", "max err") else "left",
+                         no_wrap=name == "bucket")
     # Within a study, fastest first and failures last: the top rows say why the winner won.
     for row in sorted(rows, key=lambda r: (r.study_name, r.time_ms is None, r.time_ms or 0.0, r.trial_number)):
         table.add_row(
-            row.study_name, str(row.trial_number), row.gpu_key, str(row.bucket), _config_text(row),
+            row.study_name, str(row.trial_number), row.gpu_key, _bucket_text(row), _config_text(row),
             row.status, _number(row.time_ms, ".4f"), _number(row.max_error, ".2e"), row.reason or "",
         )
     return table

@@ -1,4 +1,7 @@
-"""``tilegen tune``: tune a spec's configs per sequence-length bucket into the tuning database."""
+"""``tilegen tune``: tune a spec's configs per sequence-length bucket into the tuning database.
+
+A family whose bucket holds a batch too (decode: longest context x sequences) is tuned at
+every ``--sizes`` value crossed with every ``--batches`` value."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from tilegen import env
 from tilegen.cli import app, fail
 from tilegen.cli.spec_args import takes_spec
 from tilegen.device import device_info
-from tilegen.families import family_of
+from tilegen.families import families, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
 
@@ -23,6 +26,16 @@ _GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 _INTERPRETER_SEQLENS = (16, 32)  # the interpreter is slow: tiny lengths finish in seconds
 _GPU_TRIALS = 30
 _INTERPRETER_TRIALS = 6
+# Decode on a GPU: a context every 4x from 1k to 64k (its configs change slowly with the context,
+# and the nearest-bucket rule serves 2x either side) crossed with a batch in each regime of the
+# split rule (H200, 8 KV heads): 1 (8 programs, the most splits), 8 (64 programs, still under one
+# per SM: a few splits) and 64 (512 programs: no split, as for every larger batch). 12 buckets,
+# 360 trials at the default 30, where all 7 sizes x 5 batches would take three times as long.
+_GPU_DECODE_SIZES = (1024, 4096, 16384, 65536)
+_GPU_BATCHES = (1, 8, 64)
+_INTERPRETER_BATCHES = (1, 4)
+#: A GPU bucket's K and V may take this share of the GPU's memory (inputs, outputs and the reference take the rest).
+_KV_MEMORY_SHARE = 0.5
 
 
 @app.command()
@@ -30,10 +43,18 @@ _INTERPRETER_TRIALS = 6
 def tune(
     spec: Spec,
     seqlens: Optional[str] = typer.Option(
-        None, "--seqlens", "--sizes", help="Comma-separated sizes (sequence lengths for attention), each tuned at "
-        "its family's bucket "
+        None, "--seqlens", "--sizes", help="Comma-separated sizes (sequence lengths for attention, the longest "
+        "context for decode), each tuned at its family's bucket "
         f"(default: {','.join(map(str, _GPU_SEQLENS))} on a GPU, "
-        f"{','.join(map(str, _INTERPRETER_SEQLENS))} under the interpreter).",
+        f"{','.join(map(str, _INTERPRETER_SEQLENS))} under the interpreter; attention_decode: "
+        f"{','.join(map(str, _GPU_DECODE_SIZES))} on a GPU).",
+    ),
+    batches: Optional[str] = typer.Option(
+        None, "--batches", help="Comma-separated batch sizes (sequences per call), for a family whose bucket "
+        "holds the batch too (attention_decode); every one is tuned with every --sizes value, at its bucket "
+        "(the next power of two). Buckets whose K and V would take over half of the GPU's memory are skipped "
+        f"(default: {','.join(map(str, _GPU_BATCHES))} on a GPU, {','.join(map(str, _INTERPRETER_BATCHES))} "
+        "under the interpreter).",
     ),
     trials: Optional[int] = typer.Option(
         None, help=f"Configs to measure per bucket (default: {_GPU_TRIALS} on a GPU, "
@@ -60,6 +81,7 @@ def tune(
 ) -> None:
     """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
+    batch_sizes = _parse_batches(batches, family_of(spec))
     if trials is not None and trials < 1:
         fail(f"--trials: expected a positive integer, got {trials}")
     if timeout is not None and not (0 < timeout < math.inf):
@@ -75,7 +97,7 @@ def tune(
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
-    _tune(spec, lengths, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
+    _tune(spec, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
           heartbeat=heartbeat)
 
 
@@ -136,7 +158,7 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
     return indices
 
 
-def _tune(spec, lengths, *, trials, timeout, sampler, db, seed, slots, heartbeat) -> None:
+def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slots, heartbeat) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
@@ -150,6 +172,7 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed, slots, heartbeat
         WorkerError,
         summary_table,
     )
+    from tilegen.tuning.report import bucket_text
     from tilegen.tuning.pool import Plan, PoolError, run_pool
 
     if sampler not in SAMPLERS:
@@ -170,8 +193,7 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed, slots, heartbeat
             f"tilegen: no GPU; tuning under the Triton interpreter with wall-clock timing, "
             f"filed under device {device.key} (never used on a GPU)", err=True,
         )
-    lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_SEQLENS)
-    buckets = sorted({family.buckets.of(n) for n in lengths})
+    buckets = _buckets(spec, family, device, lengths, batch_sizes)
     if trials is None and sampler == "tpe":
         trials = _INTERPRETER_TRIALS if device.is_interpreter else _GPU_TRIALS
     # The progress bars and the table say what Optuna's lines would; an error stops the tune anyway.
@@ -203,11 +225,37 @@ def _tune(spec, lengths, *, trials, timeout, sampler, db, seed, slots, heartbeat
     except (DatabaseError, WorkerError, PoolError) as e:
         fail(str(e))
     Console().print(summary_table(results))
-    unsolved = [r.key.bucket for r in results if r.best is None]
+    unsolved = [bucket_text(r.key) for r in results if r.best is None]
     if unsolved:
         fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
              f"the trials' reasons: tilegen db show --db {database.location} {spec.hash}")
     typer.echo(f"stored in {database.location}", err=True)
+
+
+def _buckets(spec, family, device, lengths: list[int], batch_sizes: list[int]) -> list[int]:
+    """The buckets to tune, in order: each size's, or each (size, batch) pair's for a family with a batch."""
+    rule = family.buckets
+    if rule.batch_unit is None:
+        lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_SEQLENS)
+        return sorted({rule.of(n) for n in lengths})
+    lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_DECODE_SIZES)
+    batch_sizes = batch_sizes or (_INTERPRETER_BATCHES if device.is_interpreter else _GPU_BATCHES)
+    buckets = sorted({rule.of((n, b)) for n in lengths for b in batch_sizes})
+    if device.is_interpreter:
+        return buckets  # the interpreter's problems are capped small whatever the bucket
+    budget = device.memory_bytes * _KV_MEMORY_SHARE
+    fitting = []
+    for bucket in buckets:
+        need = family.problem(spec, bucket, on_gpu=True).bytes_moved()
+        if need <= budget:
+            fitting.append(bucket)
+        else:
+            typer.echo(f"tilegen: skipping {rule.label(bucket)}: its K and V take {need / 1e9:.1f} GB, over "
+                       f"{_KV_MEMORY_SHARE:.0%} of this GPU's {device.memory_bytes / 1e9:.0f} GB", err=True)
+    if not fitting:
+        fail(f"--batches: every --sizes x --batches bucket needs more than {_KV_MEMORY_SHARE:.0%} of this GPU's "
+             f"{device.memory_bytes / 1e9:.0f} GB for its K and V; give smaller sizes or batches")
+    return fitting
 
 
 #: Sizes past this overflow the kernels' int32 index arithmetic, and no tune could allocate them.
@@ -226,3 +274,21 @@ def _parse_seqlens(text: str | None) -> list[int]:
     if max(lengths) > _MAX_SIZE:
         fail(f"--seqlens: {max(lengths)} is too large; sizes go up to {_MAX_SIZE}")
     return lengths
+
+
+def _parse_batches(text: str | None, family) -> list[int]:
+    if text is None:
+        return []
+    if family.buckets.batch_unit is None:
+        takers = [f.name for f in families() if f.buckets.batch_unit is not None]
+        fail(f"--batches: {family.name} buckets one size ({family.buckets.unit}), not a batch; "
+             f"--batches is for {', '.join(takers)}")
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        fail(f"--batches: expected comma-separated positive integers such as 1,8,64; got {text!r}")
+    if max(sizes) > _MAX_SIZE:
+        fail(f"--batches: {max(sizes)} is too large; batches go up to {_MAX_SIZE}")
+    return sizes

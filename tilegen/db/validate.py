@@ -88,8 +88,9 @@ def _check_bucket(spec: Spec, bucket: int) -> None:
     buckets = family_of(spec).buckets
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise RowError(f"bucket: expected a positive integer, got {bucket!r}")
-    if buckets.of(bucket) != bucket:
-        raise RowError(f"bucket: {bucket} is not a bucket of {spec.family} (its rule gives {buckets.of(bucket)})")
+    reason = buckets.check(bucket)  # a packed bucket (decode: context x batch) is checked by its own rule
+    if reason is not None:
+        raise RowError(f"bucket: {bucket} is not a bucket of {spec.family} ({reason})")
 
 
 def _check_time(name: str, value: Any) -> None:

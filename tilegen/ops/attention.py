@@ -176,7 +176,7 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
     info = device_info(_device_index(q.device))
     table = dispatch.table_for(decode_spec, info)
     n_k = k.shape[2]
-    choice = table.choose(n_k)
+    choice = table.choose((n_k, q.shape[0]))
     config = choice.config
     splits = split_count(config, info, q.shape[0], k.shape[1], n_k)
     launch_args = {"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,

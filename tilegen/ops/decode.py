@@ -1,9 +1,10 @@
 """``tilegen.PagedDecode``: batch decode over a paged KV cache, FlashInfer's plan/run split.
 
 ``plan`` takes the cache's page table, the heads and the mask once per decode step and
-decides the config and the split count (from the SM count, the batch and the tuned
-``ctas_per_sm``); it also allocates the split partials, so ``run`` allocates nothing but its
-output, synchronizes nothing and can be captured in a CUDA graph.
+decides the config (tuned per longest context and batch) and the split count (from the SM
+count, the batch and the tuned ``ctas_per_sm``); it also allocates the split partials, so
+``run`` allocates nothing but its output, synchronizes nothing and can be captured in a
+CUDA graph.
 
 Checks: every call checks shapes, dtypes and devices on the host; ``TILEGEN_DEBUG=1`` (or
 ``PagedKVCache.validate()``) checks the page table's values on the device.
@@ -108,7 +109,7 @@ class PagedDecode:
                              "TRITON_INTERPRET=1")
         info = device_info(device.index if device.type == "cuda" else None)
         table = dispatch.table_for(spec, info)
-        choice = table.choose(max(max_seqlen_k, 1))
+        choice = table.choose((max(max_seqlen_k, 1), cache.batch))
         config = choice.config
         splits = num_splits or split_count(config, info, cache.batch, cache.kv_heads, max_seqlen_k)
         chunk = math.ceil(max(max_seqlen_k, 1) / splits / config.block_n) * config.block_n

@@ -12,10 +12,11 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from tilegen.families import family_of
 from tilegen.key import TuningKey
 from tilegen.tuning.tuner import BucketResult, Reporter, TrialResult
 
-__all__ = ["ProgressReporter", "summary_table"]
+__all__ = ["ProgressReporter", "bucket_text", "summary_table"]
 
 #: Statuses counted as "failed" in the summary: the config broke, not merely computed wrong.
 _FAILED = ("compile_error", "fault", "timeout")
@@ -49,7 +50,9 @@ class ProgressReporter(Reporter):
     def start(self, key: TuningKey, budget: int, best: TrialResult | None) -> None:
         if not self._tasks:
             self.progress.start()
-        self._tasks[key] = self.progress.add_task(f"n={key.bucket}", total=budget, best=_best_text(best))
+        label = bucket_text(key)
+        name = f"n={label}" if label == str(key.bucket) else label  # a packed bucket names its own sizes
+        self._tasks[key] = self.progress.add_task(name, total=budget, best=_best_text(best))
 
     def trial(self, key: TuningKey, result: TrialResult, best: TrialResult | None) -> None:
         advance = 0 if result.status == "infeasible" else 1  # infeasible configs cost no measurement
@@ -59,17 +62,22 @@ class ProgressReporter(Reporter):
 def summary_table(results: list[BucketResult]) -> Table:
     table = Table(title=f"{results[0].key.spec.name} on {results[0].key.device.key}" if results else None)
     for name in ("bucket", "best config", "time ms", "TFLOP/s", "max err", "trials ok/wrong/failed"):
-        table.add_column(name, justify="left" if name == "best config" else "right")
+        table.add_column(name, justify="left" if name == "best config" else "right", no_wrap=name == "bucket")
     for r in results:
         counts = f"{r.statuses['ok']}/{r.statuses['wrong']}/{sum(r.statuses[s] for s in _FAILED)}"
         if r.best is None:
-            table.add_row(str(r.key.bucket), "no correct config", "-", "-", "-", counts)
+            table.add_row(bucket_text(r.key), "no correct config", "-", "-", "-", counts)
         else:
             table.add_row(
-                str(r.key.bucket), str(r.best.config), f"{r.best.time_ms:.4g}", f"{r.tflops:.4g}",
+                bucket_text(r.key), str(r.best.config), f"{r.best.time_ms:.4g}", f"{r.tflops:.4g}",
                 f"{r.best.max_error:.2e}", counts,
             )
     return table
+
+
+def bucket_text(key: TuningKey) -> str:
+    """The key's bucket as its family reads it: the number, or what a packed one holds (decode)."""
+    return family_of(key.spec).buckets.label(key.bucket)
 
 
 def _best_text(best: TrialResult | None) -> str:

@@ -4,8 +4,9 @@ The query heads that share a KV head are computed together, so each page is read
 per KV head; when batch x KV heads cannot fill the GPU, each sequence's keys are split
 across programs (flash-decoding) and a merge kernel combines the partial results by their
 log-sum-exp. The split count comes from the SM count, the batch and the config's
-``ctas_per_sm`` knob. The online-softmax loop and the page addressing are the prefill
-kernels' shared pieces.
+``ctas_per_sm`` knob; the knobs are tuned per longest context and batch (one packed bucket:
+``ContextBatchBuckets``), and callers bucket a call by ``(max context, batch)``. The
+online-softmax loop and the page addressing are the prefill kernels' shared pieces.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 from tilegen.families.attention_decode import config as _config
 from tilegen.families.attention_decode.config import DecodeConfig
 from tilegen.families.attention_decode.lower import lower as _lower
-from tilegen.families.attention_decode.problem import DecodeProblem
+from tilegen.families.attention_decode.problem import BUCKETS, DecodeProblem
 from tilegen.families.attention_decode.spec import DecodeSpec
 from tilegen.families.base import Family
-from tilegen.families.buckets import PowerOfTwoBuckets
 
 __all__ = ["AttentionDecode", "DecodeConfig", "DecodeSpec", "DecodeProblem"]
 
@@ -27,8 +27,9 @@ class AttentionDecode(Family):
     spec_type = DecodeSpec
     config_type = DecodeConfig
     template = "attention_decode.py.jinja"
-    # The longest context sets the key blocks a program streams; the batch enters through the split rule.
-    buckets = PowerOfTwoBuckets("longest context")
+    # The longest context sets the key blocks a program streams; the batch sets how many programs the
+    # split rule adds, so the knobs it reads (ctas_per_sm above all) are tuned per batch too.
+    buckets = BUCKETS
     presets = {"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)}
 
     # The family's parts are its modules' functions.

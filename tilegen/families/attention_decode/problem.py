@@ -12,12 +12,17 @@ from tilegen.device import device_info
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
+from tilegen.families.buckets import ContextBatchBuckets
 
-__all__ = ["DecodeProblem", "decode_buffers"]
+__all__ = ["BUCKETS", "DecodeProblem", "decode_buffers"]
 
-#: KV tokens a GPU trial reads: enough to take the H200 to its bandwidth.
-_GPU_KV_TOKENS = 1 << 18
+#: What a decode bucket is: the longest context and the batch, packed into one int.
+BUCKETS = ContextBatchBuckets("longest context", "sequences")
+#: The interpreter is slow: its trials cap the context and the batch (a GPU trial measures both as bucketed).
 _CPU_MAX_CONTEXT = 48
+_CPU_MAX_BATCH = 8
+#: Pages no sequence holds, NaN: a kernel that reads a page it was not given fails the check.
+_SPARE_PAGES = 3
 
 
 def decode_buffers(batch: int, rows: int, dv: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,20 +44,39 @@ class DecodeProblem(VarlenProblem):
     @classmethod
     def for_bucket(cls, spec, bucket: int, *, on_gpu: bool, k_lens=None, heads_q=None, num_splits=None,
                    **_: object) -> DecodeProblem:
+        """The bucket's batch of sequences, the first as long as its context bucket (``BUCKETS``);
+        under the interpreter both are capped small. Paged contexts are ragged below the longest
+        (on the CPU mixing in 0, 1 and page_size + 1 tokens); dense ones are all the longest."""
+        context, batch = BUCKETS.unpack(bucket)
         heads = heads_q or (32 if on_gpu else 4)
         if k_lens is None:
-            longest = bucket if on_gpu else min(bucket, _CPU_MAX_CONTEXT)
-            k_lens = tuple(ragged_lengths(longest, _GPU_KV_TOKENS if on_gpu else 3 * longest))
+            longest = context if on_gpu else min(context, _CPU_MAX_CONTEXT)
+            batch = batch if on_gpu else min(batch, _CPU_MAX_BATCH)
+            # A ragged mix yields at least `batch` lengths when asked for `batch` full contexts' tokens.
+            ragged = ragged_lengths(longest, longest * batch)
             if spec.kv_layout == "dense":
-                k_lens = (longest,) * min(len(k_lens), 64)  # one length for all: dense tensors
-            elif not on_gpu:
-                k_lens = (*k_lens, 0, 1, spec.page_size + 1)
+                k_lens = (longest,) * batch  # one length for all: dense tensors
+            elif on_gpu:
+                k_lens = tuple(ragged[:batch])
+            else:
+                # Small batches still meet an empty context, a single token and a page boundary.
+                k_lens = (longest, 0, 1, spec.page_size + 1, *ragged[1:])[:batch]
         return cls(spec, tuple(spec.q_tokens for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket,
                    on_gpu, num_splits)
 
+    @property
+    def batch(self) -> int:
+        return len(self.k_lens)
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None]:
+        # The window is sized from the context, not from the packed bucket's integer.
+        context = BUCKETS.unpack(self.bucket)[0]
+        return {"none": (None, None), "causal": (None, 0), "window": (context // 4, context // 16)}[self.spec.mask]
+
     def inputs(self, seed: int) -> dict:
         if self.spec.kv_layout == "paged":
-            return super().inputs(seed)
+            return self._paged_inputs(seed)
         # Dense: [batch, kv_heads, n_k, dim] tensors, every sequence as long as the longest.
         gen = torch.Generator("cuda" if self.on_gpu else "cpu").manual_seed(seed)
         n, batch = max(self.k_lens), len(self.k_lens)
@@ -65,6 +89,38 @@ class DecodeProblem(VarlenProblem):
                 "k": randn(batch, self.heads_kv, n, self.spec.head_dim),
                 "v": randn(batch, self.heads_kv, n, self.spec.dv),
                 "cu_q": torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32, device=gen.device)}
+
+    def _paged_inputs(self, seed: int) -> dict:
+        """``VarlenProblem``'s paged inputs (shuffled pages, NaN in every slot no sequence holds), filled
+        in one scatter: a GPU trial at a large batch holds millions of tokens, too many pages to fill
+        one by one."""
+        device = "cuda" if self.on_gpu else "cpu"
+        gen = torch.Generator(device).manual_seed(seed)
+        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        lengths = torch.tensor(self.k_lens, dtype=torch.int64, device=device)
+        pages_per_seq = (lengths + size - 1) // size
+        used = int(pages_per_seq.sum())
+        num_pages = used + _SPARE_PAGES
+        k_pages = torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype)
+        v_pages = torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype)
+        indices = torch.randperm(num_pages, generator=gen, device=device)[:used]
+        indptr = torch.nn.functional.pad(pages_per_seq.cumsum(0), (1, 0))
+        # Token t of sequence b lies in slot t % size of page indices[indptr[b] + t // size].
+        seq = torch.repeat_interleave(torch.arange(len(self.k_lens), device=device), lengths)
+        first = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
+        pos = torch.arange(seq.numel(), device=device) - first[seq]
+        page = indices[indptr[seq] + pos // size]
+        k_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.head_dim)
+        v_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.dv)
+        last = torch.where(pages_per_seq > 0, lengths - (pages_per_seq - 1) * size, 0)
+        q_offsets = torch.tensor((0, *self.q_lens), device=device).cumsum(0)
+        return {"q": randn(sum(self.q_lens), self.heads_q, spec.head_dim), "cu_q": q_offsets.to(torch.int32),
+                "max_q": max(self.q_lens), "k": k_pages, "v": v_pages, "indptr": indptr.to(torch.int32),
+                "indices": indices.to(torch.int32), "last": last.to(torch.int32)}
 
     def outputs(self, inputs: dict):
         out, lse = super().outputs(inputs)
