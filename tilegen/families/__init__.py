@@ -46,3 +46,8 @@ register(MergeStates())
 register(AttentionVarlen())
 register(AttentionDecode())
 register(BlockwiseFFN())
+
+# After its parts' families: the layer's specs build theirs through the registry.
+from tilegen.families.blockwise_layer import BlockwiseLayer  # noqa: E402
+
+register(BlockwiseLayer())

@@ -8,7 +8,9 @@ blockwise FFN family's (``tilegen.families.blockwise_ffn.reference``).
 Tests run it in float64 (``compute_dtype=torch.float64``) on the same rounded weights and
 input as the layer under test. Run in the input's dtype it is also the benchmark's unfused
 peer (SDPA and the whole sequence's MLP at once), and with ``ffn_chunk`` its chunked peer
-(the MLP over ``ffn_chunk`` tokens at a time).
+(the MLP over ``ffn_chunk`` tokens at a time). With ``rows`` it gives the output at those
+tokens only, their attention over the whole sequence's keys masked by position: what a
+check of a long sequence can afford in float64 (the layer's whole score matrix cannot be held).
 """
 
 from __future__ import annotations
@@ -63,27 +65,34 @@ def _mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig) ->
 
 
 def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config: LayerConfig, *,
-                    compute_dtype: torch.dtype | None = None, ffn_chunk: int | None = None) -> torch.Tensor:
+                    compute_dtype: torch.dtype | None = None, ffn_chunk: int | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """The layer on ``x`` ``[tokens, d_model]`` or ``[batch, tokens, d_model]``, in ``compute_dtype``
-    (default: ``x``'s); ``ffn_chunk`` runs the MLP that many tokens at a time (same result)."""
+    (default: ``x``'s); ``ffn_chunk`` runs the MLP that many tokens at a time (same result);
+    ``rows`` (token indices) gives only those tokens' outputs, ``[..., len(rows), d_model]``."""
     dtype = compute_dtype or x.dtype
     w = {name: t.to(dtype) for name, t in weights.items()}
     squeeze = x.dim() == 2
     x = (x[None] if squeeze else x).to(dtype)
     batch, n, _ = x.shape
     hq, hkv, hd = config.heads_q, config.heads_kv, config.head_dim
+    # Whole-sequence runs index by a slice, a view: the benchmark measures this layer's peak memory.
+    at = slice(None) if rows is None else torch.as_tensor(rows, device=x.device)
+    m = n if rows is None else len(at)
 
     xn = norm(x, w["input_layernorm.weight"], w.get("input_layernorm.bias"), config.norm, config.eps)
-    q = (xn @ w["self_attn.q_proj.weight"].T).view(batch, n, hq, hd)
+    q = (xn[:, at] @ w["self_attn.q_proj.weight"].T).view(batch, m, hq, hd)
     k = (xn @ w["self_attn.k_proj.weight"].T).view(batch, n, hkv, hd)
     v = (xn @ w["self_attn.v_proj.weight"].T).view(batch, n, hkv, hd)
     del xn
     if config.rope_theta is not None:
         cos, sin = rope_tables(torch.arange(n, device=x.device), hd, config.rope_theta, dtype)
-        q = torch.stack([apply_rope(q[b], cos, sin) for b in range(batch)])
+        q = torch.stack([apply_rope(q[b], cos[at], sin[at]) for b in range(batch)])
         k = torch.stack([apply_rope(k[b], cos, sin) for b in range(batch)])
     scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
-    if config.window is None and config.softcap is None:
+    if rows is not None:
+        attn = _attention_at(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at, config, scale)
+    elif config.window is None and config.softcap is None:
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=config.causal, scale=scale, enable_gqa=hq != hkv)
     else:  # SDPA has neither: the attention family's reference (the whole score matrix) does
@@ -91,12 +100,30 @@ def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config
                                    window=config.window, softcap=config.softcap, scale=scale,
                                    compute_dtype=dtype)[0].to(dtype)
     del q, k, v
-    h = x + attn.transpose(1, 2).reshape(batch, n, hq * hd) @ w["self_attn.o_proj.weight"].T
+    h = x[:, at] + attn.transpose(1, 2).reshape(batch, m, hq * hd) @ w["self_attn.o_proj.weight"].T
     del attn
     if ffn_chunk is None:
         out = _mlp(h, w, config)
     else:
         out = torch.empty_like(h)
-        for start in range(0, n, ffn_chunk):
+        for start in range(0, m, ffn_chunk):
             out[:, start:start + ffn_chunk] = _mlp(h[:, start:start + ffn_chunk], w, config)
     return out[0] if squeeze else out
+
+
+def _attention_at(q, k, v, positions, config: LayerConfig, scale: float) -> torch.Tensor:
+    """Attention of the queries at token ``positions`` (``q`` [batch, heads_q, len(positions), head_dim])
+    over all ``n`` keys, each seeing the keys its position allows: a token always sees itself."""
+    left, right = config.attention_bounds()
+    group = q.shape[1] // k.shape[1]
+    s = torch.einsum("bhmd,bhnd->bhmn", q, k.repeat_interleave(group, dim=1)) * scale
+    if config.softcap is not None:
+        s = config.softcap * torch.tanh(s / config.softcap)
+    keys = torch.arange(k.shape[2], device=q.device)[None, :]
+    keep = torch.ones(len(positions), k.shape[2], dtype=torch.bool, device=q.device)
+    if left is not None:
+        keep &= keys >= positions[:, None] - left
+    if right is not None:
+        keep &= keys <= positions[:, None] + right
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+    return p @ v.repeat_interleave(group, dim=1)

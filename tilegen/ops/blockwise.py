@@ -3,12 +3,12 @@
 After attention every token's FFN is independent of the others', so a layer needs no barrier
 between attention and the FFN. ``blockwise_layer`` takes one block of query tokens at a time
 through the whole layer: norm and q projection, attention over the keys that block sees
-(``tilegen.attention``: causal or not, a window, a softcap, GQA), ``o_proj`` and the residual, then the generated blockwise FFN kernels
-(norm, MLP, residual), written into that block's rows of the output. K and V are projected
-once for the whole sequence, a block at a time, since every query block needs them; nothing
-else sequence-sized is ever held but the output. The query block is the FFN config's fusion
-block (``block_tokens``, tuned with the family), on a GPU at least 4096 rows so that attention
-fills the SMs; the FFN runs its fusion block inside it.
+(``tilegen.attention``: causal or not, a window, a softcap, GQA), ``o_proj`` and the residual,
+then the generated blockwise FFN kernels (norm, MLP, residual), written into that block's rows
+of the output. That schedule is the ``blockwise_layer`` family's generated module, rendered
+for the layer's spec (``BlockwiseLayerSpec.for_layer(config, dtype)``); its query block is that
+family's knob, tuned per token bucket (on a GPU by default 4096 rows, so that attention fills
+the SMs), and the FFN runs its own tuned fusion block inside it.
 """
 
 from __future__ import annotations
@@ -18,29 +18,37 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tilegen import dispatch
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
+from tilegen.families.blockwise_layer.config import MIN_GPU_BLOCK as _MIN_QUERY_BLOCK  # noqa: F401 (benchmark)
+from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.reference import rope_tables
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 
-__all__ = ["blockwise_ffn", "blockwise_layer", "ffn_table"]
+__all__ = ["blockwise_ffn", "blockwise_layer", "explain_layer", "ffn_table", "layer_spec", "layer_table"]
 
-#: Fewest query rows per block on a GPU by default: with 8 KV heads' worth of query tiles of 128
-#: rows, fewer leave an H200's 132 SMs idle in attention. The FFN still runs its own (tuned)
-#: fusion block inside it; the block's other activations are a few [rows, d_model] tensors.
-_MIN_QUERY_BLOCK = 4096
+
+def _table(spec, device: torch.device) -> dispatch.Table:
+    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def ffn_table(spec: BlockwiseFFNSpec, device: torch.device) -> dispatch.Table:
-    index = device.index if device.type == "cuda" else None
-    return dispatch.table_for(spec, device_info(index))
+    return _table(spec, device)
+
+
+def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
+    """The layer's tuned query blocks on ``device``; its ``launch`` is the generated schedule's."""
+    return _table(spec, device)
+
+
+def layer_spec(config: LayerConfig, dtype: torch.dtype) -> BlockwiseLayerSpec:
+    """The ``blockwise_layer`` spec of a layer in ``dtype``: what its generated schedule is rendered for."""
+    return BlockwiseLayerSpec.for_layer(config, SPEC_DTYPES[dtype])
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:
@@ -144,8 +152,8 @@ def blockwise_layer(
         config: a ``tilegen.layers.LayerConfig``; or leave it out and give ``heads_q`` (and
             optionally ``heads_kv``, ``norm``, ``ffn``, ``causal``, ``rope_theta``, ``eps``,
             ``scale``, ``window``, ``softcap``) as keywords, the widths being read from the weights' shapes.
-        block: query tokens per block; by default the tuned (or default) fusion block of the
-            FFN kernels for this length, on a GPU at least 4096 (attention wants that many rows).
+        block: query tokens per block; by default the ``blockwise_layer`` family's tuned (or default)
+            block for this many tokens (``explain_layer`` says which): on a GPU 4096 untuned.
         out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
             (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
             block writes them), but not a view that overlaps ``x`` partly.
@@ -154,6 +162,44 @@ def blockwise_layer(
     ``tilegen.layers.reference_layer``. Weights that do not match the config (missing,
     unexpected, wrong shape, dtype or device) raise an error naming the weight.
     """
+    w, config = _resolve(x, weights, config, config_kwargs)
+    if out is None:
+        out = torch.empty_like(x)
+    elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out: expected a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block: expected a positive int, got {block!r}")
+    n = x.shape[-2]
+    if n == 0:
+        return out
+    spec = layer_spec(config, x.dtype)
+    table = layer_table(spec, x.device)
+    if block is None:
+        # choose, not run: the schedule writes out block by block (over x, in place), so a launch
+        # that failed part way could not be run again with another block.
+        block = table.choose(n).config.block_q
+    # attention is looked up here, per call: the benchmark's memory replay stands in for it.
+    args = dict(attention=attention, blockwise_ffn=blockwise_ffn, block_q=block, **spec.launch_args(config))
+    sequences = zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]
+    for x_seq, out_seq in sequences:
+        table.launch(x_seq, w, out_seq, **args)
+    return out
+
+
+def explain_layer(
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+    config: LayerConfig | None = None,
+    **config_kwargs: Any,
+) -> dispatch.Choice:
+    """Which query block ``blockwise_layer(x, weights, config)`` runs with (``block=None``), and where it
+    comes from: a tuned row of the ``blockwise_layer`` family, or its default."""
+    _, config = _resolve(x, weights, config, config_kwargs)
+    return layer_table(layer_spec(config, x.dtype), x.device).choose(x.shape[-2])
+
+
+def _resolve(x, weights, config, config_kwargs) -> tuple[dict[str, torch.Tensor], LayerConfig]:
+    """The weights as a dict and the layer's config, every argument checked against the other."""
     w = as_state_dict(weights)
     if config is None:
         if "heads_q" not in config_kwargs:
@@ -168,89 +214,10 @@ def blockwise_layer(
         raise TypeError(f"x: expected fp16, bf16 or fp32, got {x.dtype}")
     _check_device("x", x)
     check_weights(w, config, dtype=x.dtype, device=x.device)
-    if out is None:
-        out = torch.empty_like(x)
-    elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"out: expected a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-        raise ValueError(f"block: expected a positive int, got {block!r}")
-    if x.dim() == 3:
-        for b in range(x.shape[0]):
-            _layer(x[b], w, config, block, out[b])
-    else:
-        _layer(x, w, config, block, out)
-    return out
+    return w, config
 
 
 def _ffn_spec(config: LayerConfig, dtype: torch.dtype) -> BlockwiseFFNSpec:
+    # The benchmark reports the FFN's fusion block with it.
     return BlockwiseFFNSpec(d_model=config.d_model, d_ffn=config.d_ffn, norm=config.norm, ffn=config.ffn,
                             dtype=SPEC_DTYPES[dtype])
-
-
-def _layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig, block: int | None,
-           out: torch.Tensor) -> None:
-    n = x.shape[0]
-    if n == 0:
-        return
-    if block is None:
-        block = ffn_table(_ffn_spec(config, x.dtype), x.device).choose(n).config.block_tokens
-        if x.device.type == "cuda":
-            block = max(block, _MIN_QUERY_BLOCK)
-    hq, hkv, hd = config.heads_q, config.heads_kv, config.head_dim
-    scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
-    k_all = x.new_empty(n, hkv * hd)
-    v_all = x.new_empty(n, hkv * hd)
-    blocks = [(start, min(n, start + block)) for start in range(0, n, block)]
-
-    def normed(start, end):
-        # torch's fused norms: one kernel with fp32 statistics, where the reference's spelled-out
-        # norm is several elementwise passes over the block.
-        if config.norm == "rmsnorm":
-            return F.rms_norm(x[start:end], (config.d_model,), w["input_layernorm.weight"], config.eps)
-        return F.layer_norm(x[start:end], (config.d_model,), w["input_layernorm.weight"], w["input_layernorm.bias"],
-                            config.eps)
-
-    def rope(t, start, end, heads):
-        if config.rope_theta is None:
-            return t
-        positions = torch.arange(start, end, device=x.device)
-        cos, sin = rope_tables(positions, hd, config.rope_theta, torch.float32)
-        # In fp32 with one rounding, in place: a block's transient is two fp32 copies of q, not five.
-        tf = t.view(end - start, heads, hd).float()
-        rotated = torch.cat((-tf[..., hd // 2:], tf[..., :hd // 2]), dim=-1).mul_(sin[:, None, :])
-        return tf.mul_(cos[:, None, :]).add_(rotated).to(x.dtype).view(end - start, heads * hd)
-
-    def project_kv(start, end, xn):
-        k_all[start:end] = rope(xn @ w["self_attn.k_proj.weight"].T, start, end, hkv)
-        torch.matmul(xn, w["self_attn.v_proj.weight"].T, out=v_all[start:end])
-
-    left, right = config.attention_bounds()
-    progressive = right == 0  # a block sees no key after its own: K and V can be filled as blocks go
-    if not progressive:  # a block sees later keys too: K and V first
-        for start, end in blocks:
-            project_kv(start, end, normed(start, end))
-    for start, end in blocks:
-        rows = end - start
-        xn = normed(start, end)
-        if progressive:
-            project_kv(start, end, xn)
-        q = rope(xn @ w["self_attn.q_proj.weight"].T, start, end, hq)
-        del xn
-        # The block sees keys [k0, k1). tilegen.attention aligns query row i with key k1 - rows + i
-        # (bottom-right); token start + i sits at key start + i, so the window moves by k1 - end.
-        k0 = 0 if left is None else max(0, start - left)
-        k1 = n if right is None else min(n, end + right)
-        shift = k1 - end
-        window = None if left is None and right is None else (
-            None if left is None else left + shift, None if right is None else right - shift)
-        k = k_all[k0:k1].view(k1 - k0, hkv, hd).transpose(0, 1)[None]
-        v = v_all[k0:k1].view(k1 - k0, hkv, hd).transpose(0, 1)[None]
-        attn = x.new_empty(rows, hq * hd)
-        attention(q.view(rows, hq, hd).transpose(0, 1)[None], k, v, window=window, softcap=config.softcap,
-                  scale=scale, out=attn.view(rows, hq, hd).transpose(0, 1)[None])
-        del q
-        h = torch.addmm(x[start:end], attn, w["self_attn.o_proj.weight"].T)
-        del attn
-        blockwise_ffn(h, w_norm=w["post_attention_layernorm.weight"], b_norm=w.get("post_attention_layernorm.bias"),
-                      w_gate=w.get("mlp.gate_proj.weight"), w_up=w["mlp.up_proj.weight"],
-                      w_down=w["mlp.down_proj.weight"], norm=config.norm, eps=config.eps, out=out[start:end])
