@@ -24,7 +24,12 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import RowError, TuningDB
 from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.families import get
-from tilegen.families.attention_decode import AttentionDecode, DecodeConfig, DecodeProblem, DecodeSpec
+from tilegen.families.attention_decode import (
+    AttentionDecode,
+    DecodeConfig,
+    DecodeProblem,
+    DecodeSpec,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = get("attention_decode")
@@ -96,8 +101,8 @@ def test_nearest_takes_the_context_then_the_batch_and_is_deterministic(call, row
 
 
 def test_a_context_only_bucket_is_refused_by_every_writer(tmp_path):
-    key = dict(spec=SMALL, device=CPU_INTERPRETER, template_hash=template_hash(AttentionDecode()),
-               triton_version=triton.__version__)
+    key = {"spec": SMALL, "device": CPU_INTERPRETER, "template_hash": template_hash(AttentionDecode()),
+           "triton_version": triton.__version__}
     row = dict(**key, config=DecodeConfig(32, 4, 1, 1).to_dict(), time_ms=1.0, max_error=1e-4, trials=2)
     with TuningDB(tmp_path / "a.sqlite") as db:
         for bad, why in ((64, "no batch"), (48, "not a power of two"), (2**31 + 1, "not a power of two")):
@@ -167,7 +172,8 @@ def test_a_tune_at_two_batches_writes_two_rows_and_fresh_dispatch_takes_the_row_
         print(json.dumps(choices))
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TILEGEN_DB": str(db), "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr
     choices = {int(b): c for b, c in json.loads(done.stdout).items()}
     # Batch 2 is one octave from both rows: the larger batch's.
@@ -196,3 +202,28 @@ def test_bad_batches_end_in_one_line(tmp_path, args, message):
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
     assert not (tmp_path / "fresh.sqlite").exists()  # refused before anything was opened
+
+
+def test_gpu_defaults_cross_contexts_and_batches_and_skip_what_the_gpu_cannot_hold(capsys):
+    from tilegen.cli.tune import _buckets
+    from tilegen.device import DeviceInfo
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
+    spec = FAMILY.presets["decode16-llama"]
+    defaults = _buckets(spec, FAMILY, h200, [], [])
+    assert [RULE.unpack(b) for b in defaults] == [(c, b) for c in (1024, 4096, 16384, 65536) for b in (1, 8, 64)]
+    # 131072 tokens by 1024 sequences: some 130 GB of K and V, over half of the H200.
+    kept = _buckets(spec, FAMILY, h200, [131072, 1000], [1, 1024])
+    assert kept == sorted(RULE.of(s) for s in [(1024, 1), (1024, 1024), (131072, 1)])
+    assert "skipping 131072 ctx x 1024 seqs" in capsys.readouterr().err
+
+
+def test_the_no_row_hint_names_the_context_and_the_batch_to_tune():
+    from tilegen import dispatch
+
+    command = dispatch.tune_command(SMALL, RULE.of((4096, 64)))
+    assert command.endswith("--sizes 4096 --batches 64")
+    table = dispatch.Table(SMALL, CPU_INTERPRETER, {})
+    choice = table.choose((3000, 50))
+    assert (choice.source, choice.bucket) == ("default", RULE.of((4096, 64)))
+    assert "bucket=4103 (4096 ctx x 64 seqs), tuned_bucket=None" in repr(choice)

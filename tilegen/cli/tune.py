@@ -172,8 +172,8 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
         WorkerError,
         summary_table,
     )
-    from tilegen.tuning.report import bucket_text
     from tilegen.tuning.pool import Plan, PoolError, run_pool
+    from tilegen.tuning.report import bucket_text
 
     if sampler not in SAMPLERS:
         fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
