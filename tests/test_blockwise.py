@@ -12,11 +12,16 @@ default and a many-block config), the op in place and strided; the layer causal 
 GQA and MQA, windows, softcap and no RoPE, batched, in place, with one-row blocks; a
 Llama-shaped module's weights loading; bad weights named; the generated source's constexpr
 rule and an sm90 compile; a tune through the Tuner that dispatch and the layer then use; the
-benchmark's smoke run. Tests marked ``gpu`` run Llama-sized shapes on a GPU.
+benchmark's smoke run. The layer's own family (``blockwise_layer``): its spec, the schedule
+rendered for it (what each spec leaves out), the layer through it at 1, 17 and 257 tokens, its
+tuning problem's checks, and a ``tilegen tune`` of its tiny preset whose row the layer then runs.
+Tests marked ``gpu`` run Llama-sized shapes on a GPU.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import math
 import os
@@ -36,9 +41,12 @@ from tilegen.families import family_of, relative_error
 from tilegen.families.blockwise_ffn import BlockwiseFFNSpec, Config
 from tilegen.families.blockwise_ffn.problem import random_weights
 from tilegen.families.blockwise_ffn.reference import ffn_reference
-from tilegen.ir import SpecError
+from tilegen.families.blockwise_layer import BlockwiseLayerSpec
+from tilegen.families.blockwise_layer import Config as LayerBlock
+from tilegen.ir import SpecError, spec_from_json
 from tilegen.key import TuningKey
 from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
+from tilegen.ops.blockwise import explain_layer, layer_spec, layer_table
 from tilegen.tuning import Tuner
 
 DEVICE = device_info()
@@ -332,7 +340,7 @@ def test_a_tune_stores_a_row_that_dispatch_and_the_op_use(tmp_path, monkeypatch,
     dispatch.reset()
     choice = dispatch.table_for(spec, DEVICE).choose(TOKENS)
     assert (choice.config, choice.source) == (result.best.config, str(path))
-    # The layer's query block is the tuned fusion block.
+    # The layer's FFN runs through the same table.
     config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
     weights = layer_weights(config, torch.float32, device)
     x = _x((TOKENS, D_MODEL), torch.float32, device)
@@ -369,6 +377,198 @@ def test_the_gpu_defaults_are_feasible_on_an_h200():
         assert len(family.candidates(spec, h200)) > 20
     # What the rule refuses, it names.
     assert "spill" in family_of(spec).feasible(BlockwiseFFNSpec(d_model=64, d_ffn=64), Config(1024, 128, 256, 64, 64, 4, 3), h200)
+
+
+# ------------------------------------------------------------- the layer's family: blockwise_layer
+
+def _layer_spec(**changes):
+    fields = dict(d_model=D_MODEL, d_ffn=D_FFN, heads_q=4, head_dim=16, q_per_kv=2, dtype="fp32")
+    return BlockwiseLayerSpec(**{**fields, **changes})
+
+
+def _code(source: str) -> str:
+    """The generated module's code without its docstrings, comments and spec (which name every field)."""
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.Assign) and node.targets[0].id.startswith(
+        "SPEC_"))]
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def _launch_keywords(spec):
+    signature = inspect.signature(module_for(spec).launch)
+    return {name for name, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def test_the_layer_spec_is_a_registered_ir_spec():
+    spec = _layer_spec(window=True, softcap=True, causal=False, rope=False, norm="layernorm", ffn="gelu_mlp")
+    assert family_of(spec).name == "blockwise_layer" and family_of(spec).spec_type is BlockwiseLayerSpec
+    back = spec_from_json(spec.to_json())
+    assert back == spec and back.hash == spec.hash and type(back) is BlockwiseLayerSpec
+    assert spec.name == "blockwise_layer_fp32_d40_f72_h4g2x16_layernorm_gelu_mlp_window_softcap_norope"
+    assert "causal" not in json.loads(_layer_spec().to_json())  # fields at their default leave the hash alone
+    # Every field is checked by name, attention's and the FFN's limits included (through their specs).
+    for changes, field in ((dict(head_dim=20), "head_dim"), (dict(q_per_kv=3), "q_per_kv"),
+                           (dict(norm="batchnorm"), "norm"), (dict(d_model=1 << 15), "d_model"),
+                           (dict(causal=1), "causal"), (dict(heads_q=0), "heads_q")):
+        with pytest.raises(SpecError) as caught:
+            _layer_spec(**changes)
+        assert caught.value.field == field, changes
+    # A window whose right side is 0 is causal, whatever the config's flag says; an unbounded one is none.
+    layer = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN, causal=False)
+    assert layer_spec(layer.replace(window=(7, 0)), torch.float32) == _layer_spec(window=True)
+    assert layer_spec(layer.replace(window=(None, None)), torch.float32) == _layer_spec(causal=False)
+    assert layer_spec(layer.replace(window=(None, 3)), torch.bfloat16) == _layer_spec(causal=False, window=True,
+                                                                                       dtype="bf16")
+
+
+def test_the_rendered_schedule_holds_only_what_its_spec_has():
+    causal = source_for(_layer_spec())
+    full = source_for(_layer_spec(causal=False, rope=False, norm="layernorm", ffn="gelu_mlp"))
+    causal_window = source_for(_layer_spec(window=True, softcap=True))
+    window = source_for(_layer_spec(causal=False, window=True))
+    for source in (causal, full, causal_window, window):
+        assert "{{" not in source and "{%" not in source and "Glossary" in source
+        compile(source, "<generated>", "exec")
+        # Host code over the ops it is handed: no kernel, and no other family imported by name.
+        assert "triton" not in _code(source) and "tilegen" not in _code(source)
+    causal, full, causal_window, window = map(_code, (causal, full, causal_window, window))
+    # A causal layer projects K and V as its blocks come; any other projects them all first.
+    progressive = "        _project_kv(xn, w, k_all, v_all, start, end"  # a call in the block loop
+    assert progressive in causal and progressive in causal_window
+    assert progressive not in full and progressive not in window
+    assert "_project_kv(_input_norm(x[start:end]" in full and "_project_kv(_input_norm(" not in causal
+    # RoPE only when on; the norm the spec has; the gate only for SwiGLU.
+    assert "_rope(" in causal and "rope_theta" in causal
+    assert "rope" not in full and "inv_freq" not in full
+    assert "F.rms_norm" in causal and "layer_norm" not in causal
+    assert "F.layer_norm" in full and "b_norm=w['post_attention_layernorm.bias']" in full and "rms_norm" not in full
+    assert "w_gate=" in causal and "w_gate=" not in full
+    # The keys a block sees, and the window arithmetic only where a window is.
+    assert "causal=True" in causal and "window" not in causal
+    assert "causal=True" not in full and "window" not in full and "k0, k1 = (0, n_tokens)" in full
+    assert "window=(window_left, 0)" in causal_window and "shift" not in causal_window
+    assert "shift = k1 - end" in window and "window=(left + shift, right - shift)" in window
+    assert "softcap=softcap" in causal_window and "softcap" not in causal
+    # launch() takes exactly the numbers its spec's code reads.
+    ops = {"attention", "blockwise_ffn", "block_q", "eps", "scale"}
+    assert _launch_keywords(_layer_spec()) == ops | {"rope_theta"}
+    assert _launch_keywords(_layer_spec(causal=False, rope=False)) == ops
+    assert _launch_keywords(_layer_spec(window=True, softcap=True)) == ops | {"rope_theta", "softcap", "window_left"}
+    assert _launch_keywords(_layer_spec(causal=False, window=True, rope=False)) == ops | {"window_left", "window_right"}
+
+
+LAYER_LENGTHS = [
+    pytest.param(dict(causal=True, heads_q=4, heads_kv=2), torch.float32, id="causal-gqa-fp32"),
+    pytest.param(dict(causal=True, heads_q=4, heads_kv=2, window=(50, 0), softcap=5.0), torch.bfloat16,
+                 id="causal-window50-softcap-gqa-bf16"),
+    pytest.param(dict(causal=False, heads_q=4, heads_kv=1, window=(30, 20), softcap=5.0, norm="layernorm",
+                      ffn="gelu_mlp"), torch.float32, id="window30-20-softcap-mqa-ln-gelu-fp32"),
+]
+
+
+@pytest.mark.parametrize("options,dtype", LAYER_LENGTHS)
+def test_the_generated_schedule_matches_the_reference_at_lengths_off_the_blocks(options, dtype, device):
+    config = LayerConfig(d_model=24, head_dim=16, d_ffn=40, **options)
+    weights = layer_weights(config, dtype, device, seed=3)
+    for n in (1, 17, 257):  # the default block (32 under the interpreter) divides none of them
+        x = _x((n, 24), dtype, device, seed=n)
+        ref = reference_layer(x, weights, config, compute_dtype=torch.float64)
+        out = tilegen.blockwise_layer(x, weights, config, out=torch.full_like(x, math.nan))
+        assert relative_error(out, ref)[0] < TOL[dtype], n
+        assert relative_error(out - x, ref - x.double())[0] < TOL[dtype], n
+
+
+def test_the_reference_at_chosen_rows_is_the_whole_reference_there(device):
+    for options in (dict(causal=True), dict(causal=False, window=(5, 3), softcap=5.0), dict(causal=False)):
+        config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN, **options)
+        weights = layer_weights(config, torch.float32, device)
+        x = _x((TOKENS, D_MODEL), torch.float32, device)
+        rows = torch.tensor([0, 1, 16, 30, TOKENS - 1])
+        whole = reference_layer(x, weights, config, compute_dtype=torch.float64)
+        torch.testing.assert_close(reference_layer(x, weights, config, compute_dtype=torch.float64, rows=rows),
+                                   whole[rows], rtol=1e-12, atol=1e-12)
+
+
+def test_the_layer_problem_poisons_checks_and_samples_rows(monkeypatch):
+    from tilegen.families.blockwise_layer import problem as layer_problem
+
+    spec = _layer_spec(causal=False, window=True, softcap=True)
+    family = family_of(spec)
+    problem = family.problem(spec, 64, on_gpu=not DEVICE.is_interpreter)
+    assert problem.layer().window is not None and problem.layer().softcap is not None
+    assert family.buckets.of(problem.tokens) == 64 and problem.flops() > 0 and problem.bytes_moved() > 0
+    inputs = problem.inputs(seed=0)
+    outputs = problem.outputs(inputs)
+    assert problem.check(inputs, outputs) == (math.inf, math.inf)  # unwritten never passes
+    problem.launch(module_for(spec), family.default_config(spec, DEVICE, 64), inputs, outputs)
+    assert problem.check(inputs, outputs)[0] < problem.tolerance
+    # Past _CHECK_ALL tokens only sampled rows are compared (every row is checked for NaN).
+    monkeypatch.setattr(layer_problem, "_CHECK_ALL", 8)
+    monkeypatch.setattr(layer_problem, "_CHECK_EDGE", 2)
+    monkeypatch.setattr(layer_problem, "_CHECK_STRIDE_ROWS", 4)
+    rows = problem.check_rows()
+    assert rows[0] == 0 and rows[-1] == problem.tokens - 1 and 4 < len(rows) < problem.tokens
+    assert problem.check(inputs, outputs)[0] < problem.tolerance
+    skipped = next(i for i in range(problem.tokens) if i not in rows.tolist())
+    spoiled = outputs[0].clone()
+    spoiled[skipped, 0] = math.nan
+    assert problem.check(inputs, (spoiled,)) == (math.inf, math.inf)
+    spoiled = outputs[0].clone()
+    spoiled[int(rows[3])] += 0.5
+    assert problem.check(inputs, (spoiled,))[0] > problem.tolerance
+
+
+def test_the_gpu_layer_defaults_are_feasible_and_untuned_blocks_fill_the_gpu():
+    h200 = type(DEVICE)("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232448)
+    spec = family_of(_layer_spec()).presets["llama3-8b-layer"]
+    family = family_of(spec)
+    assert family.default_config(spec, h200, 512).block_q == family.default_config(spec, h200, 65536).block_q == 4096
+    assert [c.block_q for c in family.candidates(spec, h200)] == [2048, 4096, 8192, 16384]
+    small = type(DEVICE)("small", (8, 0), 20, 2_000_000_000, 101376)
+    assert "of the device's 2 GB" in family.feasible(spec, LayerBlock(16384), small)
+
+
+def test_tune_the_tiny_preset_and_the_layer_runs_its_row(tmp_path, monkeypatch, device):
+    """``tilegen tune --preset tiny-layer`` writes a row; ``db list`` shows it; the layer runs its block."""
+    from typer.testing import CliRunner
+
+    from tilegen.cli import app
+    from tilegen.cli.spec_args import presets
+
+    spec = presets()["tiny-layer"]
+    path = tmp_path / "tuning.sqlite"
+    monkeypatch.setenv("TILEGEN_DB", str(path))
+    tuned = CliRunner().invoke(app, ["tune", "--preset", "tiny-layer", "--sizes", "16", "--trials", "2",
+                                     "--db", str(path)])
+    assert tuned.exit_code == 0, tuned.output
+    listed = CliRunner().invoke(app, ["db", "--db", str(path), "list"], env={"COLUMNS": "300"})
+    assert listed.exit_code == 0 and spec.hash in listed.stdout and "block_q" in listed.stdout, listed.output
+    rows = tuned_rows(**TuningKey.current(spec, DEVICE).variant_fields())
+    assert list(rows) == [16] and rows[16][1] == str(path)
+
+    dispatch.reset()
+    config = LayerConfig(d_model=spec.d_model, heads_q=spec.heads_q, heads_kv=spec.heads_kv, head_dim=spec.head_dim,
+                         d_ffn=spec.d_ffn)
+    assert layer_spec(config, torch.float32) == spec
+    weights = layer_weights(config, torch.float32, device)
+    x = _x((13, spec.d_model), torch.float32, device)
+    choice = explain_layer(x, weights, config)
+    assert (choice.config, choice.source, choice.bucket, choice.tuned_bucket) == (rows[16][0], str(path), 16, 16)
+    # The generated schedule is launched with that row's block.
+    table = layer_table(spec, x.device)
+    launched = []
+    launch = table.launch
+    monkeypatch.setattr(table, "launch", lambda *args, **kwargs: launched.append(kwargs["block_q"]) or launch(
+        *args, **kwargs))
+    out = tilegen.blockwise_layer(x, weights, config)
+    assert launched == [choice.config.block_q]
+    assert relative_error(out, reference_layer(x, weights, config, compute_dtype=torch.float64))[0] < 1e-4
+    tilegen.blockwise_layer(x, weights, config, block=5)  # an explicit block wins over the row
+    assert launched[-1] == 5
 
 
 # ------------------------------------------------------------------------------ GPU only

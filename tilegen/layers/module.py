@@ -23,7 +23,7 @@ class BlockwiseLayer(torch.nn.Module):
     Args:
         config: the layer's ``LayerConfig``.
         dtype, device: of the (uninitialized) parameters.
-        block: query tokens per block; ``None`` uses the FFN kernels' tuned fusion block.
+        block: query tokens per block; ``None`` uses the ``blockwise_layer`` family's tuned (else default) block.
     """
 
     def __init__(self, config: LayerConfig, *, dtype: torch.dtype = torch.bfloat16, device: Any = None,

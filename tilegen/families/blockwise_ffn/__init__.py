@@ -6,8 +6,9 @@ one block. Three generated kernels per block: the norm, gate/up projections with
 activation, the down projection with the residual. Files: ``spec`` (norm and FFN kind,
 widths, dtype), ``lower`` (template values), ``config`` (knobs incl. the fusion block,
 search space, feasibility, defaults), ``reference`` (float64 torch), ``problem`` (what a
-tuning trial measures). The ops are ``tilegen.blockwise_ffn`` and ``tilegen.blockwise_layer``
-(``tilegen.ops.blockwise``).
+tuning trial measures). The op is ``tilegen.blockwise_ffn`` (``tilegen.ops.blockwise``); the
+decoder layer's generated schedule (the ``blockwise_layer`` family) calls it once per query
+block, and the FFN runs its own fusion block inside that block.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``block_tokens`` is the fusion block: the rows whose normalized input and FFN intermediate
 exist at once (``xn`` [block_tokens, d_model] and ``h`` [block_tokens, d_ffn]). It trades
 memory for fewer, larger launches, so its GPU range stops at 4096 rows (h of a 14336-wide
-FFN in bf16: 117 MB). ``tilegen.blockwise_layer`` takes it as its query block (on a GPU, at least 4096 rows).
+FFN in bf16: 117 MB). Inside ``tilegen.blockwise_layer`` it splits each query block further; the
+query block is the ``blockwise_layer`` family's own knob.
 """
 
 from __future__ import annotations
