@@ -382,3 +382,23 @@ def test_verify_reruns_this_machines_rows_and_drops_the_ones_that_fail(tmp_path)
     with TuningDB(db) as database:
         assert sorted((r.gpu_key, r.bucket) for r in database.list_tuned()) == sorted(
             [(device_info().key, 64), (H100_DEVICE.key, 64)])
+
+
+def test_verify_reports_a_decode_row_of_a_context_only_bucket_as_failed(tmp_path):
+    from tilegen.families.attention_decode import DecodeConfig, DecodeSpec
+    from tilegen.families.registry import get
+
+    db = tmp_path / "tuning.sqlite"
+    spec = DecodeSpec(head_dim=16, q_per_kv=2, dtype="fp32", page_size=8)
+    family = get(spec.family)
+    bucket = family.buckets.of((32, 4))
+    with TuningDB(db) as database:
+        database.record_best(spec=spec, device=device_info(), template_hash=template_hash(family),
+                             triton_version=triton.__version__, bucket=bucket,
+                             config=DecodeConfig(16, 4, 1, 1).to_dict(), time_ms=1.0, max_error=1e-6, trials=1)
+    with sqlite3.connect(db) as conn:  # a row keyed before the batch was part of the bucket
+        conn.execute("UPDATE tg_tuned_configs SET bucket = 32")
+    result = invoke("db", "verify", "--db", db)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert re.search(r"\b32\b.*infeasible: bucket: 32 is not a", " ".join(result.stdout.split()))

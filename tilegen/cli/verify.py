@@ -66,17 +66,21 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
                 reason = family.feasible(spec, config, device)
             except ConfigError as e:
                 config, reason = None, str(e)
+            if reason is None:
+                try:
+                    problem = family.problem(spec, row.bucket, on_gpu=not device.is_interpreter)
+                except ValueError as e:  # a bucket its family's rule no longer makes (an older key)
+                    reason = str(e)
             if reason is not None:
                 result = {"status": "infeasible", "time_ms": None, "max_error": None, "reason": reason}
             else:
-                problem = family.problem(spec, row.bucket, on_gpu=not device.is_interpreter)
                 result = worker.measure((family, problem, config, seed), timeout)
             ok = result["status"] == "ok"
             failed += not ok
             if not ok and drop_failed:
                 database.delete_tuned(row)
             table.add_row(
-                row.variant_name, str(row.bucket), str(config or row.config), row.provenance, f"{row.time_ms:.4f}",
+                row.variant_name, family.buckets.label(row.bucket), str(config or row.config), row.provenance, f"{row.time_ms:.4f}",
                 "-" if result["time_ms"] is None else f"{result['time_ms']:.4f}",
                 "-" if result["max_error"] is None else f"{result['max_error']:.2e}",
                 "ok" if ok else f"{result['status']}: {result['reason']}" + (" (deleted)" if drop_failed else ""),
