@@ -9,7 +9,8 @@ RMSNorm, RoPE), bf16, causal, one sequence. Providers, each run on the same inpu
   backend) and the MLP over the whole sequence at once;
 - ``chunked``: the same with the MLP over 4096 tokens at a time, in plain torch;
 - ``tilegen``: ``tilegen.blockwise_layer`` (query blocks through attention, o_proj and the
-  generated blockwise FFN kernels), with the tuned (else default) fusion block.
+  generated blockwise FFN kernels), with the ``blockwise_layer`` family's tuned (else default)
+  query block, inside which the FFN runs its own tuned (else default) fusion block.
 
 For each length of the sweep (default 4k..64k tokens): every provider's output is checked
 against the unfused one first (relative Frobenius error of the output and of the layer's own
@@ -48,7 +49,7 @@ import triton
 import tilegen
 from tilegen.env import interpreting
 from tilegen.layers import LayerConfig, reference_layer
-from tilegen.ops.blockwise import _MIN_QUERY_BLOCK, ffn_table
+from tilegen.ops.blockwise import explain_layer, ffn_table, layer_spec
 
 __all__ = ["main"]
 
@@ -168,7 +169,6 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def sweep(config, lengths, chunk, runs, device) -> list[dict]:
-    on_gpu = device.type == "cuda"
     w = _weights(config, device)
     rows = []
     for n in lengths:
@@ -200,20 +200,15 @@ def sweep(config, lengths, chunk, runs, device) -> list[dict]:
                 del out
             row.update(status="ok", peak_gb=None if peak is None else peak / 1e9, time_ms=_time_ms(run, x, w, runs))
             if name == "tilegen":
-                fusion = ffn_table(_ffn_spec(config), x.device).choose(n).config.block_tokens
-                row["fusion_block"] = fusion
-                row["query_block"] = max(fusion, _MIN_QUERY_BLOCK) if on_gpu else fusion
+                # The FFN is called on one query block's rows at a time: its bucket is the block's.
+                row["query_block"] = block = explain_layer(x, w, config).config.block_q
+                _, ffn_spec = layer_spec(config, DTYPE).parts()
+                row["fusion_block"] = ffn_table(ffn_spec, x.device).choose(min(block, n)).config.block_tokens
             rows.append(row)
             print(json.dumps(row), flush=True)
         del x, ref
         gc.collect()
     return rows
-
-
-def _ffn_spec(config):
-    from tilegen.ops.blockwise import _ffn_spec as spec_of
-
-    return spec_of(config, DTYPE)
 
 
 def _projected_max(points: list[tuple[int, float]], free_bytes: float, d_model: int) -> int | None:

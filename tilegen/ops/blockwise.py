@@ -24,7 +24,6 @@ from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
-from tilegen.families.blockwise_layer.config import MIN_GPU_BLOCK as _MIN_QUERY_BLOCK  # noqa: F401 (benchmark)
 from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
 from tilegen.layers.config import LayerConfig
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
@@ -215,9 +214,3 @@ def _resolve(x, weights, config, config_kwargs) -> tuple[dict[str, torch.Tensor]
     _check_device("x", x)
     check_weights(w, config, dtype=x.dtype, device=x.device)
     return w, config
-
-
-def _ffn_spec(config: LayerConfig, dtype: torch.dtype) -> BlockwiseFFNSpec:
-    # The benchmark reports the FFN's fusion block with it.
-    return BlockwiseFFNSpec(d_model=config.d_model, d_ffn=config.d_ffn, norm=config.norm, ffn=config.ffn,
-                            dtype=SPEC_DTYPES[dtype])
