@@ -145,7 +145,7 @@ def test_a_tune_at_two_batches_writes_two_rows_and_fresh_dispatch_takes_the_row_
     monkeypatch.setattr(AttentionDecode, "problem", staticmethod(recording))
     db = tmp_path / "tuning.sqlite"
     result = CliRunner().invoke(app, ["tune", "--preset", "decode16-llama", "--sizes", "32", "--batches", "1,3",
-                                      "--trials", "1", "--db", str(db)])
+                                      "--trials", "1", "--db", str(db)], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     one, four = RULE.of((32, 1)), RULE.of((32, 4))
     assert "32 ctx x 1 seq" in result.stdout and "32 ctx x 4 seqs" in result.stdout  # the summary's labels
@@ -159,6 +159,9 @@ def test_a_tune_at_two_batches_writes_two_rows_and_fresh_dispatch_takes_the_row_
     for p in made:  # each row's K and V bytes per second are those of the problem at its batch
         row = rows[p.bucket]
         assert row.gbps * row.time_ms * 1e6 == pytest.approx(p.bytes_moved(), rel=1e-6)
+        # The summary shows the bucket's GB/s, the figure of merit of a memory-bound kernel.
+        line = next(ln for ln in result.stdout.splitlines() if RULE.label(p.bucket) + " " in ln)
+        assert f"{row.gbps:.4g}" in line
 
     script = textwrap.dedent("""
         import json, torch, tilegen

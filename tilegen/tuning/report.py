@@ -61,18 +61,23 @@ class ProgressReporter(Reporter):
 
 def summary_table(results: list[BucketResult]) -> Table:
     table = Table(title=f"{results[0].key.spec.name} on {results[0].key.device.key}" if results else None)
-    for name in ("bucket", "best config", "time ms", "TFLOP/s", "max err", "trials ok/wrong/failed"):
+    # Both figures: TFLOP/s judges compute-bound kernels (prefill), GB/s memory-bound ones (decode, merge).
+    for name in ("bucket", "best config", "time ms", "TFLOP/s", "GB/s", "max err", "trials ok/wrong/failed"):
         table.add_column(name, justify="left" if name == "best config" else "right", no_wrap=name == "bucket")
     for r in results:
         counts = f"{r.statuses['ok']}/{r.statuses['wrong']}/{sum(r.statuses[s] for s in _FAILED)}"
         if r.best is None:
-            table.add_row(bucket_text(r.key), "no correct config", "-", "-", "-", counts)
+            table.add_row(bucket_text(r.key), "no correct config", "-", "-", "-", "-", counts)
         else:
             table.add_row(
-                bucket_text(r.key), str(r.best.config), f"{r.best.time_ms:.4g}", f"{r.tflops:.4g}",
+                bucket_text(r.key), str(r.best.config), f"{r.best.time_ms:.4g}", _figure(r.tflops), _figure(r.gbps),
                 f"{r.best.max_error:.2e}", counts,
             )
     return table
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def bucket_text(key: TuningKey) -> str:
