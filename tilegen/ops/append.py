@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from tilegen.families.kv_append import KVAppendSpec
 from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.memo import memoized
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -163,7 +163,7 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
     return _spec_for(SPEC_DTYPES[dtype], dim, dim_v, cache.page_size)
 
 
-@functools.lru_cache(maxsize=256)
+@memoized
 def _spec_for(dtype: str, dim: int, dim_v: int, page_size: int) -> KVAppendSpec:
     try:
         return KVAppendSpec(head_dim=dim, head_dim_v=dim_v, page_size=page_size, dtype=dtype)

@@ -34,6 +34,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.launch import Launcher, launcher_for
+from tilegen.ops.memo import memoized
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -316,7 +317,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
     return (spec, *launch_window(mask, left, right, n_q, n_k), scale_value, softcap_value)
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized
 def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse) -> AttentionSpec:
     # Memoized: building and validating a spec costs microseconds every call would pay.
     try:

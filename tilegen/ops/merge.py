@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from tilegen.env import interpreting
 from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
+from tilegen.ops.memo import memoized
 
 __all__ = ["merge_states", "explain_merge"]
 
@@ -182,7 +182,7 @@ def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:
     return _spec_for(SPEC_DTYPES[o_a.dtype], o_a.shape[-1])
 
 
-@functools.lru_cache(maxsize=256)
+@memoized
 def _spec_for(dtype: str, dim: int) -> MergeStatesSpec:
     try:
         return MergeStatesSpec(head_dim=dim, dtype=dtype)

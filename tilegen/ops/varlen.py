@@ -17,7 +17,6 @@ a length above ``max_seqlen``) give wrong results, as in FlashAttention and Flas
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.memo import memoized
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -245,7 +245,7 @@ def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return
     return (spec, *launch_window(mask, left, right, max_q, max_k), scale_value, softcap_value)
 
 
-@functools.lru_cache(maxsize=1024)
+@memoized
 def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, page_size) -> VarlenAttentionSpec:
     try:
         return VarlenAttentionSpec(head_dim=dim, head_dim_v=None if dim_v == dim else dim_v, q_per_kv=q_per_kv,
