@@ -43,6 +43,7 @@ from tilegen.families.blockwise_ffn.problem import random_weights
 from tilegen.families.blockwise_ffn.reference import ffn_reference
 from tilegen.families.blockwise_layer import BlockwiseLayerSpec
 from tilegen.families.blockwise_layer import Config as LayerBlock
+from tilegen.families.blockwise_layer.problem import random_weights as random_layer_weights
 from tilegen.ir import SpecError, spec_from_json
 from tilegen.key import TuningKey
 from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
@@ -60,15 +61,7 @@ def _spec(norm="rmsnorm", ffn="swiglu", dtype="fp32"):
 
 def layer_weights(config: LayerConfig, dtype, device, seed=0) -> dict[str, torch.Tensor]:
     """Fresh weights: norms near one (biases near zero, never zero), projections scaled by 1/sqrt(fan_in)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, shape in config.weight_shapes().items():
-        if len(shape) == 1:
-            t = torch.randn(shape, generator=gen) * 0.2 + (0.0 if name.endswith("bias") else 1.0)
-        else:
-            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
-        weights[name] = t.to(device=device, dtype=dtype)
-    return weights
+    return random_layer_weights(config, torch.Generator().manual_seed(seed), device, dtype)
 
 
 def _x(shape, dtype, device, seed=1):

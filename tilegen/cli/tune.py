@@ -263,32 +263,26 @@ _MAX_SIZE = 2**31 - 1
 
 
 def _parse_seqlens(text: str | None) -> list[int]:
-    if text is None:
-        return []
-    try:
-        lengths = [int(part) for part in text.split(",")]
-    except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 1:
-        fail(f"--seqlens: expected comma-separated positive integers such as 1024,4096; got {text!r}")
-    if max(lengths) > _MAX_SIZE:
-        fail(f"--seqlens: {max(lengths)} is too large; sizes go up to {_MAX_SIZE}")
-    return lengths
+    return _parse_sizes("--seqlens", text, "1024,4096", "sizes")
 
 
 def _parse_batches(text: str | None, family) -> list[int]:
-    if text is None:
-        return []
-    if family.buckets.batch_unit is None:
+    if text is not None and family.buckets.batch_unit is None:
         takers = [f.name for f in families() if f.buckets.batch_unit is not None]
         fail(f"--batches: {family.name} buckets one size ({family.buckets.unit}), not a batch; "
              f"--batches is for {', '.join(takers)}")
+    return _parse_sizes("--batches", text, "1,8,64", "batches")
+
+
+def _parse_sizes(option: str, text: str | None, example: str, what: str) -> list[int]:
+    if text is None:
+        return []
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        fail(f"--batches: expected comma-separated positive integers such as 1,8,64; got {text!r}")
+        fail(f"{option}: expected comma-separated positive integers such as {example}; got {text!r}")
     if max(sizes) > _MAX_SIZE:
-        fail(f"--batches: {max(sizes)} is too large; batches go up to {_MAX_SIZE}")
+        fail(f"{option}: {max(sizes)} is too large; {what} go up to {_MAX_SIZE}")
     return sizes
