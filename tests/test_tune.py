@@ -320,3 +320,87 @@ def test_a_tune_against_a_read_only_database_fails_before_measuring(tmp_path, mo
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[-1].startswith(f"error: cannot write the tilegen database {db}")
     assert started == []
+
+
+# -- the measuring worker's start, and tune processes that fork theirs ------------------------------
+
+
+def test_the_worker_runs_before_the_first_trial_and_not_for_a_tune_with_nothing_to_measure(tmp_path):
+    import multiprocessing
+
+    from tilegen.tuning import Reporter
+
+    class Probe(Reporter):
+        """Looks, as each bucket opens (before its first trial), for the measuring child."""
+
+        def __init__(self):
+            self.children = []
+
+        def start(self, key, budget, best) -> None:
+            self.children.append(sorted(p.name for p in multiprocessing.active_children()))
+
+    opened = Probe()
+    with TuningDB(tmp_path / "tuning.sqlite") as tdb:
+        with Tuner(tdb, CPU_INTERPRETER, trials=1, reporter=opened) as tuner:
+            tuner.tune(SPEC, 16)
+        assert opened.children == [["tilegen-tune-worker"]]
+        collected = Probe()
+        with Tuner(tdb, CPU_INTERPRETER, reporter=collected) as tuner:
+            tuner.collect(SPEC, [16])  # what the parent of --workers does: it measures nothing
+        assert collected.children == [[]]
+    assert len(_trials(tmp_path / "tuning.sqlite", 16)) == 1
+
+
+def test_a_worker_that_cannot_start_fails_the_tune_with_its_reason(tmp_path, monkeypatch):
+    from tilegen.tuning import WorkerError
+
+    monkeypatch.setenv(INJECT_ENV, "{not json")  # the child reads it as it starts, and fails
+    with (
+        TuningDB(tmp_path / "tuning.sqlite") as tdb,
+        Tuner(tdb, CPU_INTERPRETER, trials=1) as tuner,
+        pytest.raises(WorkerError, match="the tuning worker failed to start: JSONDecodeError"),
+    ):
+        tuner.tune(SPEC, 16)
+    # A tune process of --workers forks its child, and spawns one when that fails; this one fails too.
+    run = subprocess.run(_tune_cmd(tmp_path / "pool.sqlite", "--seqlens", "16", "--trials", "1", "--workers", "1"),
+                         env=_env(**{INJECT_ENV: "{not json"}), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: interpreter worker 0: the tuning worker failed to start: JSONDecodeError"), last
+    assert "Traceback" not in run.stderr
+
+
+def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypatch, caplog):
+    import logging
+
+    from tilegen.tuning import worker as worker_module
+
+    def no_cuda():
+        raise RuntimeError("no CUDA in this copy")
+
+    # The fork inherits these patches; a spawned child imports the module afresh and has neither.
+    monkeypatch.setattr(worker_module, "_forkable", lambda: True)
+    monkeypatch.setattr(worker_module, "_start_cuda", no_cuda)
+    caplog.set_level(logging.DEBUG, logger="tilegen.tuning.worker")
+    family = AttentionFwd()
+    task = (family, family.problem(SPEC, 16, on_gpu=False), family.default_config(SPEC, CPU_INTERPRETER, 16), 0)
+    with worker_module.Worker() as worker:
+        worker.start(fork=True)
+        result = worker.measure(task, 120)
+    assert result["status"] == "ok", result
+    assert "forked worker failed to start" in caplog.text and "no CUDA in this copy" in caplog.text
+
+
+def test_a_pool_replaces_a_crashed_worker_and_measures_every_config_once(tmp_path):
+    # Each tune process forks its first worker; the crash ends that one, and a spawned one carries on.
+    crash = "BM64-BN32-w4-s1"
+    db = tmp_path / "tuning.sqlite"
+    run = subprocess.run(_tune_cmd(db, "--seqlens", "16", "--sampler", "grid", "--workers", "2"),
+                         env=_env(**{INJECT_ENV: json.dumps({crash: "crash"})}), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    trials = _trials(db, 16)
+    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    status = {str(Config.from_dict(t.config)): t.status for t in trials}
+    assert status.pop(crash) == "fault"
+    assert set(status.values()) == {"ok"}

@@ -6,12 +6,28 @@
 
     with Tuner(TuningDB(None), device_info(), trials=30) as tuner:
         result = tuner.tune(spec, 4096)  # doctest: +SKIP
+
+The names below load on first use: the measuring worker process imports
+``tilegen.tuning.worker`` and ``tilegen.tuning.measure`` through this package, and needs
+neither Optuna, SQLAlchemy nor the progress display, which would only delay its start.
 """
 
-from tilegen.key import TuningKey
-from tilegen.tuning.report import ProgressReporter, summary_table
-from tilegen.tuning.tuner import SAMPLERS, BucketResult, Reporter, TrialResult, Tuner
-from tilegen.tuning.worker import INJECT_ENV, WorkerError
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "INJECT_ENV": "tilegen.tuning.worker",
+    "SAMPLERS": "tilegen.tuning.tuner",
+    "BucketResult": "tilegen.tuning.tuner",
+    "ProgressReporter": "tilegen.tuning.report",
+    "Reporter": "tilegen.tuning.tuner",
+    "TrialResult": "tilegen.tuning.tuner",
+    "Tuner": "tilegen.tuning.tuner",
+    "TuningKey": "tilegen.key",
+    "WorkerError": "tilegen.tuning.worker",
+    "summary_table": "tilegen.tuning.report",
+}
 
 __all__ = [
     "INJECT_ENV",
@@ -25,3 +41,15 @@ __all__ = [
     "WorkerError",
     "summary_table",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -9,12 +9,18 @@ measuring worker, so a CUDA fault or a hung kernel costs one trial, as with one 
 process that dies (killed, out of memory) is started again on its GPU, up to ``restarts``
 times; its trial in flight is failed and measured again.
 
+Start-up is what a process of its own costs: each tune process forks its first measuring
+worker before it touches CUDA, so that worker does not import torch and Triton again, and
+sets up its studies while the worker creates its CUDA context. A tune process that is done
+says so and leaves at once, rather than tearing its modules down while the command waits.
+
 Under the interpreter a slot is ``None``: a CPU process, so tests and the benchmark's smoke
 run exercise the same machinery without a GPU.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import queue
@@ -22,12 +28,17 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
-from tilegen.tuning.tuner import Reporter
+
+if TYPE_CHECKING:  # the tune processes import this module first thing: the tuner, with Optuna, comes later
+    from tilegen.tuning.tuner import Reporter
 
 __all__ = ["Plan", "PoolError", "run_pool"]
+
+log = logging.getLogger(__name__)
 
 #: How often one slot's process may die before the tune gives up on that slot.
 RESTARTS = 3
@@ -71,12 +82,14 @@ def run_pool(
     events = ctx.Queue()
     procs: dict[int, multiprocessing.Process] = {}
     deaths = dict.fromkeys(range(len(slots)), 0)
+    done: set[int] = set()
     errors: list[str] = []
 
     def start(index: int) -> None:
-        proc = ctx.Process(target=_work, args=(plan, slots[index], index, events),
+        proc = ctx.Process(target=_work, args=(plan, slots[index], index, events, log.getEffectiveLevel()),
                            name=f"tilegen-tune-{index}", daemon=False)
         proc.start()
+        log.debug("tune process %d started on %s", proc.pid, slot_name(slots[index], index))
         procs[index] = proc
 
     def drain(wait: float) -> None:
@@ -87,6 +100,8 @@ def run_pool(
                 if event[0] == "trial":
                     _, bucket, result, best = event
                     reporter.trial(keys[bucket], result, best)
+                elif event[0] == "done":
+                    done.add(event[1])
                 elif event[0] == "error":
                     errors.append(event[1])
         except queue.Empty:
@@ -95,16 +110,19 @@ def run_pool(
     try:
         for index in range(len(slots)):
             start(index)
-        while procs:
+        while len(done) < len(slots):
             drain(0.2)
             for index, proc in list(procs.items()):
-                if proc.exitcode is None:
+                if index in done or proc.exitcode is None:
                     continue
                 proc.join()
                 del procs[index]
                 drain(0)  # its last words, if any, before deciding
-                if proc.exitcode == 0 or errors:
+                if proc.exitcode == 0 or index in done:
+                    done.add(index)
                     continue
+                if errors:
+                    continue  # it said why, and the tune stops
                 deaths[index] += 1
                 what = f"the tune process on {slot_name(slots[index], index)} died ({_describe(proc.exitcode)})"
                 if deaths[index] > restarts:
@@ -115,9 +133,12 @@ def run_pool(
             if errors:
                 break
     finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.join()
+        for index, proc in procs.items():
+            # A process that is done has every trial written and only shuts down; the caller
+            # need not wait for that (this process joins it when it exits).
+            if index not in done or errors:
+                proc.kill()
+                proc.join()
         events.close()
     if errors:
         raise PoolError(errors[0])
@@ -127,39 +148,60 @@ def _describe(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-class _Forward(Reporter):
+class _Forward:
+    """The tune process's reporter: each trial goes to the parent, which shows it."""
+
     def __init__(self, events):
         self.events = events
+
+    def start(self, key, budget, best) -> None:
+        pass  # the parent showed every bucket's budget before the workers started
 
     def trial(self, key, result, best) -> None:
         self.events.put(("trial", key.bucket, result, best))
 
 
-def _work(plan: Plan, slot: int | None, index: int, events) -> None:
+def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging.WARNING) -> None:
     """One worker: its GPU made the only visible one, then every bucket of the plan."""
+    from tilegen.tuning.worker import Worker, WorkerError, log_to_stderr
+
+    log_to_stderr(level)
     if slot is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[slot] if visible else str(slot)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # The measuring child first, while nothing here has touched CUDA: a fork, so it imports
+    # nothing again, and its CUDA start-up overlaps this process's own (Optuna, the database,
+    # the studies) instead of following it.
+    worker = Worker()
+    worker.start(fork=True)
     import optuna
 
     from tilegen.db import DatabaseError, TuningDB
     from tilegen.device import device_info
     from tilegen.tuning.tuner import Tuner
-    from tilegen.tuning.worker import WorkerError
 
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
     try:
-        with TuningDB(plan.db) as db, Tuner(
+        with worker, TuningDB(plan.db) as db, Tuner(
             db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
             trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
-            worker_index=index,
+            worker=worker, worker_index=index,
         ) as tuner:
+            log.debug("tuner open")
             tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)
+            # Said before the worker, the database and this process shut down, which takes a
+            # while and concerns no trial.
+            events.put(("done", index))
     except (DatabaseError, WorkerError) as e:
         events.put(("error", f"{slot_name(slot, index)}: {e}"))
-        events.close()
-        events.join_thread()
-        sys.exit(3)
+        code = 3
+    else:
+        code = 0
     events.close()
     events.join_thread()
+    # Everything is written and closed; an orderly interpreter exit would spend about a second
+    # tearing down torch, Triton and Optuna, which the command's own exit waits for.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

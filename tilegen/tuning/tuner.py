@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import logging
 import math
 import os
 import random
@@ -66,6 +67,8 @@ _RETRIES = 3
 _POLL_S = 0.5
 #: The user attribute each trial carries: which host and process measured it.
 WORKER_ATTR = "tilegen_worker"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class Tuner:
         with self._studies_errors(), db.studies_lock():
             self._storage, self._retry = _storage(db, heartbeat)
         self._worker = worker or Worker()
+        log.debug("studies storage open")
 
     def __enter__(self) -> Tuner:
         return self
@@ -168,6 +172,11 @@ class Tuner:
     def tune_many(self, spec: Spec, buckets: list[int], *, goals: dict[int, int] | None = None) -> list[BucketResult]:
         """``tune`` for each bucket, except that waiting for trials other processes still run comes
         last: a process that has nothing left to start in one bucket starts the next one's."""
+        if goals is None or any(goals.values()):
+            # The measuring child starts now, so its start-up overlaps opening the studies.
+            start = getattr(self._worker, "start", None)  # a replay has nothing to start
+            if start is not None:
+                start()
         runs = []
         for bucket in buckets:
             run = self._open(spec, bucket, (goals or {}).get(bucket))
@@ -211,6 +220,7 @@ class Tuner:
         budget = max(0, run.goal - run.measured())
         self.reporter.start(key, budget, _best(run.done))
         if budget:
+            log.debug("bucket %d: %d configs to measure", bucket, budget)
             with self._studies_errors():
                 run.study = self._study(key, space)
                 self._reap(run)  # a killed earlier run's trial is measured again first
@@ -416,7 +426,9 @@ class Tuner:
             result = TrialResult(config, "infeasible", reason=reason)
         else:
             task = (family, problem, config, self.seed * 1_000_003 + trial.number)
+            log.debug("trial %d: measuring %s", trial.number, config)
             result = TrialResult(config, **self._worker.measure(task, self.trial_timeout))
+            log.debug("trial %d: %s", trial.number, result.status)
         self.db.record_trial(
             **key.fields(), study_name=study_name, trial_number=trial.number, config=config.to_dict(),
             status=result.status, time_ms=result.time_ms, max_error=result.max_error, reason=result.reason,

@@ -4,7 +4,15 @@ A CUDA fault (an illegal address, say) poisons the CUDA context of its process:
 every later launch there fails too. So configs are measured in a long-lived child
 process started with "spawn" (a forked child would share the parent's CUDA state).
 When the child dies, hangs, or reports a broken context, the trial is recorded as
-"fault" or "timeout" and a fresh child takes the next trial.
+"fault" or "timeout" and a fresh child takes the next trial; it is started at once, so
+its start-up overlaps the recording of the failed trial.
+
+A child's start (importing torch and Triton, creating the CUDA context) takes seconds, so
+a tune starts it in the background (``Worker.start``) before it opens its studies, and
+the first trial waits only for what is left of it. A process that has not loaded CUDA's
+driver and runs one thread (a tune process of ``tilegen tune --gpus``, first thing) may
+fork its first child instead: the copy has torch and Triton imported already. Should
+that child fail to start, a spawned one takes its place.
 
 Testing hook: ``TILEGEN_TUNE_INJECT='{"<config>": "<failure>"}'``, the config written
 as its label (``str(config)``, e.g. ``"BM32-BN32-w4-s1"``) or its canonical JSON, makes the worker fail it on
@@ -20,10 +28,13 @@ pipe's other end in a way a measuring child notices, and an orphan would keep it
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -31,7 +42,10 @@ from multiprocessing.connection import wait
 __all__ = ["Worker", "WorkerError", "INJECT_ENV"]
 
 INJECT_ENV = "TILEGEN_TUNE_INJECT"
+log = logging.getLogger(__name__)
 _REASON_CHARS = 2000
+#: Seconds a forked child may take to say it is ready (it only creates its CUDA context).
+_FORK_START_S = 60.0
 
 
 class WorkerError(RuntimeError):
@@ -39,21 +53,51 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    """Measures one config at a time in a child process; replaces the child when it fails."""
+    """Measures one config at a time in a child process; replaces the child when it fails.
+
+    ``start()`` starts the child without waiting for it, so its imports (torch, Triton) and
+    set-up overlap the caller's own before the first trial; ``measure`` waits for it then.
+    Without ``start()`` the first ``measure`` starts it.
+    """
 
     def __init__(self, start_timeout: float = 300.0):
         self._start_timeout = start_timeout  # importing torch and Triton, and CUDA start-up
         self._proc = None
         self._conn = None
+        self._ready = False  # the child said it can measure
+        self._forked = False  # the child is a copy of this process
+        self._deadline = 0.0  # by when it must say so
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, *, fork: bool = False) -> None:
+        """Start the child now, in the background; a no-op while one runs or starts.
+
+        ``fork``: copy this process rather than start a fresh interpreter, so the child skips
+        importing torch and Triton, where that is safe: nothing but this thread runs, and
+        CUDA's driver is not loaded here; else it spawns. A forked child that cannot start
+        is replaced by a spawned one. Replacements after a failed trial are always spawned.
+        """
+        if self._proc is None:
+            self._start(fork=fork and _forkable())
 
     def measure(self, task: tuple, timeout: float) -> dict:
         """Measure ``task = (family, problem, config, seed)`` in the child; ``timeout`` in seconds.
 
         The family travels with the task, so the child knows families registered at run time
-        (a project's own, or a test's), not only tilegen's built-in ones.
+        (a project's own, or a test's), not only tilegen's built-in ones. Raises
+        ``WorkerError`` when a child cannot start.
         """
-        if self._proc is None or not self._proc.is_alive():
+        if self._proc is not None and self._ready and not self._proc.is_alive():
+            self._kill()  # it died between trials (killed from outside)
+        if self._proc is None:
             self._start()
+        if not self._ready:
+            self._wait_ready()
         self._conn.send(task)
         ready = wait([self._conn, self._proc.sentinel], timeout)
         if self._conn in ready:
@@ -63,40 +107,62 @@ class Worker:
                 pass  # the child died before answering
             else:
                 if result["status"] == "fault":
-                    self._kill()  # it is exiting (its CUDA context broke); the next trial gets a new one
+                    self._replace()  # it is exiting (its CUDA context broke); the next trial gets a new one
                 return result
         if not ready:
-            self._kill()
+            self._replace()
             return {"status": "timeout", "reason": f"no result after {timeout:g} s; worker replaced"}
         self._proc.join(5)
         code = self._proc.exitcode
-        self._kill()
+        self._replace()
         return {"status": "fault", "reason": f"worker died ({_describe_exit(code)}); worker replaced"}
 
     def close(self) -> None:
         if self._proc is None:
             return
-        self._conn.close()  # the child reads EOF and exits on its own
-        self._proc.join(10)
-        self._kill()
+        if self._ready:
+            self._conn.close()  # the child reads EOF and exits on its own
+            self._proc.join(10)
+        self._kill()  # one still starting holds nothing worth an orderly exit
 
-    def _start(self) -> None:
+    def _start(self, fork: bool = False) -> None:
         self._kill()
-        ctx = multiprocessing.get_context("spawn")
+        self._forked = fork
+        ctx = multiprocessing.get_context("fork" if fork else "spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child_conn,), name="tilegen-tune-worker", daemon=True)
+        # A forked child holds a copy of this end too, and would never read EOF unless it closes it.
+        self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid(), log.getEffectiveLevel(),
+                                                      self._conn if fork else None),
+                                 name="tilegen-tune-worker", daemon=True)
         self._proc.start()
+        # A copy imports nothing: a long silence means it is stuck, and a spawned one should take over.
+        self._deadline = time.monotonic() + (min(self._start_timeout, _FORK_START_S) if fork else self._start_timeout)
+        log.debug("worker %d %s", self._proc.pid, "forked" if fork else "spawned")
         child_conn.close()
+
+    def _replace(self) -> None:
+        """Kill the child, and start the next one now: its start overlaps recording this trial."""
+        self._kill()
+        self._start()
+
+    def _wait_ready(self) -> None:
         hello = None
-        if wait([self._conn, self._proc.sentinel], self._start_timeout):
+        if wait([self._conn, self._proc.sentinel], max(0.0, self._deadline - time.monotonic())):
             try:
                 hello = self._conn.recv()
             except EOFError:
                 pass
         if not (isinstance(hello, dict) and hello.get("ready")):
+            forked = self._forked
             self._kill()
+            if forked:
+                log.debug("forked worker failed to start (%s); spawning one", hello)
+                self._start()
+                return self._wait_ready()
             detail = hello["error"] if isinstance(hello, dict) else "it exited or did not answer"
             raise WorkerError(f"the tuning worker failed to start: {detail}")
+        self._ready = True
+        log.debug("worker %d ready", self._proc.pid)
 
     def _kill(self) -> None:
         if self._proc is not None:
@@ -106,6 +172,7 @@ class Worker:
             self._proc.close()
             self._conn.close()
         self._proc = self._conn = None
+        self._ready = False
 
 
 def _describe_exit(code: int | None) -> str:
@@ -116,25 +183,47 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _serve(conn) -> None:
+def log_to_stderr(level: int) -> None:
+    """In a child process: tilegen.tuning's lines at ``level`` (the parent's) go to stderr, stamped
+    with the wall clock and the process, so several processes' lines can be put in one order."""
+    logger = logging.getLogger("tilegen.tuning")
+    if level >= logging.WARNING or logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(created).3f %(process)d %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) -> None:
     """The child's loop: one task in, one result dict out, until the parent hangs up."""
+    if parents_end is not None:
+        parents_end.close()
+    # Ctrl-C reaches the whole process group; the parent decides, and closes the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Watching from the start: a child started ahead of its first trial can outlive a parent
+    # killed while it still imports.
+    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
+    log_to_stderr(level)
     try:
         from tilegen.families import register
         from tilegen.tuning.measure import measure
 
         inject = json.loads(os.environ.get(INJECT_ENV) or "{}")
+        _start_cuda()
     except Exception as e:  # reported to the parent, which cannot tune without a worker
-        conn.send({"error": f"{type(e).__name__}: {e}"})
+        _answer(conn, {"error": f"{type(e).__name__}: {e}"[:_REASON_CHARS]})
         return
-    # Ctrl-C reaches the whole process group; the parent decides, and closes the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_leave_with_parent, args=(os.getppid(),), daemon=True).start()
-    conn.send({"ready": True})
+    if not _answer(conn, {"ready": True}):
+        return
+    log.debug("worker process ready")
     while True:
         try:
             task = conn.recv()
         except EOFError:
-            return
+            # Nothing is left to save, and tearing down torch and Triton takes most of a
+            # second, which the parent's close would wait for.
+            _exit_now()
         family, problem, config, seed = task
         failure = inject.get(str(config)) or inject.get(config.to_json())
         if failure == "crash":
@@ -158,6 +247,47 @@ def _serve(conn) -> None:
         conn.send(result)
         if broken:
             return  # this context cannot launch again; the parent starts a new worker
+
+
+def _forkable() -> bool:
+    """Whether a fork of this process is a clean start for a worker: CUDA's driver not yet loaded
+    (a child cannot use a CUDA the parent initialized; torch reports only its own start of it,
+    not a device count), and no other thread, whose locks the child would inherit held."""
+    from tilegen import warmup
+
+    warmup.wait()  # its result (Triton's cache key) is worth inheriting, not cutting short
+    try:
+        with open("/proc/self/maps") as f:
+            driver_loaded = "libcuda.so" in f.read()
+    except OSError:
+        return False  # no way to tell
+    return not driver_loaded and threading.active_count() == 1
+
+
+def _answer(conn, message: dict) -> bool:
+    """Send ``message``; ``False`` when the parent has hung up (it closed the tune before this child was ready)."""
+    try:
+        conn.send(message)
+    except OSError:
+        return False
+    return True
+
+
+def _start_cuda() -> None:
+    """Create the CUDA context now, while the parent sets up, rather than in the first trial."""
+    import torch
+
+    from tilegen import env
+
+    if not env.interpreting() and torch.cuda.is_available():
+        torch.empty(1, device="cuda")
+
+
+def _exit_now() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _leave_with_parent(parent: int) -> None:
