@@ -378,3 +378,7 @@ def test_scaleout_benchmark_smoke_run(pg_server, tmp_path):
     for name in ("parallel", "single"):
         assert report[name]["trials_lost"] == 0
         assert all(count == report["grid_size"][str(bucket)] for bucket, count in report[name]["finished"].items())
+        # Where the time went, from the tuner's debug lines: one measured trial per finished config.
+        phases = report[name]["phases"]
+        assert phases["trials"] == sum(report[name]["finished"].values())
+        assert 1 <= len(phases["first_trial_per_process_s"]) <= (2 if name == "parallel" else 1)

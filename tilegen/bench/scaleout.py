@@ -13,7 +13,10 @@ It reports, and writes to ``DIR/scaleout.json``: both wall times and the speedup
 bucket's winner in both runs and the ratio of their times (the grids are the same, so they
 should agree within 2%); per bucket, the configs measured to the end against the grid's
 size (a lost trial shows as fewer, a doubled one in ``doubled``), and Optuna trials left
-RUNNING. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
+RUNNING; and where each run's time went, from the tuner's debug log (``phases``): seconds
+from the command's start to the first trial, each measuring process's first trial, the
+trials' own time and the gaps between them, and the seconds from the last result to the
+command's exit. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
 spec at size 16; its times say nothing about GPUs, and winners are not compared.
 Exit status 1 when a trial was lost or doubled, or (on GPUs) a winner differs by over 2%.
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +43,19 @@ SMOKE_SIZES = (16,)
 #: One run's limit in seconds: a full tune on one H200 takes about 105 s, two GPUs about half.
 RUN_TIMEOUT_S = 240
 WINNER_TOLERANCE = 0.02
+#: ``tilegen`` with the tuner's debug lines on stderr (its processes pass the level on to theirs).
+_LOGGED_CLI = (
+    "import logging, sys\n"
+    "handler = logging.StreamHandler()\n"
+    "handler.setFormatter(logging.Formatter('%(created).3f %(process)d %(name)s: %(message)s'))\n"
+    "logger = logging.getLogger('tilegen.tuning')\n"
+    "logger.addHandler(handler)\n"
+    "logger.setLevel(logging.DEBUG)\n"
+    "from tilegen.cli import main\n"
+    "sys.argv[0] = 'tilegen'\n"
+    "main()\n"
+)
+_LOG_LINE = re.compile(r"^(\d+\.\d+) (\d+) tilegen\.tuning[.\w]*: (.*)$", re.MULTILINE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                 visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(first)] if visible else first
             url = urls[name].render_as_string(hide_password=False)
-            command = [sys.executable, "-m", "tilegen", "tune", *spec_args, "--seqlens", ",".join(map(str, sizes)),
+            command = [sys.executable, "-c", _LOGGED_CLI, "tune", *spec_args, "--seqlens", ",".join(map(str, sizes)),
                        "--sampler", "grid", "--db", url, *modes[name]]
             shown = urls[name].render_as_string(hide_password=True)
             print(f"{name}: tilegen {' '.join(command[3:]).replace(url, shown)}", flush=True)
+            started = time.time()
             start = time.perf_counter()
             run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
             wall = time.perf_counter() - start
@@ -88,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             if run.returncode != 0:
                 print(run.stdout + run.stderr, file=sys.stderr)
                 raise SystemExit(f"the {name} run failed (exit {run.returncode}); log in {out}/scaleout-{name}.log")
-            report[name] = {"wall_s": round(wall, 2), "gpus": modes[name], **_outcome(url, spec_args)}
+            report[name] = {"wall_s": round(wall, 2), "gpus": modes[name], **_outcome(url, spec_args),
+                            "phases": _phases(run.stderr, started, wall)}
             print(f"  {wall:.1f} s", flush=True)
         report["grid_size"] = report["parallel"].pop("grid_size")
         report["single"].pop("grid_size")
@@ -146,6 +166,36 @@ def _outcome(url: str, spec_args: list[str]) -> dict:
     }
 
 
+def _phases(log: str, started: float, wall: float) -> dict:
+    """Where a run's time went, from the tuner's debug lines (wall-clock stamps, any process)."""
+    starts: dict[str, list[float]] = {}
+    trial_s: list[float] = []
+    gaps: list[float] = []
+    running: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    for stamp, pid, message in _LOG_LINE.findall(log):
+        at = float(stamp) - started
+        if re.fullmatch(r"trial \d+: measuring .*", message):
+            starts.setdefault(pid, []).append(at)
+            if pid in ended:
+                gaps.append(at - ended[pid])
+            running[pid] = at
+        elif re.fullmatch(r"trial \d+: \w+", message) and pid in running:
+            trial_s.append(at - running.pop(pid))
+            ended[pid] = at
+    if not starts:
+        return {}
+    return {
+        "first_trial_s": round(min(s[0] for s in starts.values()), 2),
+        "first_trial_per_process_s": sorted(round(s[0], 2) for s in starts.values()),
+        "trials": len(trial_s),
+        "trial_median_s": round(statistics.median(trial_s), 3) if trial_s else None,
+        "trial_sum_s": round(sum(trial_s), 2),
+        "gap_median_s": round(statistics.median(gaps), 3) if gaps else None,
+        "after_last_result_s": round(wall - max(ended.values(), default=0.0), 2),
+    }
+
+
 def _winners(report: dict) -> dict:
     both = {}
     for bucket, parallel in report["parallel"]["winners"].items():
@@ -170,6 +220,12 @@ def _print(report: dict) -> None:
     for name in ("parallel", "single"):
         r = report[name]
         print(f"{name}: {r['trials_lost']} trials lost, {r['doubled']} doubled, {r['running']} left RUNNING")
+    for name in ("parallel", "single"):
+        p = report[name].get("phases")
+        if p:
+            print(f"{name}: first trial at {', '.join(f'{s:.1f}' for s in p['first_trial_per_process_s'])} s; "
+                  f"{p['trials']} trials, {p['trial_sum_s']:.1f} s measuring (median {p['trial_median_s']} s, "
+                  f"{p['gap_median_s']} s between); exit {p['after_last_result_s']:.1f} s after the last result")
     print(f"winners within 2%: {report['winners_within_2pct']}")
 
 
