@@ -86,7 +86,7 @@ def run_pool(
     errors: list[str] = []
 
     def start(index: int) -> None:
-        proc = ctx.Process(target=_work, args=(plan, slots[index], index, events, log.getEffectiveLevel()),
+        proc = ctx.Process(target=_work, args=(plan, slots[index], index, events, log.getEffectiveLevel(), len(slots)),
                            name=f"tilegen-tune-{index}", daemon=False)
         proc.start()
         log.debug("tune process %d started on %s", proc.pid, slot_name(slots[index], index))
@@ -161,7 +161,7 @@ class _Forward:
         self.events.put(("trial", key.bucket, result, best))
 
 
-def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging.WARNING) -> None:
+def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging.WARNING, share: int = 1) -> None:
     """One worker: its GPU made the only visible one, then every bucket of the plan."""
     from tilegen.tuning.worker import Worker, WorkerError, log_to_stderr
 
@@ -179,6 +179,7 @@ def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging
 
     from tilegen.db import DatabaseError, TuningDB
     from tilegen.device import device_info
+    from tilegen.tuning.compile_ahead import default_processes
     from tilegen.tuning.tuner import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
@@ -187,6 +188,8 @@ def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging
             db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
             trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
             worker=worker, worker_index=index,
+            # The host's CPUs are shared by every tune process of the pool, and by their compiles.
+            compile_ahead=default_processes(share) if slot is not None else 0,
         ) as tuner:
             log.debug("tuner open")
             tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)

@@ -48,6 +48,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import Config, Family, Problem, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
+from tilegen.tuning.compile_ahead import CompileAhead, default_processes
 from tilegen.tuning.worker import Worker
 
 __all__ = ["SAMPLERS", "TrialResult", "BucketResult", "Reporter", "Tuner"]
@@ -126,13 +127,16 @@ class Tuner:
             is failed and measured again by a live process.
         worker_index: this process's place among processes sharing the studies (0 alone);
             it varies the sampler's seed, so parallel workers propose different configs.
+        compile_ahead: processes that compile a bucket's configs into Triton's cache while the
+            worker measures (``tilegen.tuning.compile_ahead``); ``None`` is its default on a GPU
+            (``TILEGEN_COMPILE_AHEAD``, else a share of the host's CPUs), 0 under the interpreter.
     """
 
     def __init__(
         self, db, device: DeviceInfo, *, sampler: str = "tpe", trials: int | None = None,
         timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
         reporter: Reporter | None = None, warm_start: bool = True, worker=None,
-        heartbeat: int = HEARTBEAT_S, worker_index: int = 0,
+        heartbeat: int = HEARTBEAT_S, worker_index: int = 0, compile_ahead: int | None = None,
     ):
         if not (isinstance(heartbeat, int) and heartbeat > 0):
             raise ValueError(f"heartbeat: expected a positive whole number of seconds, got {heartbeat!r}")
@@ -153,12 +157,19 @@ class Tuner:
         with self._studies_errors(), db.studies_lock():
             self._storage, self._retry = _storage(db, heartbeat)
         self._worker = worker or Worker()
+        if device.is_interpreter:
+            compile_ahead = 0  # the interpreter compiles nothing
+        elif compile_ahead is None:
+            # A worker of another kind (a replay of recorded timings) compiles nothing either.
+            compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
+        self._ahead = CompileAhead(compile_ahead)
         log.debug("studies storage open")
 
     def __enter__(self) -> Tuner:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._ahead.close()
         self._worker.close()
 
     def tune(self, spec: Spec, bucket: int, *, goal: int | None = None) -> BucketResult:
@@ -180,7 +191,12 @@ class Tuner:
         runs = []
         for bucket in buckets:
             run = self._open(spec, bucket, (goals or {}).get(bucket))
-            self._search(run)
+            if run.study is not None:
+                self._ahead.bucket(run.family, run.problem, run.ahead)
+            try:
+                self._search(run)
+            finally:
+                self._ahead.end_bucket()
             self._record(run)
             runs.append(run)
         for run in runs:
@@ -224,9 +240,14 @@ class Tuner:
             with self._studies_errors():
                 run.study = self._study(key, space)
                 self._reap(run)  # a killed earlier run's trial is measured again first
-                if space.takes_queue and self.warm_start:
-                    for config in self._warm_start(key, family, run.untried())[:budget]:
-                        run.study.enqueue_trial(space.params(config), skip_if_exists=True)
+                warm = self._warm_start(key, family, run.untried()) if space.takes_queue and self.warm_start else []
+                for config in warm[:budget]:
+                    run.study.enqueue_trial(space.params(config), skip_if_exists=True)
+            if self._ahead.processes:
+                # The worker's likeliest first: the warm start (the default leads it), then the rest.
+                first = warm or [family.default_config(spec, self.device, bucket)]
+                run.ahead = [c for c in dict.fromkeys([*first, *run.untried()])
+                             if c.to_json() in run.feasible and c.to_json() not in run.done]
         return run
 
     def _record(self, run: _Run) -> None:
@@ -461,6 +482,7 @@ class _Run:
     gbps: float | None = None
     objective: object = None
     callbacks: list = field(default_factory=list)
+    ahead: list[Config] = field(default_factory=list)  # configs to compile ahead, in order
 
     def __post_init__(self):
         self.feasible = {c.to_json() for c in self.configs}

@@ -1,0 +1,175 @@
+"""Compile ahead (``tilegen.tuning.compile_ahead``): a bucket's configs compiled into Triton's cache
+while the worker measures, so the worker's JIT finds them there.
+
+The cache round trip runs in processes of their own, compiled for sm90 with no GPU
+(``compile_ahead_check.py`` on ``fake_cuda``); the tuner's side (which configs, in which
+order, and never under the interpreter) runs here with a stand-in pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.tuning import compile_ahead, tuner
+from tilegen.tuning.tuner import Tuner
+
+SPEC = AttentionSpec(head_dim=16, dtype="fp32", mask="causal")
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)
+SCRIPT = Path(__file__).with_name("compile_ahead_check.py")
+
+
+def _run(cache: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache / "triton"), TILEGEN_CACHE_DIR=str(cache / "tilegen"),
+               TILEGEN_DB=str(cache / "tuning.sqlite"))
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _entries(cache: Path) -> set[str]:
+    return {str(p.relative_to(cache)) for p in (cache / "triton").rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def rounds(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("the fake driver stands in for a GPU only where there is none")
+    ahead_dir, cold_dir = tmp_path_factory.mktemp("ahead"), tmp_path_factory.mktemp("cold")
+    ahead = _run(ahead_dir, "ahead", "2")
+    before = _entries(ahead_dir)
+    warm = _run(ahead_dir, "launch")
+    cold = _run(cold_dir, "launch")
+    return ahead, warm, cold, before, _entries(ahead_dir)
+
+
+def test_the_worker_launch_finds_every_kernel_the_pool_compiled(rounds):
+    ahead, warm, cold, before, after = rounds
+    assert sum(status == "ok" for _, _, status, _ in ahead["reports"]) == 4
+    # Without the pool the launches compile (the two decode configs differ in the split count only: one kernel).
+    assert cold["built"] >= 3
+    assert warm["built"] == 0, "the launch compiled a kernel the pool should have left in the cache"
+    assert after == before, "the launch added entries to Triton's cache"
+    assert warm["launches"] == cold["launches"]  # the same kernels, grids and arguments as without the pool
+    assert all(warm["launches"][i] != "[]" for i in (0, 1, 3, 4))
+
+
+def test_a_config_that_fails_to_compile_in_the_pool_is_left_to_the_worker(rounds):
+    ahead, warm, cold, _, _ = rounds
+    failed = [(config, status) for _, config, status, _ in ahead["reports"] if status != "ok"]
+    assert len(failed) == 2 and all("num_warps" in status for _, status in failed)
+    # The pool carried on with the next configs, and the launch meets the error it would meet anyway.
+    assert warm["errors"] == cold["errors"] == [[config, "AssertionError"] for config, _ in failed]
+
+
+def test_a_compile_process_refuses_torch_compute_but_allocates():
+    guard = compile_ahead._allocate_only()
+    x = torch.ones(4, 4)
+    with guard:
+        y = torch.empty(8, 4).view(4, 8).permute(1, 0)[1:]
+        x.new_empty(3)
+        with pytest.raises(compile_ahead._Refused):
+            x + 1
+        with pytest.raises(compile_ahead._Refused):
+            torch.arange(4)
+    assert y.shape == (7, 4)
+
+
+class _Pool:
+    """Records what the tuner hands the compile pool."""
+
+    made: list = []
+
+    def __init__(self, processes):
+        self.processes = processes
+        self.buckets, self.ended, self.closed = [], 0, False
+        _Pool.made.append(self)
+
+    def bucket(self, family, problem, configs):
+        self.buckets.append((problem.spec, list(configs)))
+
+    def end_bucket(self):
+        self.ended += 1
+
+    def close(self):
+        self.closed = True
+
+
+class _Scripted:
+    def __init__(self):
+        self.measured = []
+
+    def measure(self, task, timeout) -> dict:
+        self.measured.append(task[2])
+        return {"status": "ok", "time_ms": 1.0 + len(self.measured), "max_error": 0.0, "reason": None}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sampler", ["grid", "tpe"])
+def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypatch, sampler):
+    monkeypatch.setattr(tuner, "CompileAhead", _Pool)
+    _Pool.made.clear()
+    family = AttentionFwd()
+    feasible = family.candidates(SPEC, H200)
+    worker = _Scripted()
+    with TuningDB(tmp_path / "tuning.sqlite") as db:
+        with Tuner(db, H200, sampler=sampler, trials=3, worker=worker, compile_ahead=2) as t:
+            t.tune_many(SPEC, [64, 128])
+    pool = _Pool.made[-1]
+    assert pool.processes == 2 and pool.closed and pool.ended == 2
+    assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
+    first, second = (configs for _, configs in pool.buckets)
+    assert first[0] == family.default_config(SPEC, H200, 64)
+    assert sorted(map(str, first)) == sorted(map(str, feasible))  # every feasible config, once
+    assert second[0] == family.default_config(SPEC, H200, 128) and len(second) == len(feasible)
+    if sampler == "tpe":
+        # The first bucket's best (the scripted worker's first answer is its fastest) is in the warm start.
+        assert worker.measured[0] in second[:2]
+
+
+def test_no_pool_under_the_interpreter_or_for_a_worker_that_compiles_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuner, "CompileAhead", _Pool)
+    monkeypatch.setenv(compile_ahead.ENV, "3")
+    _Pool.made.clear()
+    with TuningDB(tmp_path / "tuning.sqlite") as db:
+        with Tuner(db, CPU_INTERPRETER, worker=_Scripted(), compile_ahead=4):
+            pass
+        with Tuner(db, H200, worker=_Scripted()):
+            pass
+        with Tuner(db, H200, worker=_Scripted(), compile_ahead=4):
+            pass
+    assert [p.processes for p in _Pool.made] == [0, 0, 4]
+
+
+def test_default_processes(monkeypatch):
+    monkeypatch.setenv(compile_ahead.ENV, "5")
+    assert compile_ahead.default_processes(share=4) == 5  # set by hand: per tune process
+    monkeypatch.setenv(compile_ahead.ENV, "0")
+    assert compile_ahead.default_processes() == 0
+    monkeypatch.delenv(compile_ahead.ENV)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert compile_ahead.default_processes() == 8
+    assert compile_ahead.default_processes(share=2) == 8
+    assert compile_ahead.default_processes(share=8) == 2
+    monkeypatch.setenv(compile_ahead.ENV, "many")
+    assert compile_ahead.default_processes(share=8) == 2
+
+
+def test_an_empty_pool_does_nothing():
+    with compile_ahead.CompileAhead(0) as pool:
+        pool.bucket(AttentionFwd(), AttentionFwd().problem(SPEC, 64, on_gpu=False), AttentionFwd().candidates(SPEC, H200))
+        pool.end_bucket()
+        assert pool.reports() == [] and not pool._procs

@@ -1,0 +1,220 @@
+"""Compile a bucket's candidate configs into Triton's on-disk cache while the worker measures.
+
+Triton compiles a kernel on its first launch, so without help the measuring worker spends
+the first bucket of a tune compiling its candidates one after another (about a second each
+on an H200 host). A few low-priority processes compile them meanwhile: each runs the
+family Problem's own launch of a config with every ``kernel[grid](...)`` in Triton's warmup
+mode (compile, do not launch), on inputs the Problem builds for the bucket, so the
+specialization Triton keys its cache on (dtypes, 16-byte alignment, ints equal to 1 or
+divisible by 16, constexprs, options) is the one the worker's launch will have. The
+worker's JIT then loads each kernel from the disk cache in milliseconds.
+
+The processes only fill a cache: a config that fails to compile here is left to the worker
+(which records its compile error as before), tasks of a bucket that has ended are dropped,
+and the processes are killed when the tune closes, so a tune's results are the same with or
+without them. Nothing runs on the GPU from here beyond allocating the bucket's inputs once:
+Triton's warmup launches nothing, loading a compiled binary is refused, and the Problem's
+launch runs under a guard that lets through only allocations and views; a family whose
+launch computes with torch (the blockwise layer) is left to the worker.
+
+``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune
+on a GPU uses ``min(8, usable CPUs / 2 / tune processes on the host)``, and the interpreter,
+which compiles nothing, none.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+
+__all__ = ["ENV", "CompileAhead", "default_processes"]
+
+ENV = "TILEGEN_COMPILE_AHEAD"
+_MAX_PROCESSES = 8
+#: The compile processes' niceness: the worker's own compiles and timing loop come first.
+_NICE = 10
+log = logging.getLogger(__name__)
+
+
+def default_processes(share: int = 1) -> int:
+    """Compile processes for one tune process: ``TILEGEN_COMPILE_AHEAD`` when set, else half the
+    usable CPUs split over the ``share`` tune processes of the host, at most 8."""
+    value = os.environ.get(ENV, "").strip()
+    if value:
+        if value.isdigit():
+            return int(value)
+        # It only speeds a tune up: a bad value is no reason to stop one.
+        log.warning("%s=%r is not a whole number of processes; using the default", ENV, value)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return min(_MAX_PROCESSES, cpus // 2 // max(1, share))
+
+
+class CompileAhead:
+    """A pool of compile processes fed one bucket at a time; a no-op with ``processes=0``.
+
+    ``bucket(family, problem, configs)`` queues the configs (in order) and drops whatever an
+    earlier bucket left queued; ``end_bucket()`` drops the rest; ``close()`` kills the
+    processes. The processes start with the first bucket and serve every later one, so a
+    tune pays their start-up (importing torch and Triton, a CUDA context) once.
+    ``reports()`` gives what they did: ``(bucket index, config JSON, "ok" | error, seconds)``.
+    """
+
+    def __init__(self, processes: int):
+        self.processes = max(0, int(processes))
+        self._ctx = multiprocessing.get_context("spawn")  # the tune process may hold threads and CUDA-free state alike
+        self._procs: list = []
+        self._tasks = None
+        self._done = None
+        self._current = None  # the bucket the processes serve; a task of another is dropped
+        self._index = 0
+
+    def __enter__(self) -> CompileAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def bucket(self, family, problem, configs: list) -> None:
+        if not self.processes or not configs:
+            return
+        if not self._procs:
+            self._start()
+        self._index += 1
+        self._current.value = self._index
+        for config in configs:
+            self._tasks.put((self._index, family, problem, config))
+        log.debug("compile ahead: %d configs queued for %s", len(configs), problem.spec.name)
+
+    def end_bucket(self) -> None:
+        if self._current is not None:
+            self._current.value = 0
+
+    def reports(self, wait_for: int = 0, timeout: float = 0.0) -> list[tuple]:
+        """What the processes reported since the last call; waits up to ``timeout`` s for ``wait_for`` reports."""
+        got = []
+        if self._done is None:
+            return got
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                got.append(self._done.get(timeout=left) if len(got) < wait_for and left > 0 else self._done.get_nowait())
+            except queue.Empty:
+                return got
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()  # Triton writes a cache entry by renaming a finished file, so a kill leaves none half-written
+        for proc in self._procs:
+            proc.join()
+            proc.close()
+        self._procs = []
+        for q in (self._tasks, self._done):
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._tasks = self._done = self._current = None
+
+    def _start(self) -> None:
+        self._tasks = self._ctx.Queue()
+        self._done = self._ctx.Queue()
+        # Lock-free: a child killed while reading it must not leave a lock held.
+        self._current = self._ctx.RawValue("i", 0)
+        for _ in range(self.processes):
+            proc = self._ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
+                                                          log.getEffectiveLevel()),
+                                     name="tilegen-compile-ahead", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        log.debug("compile ahead: %d processes started", self.processes)
+
+
+class _Refused(RuntimeError):
+    """The Problem's launch computes with torch: it cannot be compiled ahead without running it."""
+
+
+def _allocate_only():
+    """A torch dispatch mode that lets allocations and views through and refuses any computation,
+    so a compile process never runs a torch kernel on the GPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    allowed = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like,
+               aten.detach, aten.alias, aten.lift_fresh}
+
+    class AllocateOnly(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.is_view or func.overloadpacket in allowed:
+                return func(*args, **(kwargs or {}))
+            raise _Refused(f"the launch computes with torch ({func})")
+
+    return AllocateOnly()
+
+
+def _compile_only() -> None:
+    """Make every ``kernel[grid](...)`` of this process a warmup (compile, launch nothing), and
+    refuse loading a binary, which any real launch needs first."""
+    from triton.compiler import compiler
+    from triton.runtime import jit
+
+    def warmup_item(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=True, **kwargs)
+
+    def refuse(self):
+        raise RuntimeError("a compile-ahead process loads no kernel")
+
+    jit.KernelInterface.__getitem__ = warmup_item
+    compiler.CompiledKernel._init_handles = refuse
+
+
+def _serve(tasks, done, current, parent: int, level: int = logging.WARNING) -> None:
+    from tilegen.tuning.worker import _leave_with_parent, log_to_stderr
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tune's to handle
+    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
+    os.nice(_NICE)
+    log_to_stderr(level)
+    # tilegen's own ops go through the JIT (which is in warmup here), never a direct launch.
+    os.environ["TILEGEN_DIRECT_LAUNCH"] = "0"
+    from tilegen.codegen import module_for
+    from tilegen.families import register
+
+    _compile_only()
+    guard = _allocate_only()
+    built = None  # (bucket index, module, inputs, outputs); module None when the bucket's launch computes
+    while True:
+        index, family, problem, config = tasks.get()
+        if index != current.value:
+            continue  # its bucket has ended
+        if built is not None and built[0] == index and built[1] is None:
+            continue  # every config's launch computes alike: the bucket is the worker's
+        start = time.perf_counter()
+        try:
+            if built is None or built[0] != index:
+                built = None
+                register(family)
+                module = module_for(problem.spec)
+                inputs = problem.inputs(0)
+                built = (index, module, inputs, problem.outputs(inputs))
+            _, module, inputs, outputs = built
+            with guard:
+                problem.launch(module, config, inputs, outputs)
+            status = "ok"
+        except _Refused as e:
+            status = str(e)
+            built = (index, None, None, None)
+        except Exception as e:  # the worker meets the same error and records it
+            status = f"{type(e).__name__}: {e}"[:500]
+        seconds = time.perf_counter() - start
+        log.debug("compile ahead: %s %s in %.2f s", config, "compiled" if status == "ok" else "failed", seconds)
+        done.put((index, config.to_json(), status, seconds))
