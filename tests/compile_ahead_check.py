@@ -12,7 +12,7 @@ family Problem's launch, and prints one JSON line: how many kernels Triton had t
 
 from __future__ import annotations
 
-import fake_cuda  # noqa: I001  first: the fake driver, in this process and in the pool's
+import fake_cuda  # noqa: F401  first: the fake driver, in this process and in the pool's
 import json
 import sys
 import time

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_a_compile_process_refuses_torch_compute_but_allocates():
 class _Pool:
     """Records what the tuner hands the compile pool."""
 
-    made: list = []
+    made: ClassVar[list] = []
 
     def __init__(self, processes):
         self.processes = processes
@@ -125,9 +126,9 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
     family = AttentionFwd()
     feasible = family.candidates(SPEC, H200)
     worker = _Scripted()
-    with TuningDB(tmp_path / "tuning.sqlite") as db:
-        with Tuner(db, H200, sampler=sampler, trials=3, worker=worker, compile_ahead=2) as t:
-            t.tune_many(SPEC, [64, 128])
+    with TuningDB(tmp_path / "tuning.sqlite") as db, Tuner(db, H200, sampler=sampler, trials=3, worker=worker,
+                                                           compile_ahead=2) as t:
+        t.tune_many(SPEC, [64, 128])
     pool = _Pool.made[-1]
     assert pool.processes == 2 and pool.closed and pool.ended == 2
     assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
