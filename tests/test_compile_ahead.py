@@ -87,6 +87,21 @@ def test_a_compile_process_refuses_torch_compute_but_allocates():
     assert y.shape == (7, 4)
 
 
+def test_a_gpu_bucket_too_large_for_a_compile_process_is_left_to_the_worker(monkeypatch):
+    class Props:
+        total_memory = 141 * 10**9
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="bf16"), 4096, on_gpu=True)
+    compile_ahead._check_memory(problem)  # a prefill bucket's inputs: well under the share
+    huge = type("Huge", (), {"on_gpu": True, "bytes_moved": lambda self: 10**10})()
+    with pytest.raises(compile_ahead._Refused, match="exceed 2% of the GPU's 141 GB"):
+        compile_ahead._check_memory(huge)
+    cpu = type("Cpu", (), {"on_gpu": False, "bytes_moved": lambda self: 10**13})()
+    compile_ahead._check_memory(cpu)  # the interpreter's buckets hold no GPU memory
+
+
 class _Pool:
     """Records what the tuner hands the compile pool."""
 

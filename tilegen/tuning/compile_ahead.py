@@ -38,6 +38,9 @@ ENV = "TILEGEN_COMPILE_AHEAD"
 _MAX_PROCESSES = 8
 #: The compile processes' niceness: the worker's own compiles and timing loop come first.
 _NICE = 10
+#: The most of the GPU's memory one compile process may take for a bucket's inputs: several
+#: processes hold a copy each beside the worker's own, which must never run out.
+_MEMORY_SHARE = 0.02
 log = logging.getLogger(__name__)
 
 
@@ -139,7 +142,21 @@ class CompileAhead:
 
 
 class _Refused(RuntimeError):
-    """The Problem's launch computes with torch: it cannot be compiled ahead without running it."""
+    """The bucket cannot be compiled ahead: its launch computes with torch, or its inputs are too large."""
+
+
+def _check_memory(problem) -> None:
+    """Refuse a GPU bucket whose inputs (about twice the bytes one launch moves, outputs and spare
+    pages included) would take more than ``_MEMORY_SHARE`` of the device's memory."""
+    if not problem.on_gpu:
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    need = 2 * problem.bytes_moved()
+    if need > _MEMORY_SHARE * total:
+        raise _Refused(f"its inputs (~{need / 1e9:.1f} GB) exceed {_MEMORY_SHARE:.0%} of the GPU's "
+                       f"{total / 1e9:.0f} GB per compile process")
 
 
 def _allocate_only():
@@ -203,6 +220,7 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING) -> N
             if built is None or built[0] != index:
                 built = None
                 register(family)
+                _check_memory(problem)
                 module = module_for(problem.spec)
                 inputs = problem.inputs(0)
                 built = (index, module, inputs, problem.outputs(inputs))
