@@ -11,7 +11,7 @@ Names load on first use: dispatch needs only ``tuned_rows`` (the standard librar
 sqlite3), and should not pay for SQLAlchemy, which ``TuningDB`` and the models import.
 """
 
-import importlib
+from tilegen.lazy import lazy_names
 
 __all__ = [
     "DatabaseError",
@@ -40,13 +40,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tilegen.db' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -14,7 +14,7 @@ neither Optuna, SQLAlchemy nor the progress display, which would only delay its 
 
 from __future__ import annotations
 
-import importlib
+from tilegen.lazy import lazy_names
 
 _WHERE = {
     "INJECT_ENV": "tilegen.tuning.worker",
@@ -43,13 +43,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
