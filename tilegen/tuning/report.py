@@ -63,7 +63,9 @@ def summary_table(results: list[BucketResult]) -> Table:
     table = Table(title=f"{results[0].key.spec.name} on {results[0].key.device.key}" if results else None)
     # Both figures: TFLOP/s judges compute-bound kernels (prefill), GB/s memory-bound ones (decode, merge).
     for name in ("bucket", "best config", "time ms", "TFLOP/s", "GB/s", "max err", "trials ok/wrong/failed"):
-        table.add_column(name, justify="left" if name == "best config" else "right", no_wrap=name == "bucket")
+        # A config is read whole: in a narrow terminal it folds onto a second line rather than being cut.
+        table.add_column(name, justify="left" if name == "best config" else "right", no_wrap=name == "bucket",
+                         overflow="fold" if name == "best config" else "ellipsis")
     for r in results:
         counts = f"{r.statuses['ok']}/{r.statuses['wrong']}/{sum(r.statuses[s] for s in _FAILED)}"
         if r.best is None:
