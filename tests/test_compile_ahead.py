@@ -189,3 +189,23 @@ def test_an_empty_pool_does_nothing():
         pool.bucket(AttentionFwd(), AttentionFwd().problem(SPEC, 64, on_gpu=False), AttentionFwd().candidates(SPEC, H200))
         pool.end_bucket()
         assert pool.reports() == [] and not pool._procs
+
+
+@pytest.mark.parametrize("flag, processes", [([], None), (["--compile-ahead", "0"], 0), (["--compile-ahead", "3"], 3)])
+def test_the_tune_command_hands_its_compile_ahead_option_to_the_tuner(tmp_path, monkeypatch, flag, processes):
+    from typer.testing import CliRunner
+
+    from tilegen.cli import app
+
+    seen = []
+    init = Tuner.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("compile_ahead"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tuner, "__init__", recording)
+    result = CliRunner().invoke(app, ["tune", "--preset", "default", "--sizes", "16", "--trials", "1",
+                                      "--db", str(tmp_path / "t.sqlite"), *flag])
+    assert result.exit_code == 0, result.output
+    assert seen == [processes]

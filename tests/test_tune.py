@@ -214,6 +214,7 @@ def test_concurrent_tunes_on_one_database_both_complete(tmp_path):
         pytest.param(["--seqlens", "16,,32"], "--seqlens", id="seqlens-empty-item"),
         pytest.param(["--sampler", "random"], "--sampler", id="unknown-sampler"),
         pytest.param(["--trials", "0"], "--trials", id="trials-zero"),
+        pytest.param(["--compile-ahead", "-1"], "--compile-ahead", id="compile-ahead-negative"),
         pytest.param(["--db", "{tmp}/corrupt.sqlite"], "corrupt", id="corrupt-db"),
         pytest.param(["--db", "{tmp}/ok.sqlite"], "Optuna studies file", id="corrupt-studies-file"),
     ],

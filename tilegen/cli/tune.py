@@ -78,6 +78,11 @@ def tune(
         20, help="Seconds between a running trial's heartbeats; a trial silent for three (its process died) "
         "is failed and measured again.",
     ),
+    compile_ahead: Optional[int] = typer.Option(
+        None, help="On a GPU, processes per tune process that compile a bucket's configs into Triton's cache "
+        "while the worker measures; 0 turns them off (default: $TILEGEN_COMPILE_AHEAD, else half the CPUs "
+        "shared by the tune processes, at most 8).",
+    ),
 ) -> None:
     """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
@@ -90,6 +95,8 @@ def tune(
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
     if heartbeat < 1:
         fail(f"--heartbeat: expected a positive whole number of seconds, got {heartbeat}")
+    if compile_ahead is not None and compile_ahead < 0:
+        fail(f"--compile-ahead: expected a number of processes, 0 or more, got {compile_ahead}")
     db = check_db_option(db)
     slots = _parse_slots(gpus, workers)
 
@@ -98,7 +105,7 @@ def tune(
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
     _tune(spec, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
-          heartbeat=heartbeat)
+          heartbeat=heartbeat, compile_ahead=compile_ahead)
 
 
 def check_db_option(db: str | None) -> str | Path | None:
@@ -158,7 +165,7 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
     return indices
 
 
-def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slots, heartbeat) -> None:
+def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slots, heartbeat, compile_ahead) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
@@ -203,13 +210,14 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
         if slots is None:
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
-                heartbeat=heartbeat,
+                heartbeat=heartbeat, compile_ahead=compile_ahead,
             ) as tuner:
                 results = [tuner.tune(spec, bucket) for bucket in buckets]
         else:
             # This process plans and reports; the workers measure. Its Tuner never starts a worker.
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, seed=seed, heartbeat=heartbeat, reporter=Reporter(),
+                compile_ahead=0,
             ) as tuner:
                 goals, keys = {}, {}
                 for bucket in buckets:
@@ -219,7 +227,7 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
                     progress.start(keys[bucket], goals[bucket] - measured, None)
                 plan = Plan(db=str(db) if db is not None else str(env.db_target()), spec=spec, buckets=tuple(buckets),
                             goals=goals, sampler=sampler, seed=seed, timeout=timeout, trial_timeout=120.0,
-                            heartbeat=heartbeat)
+                            heartbeat=heartbeat, compile_ahead=compile_ahead)
                 run_pool(plan, slots, keys, progress, echo=lambda line: typer.echo(line, err=True))
                 results = tuner.collect(spec, buckets)
     except (DatabaseError, WorkerError, PoolError) as e:

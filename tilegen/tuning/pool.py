@@ -62,6 +62,7 @@ class Plan:
     timeout: float | None
     trial_timeout: float
     heartbeat: int
+    compile_ahead: int | None = None  # compile processes per tune process; None: the host's default share
 
 
 def slot_name(slot: int | None, index: int) -> str:
@@ -189,7 +190,8 @@ def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging
             trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
             worker=worker, worker_index=index,
             # The host's CPUs are shared by every tune process of the pool, and by their compiles.
-            compile_ahead=default_processes(share) if slot is not None else 0,
+            compile_ahead=(default_processes(share) if plan.compile_ahead is None else plan.compile_ahead)
+            if slot is not None else 0,
         ) as tuner:
             log.debug("tuner open")
             tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)
