@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import triton
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tilegen.cli import app
@@ -68,6 +70,31 @@ def test_a_bucket_round_trips_and_fits_a_signed_32_bit_column():
 )
 def test_of_rounds_context_and_batch_up_to_powers_of_two(size, context, batch):
     assert RULE.unpack(RULE.of(size)) == (context, batch)
+
+
+@given(context=st.integers(0, 2**30), batch=st.integers(0, 2**14))
+def test_of_gives_the_smallest_power_of_two_buckets_that_hold_the_call(context, batch):
+    bucket = RULE.of((context, batch))
+    got_context, got_batch = RULE.unpack(bucket)
+    assert RULE.check(bucket) is None and 0 < bucket < 2**31
+    assert max(context, 16) <= got_context < 2 * max(context, 16)
+    assert max(batch, 1) <= got_batch < 2 * max(batch, 1)
+
+
+@given(call=st.tuples(st.integers(1, 2**24), st.integers(1, 2**12)),
+       rows=st.sets(st.tuples(st.integers(4, 24), st.integers(0, 12)), min_size=1, max_size=12))
+def test_nearest_is_a_row_at_the_least_context_distance_then_the_least_batch_distance(call, rows):
+    tuned = [RULE.of((1 << c, 1 << b)) for c, b in rows]
+    context, batch = (n.bit_length() for n in RULE.unpack(RULE.of(call)))
+
+    def distance(bucket):
+        c, b = RULE.unpack(bucket)
+        return abs(c.bit_length() - context), abs(b.bit_length() - batch)
+
+    chosen = RULE.nearest(RULE.of(call), tuned)
+    assert chosen in tuned
+    assert distance(chosen) == min(map(distance, tuned))
+    assert chosen == RULE.nearest(RULE.of(call), list(reversed(tuned)))  # whatever the rows' order
 
 
 def test_of_wants_the_pair_and_names_the_argument():
