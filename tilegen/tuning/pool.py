@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -164,7 +163,7 @@ class _Forward:
 
 def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging.WARNING, share: int = 1) -> None:
     """One worker: its GPU made the only visible one, then every bucket of the plan."""
-    from tilegen.tuning.worker import Worker, WorkerError, log_to_stderr
+    from tilegen.tuning.worker import Worker, WorkerError, exit_now, log_to_stderr
 
     log_to_stderr(level)
     if slot is not None:
@@ -207,6 +206,4 @@ def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging
     events.join_thread()
     # Everything is written and closed; an orderly interpreter exit would spend about a second
     # tearing down torch, Triton and Optuna, which the command's own exit waits for.
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    exit_now(code)
