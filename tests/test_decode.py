@@ -69,13 +69,15 @@ def test_decode_window_and_softcap_with_splits(kwargs, device):
 
 def test_the_split_rule_fills_the_gpu_and_never_exceeds_the_key_blocks():
     from tilegen.device import DeviceInfo
-    from tilegen.families.attention_decode.config import DecodeConfig, split_count
+    from tilegen.families.attention_decode.config import MAX_SPLITS, DecodeConfig, split_count
 
     h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
     config = DecodeConfig(64, 4, 3, 2)
     assert split_count(config, h200, batch=1, kv_heads=8, max_context=131072) == 33  # 264 CTAs / 8
     assert split_count(config, h200, batch=64, kv_heads=8, max_context=4096) == 1
     assert split_count(config, h200, batch=1, kv_heads=8, max_context=100) == 2  # two key blocks only
+    # MQA, one sequence: a single program per split, so the rule wants 264 splits and stops at the cap.
+    assert split_count(config, h200, batch=1, kv_heads=1, max_context=131072) == MAX_SPLITS == 128
 
 
 def test_decode_bad_input_names_the_argument(device):
