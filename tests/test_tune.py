@@ -405,3 +405,33 @@ def test_a_pool_replaces_a_crashed_worker_and_measures_every_config_once(tmp_pat
     status = {str(Config.from_dict(t.config)): t.status for t in trials}
     assert status.pop(crash) == "fault"
     assert set(status.values()) == {"ok"}
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (children inherit it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads processes' environments from /proc")
+def test_a_pool_whose_command_fails_before_its_plan_stops_its_tune_processes(tmp_path):
+    # The tune processes start before the parent checks the sampler and opens the database;
+    # a command that fails then ends in one line and leaves none of them (or their workers) behind.
+    marker = f"TILEGEN_TEST_MARKER_{os.getpid()}_{time.monotonic_ns()}"
+    run = subprocess.run(_tune_cmd(tmp_path / "t.sqlite", "--seqlens", "16", "--sampler", "bogus", "--workers", "2"),
+                         env=_env(**{marker: "1"}), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "--sampler" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    deadline = time.monotonic() + 20
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)  # a forked worker notices its parent's death within its polling interval
+    assert _processes_with(marker) == []
+    assert not (tmp_path / "t.sqlite").exists()  # nothing was opened, let alone measured

@@ -165,7 +165,20 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
     return indices
 
 
-def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slots, heartbeat, compile_ahead) -> None:
+def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
+    if slots is None:
+        _tune_in(spec, lengths, batch_sizes, pool=None, **options)
+        return
+    from tilegen.tuning.pool import Pool
+
+    # The tune processes start first: their imports and their workers' CUDA start-up overlap this
+    # process's checks and its opening of the database and the studies; they wait for the plan.
+    with Pool(slots) as pool:
+        _tune_in(spec, lengths, batch_sizes, pool=pool, **options)
+
+
+def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, pool, heartbeat,
+             compile_ahead) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
@@ -179,7 +192,7 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
         WorkerError,
         summary_table,
     )
-    from tilegen.tuning.pool import Plan, PoolError, run_pool
+    from tilegen.tuning.pool import Plan, PoolError
     from tilegen.tuning.report import bucket_text
 
     if sampler not in SAMPLERS:
@@ -207,7 +220,7 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
 
     try:
-        if slots is None:
+        if pool is None:
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
                 heartbeat=heartbeat, compile_ahead=compile_ahead,
@@ -228,7 +241,7 @@ def _tune(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, slo
                 plan = Plan(db=str(db) if db is not None else str(env.db_target()), spec=spec, buckets=tuple(buckets),
                             goals=goals, sampler=sampler, seed=seed, timeout=timeout, trial_timeout=120.0,
                             heartbeat=heartbeat, compile_ahead=compile_ahead)
-                run_pool(plan, slots, keys, progress, echo=lambda line: typer.echo(line, err=True))
+                pool.run(plan, keys, progress, echo=lambda line: typer.echo(line, err=True))
                 results = tuner.collect(spec, buckets)
     except (DatabaseError, WorkerError, PoolError) as e:
         fail(str(e))

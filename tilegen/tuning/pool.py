@@ -1,6 +1,6 @@
 """Several tune processes on one host, sharing the studies: one per GPU, or interpreter workers.
 
-``tilegen tune --gpus 0,1`` runs ``run_pool`` with one slot per GPU: each slot is a process
+``tilegen tune --gpus 0,1`` runs a ``Pool`` with one slot per GPU: each slot is a process
 with ``CUDA_VISIBLE_DEVICES`` set to its GPU, running a ``Tuner`` over every bucket of the
 command against the same database. They share each bucket's study (Optuna's parallel
 optimization; see ``tilegen.tuning.tuner``), so a bucket's trials are spread over the GPUs,
@@ -9,10 +9,12 @@ measuring worker, so a CUDA fault or a hung kernel costs one trial, as with one 
 process that dies (killed, out of memory) is started again on its GPU, up to ``restarts``
 times; its trial in flight is failed and measured again.
 
-Start-up is what a process of its own costs: each tune process forks its first measuring
-worker before it touches CUDA, so that worker does not import torch and Triton again, and
-sets up its studies while the worker creates its CUDA context. A tune process that is done
-says so and leaves at once, rather than tearing its modules down while the command waits.
+Start-up is what a process of its own costs. The tune processes start before the parent
+opens the database and the studies, and wait for the plan, so their imports overlap that
+work. Each forks its first measuring worker before it touches CUDA, so that worker does not
+import torch and Triton again, and sets up its studies while the worker creates its CUDA
+context. A tune process that is done says so and leaves at once, rather than tearing its
+modules down while the command waits.
 
 Under the interpreter a slot is ``None``: a CPU process, so tests and the benchmark's smoke
 run exercise the same machinery without a GPU.
@@ -35,7 +37,7 @@ from tilegen.key import TuningKey
 if TYPE_CHECKING:  # the tune processes import this module first thing: the tuner, with Optuna, comes later
     from tilegen.tuning.tuner import Reporter
 
-__all__ = ["Plan", "PoolError", "run_pool"]
+__all__ = ["Plan", "Pool", "PoolError"]
 
 log = logging.getLogger(__name__)
 
@@ -68,48 +70,79 @@ def slot_name(slot: int | None, index: int) -> str:
     return f"GPU {slot}" if slot is not None else f"interpreter worker {index}"
 
 
-def run_pool(
-    plan: Plan, slots: list[int | None], keys: dict[int, TuningKey], reporter: Reporter,
-    *, echo: Callable[[str], None], restarts: int = RESTARTS,
-) -> None:
-    """Run one worker per slot until every one has tuned every bucket of ``plan``.
+class Pool:
+    """One tune process per slot, started before the plan exists and given it when it does.
 
-    ``keys`` are the parent's tuning keys by bucket: the workers' progress is reported under
-    them. Raises ``PoolError`` with one line when a worker reports an error or a slot's
-    process died more than ``restarts`` times.
+    The processes start when the pool does: their imports, their measuring workers' CUDA
+    start-up and their own imports of Optuna overlap the parent's opening of the database and
+    the studies, instead of following them. ``run`` hands each the plan and reports until every
+    one is done; ``close`` stops any still running (a tune that failed before ``run`` stops
+    processes that never got a plan).
     """
-    ctx = multiprocessing.get_context("spawn")  # a forked child would share the parent's CUDA state
-    events = ctx.Queue()
-    procs: dict[int, multiprocessing.Process] = {}
-    deaths = dict.fromkeys(range(len(slots)), 0)
-    done: set[int] = set()
-    errors: list[str] = []
 
-    def start(index: int) -> None:
-        proc = ctx.Process(target=_work, args=(plan, slots[index], index, events, log.getEffectiveLevel(), len(slots)),
-                           name=f"tilegen-tune-{index}", daemon=False)
+    def __init__(self, slots: list[int | None]):
+        self.slots = slots
+        self.ctx = multiprocessing.get_context("spawn")  # a forked child would share the parent's CUDA state
+        self.events = self.ctx.Queue()
+        self.procs: dict[int, multiprocessing.Process] = {}
+        self.done: set[int] = set()
+        self._plans: dict[int, object] = {}  # index -> the parent's end of that process's plan pipe
+        self._plan: Plan | None = None
+        self._failed = False
+
+    def __enter__(self) -> Pool:
+        for index in range(len(self.slots)):
+            self._start(index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, index: int) -> None:
+        receiver, sender = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(
+            target=_work, args=(self.slots[index], index, self.events, receiver, log.getEffectiveLevel(),
+                                len(self.slots)),
+            name=f"tilegen-tune-{index}", daemon=False)
         proc.start()
-        log.debug("tune process %d started on %s", proc.pid, slot_name(slots[index], index))
-        procs[index] = proc
+        receiver.close()
+        log.debug("tune process %d started on %s", proc.pid, slot_name(self.slots[index], index))
+        self.procs[index] = proc
+        self._plans[index] = sender
+        if self._plan is not None:
+            sender.send(self._plan)
 
-    def drain(wait: float) -> None:
-        try:
-            while True:
-                event = events.get(timeout=wait)
-                wait = 0
-                if event[0] == "trial":
-                    _, bucket, result, best = event
-                    reporter.trial(keys[bucket], result, best)
-                elif event[0] == "done":
-                    done.add(event[1])
-                elif event[0] == "error":
-                    errors.append(event[1])
-        except queue.Empty:
-            pass
+    def run(self, plan: Plan, keys: dict[int, TuningKey], reporter: Reporter, *, echo: Callable[[str], None],
+            restarts: int = RESTARTS) -> None:
+        """Run until every process has tuned every bucket of ``plan``.
 
-    try:
-        for index in range(len(slots)):
-            start(index)
+        ``keys`` are the parent's tuning keys by bucket: the processes' progress is reported under
+        them. Raises ``PoolError`` with one line when a process reports an error or a slot's
+        process died more than ``restarts`` times.
+        """
+        self._plan = plan
+        for index, sender in self._plans.items():
+            if index in self.procs:
+                sender.send(plan)
+        slots, procs, done = self.slots, self.procs, self.done
+        deaths = dict.fromkeys(range(len(slots)), 0)
+        errors: list[str] = []
+
+        def drain(wait: float) -> None:
+            try:
+                while True:
+                    event = self.events.get(timeout=wait)
+                    wait = 0
+                    if event[0] == "trial":
+                        _, bucket, result, best = event
+                        reporter.trial(keys[bucket], result, best)
+                    elif event[0] == "done":
+                        done.add(event[1])
+                    elif event[0] == "error":
+                        errors.append(event[1])
+            except queue.Empty:
+                pass
+
         while len(done) < len(slots):
             drain(0.2)
             for index, proc in list(procs.items()):
@@ -129,19 +162,25 @@ def run_pool(
                     errors.append(f"{what} {deaths[index]} times; its log above says why (or run on the other GPUs)")
                     continue
                 echo(f"tilegen: {what}; starting another on it")
-                start(index)
+                self._start(index)
             if errors:
                 break
-    finally:
-        for index, proc in procs.items():
+        if errors:
+            self._failed = True
+            raise PoolError(errors[0])
+
+    def close(self) -> None:
+        for index, proc in self.procs.items():
             # A process that is done has every trial written and only shuts down; the caller
             # need not wait for that (this process joins it when it exits).
-            if index not in done or errors:
+            if index not in self.done or self._failed:
                 proc.kill()
                 proc.join()
-        events.close()
-    if errors:
-        raise PoolError(errors[0])
+        self.procs.clear()
+        for sender in self._plans.values():
+            sender.close()
+        self._plans.clear()
+        self.events.close()
 
 
 def _describe(code: int) -> str:
@@ -161,8 +200,8 @@ class _Forward:
         self.events.put(("trial", key.bucket, result, best))
 
 
-def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging.WARNING, share: int = 1) -> None:
-    """One worker: its GPU made the only visible one, then every bucket of the plan."""
+def _work(slot: int | None, index: int, events, plans, level: int = logging.WARNING, share: int = 1) -> None:
+    """One tune process: its GPU made the only visible one, then every bucket of the plan it is sent."""
     from tilegen.tuning.worker import Worker, WorkerError, exit_now, log_to_stderr
 
     log_to_stderr(level)
@@ -183,6 +222,13 @@ def _work(plan: Plan, slot: int | None, index: int, events, level: int = logging
     from tilegen.tuning.tuner import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
+    try:
+        plan = plans.recv()
+    except (EOFError, OSError):
+        # The parent stopped before it had a plan (a bad option, an unreachable database): no
+        # trial was started, so there is nothing to report or write.
+        worker.close()
+        exit_now(0)
     try:
         with worker, TuningDB(plan.db) as db, Tuner(
             db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
