@@ -152,7 +152,7 @@ def test_the_problem_measures_the_bucket_s_batch_and_context_and_sizes_the_windo
     on_gpu = DecodeProblem.for_bucket(dense, RULE.of((65536, 8)), on_gpu=True)
     assert on_gpu.k_lens == (65536,) * 8 and on_gpu.bounds == (16384, 4096)
     paged = DecodeProblem.for_bucket(SMALL, RULE.of((4096, 256)), on_gpu=True)
-    assert paged.batch == 256 and max(paged.k_lens) == 4096 and min(paged.k_lens) < 4096
+    assert paged.k_lens == (4096,) * 256  # full contexts: the regime the split rule is tuned for
     cpu = DecodeProblem.for_bucket(SMALL, RULE.of((4096, 4)), on_gpu=False)
     assert cpu.k_lens == (48, 0, 1, 17)  # capped context; an empty, a one-token and a page-crossing one
     assert DecodeProblem.for_bucket(SMALL, RULE.of((32, 1)), on_gpu=False).k_lens == (32,)
