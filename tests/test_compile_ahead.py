@@ -209,3 +209,20 @@ def test_the_tune_command_hands_its_compile_ahead_option_to_the_tuner(tmp_path, 
                                       "--db", str(tmp_path / "t.sqlite"), *flag])
     assert result.exit_code == 0, result.output
     assert seen == [processes]
+
+
+def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_configs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuner, "CompileAhead", _Pool)
+    _Pool.made.clear()
+    orders = []
+    for index in range(2):
+        with TuningDB(tmp_path / f"tuning{index}.sqlite") as db, Tuner(
+                db, H200, sampler="grid", trials=1, worker=_Scripted(), compile_ahead=2,
+                worker_index=index, worker_count=2) as t:
+            t.tune_many(SPEC, [64])
+        orders.append(list(map(str, _Pool.made[-1].buckets[0][1])))
+    first, second = orders
+    assert sorted(first) == sorted(second) and len(set(first)) == len(first)
+    half = len(first) // 2
+    assert second == first[half:] + first[:half]  # the second process starts halfway down the list
+    assert first[0] == str(AttentionFwd().default_config(SPEC, H200, 64))

@@ -158,11 +158,17 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
     if max(indices) >= count:
         have = f"has {count} (0..{count - 1})" if count else "has no CUDA GPU; without one, use --workers N"
         fail(f"--gpus: there is no GPU {max(indices)}; this machine {have}")
-    names = {torch.cuda.get_device_name(i) for i in indices}
+    return indices
+
+
+def _check_one_model(slots: list[int | None]) -> None:
+    """GPUs of one command must be of one model: rows are keyed by it. (Checked once the tune
+    processes have started: reading the names creates this process's CUDA context.)"""
+    gpus = [slot for slot in slots if slot is not None]
+    names = {torch.cuda.get_device_name(i) for i in gpus}
     if len(names) > 1:
         fail(f"--gpus: the GPUs are of different models ({', '.join(sorted(names))}); their rows are keyed apart, "
              f"so tune each model with its own command")
-    return indices
 
 
 def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
@@ -174,6 +180,7 @@ def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
     # The tune processes start first: their imports and their workers' CUDA start-up overlap this
     # process's checks and its opening of the database and the studies; they wait for the plan.
     with Pool(slots) as pool:
+        _check_one_model(slots)
         _tune_in(spec, lengths, batch_sizes, pool=pool, **options)
 
 

@@ -233,7 +233,7 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
         with worker, TuningDB(plan.db) as db, Tuner(
             db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
             trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
-            worker=worker, worker_index=index,
+            worker=worker, worker_index=index, worker_count=share,
             # The host's CPUs are shared by every tune process of the pool, and by their compiles.
             compile_ahead=(default_processes(share) if plan.compile_ahead is None else plan.compile_ahead)
             if slot is not None else 0,
