@@ -90,20 +90,31 @@ DECODE_BENCH = {(4096, 64): (4096, 64), (1024, 256): (1024, 256), (131072, 1): (
                 (65536, 4): (65536, 4)}
 
 
-def test_dispatch_on_an_h200_finds_the_shipped_decode_rows_for_the_benchmark_shapes(tmp_path):
+#: PagedDecode's H200 rows (page 16, same heads), tuned at tilegen.bench.decode's shapes with full contexts.
+PAGED_SPEC = {**DECODE_SPEC, "kv_layout": "paged", "page_size": 16}
+PAGED_HASH = "a2a5b6f270671787"
+PAGED_ROWS = [(1024, 256), (4096, 64), (65536, 4), (131072, 1)]
+
+
+@pytest.mark.parametrize(("spec_json", "spec_hash", "shipped", "bench"), [
+    (DECODE_SPEC, DECODE_HASH, DECODE_ROWS, DECODE_BENCH),
+    (PAGED_SPEC, PAGED_HASH, PAGED_ROWS, {shape: shape for shape in PAGED_ROWS}),
+], ids=["dense", "paged16"])
+def test_dispatch_on_an_h200_finds_the_shipped_decode_rows_for_the_benchmark_shapes(
+        tmp_path, spec_json, spec_hash, shipped, bench):
     from tilegen.ir import spec_from_json
 
-    spec = spec_from_json(json.dumps(DECODE_SPEC))
+    spec = spec_from_json(json.dumps(spec_json))
     family = family_of(spec)
-    assert spec.hash == DECODE_HASH
+    assert spec.hash == spec_hash
     raw = _shipped_rows(spec.hash)
-    assert sorted(raw) == [family.buckets.of(shape) for shape in DECODE_ROWS], "rows lost or keyed by context alone"
+    assert sorted(raw) == [family.buckets.of(shape) for shape in shipped], "rows lost or keyed by context alone"
     rows = tuned_rows(spec, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
     assert sorted(rows) == sorted(raw)
     for config, source in rows.values():
         assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None
     table = dispatch.Table(spec, H200, rows)
-    for (context, batch), row in DECODE_BENCH.items():
+    for (context, batch), row in bench.items():
         choice = table.choose((context, batch))
         assert choice.tuned_bucket == family.buckets.of(row), (context, batch)
         assert choice.source == str(env.shipped_db_path())
