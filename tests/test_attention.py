@@ -314,6 +314,14 @@ def test_mixed_layouts_and_broadcast_kv_heads(device):
     assert k.stride(1) == 0
     out, lse = tilegen.attention(q, k, v, window=(12, 4), return_lse=True)
     check_against_reference(out, lse, q, k, v, window=(12, 4))
+    assert out.is_contiguous()  # head_dim_v 48 against q's 64: a new contiguous tensor
+    # With head_dim_v == head_dim the output has q's shape and is laid out as q (torch.empty_like),
+    # for prefill and for one query row (the decode route).
+    v = torch.randn(1, 2, 57, 64, generator=gen).to(device, torch.float16)
+    for query in (q, q[:, :, -1:]):
+        out, lse = tilegen.attention(query, k, v, return_lse=True)
+        check_against_reference(out, lse, query, k, v)
+        assert out.stride() == query.stride()
 
 
 # -------------------------------------------------------------------------------- n = 1000

@@ -67,6 +67,26 @@ def test_decode_window_and_softcap_with_splits(kwargs, device):
     torch.testing.assert_close(one, seven, rtol=1e-5, atol=1e-5)  # the merge against a single pass
 
 
+def test_decode_allocates_its_output_in_the_query_s_layout(device):
+    # q as a head-major tensor seen [batch, heads, dim]: the output run allocates is laid out as q
+    # (torch.empty_like), and q cut from a wider qkv row gets a contiguous output; both are right.
+    gen = torch.Generator().manual_seed(5)
+    cache = make_cache([40, 17, 3], 16, 2, 32, torch.float32, device, gen)
+    ref_q = torch.randn(cache.batch, 8, 32, generator=gen).to(device)
+    head_major = ref_q.transpose(0, 1).contiguous().transpose(0, 1)
+    qkv = torch.cat([ref_q.reshape(cache.batch, -1), torch.randn(cache.batch, 64, generator=gen).to(device)], 1)
+    sliced = qkv[:, :8 * 32].view(cache.batch, 8, 32)
+    ref, _ = paged_reference(ref_q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, num_splits=2)
+    out = decode.run(head_major, cache)
+    assert out.stride() == head_major.stride()
+    _check(out, None, ref, None, torch.float32)
+    out = decode.run(sliced, cache)
+    assert out.is_contiguous()
+    _check(out, None, ref, None, torch.float32)
+
+
 def test_the_split_rule_fills_the_gpu_and_never_exceeds_the_key_blocks():
     from tilegen.device import DeviceInfo
     from tilegen.families.attention_decode.config import MAX_SPLITS, DecodeConfig, split_count

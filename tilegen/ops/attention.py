@@ -72,7 +72,8 @@ def attention(
             in the input dtype, on the input device, any strides, not overlapping itself or the inputs.
 
     Returns:
-        ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype, and ``lse``
+        ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype (laid out as
+        ``q`` when it has ``q``'s shape, as ``torch.empty_like(q)`` lays it out), and ``lse``
         when asked for.
 
     Example:
@@ -107,7 +108,9 @@ def attention(
         if key is not None:
             _plans.put(key, plan)
     if out is None:
-        out = q.new_empty(plan.out_shape)
+        # On the H200's host, empty_like(q) costs 1.6 us, new_empty 2.4 us with a tuple and 5.1 us
+        # with a torch.Size: the allocation is a large part of a short call's host time.
+        out = torch.empty_like(q) if plan.out_like_q else q.new_empty(plan.out_shape)
     elif out.__class__ is not torch.Tensor or out.shape != plan.out_shape or out.dtype != q.dtype or (
         out.device != q.device
     ):
@@ -124,12 +127,13 @@ def attention(
 class _Plan:
     """Everything a checked call decided: its output shapes and launch arguments."""
 
-    out_shape: torch.Size
+    out_shape: tuple[int, int, int, int]
     lse_shape: tuple[int, int, int] | None
     launches: bool  # False when the output is empty: nothing to compute
     launch: Callable[..., Any]  # launch(key, q, k, v, out, lse): a Replay of the launcher with launch_args
     launch_args: dict[str, Any]
     choice: dispatch.Choice | None = None
+    out_like_q: bool = False  # the output has q's shape: allocated as empty_like(q), in q's memory layout
 
 
 _plans = dispatch.plan_cache()
@@ -145,8 +149,8 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
     table = _table(spec, q.device)
     choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
-    out_shape = torch.Size((batch, heads, n_q, spec.dv))
-    if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and out_shape.numel() > 0 and spec.q_per_kv * n_q <= 64:
+    out_shape = (batch, heads, n_q, spec.dv)
+    if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
     launch_args = {
         "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
@@ -155,7 +159,8 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
     plan = _Plan(
         out_shape=out_shape,
         lse_shape=(batch, heads, n_q) if spec.return_lse else None,
-        launches=out_shape.numel() > 0,
+        launches=math.prod(out_shape) > 0,
+        out_like_q=out_shape == tuple(q.shape),
         launch=launcher.replay(launch_args),
         launch_args=launch_args,
         choice=choice,
@@ -199,7 +204,7 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
 
     return _Plan(
         out_shape=out_shape, lse_shape=tuple(q.shape[:3]) if spec.return_lse else None, launches=True,
-        launch=launch, choice=choice, launch_args=launch_args,
+        launch=launch, choice=choice, launch_args=launch_args, out_like_q=out_shape == tuple(q.shape),
     )
 
 

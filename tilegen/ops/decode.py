@@ -52,6 +52,7 @@ class _Plan:
     cache_layout: tuple = ()
     q_shape: tuple[int, int, int] = ()
     out_shape: tuple[int, int, int] = ()
+    out_like_q: bool = False  # head_dim_v == head_dim: the output is allocated as empty_like(q), the cheapest way
 
 
 class PagedDecode:
@@ -128,6 +129,7 @@ class PagedDecode:
             choice=choice, launch_args=launch_args,
             cache_layout=(cache.page_size, cache.kv_heads, spec.head_dim, spec.dv, cache.batch + 1, pages.dtype),
             q_shape=(cache.batch, heads_q, spec.head_dim), out_shape=(cache.batch, heads_q, spec.dv),
+            out_like_q=spec.dv == spec.head_dim,
         )
         return choice
 
@@ -162,7 +164,7 @@ class PagedDecode:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
         out_shape = plan.out_shape
         if out is None:
-            out = q.new_empty(out_shape)
+            out = torch.empty_like(q) if plan.out_like_q else q.new_empty(out_shape)
         elif not isinstance(out, torch.Tensor) or out.shape != out_shape or out.dtype != q.dtype \
                 or out.device != q.device:
             raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
