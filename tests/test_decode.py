@@ -117,8 +117,14 @@ def test_decode_bad_input_names_the_argument(device):
         decode.run(torch.randn(3, 4, 32, device=device), cache)
     with pytest.raises(ValueError, match="q: torch.float16"):
         decode.run(torch.randn(2, 4, 32, device=device).half(), cache)
-    with pytest.raises(ValueError, match="cache: expected"):
-        decode.run(torch.randn(2, 4, 32, device=device), make_cache([20, 3], 8, 2, 32, torch.float32, device, gen))
+    q = torch.randn(2, 4, 32, device=device)
+    # Another page size, batch, head dim or dtype than planned, or no cache at all.
+    for other in (make_cache([20, 3], 8, 2, 32, torch.float32, device, gen),
+                  make_cache([20, 3, 5], 16, 2, 32, torch.float32, device, gen),
+                  make_cache([20, 3], 16, 2, 64, torch.float32, device, gen),
+                  make_cache([20, 3], 16, 2, 32, torch.float16, device, gen), "pages"):
+        with pytest.raises(ValueError, match="cache: expected a tilegen.PagedKVCache shaped as planned"):
+            decode.run(q, other)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -127,7 +127,7 @@ class PagedDecode:
         self._plan = _Plan(
             spec=spec, heads_q=heads_q, batch=cache.batch, launch=launch, part_o=part_o, part_lse=part_lse,
             choice=choice, launch_args=launch_args,
-            cache_layout=(cache.page_size, cache.kv_heads, spec.head_dim, spec.dv, cache.batch + 1, pages.dtype),
+            cache_layout=cache._layout,
             q_shape=(cache.batch, heads_q, spec.head_dim), out_shape=(cache.batch, heads_q, spec.dv),
             out_like_q=spec.dv == spec.head_dim,
         )
@@ -146,20 +146,16 @@ class PagedDecode:
         if plan is None:
             raise RuntimeError("PagedDecode.run: call plan(...) first, once per step")
         spec = plan.spec
-        if cache.__class__ is PagedKVCache or isinstance(cache, PagedKVCache):
-            pages, v_pages = cache.k_pages, cache.v_pages
-            shape = pages.shape
-            # page size, KV heads, head dims, batch (indptr's length) and dtype, against the plan's
-            planned = (shape[1], shape[2], shape[3], v_pages.shape[3], cache.indptr.shape[0], pages.dtype) == \
-                plan.cache_layout
-        else:
-            planned = False
+        # page size, KV heads, head dims, batch (indptr's length) and dtype, against the plan's
+        planned = (cache.__class__ is PagedKVCache or isinstance(cache, PagedKVCache)) and \
+            getattr(cache, "_layout", None) == plan.cache_layout
         if not planned:
             raise ValueError(f"cache: expected a tilegen.PagedKVCache shaped as planned ({spec.name}, "
                              f"batch {plan.batch})")
         if not isinstance(q, torch.Tensor) or q.shape != plan.q_shape:
             raise ValueError(f"q: expected {list(plan.q_shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        pages, v_pages = cache.k_pages, cache.v_pages
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
         out_shape = plan.out_shape
