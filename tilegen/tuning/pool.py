@@ -108,9 +108,18 @@ class Pool:
         receiver.close()
         log.debug("tune process %d started on %s", proc.pid, slot_name(self.slots[index], index))
         self.procs[index] = proc
+        replaced = self._plans.pop(index, None)
+        if replaced is not None:
+            replaced.close()  # the pipe of the process this one replaces
         self._plans[index] = sender
         if self._plan is not None:
-            sender.send(self._plan)
+            self._send(index)
+
+    def _send(self, index: int) -> None:
+        try:
+            self._plans[index].send(self._plan)
+        except OSError:
+            pass  # it died before reading its plan: run() sees the death and starts another
 
     def run(self, plan: Plan, keys: dict[int, TuningKey], reporter: Reporter, *, echo: Callable[[str], None],
             restarts: int = RESTARTS) -> None:
@@ -121,9 +130,8 @@ class Pool:
         process died more than ``restarts`` times.
         """
         self._plan = plan
-        for index, sender in self._plans.items():
-            if index in self.procs:
-                sender.send(plan)
+        for index in list(self.procs):
+            self._send(index)
         slots, procs, done = self.slots, self.procs, self.done
         deaths = dict.fromkeys(range(len(slots)), 0)
         errors: list[str] = []
