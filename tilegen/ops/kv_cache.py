@@ -70,7 +70,7 @@ class PagedKVCache:
             raise ValueError(f"last_page_len: expected {self.indptr.numel() - 1} entries (one per sequence of "
                              f"indptr), got {self.last_page_len.numel()}")
         # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
-        # building it from four tensors' shapes (about a microsecond of a short call's host time).
+        # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],
                                              self.indptr.shape[0], k.dtype))
         if env.debug():

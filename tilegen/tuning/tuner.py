@@ -254,8 +254,7 @@ class Tuner:
                          if c.to_json() in run.feasible and c.to_json() not in run.done]
                 # Processes sharing the study draw its configs in no set order, and share Triton's
                 # disk cache: each starts compiling at its own share of the list, so together they
-                # cover it sooner than all in one order (on two H200s the first bucket's compiles
-                # were the pool's largest cost).
+                # cover it sooner than all in one order.
                 cut = len(ahead) * (self.worker_index % self.worker_count) // self.worker_count
                 run.ahead = ahead[cut:] + ahead[:cut]
         return run
