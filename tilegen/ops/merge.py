@@ -74,10 +74,12 @@ def merge_states(
         plan = _plan(o_a, lse_a, o_b, lse_b, out, out_lse)
         if key is not None:
             _plans.put(key, plan)
+    # empty_like, not new_empty(shape): a torch.Size argument takes torch's slow path (on the H200's
+    # host 5.1 us against 1.6 for empty_like), a large part of a short call.
     if out is None:
-        out = o_a.new_empty(o_a.shape)
+        out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
     if out_lse is None:
-        out_lse = lse_a.new_empty(lse_a.shape)
+        out_lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
     if plan.launches:
         rows, rows3 = plan.rows, plan.rows3
         o_view, lse_view = _writable(out, rows3), _writable(out_lse, rows)

@@ -82,7 +82,7 @@ def varlen_attention(
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     out = _output(plan, q, out)
-    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if plan.spec.return_lse else None
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
         # key under which its launches are replayed (tilegen.launch.Replay).
@@ -179,7 +179,7 @@ class PagedAttention:
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
         out = _output(plan, q, out)
-        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if spec.return_lse else None
+        lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides (q's token count
             # it never reads): they complete the replay key. The page table is the plan's, as run() has
