@@ -435,3 +435,60 @@ def test_a_pool_whose_command_fails_before_its_plan_stops_its_tune_processes(tmp
         time.sleep(0.2)  # a forked worker notices its parent's death within its polling interval
     assert _processes_with(marker) == []
     assert not (tmp_path / "t.sqlite").exists()  # nothing was opened, let alone measured
+
+
+class _DeadOnArrival:
+    """A tune process that died before reading its plan: its pipe is closed, its exit code set."""
+
+    started = 0
+
+    def __init__(self, target=None, args=(), name=None, daemon=None):
+        self.pid = 0
+        self.exitcode = None
+
+    def start(self):
+        _DeadOnArrival.started += 1
+        self.exitcode = 1
+
+    def join(self, timeout=None):
+        pass
+
+    def kill(self):
+        pass
+
+
+class _ClosedPipe:
+    def send(self, obj):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def close(self):
+        pass
+
+
+class _Context:
+    Process = _DeadOnArrival
+
+    def Pipe(self, duplex=True):  # noqa: N802 - multiprocessing's name
+        return _ClosedPipe(), _ClosedPipe()
+
+    def Queue(self):  # noqa: N802 - multiprocessing's name
+        import queue
+
+        class _Events(queue.Queue):
+            def close(self):
+                pass
+
+        return _Events()
+
+
+def test_a_pool_restarts_a_process_that_died_before_its_plan_and_gives_up_in_one_line(monkeypatch):
+    from tilegen.tuning import pool as pool_module
+
+    monkeypatch.setattr(pool_module.multiprocessing, "get_context", lambda method: _Context())
+    _DeadOnArrival.started = 0
+    echoed = []
+    plan = pool_module.Plan(db="x.sqlite", spec=SPEC, buckets=(16,), goals={16: 1}, sampler="grid", seed=0,
+                            timeout=None, trial_timeout=1.0, heartbeat=20)
+    with pool_module.Pool([None]) as pool, pytest.raises(pool_module.PoolError, match="died .* 4 times"):
+        pool.run(plan, {}, None, echo=echoed.append, restarts=3)  # sending to a closed pipe is not the error
+    assert _DeadOnArrival.started == 4 and len(echoed) == 3
