@@ -24,7 +24,9 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tilegen.codegen.cache import module_for
+from tilegen.device import device_info
 from tilegen.families import relative_error
+from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_decode.problem import decode_buffers
 from tilegen.families.attention_decode.spec import DecodeSpec
 
@@ -52,11 +54,6 @@ def timed(fn, warmup=5, rep=25) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def splits_for(ctas, batch, hkv, ctx, bn, cap, sms):
-    """The split rule of ``tilegen.families.attention_decode.config.split_count`` for ``ctas`` per SM."""
-    return max(1, min(math.ceil(sms * ctas / (batch * hkv)), math.ceil(ctx / bn), cap))
-
-
 def pages_of(k, v, perm, layout, ps):
     """K and V of ``[batch, hkv, ctx, d]`` in shuffled pages, as the kernel's [pages, page_size, hkv, d] view."""
     batch, hkv, ctx, d = k.shape
@@ -77,7 +74,7 @@ def pages_of(k, v, perm, layout, ps):
 def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("BUDGET", "330"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 132
+    device = device_info()
     start = time.time()
     rows = []
     gen = torch.Generator(DEV).manual_seed(0)
@@ -106,7 +103,10 @@ def main() -> None:
             for bn, warps, stages in CONFIGS:
                 if time.time() - start > budget:
                     break
-                for s in dict.fromkeys(splits_for(c, batch, hkv, ctx, bn, cap, sms) for c in (1, 2, 3, 4, 6, 8)):
+                # The split rule's counts for 1-8 CTAs per SM, capped per case: 64 splits for GQA, 128 for MQA.
+                counts = (min(cap, split_count(DecodeConfig(bn, warps, stages, ctas), device, batch, hkv, ctx))
+                          for ctas in (1, 2, 3, 4, 6, 8))
+                for s in dict.fromkeys(counts):
                     run = functools.partial(
                         module.launch, q, kp, vp, out, out, *decode_buffers(batch, hq, d, s, DEV), indptr, perm, last,
                         chunk=math.ceil(ctx / s / bn) * bn, num_splits=s, scale=1 / math.sqrt(d), softcap=0.0,
