@@ -37,11 +37,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Config:
-    """Launch parameters of one kernel: positive ints, one field per knob.
+    """Launch parameters of one kernel: positive ints, one field per knob, except the on/off
+    ``switches`` (0 or 1).
 
     A config's identity is its canonical JSON (``to_json``): two configs that differ in
     any knob are two trials and two rows. ``str`` is only a short label for people.
     """
+
+    switches: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, int]:
         """The knobs by name; the names are the generated launcher's keyword arguments."""
@@ -63,11 +66,19 @@ class Config:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ConfigError(f"{unknown[0]}: unknown knob; known: {', '.join(names)}")
+        # A knob added later has a default (its feature off): rows written before it still read.
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        data = {**defaults, **data}
         missing = [n for n in names if n not in data]
         if missing:
             raise ConfigError(f"{missing[0]}: missing")
         for n in names:
-            if isinstance(data[n], bool) or not isinstance(data[n], int) or data[n] < 1:
+            if isinstance(data[n], bool) or not isinstance(data[n], int):
+                raise ConfigError(f"{n}: expected an int, got {data[n]!r}")
+            if n in cls.switches:
+                if data[n] not in (0, 1):
+                    raise ConfigError(f"{n}: expected 0 (off) or 1 (on), got {data[n]!r}")
+            elif data[n] < 1:
                 raise ConfigError(f"{n}: expected a positive int, got {data[n]!r}")
         return cls(**{n: data[n] for n in names})
 

@@ -20,7 +20,7 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
             f"kv_layout={spec.kv_layout!r}: the dense template reads contiguous [batch, heads, seq, dim] KV only; "
             "ragged and paged KV are the attention_varlen family's (tilegen.varlen_attention, tilegen.PagedAttention)"
         )
-    return {**attention_values(spec), "layout": "dense"}
+    return {**attention_values(spec), "layout": "dense", "tma": True}
 
 
 def attention_values(spec) -> dict[str, Any]:
@@ -35,4 +35,6 @@ def attention_values(spec) -> dict[str, Any]:
         "heavy_tiles_first": spec.mask != "none",
         # fp32 inputs must not silently drop to tf32 inside tl.dot.
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
+        # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
+        "tma": False,
     }

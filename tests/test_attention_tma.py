@@ -1,0 +1,102 @@
+"""The attention kernel's TMA path (config ``tma=1``): Q, K and V read through tensor descriptors.
+
+Under the interpreter the descriptor loads run too, so these checks hold on the CPU: every
+element written, the float64 reference matched at sizes that are no multiple of a block
+(the descriptor fills zeros past the sequence and the head dim), and the pointer path taken
+where a tensor's layout allows no descriptor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import LAYOUTS, Case, check_against_reference, param, poisoned_like_out
+
+from tilegen.codegen.cache import module_for
+from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.families.attention_fwd import AttentionFwd, Config
+from tilegen.families.attention_fwd.config import feasible, search_space
+from tilegen.ops.attention import prepare_call, run_with_config
+
+CASES = [
+    param(Case(70, 90, dtype="fp16", heads_q=4, heads_kv=2, window=(5, 9))),
+    param(Case(90, 70, dtype="bf16", head_dim=40, window=(40, 0))),
+    param(Case(17, 257, dtype="fp32", head_dim_v=32, causal=True)),
+    param(Case(1, 1, dtype="bf16", causal=True)),
+    param(Case(33, dtype="fp16", softcap=4.0, head_dim=96)),
+]
+
+
+@pytest.fixture
+def descriptors(monkeypatch):
+    """Counts the tensor descriptors the launcher makes (three per launch on the TMA path)."""
+
+    def spy(spec):
+        module = module_for(spec)
+        made = []
+        real = module.TensorDescriptor
+
+        def counting(*args, **kwargs):
+            made.append(args[0])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "TensorDescriptor", counting)
+        return made
+
+    return spy
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64)], ids=["bm16-bn16", "bm32-bn64"])
+@pytest.mark.parametrize("case", CASES)
+def test_tma_writes_every_element(case, block_m, block_n, device, descriptors):
+    q, k, v = case.inputs(device)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, case.window, case.softcap, case.scale, True)
+    made = descriptors(spec)
+    poisoned = poisoned_like_out(q, v)
+    out, lse = run_with_config(spec, Config(block_m, block_n, 4, 1, tma=1), q, k, v, scale, softcap, left, right,
+                               out=poisoned)
+    assert len(made) == 3, "the launcher took the pointer path for contiguous tensors"
+    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tma_layouts(layout, device, descriptors):
+    """Every layout the op takes; those without a unit-stride head dim or 16-byte strides fall back."""
+    case = Case(37, 45, dtype="bf16", heads_q=2, heads_kv=1, causal=True, layout=layout)
+    q, k, v = case.inputs(device)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, True, None, None, None, True)
+    made = descriptors(spec)
+    out, lse = run_with_config(spec, Config(32, 16, 4, 1, tma=1), q, k, v, scale, softcap, left, right)
+    allows = all(t.stride(3) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:3]) for t in (q, k, v))
+    assert len(made) == (3 if allows else 0)
+    check_against_reference(out, lse, q, k, v, causal=True)
+
+
+def test_tma_misaligned_base_falls_back(device, descriptors):
+    """A view starting 2 bytes into its storage cannot have a descriptor: pointers, same answer."""
+    case = Case(20, 20, dtype="fp16", head_dim=32)
+    q, k, v = case.inputs(device)
+    b, h, n, d = k.shape
+    wide = torch.randn(b * h * n * d + 1, dtype=k.dtype, device=device)
+    k = wide[1:].view(b, h, n, d)  # its base lies 2 bytes past the storage's
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
+    made = descriptors(spec)
+    out, lse = run_with_config(spec, Config(16, 16, 4, 1, tma=1), q, k, v, scale, softcap, left, right)
+    assert made == []
+    check_against_reference(out, lse, q, k, v)
+
+
+def test_tma_is_a_hopper_knob():
+    spec = AttentionFwd.presets["mha-d128-causal"]
+    ampere = DeviceInfo("NVIDIA A100", (8, 0), 108, 80 << 30, 166912)
+    hopper = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+    assert search_space(spec, ampere)["tma"] == [0]
+    assert search_space(spec, hopper)["tma"] == [0, 1]
+    assert "no TMA" in feasible(spec, Config(128, 64, 8, 3, tma=1), ampere)
+    assert feasible(spec, Config(128, 64, 8, 3, tma=1), hopper) is None
+    assert feasible(spec, Config(32, 32, 4, 1, tma=1), CPU_INTERPRETER) is None
+    assert str(Config(128, 64, 8, 3, tma=1)) == "BM128-BN64-w8-s3-tma"
+    with pytest.raises(ValueError, match="tma: expected 0 \\(off\\) or 1"):
+        Config.from_dict({"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "tma": 2})
+    assert Config.from_dict({"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}).tma == 0
