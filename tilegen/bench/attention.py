@@ -2,6 +2,8 @@
 
     python -m tilegen.bench.attention                    # the BENCHMARKS.md table
     python -m tilegen.bench.attention --sweep            # also time every feasible config
+    python -m tilegen.bench.attention --seqlens 1024,2048,4096,8192,16384,32768 --kv-heads 32,8 \
+        --dtypes bf16,fp16 --providers tilegen,sdpa-cudnn   # the whole grid against cuDNN
 
 ``tilegen`` is the op as users call it (tuned rows of the user's and the shipped database,
 else the heuristic default); ``tilegen-default`` runs the heuristic default for the length
@@ -42,6 +44,7 @@ class Case:
     head_dim: int
     causal: bool
     heads_kv: int = HEADS
+    dtype: str = "bf16"
 
     @property
     def batch(self) -> int:
@@ -53,16 +56,18 @@ class Case:
 
     def __str__(self) -> str:
         gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
-        return f"N={self.seqlen} d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}"
+        dtype = "" if self.dtype == "bf16" else f" {self.dtype}"
+        return f"N={self.seqlen} d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}{dtype}"
 
 
 def _inputs(case: Case, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape_q = (case.batch, HEADS, case.seqlen, case.head_dim)
     shape_kv = (case.batch, case.heads_kv, case.seqlen, case.head_dim)
-    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+    q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=g)
     return q, k, v
 
 
@@ -112,9 +117,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_case(case: Case) -> dict:
+def bench_case(case: Case, only: set[str] | None = None) -> dict:
     q, k, v = _inputs(case)
     providers = _providers(case, (q, k, v))
+    if only:
+        providers = {name: fn for name, fn in providers.items() if name in only}
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     choice = tilegen.explain(q, k, v, causal=case.causal)
@@ -153,22 +160,23 @@ def sweep_case(case: Case) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    names = ["tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex"]
+    names = [n for n in ("tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex") if any(n in r for r in rows)]
+    peers = [p for p in ("sdpa-flash", "sdpa-cudnn") if p in names]
     lines = [
-        "| case | batch | tilegen config | " + " | ".join(f"{n} TFLOP/s" for n in names) + " | tilegen / flash |",
-        "|" + "---|" * (len(names) + 4),
+        "| case | batch | tilegen config | " + " | ".join(f"{n} TFLOP/s" for n in names)
+        + "".join(f" | tilegen / {p.removeprefix('sdpa-')}" for p in peers) + " |",
+        "|" + "---|" * (len(names) + 3 + len(peers)),
     ]
+
+    def ratio(r, peer):
+        if "tflops" in r.get("tilegen", {}) and "tflops" in r.get(peer, {}):
+            return f"{r['tilegen']['tflops'] / r[peer]['tflops']:.2f}"
+        return "-"
+
     for r in rows:
-        cells = []
-        for n in names:
-            p = r.get(n, {})
-            cells.append(f"{p['tflops']:.0f}" if "tflops" in p else "err")
-        ratio = (
-            f"{r['tilegen']['tflops'] / r['sdpa-flash']['tflops']:.2f}"
-            if "tflops" in r.get("tilegen", {}) and "tflops" in r.get("sdpa-flash", {})
-            else "-"
-        )
-        lines.append(f"| {r['case']} | {r['batch']} | {r['config']} ({r['source']}) | " + " | ".join(cells) + f" | {ratio} |")
+        cells = [f"{r[n]['tflops']:.0f}" if "tflops" in r.get(n, {}) else "err" for n in names]
+        lines.append(f"| {r['case']} | {r['batch']} | {r['config']} ({r['source']}) | " + " | ".join(cells)
+                     + "".join(f" | {ratio(r, p)}" for p in peers) + " |")
     return "\n".join(lines)
 
 
@@ -177,15 +185,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--kv-heads", default="32", help="KV heads per case (32 query heads): 32 is MHA, 8 GQA 32/8")
+    parser.add_argument("--dtypes", default="bf16", help="bf16 and/or fp16")
+    parser.add_argument("--providers", default=None,
+                        help="comma-separated subset of tilegen, tilegen-default, sdpa-flash, sdpa-cudnn, flex (default all)")
     parser.add_argument("--sweep", action="store_true", help="time every feasible config too")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     args = parser.parse_args(argv)
+    known = {"tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex"}
+    only = set(args.providers.split(",")) if args.providers else None
+    if only and not only <= known:
+        parser.error(f"--providers: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
+    if any(not h.isdigit() or int(h) < 1 or HEADS % int(h) for h in args.kv_heads.split(",")):
+        parser.error(f"--kv-heads: expected divisors of {HEADS}, got {args.kv_heads!r}")
+    if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
+        parser.error(f"--dtypes: expected bf16 and/or fp16, got {args.dtypes!r}")
     if not torch.cuda.is_available():
         print("tilegen.bench.attention needs a CUDA GPU", file=sys.stderr)
         return 2
     dispatch.reset()
     cases = [
-        Case(int(n), int(d), m == "causal")
+        Case(int(n), int(d), m == "causal", int(h), dt)
+        for dt in args.dtypes.split(",")
+        for h in args.kv_heads.split(",")
         for d in args.head_dims.split(",")
         for m in args.masks.split(",")
         for n in args.seqlens.split(",")
@@ -198,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep or args.sweep_only:
             sweeps += sweep_case(case)
         if not args.sweep_only:
-            rows.append(bench_case(case))
+            rows.append(bench_case(case, only))
             print(json.dumps(rows[-1]), flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
