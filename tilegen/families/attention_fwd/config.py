@@ -14,7 +14,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
 
-__all__ = ["Config", "search_space", "feasible", "default_rule"]
+__all__ = ["Config", "TileConfig", "search_space", "feasible", "default_rule", "has_tma"]
 
 # Rough per-thread register budget for the fp32 score tile and accumulator; past
 # it the kernel spills and is never the winner, so it is not worth compiling.
@@ -22,13 +22,22 @@ _MAX_FP32_REGS_PER_THREAD = 160
 
 
 @dataclass(frozen=True, order=True)
-class Config(base.Config):
-    """Launch parameters of one attention-forward kernel."""
+class TileConfig(base.Config):
+    """Tiles, warps and stages: what every attention-forward kernel takes (the ragged and paged ones too)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+
+    def __str__(self) -> str:
+        return f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+
+@dataclass(frozen=True, order=True)
+class Config(TileConfig):
+    """Launch parameters of one dense attention-forward kernel."""
+
     # 1: Q, K and V are read through TMA tensor descriptors (Hopper and later) where the tensors
     # allow one (16-byte aligned base and strides, contiguous head dim); else through pointers.
     tma: int = 0
@@ -36,7 +45,7 @@ class Config(base.Config):
     switches = frozenset({"tma"})
 
     def __str__(self) -> str:
-        return f"BM{self.block_m}-BN{self.block_n}-w{self.num_warps}-s{self.num_stages}" + ("-tma" if self.tma else "")
+        return super().__str__() + ("-tma" if self.tma else "")
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
@@ -86,10 +95,10 @@ def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | N
 
 
 def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-    """The GPU rules come from exhaustive grids of causal bf16 attention on an H200, 512 to 32k
-    (BENCHMARKS.md): up to 1k, few query tiles per head, so smaller tiles keep more SMs busy;
-    from 2k on the largest tiles that do not spill win. Each rule is within 4% of the grid's
-    best at every length from 512 to 32k.
+    """The GPU rules come from exhaustive grids of bf16 attention on an H200 (BENCHMARKS.md): up to
+    1k, few query tiles per head, so smaller tiles keep more SMs busy; from 2k on the largest tiles
+    that do not spill win. The tiles were fitted on pointer-load grids from 512 to 32k (within 4%
+    of each grid's best); the TMA switch and the 1k tiles on later measurements, below.
     """
     if device.is_interpreter:
         return [(None, Config(32, 32, 4, 1))]
@@ -103,5 +112,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if dim <= 64:
         return [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
     if dim <= 128:
-        return [(256, Config(64, 32, 4, 3)), (1024, Config(64, 32, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
+        # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
+        # full (466, against 413 for BN32).
+        return [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
     return [(None, Config(64, 32, 4, 2))]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 from tilegen.families.attention_varlen import config as _config
-from tilegen.families.attention_varlen.config import VarlenConfig
+from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_varlen.lower import lower as _lower
 from tilegen.families.attention_varlen.problem import VarlenProblem
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
@@ -24,7 +24,7 @@ __all__ = ["AttentionVarlen", "VarlenAttentionSpec", "VarlenProblem"]
 class AttentionVarlen(Family):
     name = "attention_varlen"
     spec_type = VarlenAttentionSpec
-    config_type = VarlenConfig
+    config_type = TileConfig
     template = "attention_varlen.py.jinja"
     # The longest sequence sets how many tiles and key blocks the longest programs run.
     buckets = PowerOfTwoBuckets("longest sequence")

@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from tilegen.families import base
-from tilegen.families.attention_varlen.config import VarlenConfig
+from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.problem import visible_pairs
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
@@ -114,7 +114,7 @@ class VarlenProblem(base.Problem):
         lse = torch.full(q.shape[:2], math.nan, device=q.device) if self.spec.return_lse else None
         return out, lse
 
-    def launch(self, module: ModuleType, config: VarlenConfig, inputs: dict, outputs) -> None:
+    def launch(self, module: ModuleType, config: TileConfig, inputs: dict, outputs) -> None:
         out, lse = outputs
         left, right = launch_window(self.spec.mask, *self.bounds, max(self.q_lens), max(self.k_lens))
         kv = ((inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["cu_k"])
