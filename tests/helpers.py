@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import tilegen
 from tilegen.families.attention_fwd.reference import attention_reference
@@ -229,3 +230,25 @@ def kernel_globals_are_constexpr(source: str) -> list[str]:
         used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
         assert not (used & plain), f"{fn.name} reads non-constexpr globals {sorted(used & plain)}"
     return [fn.name for fn in kernels]
+
+
+@st.composite
+def attention_calls(draw):
+    """A random attention call: sizes off every block multiple, GQA, masks, fp32 and fp16."""
+    mask = draw(st.sampled_from(["none", "causal", "window"]))
+    window = None
+    if mask == "window":
+        side = st.one_of(st.none(), st.integers(0, 90))
+        window = (draw(side), draw(side))
+    return Case(
+        n_q=draw(st.integers(1, 80)),
+        n_k=draw(st.integers(1, 80)),
+        head_dim=draw(st.sampled_from([16, 32, 40, 64])),
+        batch=draw(st.integers(1, 2)),
+        heads_kv=(heads_kv := draw(st.integers(1, 2))),
+        heads_q=heads_kv * draw(st.integers(1, 4)),
+        dtype=draw(st.sampled_from(["fp32", "fp16"])),
+        causal=mask == "causal",
+        window=window,
+        seed=draw(st.integers(0, 2**16)),
+    )

@@ -20,13 +20,13 @@ import torch
 from helpers import (
     LAYOUTS,
     Case,
+    attention_calls,
     check_against_reference,
     param,
     poisoned_like_out,
     run_public,
 )
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import tilegen
 import tilegen.ops.attention as attention_module
@@ -338,27 +338,6 @@ def test_long_sequence_window_gqa_with_explicit_config(device):
 
 
 # ------------------------------------------------------------------------------ property test
-
-@st.composite
-def attention_calls(draw):
-    mask = draw(st.sampled_from(["none", "causal", "window"]))
-    window = None
-    if mask == "window":
-        side = st.one_of(st.none(), st.integers(0, 90))
-        window = (draw(side), draw(side))
-    return Case(
-        n_q=draw(st.integers(1, 80)),
-        n_k=draw(st.integers(1, 80)),
-        head_dim=draw(st.sampled_from([16, 32, 40, 64])),
-        batch=draw(st.integers(1, 2)),
-        heads_kv=(heads_kv := draw(st.integers(1, 2))),
-        heads_q=heads_kv * draw(st.integers(1, 4)),
-        dtype=draw(st.sampled_from(["fp32", "fp16"])),
-        causal=mask == "causal",
-        window=window,
-        seed=draw(st.integers(0, 2**16)),
-    )
-
 
 @settings(
     max_examples=25,

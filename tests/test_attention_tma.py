@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYOUTS, Case, check_against_reference, param, poisoned_like_out
+from helpers import LAYOUTS, Case, attention_calls, check_against_reference, param, poisoned_like_out
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
@@ -57,6 +59,20 @@ def test_tma_writes_every_element(case, block_m, block_n, device, descriptors):
                                out=poisoned)
     assert len(made) == 3, "the launcher took the pointer path for contiguous tensors"
     assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
+
+
+@settings(max_examples=25, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=attention_calls(), block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]))
+def test_tma_property_matches_reference(case, block_m, block_n, device):
+    """Random sizes, heads, masks and blocks through the descriptors, into a NaN-filled output."""
+    q, k, v = case.inputs(device)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, case.window, case.softcap, case.scale, True)
+    poisoned = poisoned_like_out(q, v)
+    out, lse = run_with_config(spec, Config(block_m, block_n, 4, 1, tma=1), q, k, v, scale, softcap, left, right,
+                               out=poisoned)
+    assert not torch.isnan(poisoned).any()
     check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
 
 
