@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import LAYOUTS, Case, attention_calls, check_against_reference, param, poisoned_like_out
+from helpers import (
+    LAYOUTS,
+    Case,
+    attention_calls,
+    check_against_reference,
+    param,
+    poisoned_like_out,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -9,9 +9,8 @@ Configs, search space and defaults are the dense family's, less its TMA knob.
 
 from __future__ import annotations
 
-
-from tilegen.families.attention_varlen import config as _config
 from tilegen.families.attention_fwd.config import TileConfig
+from tilegen.families.attention_varlen import config as _config
 from tilegen.families.attention_varlen.lower import lower as _lower
 from tilegen.families.attention_varlen.problem import VarlenProblem
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
