@@ -20,6 +20,7 @@ from fake_cuda import JIT_RUNS, LAUNCHES
 
 import tilegen
 from tilegen import dispatch, launch
+from tilegen.codegen import module_for
 
 _replay_call = launch.Replay.__call__
 CHECKED = [0]
@@ -215,6 +216,26 @@ def case_direct_kernel() -> None:
         assert jit_runs(lambda args=args: launcher.direct(*args, **kwargs)) == expected
         launcher.jit(*args, **kwargs)
         assert LAUNCHES[start] == LAUNCHES[start + 1], LAUNCHES[start:]
+
+
+def case_tma() -> None:
+    """With tma=1 the launcher makes TMA descriptors on every call: after the first, their launches
+    are direct too, and equal to the JIT's; a tensor that allows no descriptor takes the pointer kernel."""
+    fresh()
+    module_for(_spec()).TMA_MIN_WORK = 0  # these shapes are far below the launcher's floor for descriptors
+    launcher = launch.launcher_for(_spec())
+    q, k, v, out = (bf16(1, 8, 40, 64) for _ in range(4))
+    kwargs = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 1 << 30, "block_m": 64,
+              "block_n": 32, "num_warps": 4, "num_stages": 2, "tma": 1}
+    wide_k = bf16(1, 8, 40, 128)[..., :64]  # rows 256 bytes apart: still a descriptor of the same kind
+    for args, expected, descriptors in (((q, k, v, out, out), 1, 3), ((bf16(1, 8, 40, 64), k, v, out, out), 0, 3),
+                                        ((q, wide_k, v, out, out), 0, 3),
+                                        ((misaligned(1, 8, 40, 64), k, v, out, out), 1, 0)):
+        start = len(LAUNCHES)
+        assert jit_runs(lambda args=args: launcher.direct(*args, **kwargs)) == expected
+        launcher.jit(*args, **kwargs)
+        assert LAUNCHES[start] == LAUNCHES[start + 1], LAUNCHES[start:]
+        assert sum(a[0] == "descriptor" for a in LAUNCHES[start][-1]) == descriptors, LAUNCHES[start][-1]
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import compiler
 from triton.runtime import jit
 from triton.runtime.driver import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilegen import launch
 
@@ -42,6 +43,9 @@ class FakeDriver:
 def _describe(value):
     if isinstance(value, torch.Tensor):
         return ("tensor", value.data_ptr(), value.dtype)
+    if isinstance(value, TensorDescriptor):
+        return ("descriptor", value.base.data_ptr(), value.base.dtype, tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), value.padding)
     return (type(value).__name__, value)
 
 

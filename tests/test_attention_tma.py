@@ -38,10 +38,12 @@ CASES = [
 
 @pytest.fixture
 def descriptors(monkeypatch):
-    """Counts the tensor descriptors the launcher makes (three per launch on the TMA path)."""
+    """Counts the tensor descriptors the launcher makes (three per launch on the TMA path), with the
+    launcher's size floor for descriptors lifted: these shapes are far below it."""
 
     def spy(spec):
         module = module_for(spec)
+        monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
         made = []
         real = module.TensorDescriptor
 
@@ -69,16 +71,34 @@ def test_tma_writes_every_element(case, block_m, block_n, device, descriptors):
     check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
 
 
+def test_tma_only_for_calls_that_hide_its_host_cost(device, descriptors):
+    """Below TMA_MIN_WORK multiply-adds the launcher keeps pointers: descriptors cost host time."""
+    case = Case(40, 40, dtype="bf16", head_dim=64)
+    q, k, v = case.inputs(device)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
+    made = descriptors(spec)
+    module = module_for(spec)
+    work = q.shape[0] * q.shape[1] * 40 * 40 * 64
+    for floor, expected in ((work + 1, 0), (work, 3)):
+        module.TMA_MIN_WORK = floor
+        made.clear()
+        out, lse = run_with_config(spec, Config(32, 32, 4, 1, tma=1), q, k, v, scale, softcap, left, right)
+        assert len(made) == expected, (floor, work, len(made))
+        check_against_reference(out, lse, q, k, v)
+
+
 @settings(max_examples=25, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=attention_calls(), block_m=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32, 64]))
-def test_tma_property_matches_reference(case, block_m, block_n, device):
+def test_tma_property_matches_reference(case, block_m, block_n, device, descriptors):
     """Random sizes, heads, masks and blocks through the descriptors, into a NaN-filled output."""
     q, k, v = case.inputs(device)
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, case.window, case.softcap, case.scale, True)
+    made = descriptors(spec)
     poisoned = poisoned_like_out(q, v)
     out, lse = run_with_config(spec, Config(block_m, block_n, 4, 1, tma=1), q, k, v, scale, softcap, left, right,
                                out=poisoned)
+    assert len(made) == 3 * (case.layout == "contiguous")
     assert not torch.isnan(poisoned).any()
     check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
 

@@ -14,11 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tilegen
 from tilegen import launch
@@ -44,7 +46,7 @@ def test_direct_launches_match_the_jit(tmp_path):
         pytest.skip(f"Triton {triton.__version__}: every launch goes through the JIT")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "jit_only", "disagreement", "state",
-                 "direct_kernel"):
+                 "direct_kernel", "tma"):
         assert f"ok {case} " in done.stdout
 
 
@@ -103,6 +105,13 @@ def test_unknown_triton_internals_fall_back(monkeypatch):
         launch._internals.cache_clear()
 
 
+class _Fingerprinting:
+    """What ``DirectKernel._fingerprint`` reads of its kernel: no constexpr parameters, no debug."""
+
+    constexpr = frozenset()
+    fn = types.SimpleNamespace(debug=False)
+
+
 class _Param:
     """The flags of a kernel parameter that Triton's specialization reads."""
 
@@ -127,7 +136,10 @@ def test_fingerprint_model_agrees_with_triton(flags):
     specialize, align = flags
     param = _Param(specialize, align)
     base = torch.empty(64, dtype=torch.bfloat16)
-    values = INTS + [0.5, 1.0, True, False, None, base, base[1:], base[8:], torch.empty(4, dtype=torch.int32)]
+    tile = torch.empty(64, 64, dtype=torch.float16)
+    descriptors = [TensorDescriptor(tile, [64, 64], [64, 1], [16, 64]), TensorDescriptor(tile, [64, 64], [64, 1], [32, 32])]
+    values = INTS + [0.5, 1.0, True, False, None, base, base[1:], base[8:], torch.empty(4, dtype=torch.int32),
+                     *descriptors]
     by_class = {}
     for value in values:
         spec = native_specialize_impl(BaseBackend, value, False, specialize, align)
@@ -135,6 +147,10 @@ def test_fingerprint_model_agrees_with_triton(flags):
         if value.__class__ is int:
             by_class.setdefault(launch._int_class(value), set()).add(spec)
     assert all(len(specs) == 1 for specs in by_class.values()), by_class
+    # Descriptors that differ in block shape are specialized apart, and the fingerprint tells them apart.
+    specs = [native_specialize_impl(BaseBackend, d, False, specialize, align) for d in descriptors]
+    assert specs[0] != specs[1]
+    assert len({launch.DirectKernel._fingerprint(_Fingerprinting, (1,), (d,), {}) for d in descriptors}) == 2
 
 
 

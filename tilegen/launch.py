@@ -10,8 +10,8 @@ Two levels:
 
 - ``DirectKernel`` stands in for a ``JITFunction`` inside a generated launcher. Each call
   computes a fingerprint of what decides the specialization (each tensor's dtype and 16-byte
-  alignment, each int's class: ``== 1``, divisible by 16, 32 or 64 bits; constexpr values
-  and options exactly) and the global state ``JITFunction.run`` reads (current device,
+  alignment, each int's class: ``== 1``, divisible by 16, 32 or 64 bits; each TMA tensor
+  descriptor's dtype, block shape and padding; constexpr values and options exactly) and the global state ``JITFunction.run`` reads (current device,
   Triton's debug and instrumentation knobs). A fingerprint seen before launches the kernel
   compiled for it; anything new or unusual goes through the JIT. A new entry is kept only
   after checking it against the JIT's own binding: the same arguments in the same order,
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from triton import knobs
 from triton.runtime.driver import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 try:
     from triton.knobs import HookChain
@@ -273,6 +274,13 @@ class DirectKernel:
                 parts.append((kind, arg))
             elif kind is torch.Tensor:
                 parts.append((arg.dtype, not arg.data_ptr() & 15))
+            elif kind is TensorDescriptor:
+                # The launcher encodes the descriptor's base, shape and strides on every launch; Triton
+                # specializes on its dtype and block shape (the base is 16-byte aligned by construction).
+                if arg.base.__class__ is not torch.Tensor:
+                    return None
+                parts.append(("descriptor", arg.base.dtype, tuple(arg.block_shape), arg.padding,
+                              getattr(arg, "round_f32_to_tf32", False)))
             elif kind is int:
                 parts.append(_int_class(arg))
             elif kind is float or kind is bool or arg is None:
@@ -351,6 +359,9 @@ def _agrees(param, arg, spec) -> bool:
     if arg.__class__ is torch.Tensor:
         want = None if not specialize else ("D" if align and not arg.data_ptr() & 15 else "")
         return isinstance(kind, str) and kind.startswith("*") and attr == want
+    if arg.__class__ is TensorDescriptor:
+        block = "[" + ", ".join(map(str, arg.block_shape)) + "]"
+        return isinstance(kind, str) and kind.startswith("tensordesc<") and block in kind and attr is None
     if arg.__class__ is int:
         cls = _int_class(arg)
         if cls == "one":

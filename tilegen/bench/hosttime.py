@@ -3,9 +3,12 @@
     python -m tilegen.bench.hosttime --out hosttime.json     # on a GPU, well under a minute
     TRITON_INTERPRET=1 python -m tilegen.bench.hosttime      # no GPU: checks the script, times nothing real
 
-Shapes (bf16): the dense op on 1 x 8 heads x 16 tokens x 64, and decode of one sequence of
+Shapes (bf16): the dense op on 1 x 8 heads x 16 tokens x 64; decode of one sequence of
 16 tokens in one page of 16, 32 query and 8 KV heads of 128 (``PagedDecode.run``; the dense
-op and SDPA take the same token as a [1, 32, 1, 128] query against [1, 8, 16, 128] K and V).
+op and SDPA take the same token as a [1, 32, 1, 128] query against [1, 8, 16, 128] K and V);
+and a short prefill, 1 x 8 x 512 x 64, whose config on Hopper asks for TMA descriptors: the
+launcher keeps pointers below its size floor (``TMA_MIN_WORK``), where descriptors' host cost
+would outlast the kernel.
 Each tilegen row is measured twice in the same run: as shipped, compiled kernels launched
 directly (``tilegen.launch``), and ``(JIT launch)``, every launch through Triton's
 ``JITFunction.run`` as before direct launches.
@@ -41,7 +44,7 @@ from tilegen.env import interpreting
 __all__ = ["main"]
 
 DTYPE = torch.bfloat16
-DENSE, DECODE = "dense 1x8x16x64", "decode 1x32/8x16x128"
+DENSE, DECODE, PREFILL = "dense 1x8x16x64", "decode 1x32/8x16x128", "prefill 1x8x512x64"
 
 _jit_plans = dispatch.plan_cache()
 _jit_launcher = functools.cache(lambda spec: launch.Launcher(module_for(spec), direct=False))
@@ -79,6 +82,7 @@ def _rows(device: str) -> list[dict]:
         kd[0].transpose(0, 1).unsqueeze(0).contiguous(), vd[0].transpose(0, 1).unsqueeze(0).contiguous(),
         torch.tensor([0, 1], dtype=torch.int32, device=device), torch.tensor([0], dtype=torch.int32, device=device),
         torch.tensor([16], dtype=torch.int32, device=device))
+    qp, kp, vp = rand(1, 8, 512, 64), rand(1, 8, 512, 64), rand(1, 8, 512, 64)
     q_run = qd[:, :, 0].contiguous()
     out_run = torch.empty_like(q_run)
 
@@ -98,6 +102,8 @@ def _rows(device: str) -> list[dict]:
              "call": lambda decoder=decoder: decoder.run(q_run, cache).unsqueeze(2), "context": context},
             {"shape": DECODE, "provider": f"PagedDecode.run out={tag}",
              "call": lambda decoder=decoder: decoder.run(q_run, cache, out=out_run).unsqueeze(2), "context": context},
+            {"shape": PREFILL, "provider": f"tilegen.attention{tag}", "call": lambda: tilegen.attention(qp, kp, vp),
+             "context": context},
         ]
     if device == "cuda":
         for backend, name in (("FLASH_ATTENTION", "SDPA flash"), ("CUDNN_ATTENTION", "SDPA cuDNN")):
@@ -106,8 +112,11 @@ def _rows(device: str) -> list[dict]:
             rows.append({"shape": DECODE, "provider": name,
                          "call": lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
                          "context": _sdpa_backend(backend)})
+            rows.append({"shape": PREFILL, "provider": name, "call": lambda: F.scaled_dot_product_attention(qp, kp, vp),
+                         "context": _sdpa_backend(backend)})
     references = {DENSE: F.scaled_dot_product_attention(q.float(), k.float(), v.float()),
-                  DECODE: F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), enable_gqa=True)}
+                  DECODE: F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), enable_gqa=True),
+                  PREFILL: F.scaled_dot_product_attention(qp.float(), kp.float(), vp.float())}
     for row in rows:
         row["reference"] = references[row["shape"]]
     return rows
