@@ -11,8 +11,9 @@ Two levels:
 - ``DirectKernel`` stands in for a ``JITFunction`` inside a generated launcher. Each call
   computes a fingerprint of what decides the specialization (each tensor's dtype and 16-byte
   alignment, each int's class: ``== 1``, divisible by 16, 32 or 64 bits; each TMA tensor
-  descriptor's dtype, block shape and padding; constexpr values and options exactly) and the global state ``JITFunction.run`` reads (current device,
-  Triton's debug and instrumentation knobs). A fingerprint seen before launches the kernel
+  descriptor's dtype, block shape and padding; constexpr values and options exactly) and
+  the global state ``JITFunction.run`` reads (current device, Triton's debug and
+  instrumentation knobs). A fingerprint seen before launches the kernel
   compiled for it; anything new or unusual goes through the JIT. A new entry is kept only
   after checking it against the JIT's own binding: the same arguments in the same order,
   the specialization the fingerprint predicts, the JIT's cache holding this very kernel.
