@@ -105,10 +105,10 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if spec.dtype == "fp32":
         return [(None, Config(64, 32, 4, 2))]
     dim = max(spec.head_dim, spec.dv)
-    # TMA loads from 512 keys on: on the H200 they matched or beat pointer loads at every shape tried
-    # (d128 causal 1k 348 against 298 TFLOP/s, 16k 499 against 478), while a launch with descriptors
-    # goes through Triton's JIT, tens of microseconds of host time that a short call would show.
-    tma = int(device.capability >= (9, 0))
+    # TMA from 512 keys on: on the H200 it matched or beat pointer loads at every shape tried (d128
+    # causal 1k 348 against 298 TFLOP/s, 16k 499 against 478). Up to 256 keys it was never measured;
+    # small calls keep pointers in the launcher anyway (TMA_MIN_WORK), as descriptors cost host time.
+    tma = int(has_tma(device))
     if dim <= 64:
         return [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
     if dim <= 128:
