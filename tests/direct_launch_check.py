@@ -203,13 +203,17 @@ def _spec():
     return AttentionSpec(head_dim=64, dtype="bf16", mask="none")
 
 
+#: The generated attention launcher's keyword arguments, as the tuner passes them: no mask, one config.
+LAUNCH_KWARGS = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 1 << 30, "block_m": 64,
+                 "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
 def case_direct_kernel() -> None:
     """The generated launcher with direct kernels, called as the tuner would: same launches as the JIT's."""
     fresh()
     launcher = launch.launcher_for(_spec())
     q, k, v, out = (bf16(1, 8, 16, 64) for _ in range(4))
-    kwargs = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 1 << 30, "block_m": 64,
-              "block_n": 32, "num_warps": 4, "num_stages": 2}
+    kwargs = LAUNCH_KWARGS
     for args, expected in (((q, k, v, out, out), 1), ((bf16(1, 8, 16, 64), k, v, out, out), 0),
                            ((misaligned(1, 8, 16, 64), k, v, out, out), 1)):
         start = len(LAUNCHES)
@@ -225,8 +229,7 @@ def case_tma() -> None:
     module_for(_spec()).TMA_MIN_WORK = 0  # these shapes are far below the launcher's floor for descriptors
     launcher = launch.launcher_for(_spec())
     q, k, v, out = (bf16(1, 8, 40, 64) for _ in range(4))
-    kwargs = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 1 << 30, "block_m": 64,
-              "block_n": 32, "num_warps": 4, "num_stages": 2, "tma": 1}
+    kwargs = {**LAUNCH_KWARGS, "tma": 1}
     wide_k = bf16(1, 8, 40, 128)[..., :64]  # rows 256 bytes apart: still a descriptor of the same kind
     for args, expected, descriptors in (((q, k, v, out, out), 1, 3), ((bf16(1, 8, 40, 64), k, v, out, out), 0, 3),
                                         ((q, wide_k, v, out, out), 0, 3),

@@ -30,8 +30,7 @@ def calls():
     spec = AttentionSpec(head_dim=64, dtype="bf16", mask="causal")
     module_for(spec).TMA_MIN_WORK = 0  # these shapes are far below the launcher's floor for descriptors
     launcher = launch.launcher_for(spec)
-    tma = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window_right": 0, "block_m": 64,
-           "block_n": 32, "num_warps": 4, "num_stages": 2, "tma": 1}
+    tma = {**check.LAUNCH_KWARGS, "window_right": 0, "tma": 1}  # causal: no key right of the diagonal
     return [
         ("dense", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))),
         ("dense causal lse", lambda: tilegen.attention(bf16(1, 8, 40, 64), bf16(1, 8, 40, 64), bf16(1, 8, 40, 64),
