@@ -3,8 +3,8 @@
     python tests/compile_ahead_check.py ahead|launch [processes]
 
 Run without TRITON_INTERPRET, against one TRITON_CACHE_DIR (``tests/test_compile_ahead.py``
-does). ``ahead`` compiles the cases' configs in a ``CompileAhead`` pool (its spawned processes
-import this file first, so they get the fake driver too) and prints one JSON line of the pool's
+does). ``ahead`` compiles the cases' configs in a ``CompileAhead`` pool (its processes are forked
+copies of this one, fake driver included) and prints one JSON line of the pool's
 reports; ``launch`` (a new process) launches them as the tuning worker does, through the
 family Problem's launch, and prints one JSON line: how many kernels Triton had to build (its
 ``make_ir``, which a cache hit skips), the errors, and the launches recorded.
@@ -50,11 +50,13 @@ def ahead(processes: int) -> None:
     reports = []
     start = time.perf_counter()
     with CompileAhead(processes) as pool:
+        pool.start(fork=True)  # as a tune starts them: copies of this process, which has not loaded CUDA
+        started = sorted({proc._popen.method for proc in pool._procs})
         for family, problem, configs in cases():
             pool.bucket(family, problem, configs)
             reports += pool.reports(wait_for=len(configs), timeout=300)
             pool.end_bucket()
-    print(json.dumps({"reports": reports, "seconds": time.perf_counter() - start}), flush=True)
+    print(json.dumps({"reports": reports, "started": started, "seconds": time.perf_counter() - start}), flush=True)
 
 
 def launch() -> None:

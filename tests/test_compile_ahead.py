@@ -57,6 +57,7 @@ def rounds(tmp_path_factory):
 
 def test_the_worker_launch_finds_every_kernel_the_pool_compiled(rounds):
     ahead, warm, cold, before, after = rounds
+    assert ahead["started"] == ["fork"]
     assert sum(status == "ok" for _, _, status, _ in ahead["reports"]) == 4
     # Without the pool the launches compile (the two decode configs differ in the split count only: one kernel).
     assert cold["built"] >= 3
@@ -109,8 +110,11 @@ class _Pool:
 
     def __init__(self, processes):
         self.processes = processes
-        self.buckets, self.ended, self.closed = [], 0, False
+        self.buckets, self.ended, self.closed, self.started = [], 0, False, False
         _Pool.made.append(self)
+
+    def start(self, fork=False):
+        self.started = True
 
     def bucket(self, family, problem, configs):
         self.buckets.append((problem.spec, list(configs)))
@@ -145,7 +149,7 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
                                                            compile_ahead=2) as t:
         t.tune_many(SPEC, [64, 128])
     pool = _Pool.made[-1]
-    assert pool.processes == 2 and pool.closed and pool.ended == 2
+    assert pool.processes == 2 and pool.started and pool.closed and pool.ended == 2
     assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
     first, second = (configs for _, configs in pool.buckets)
     assert first[0] == family.default_config(SPEC, H200, 64)
@@ -196,19 +200,41 @@ def test_the_tune_command_hands_its_compile_ahead_option_to_the_tuner(tmp_path, 
     from typer.testing import CliRunner
 
     from tilegen.cli import app
+    from tilegen.cli import tune as tune_command
 
-    seen = []
+    seen, options = [], []
     init = Tuner.__init__
+    counted = tune_command.compile_processes
 
     def recording(self, *args, **kwargs):
         seen.append(kwargs.get("compile_ahead"))
         init(self, *args, **kwargs)
 
+    def counting(option):
+        options.append(option)
+        return counted(option)
+
     monkeypatch.setattr(Tuner, "__init__", recording)
+    monkeypatch.setattr(tune_command, "compile_processes", counting)
     result = CliRunner().invoke(app, ["tune", "--preset", "default", "--sizes", "16", "--trials", "1",
                                       "--db", str(tmp_path / "t.sqlite"), *flag])
     assert result.exit_code == 0, result.output
-    assert seen == [processes]
+    assert options == [processes]
+    # The command starts the pool itself, before it touches CUDA, and hands it over; the
+    # interpreter's has no process.
+    (pool,) = seen
+    assert isinstance(pool, compile_ahead.CompileAhead) and pool.processes == 0
+
+
+@pytest.mark.parametrize("option, processes", [(None, 5), (0, 0), (3, 3)])
+def test_a_one_process_tune_compiles_ahead_with_its_option_on_a_gpu_only(monkeypatch, option, processes):
+    from tilegen.cli import tune as tune_command
+
+    monkeypatch.setenv(compile_ahead.ENV, "5")
+    monkeypatch.setattr(tune_command.env, "interpreting", lambda: False)
+    assert tune_command.compile_processes(option) == processes
+    monkeypatch.setattr(tune_command.env, "interpreting", lambda: True)
+    assert tune_command.compile_processes(option) == 0
 
 
 def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_configs(tmp_path, monkeypatch):

@@ -316,7 +316,7 @@ def test_a_tune_against_a_read_only_database_fails_before_measuring(tmp_path, mo
     real_access = os.access
     monkeypatch.setattr(store.os, "access", lambda path, mode: False if mode == os.W_OK else real_access(path, mode))
     started = []
-    monkeypatch.setattr("tilegen.tuning.worker.Worker._start", lambda self: started.append(self))
+    monkeypatch.setattr("tilegen.tuning.worker.Worker._start", lambda self, fork=False: started.append(self))
     result = CliRunner().invoke(app, ["tune", "--db", str(db), "--seqlens", "16", "--trials", "1"])
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[-1].startswith(f"error: cannot write the tilegen database {db}")
@@ -380,7 +380,7 @@ def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypa
         raise RuntimeError("no CUDA in this copy")
 
     # The fork inherits these patches; a spawned child imports the module afresh and has neither.
-    monkeypatch.setattr(worker_module, "_forkable", lambda: True)
+    monkeypatch.setattr(worker_module, "forkable", lambda: True)
     monkeypatch.setattr(worker_module, "_start_cuda", no_cuda)
     caplog.set_level(logging.DEBUG, logger="tilegen.tuning.worker")
     family = AttentionFwd()
@@ -435,6 +435,38 @@ def test_a_pool_whose_command_fails_before_its_plan_stops_its_tune_processes(tmp
         time.sleep(0.2)  # a forked worker notices its parent's death within its polling interval
     assert _processes_with(marker) == []
     assert not (tmp_path / "t.sqlite").exists()  # nothing was opened, let alone measured
+
+
+_POOL_THEN_SLEEP = """
+import sys, time
+from tilegen.tuning.pool import Pool
+with Pool([None, None]) as pool:
+    print(" ".join(str(p.pid) for p in pool.procs.values()), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads processes' command lines from /proc")
+def test_a_pool_forks_its_tune_processes_and_they_leave_when_it_dies_before_the_plan(tmp_path):
+    # Forked, each holds copies of the parent's ends of the plan pipes; unless it closes them it
+    # never reads EOF, and would wait for a plan forever once the parent is killed.
+    marker = f"TILEGEN_TEST_MARKER_{os.getpid()}_{time.monotonic_ns()}"
+    parent = subprocess.Popen([sys.executable, "-c", _POOL_THEN_SLEEP], env=_env(**{marker: "1"}), cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        own = Path(f"/proc/{parent.pid}/cmdline").read_bytes()
+        for pid in pids:
+            # A copy runs the parent's command line; a spawned process runs multiprocessing's.
+            assert Path(f"/proc/{pid}/cmdline").read_bytes() == own
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker) == []
 
 
 class _DeadOnArrival:

@@ -100,7 +100,9 @@ def tune(
     db = check_db_option(db)
     slots = _parse_slots(gpus, workers)
 
-    if not torch.cuda.is_available():
+    # Counted through NVML where it answers, which leaves CUDA's driver unloaded: the tune's
+    # processes are forked before this one touches CUDA (torch.cuda.is_available() would load it).
+    if not torch.cuda.device_count():
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
@@ -135,12 +137,12 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
     if workers is not None:
         if workers < 1:
             fail(f"--workers: expected a positive number of processes, got {workers}")
-        if torch.cuda.is_available():
+        if torch.cuda.device_count():
             fail("--workers: this machine has a GPU; give --gpus (one tune process per GPU) instead")
         return [None] * workers
     if gpus is None:
         return None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()
     text = gpus.strip()
     if text == "all":
         if not count:
@@ -173,19 +175,33 @@ def _check_one_model(slots: list[int | None]) -> None:
 
 def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
     if slots is None:
-        _tune_in(spec, lengths, batch_sizes, pool=None, **options)
+        from tilegen.tuning.compile_ahead import CompileAhead
+        from tilegen.tuning.worker import Worker
+
+        with Worker() as worker, CompileAhead(compile_processes(options.pop("compile_ahead"))) as ahead:
+            _tune_in(spec, lengths, batch_sizes, pool=None, worker=worker, compile_ahead=ahead, **options)
         return
     from tilegen.tuning.pool import Pool
 
     # The tune processes start first: their imports and their workers' CUDA start-up overlap this
     # process's checks and its opening of the database and the studies; they wait for the plan.
-    with Pool(slots) as pool:
+    with Pool(slots, compile_ahead=options["compile_ahead"]) as pool:
         _check_one_model(slots)
         _tune_in(spec, lengths, batch_sizes, pool=pool, **options)
 
 
+def compile_processes(option: int | None) -> int:
+    """Compile-ahead processes of a one-process tune: ``--compile-ahead``, else the default; none
+    under the interpreter, which compiles nothing."""
+    from tilegen.tuning.compile_ahead import default_processes
+
+    if env.interpreting():
+        return 0
+    return default_processes() if option is None else option
+
+
 def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, pool, heartbeat,
-             compile_ahead) -> None:
+             compile_ahead, worker=None) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
@@ -214,6 +230,12 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
         database.check_writable()  # a read-only file fails here, before anything is measured
     except DatabaseError as e:
         fail(f"--db: {e}" if is_url(db if db is not None else env.db_target()) else str(e))
+    if worker is not None:
+        # The checks passed: the measuring worker and the compile processes start now, forked
+        # while this process has not touched CUDA (device_info() does), so they import nothing
+        # again and their start-up overlaps this process's opening of the studies.
+        worker.start(fork=True)
+        compile_ahead.start(fork=True)
     device = device_info()
     if device.is_interpreter:
         typer.echo(
@@ -230,7 +252,7 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
         if pool is None:
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
-                heartbeat=heartbeat, compile_ahead=compile_ahead,
+                heartbeat=heartbeat, worker=worker, compile_ahead=compile_ahead,
             ) as tuner:
                 results = [tuner.tune(spec, bucket) for bucket in buckets]
         else:
@@ -247,7 +269,7 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
                     progress.start(keys[bucket], goals[bucket] - measured, None)
                 plan = Plan(db=str(db) if db is not None else str(env.db_target()), spec=spec, buckets=tuple(buckets),
                             goals=goals, sampler=sampler, seed=seed, timeout=timeout, trial_timeout=120.0,
-                            heartbeat=heartbeat, compile_ahead=compile_ahead)
+                            heartbeat=heartbeat)
                 pool.run(plan, keys, progress, echo=lambda line: typer.echo(line, err=True))
                 results = tuner.collect(spec, buckets)
     except (DatabaseError, WorkerError, PoolError) as e:

@@ -17,6 +17,11 @@ Triton's warmup launches nothing, loading a compiled binary is refused, and the 
 launch runs under a guard that lets through only allocations and views; a family whose
 launch computes with torch (the blockwise layer) is left to the worker.
 
+A tune starts the processes when it opens (``CompileAhead.start``), not at its first bucket,
+so their start-up overlaps the worker's and the studies'. Where the tune process has not yet
+loaded CUDA's driver and runs one thread, they are forked: copies with torch and Triton
+imported, which spawned ones would spend seconds each importing again, all at once.
+
 ``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune
 on a GPU uses ``min(8, usable CPUs / 2 / tune processes on the host)``, and the interpreter,
 which compiles nothing, none.
@@ -63,10 +68,11 @@ def default_processes(share: int = 1) -> int:
 class CompileAhead:
     """A pool of compile processes fed one bucket at a time; a no-op with ``processes=0``.
 
-    ``bucket(family, problem, configs)`` queues the configs (in order) and drops whatever an
+    ``start(fork=...)`` starts the processes now; ``bucket(family, problem, configs)`` queues
+    the configs (in order), starting the processes if nothing did, and drops whatever an
     earlier bucket left queued; ``end_bucket()`` drops the rest; ``close()`` kills the
-    processes. The processes start with the first bucket and serve every later one, so a
-    tune pays their start-up (importing torch and Triton, a CUDA context) once.
+    processes. They serve every bucket of a tune, which pays their start-up (importing torch
+    and Triton, unless forked, and a CUDA context) once.
     ``reports()`` gives what they did: ``(bucket index, config JSON, "ok" | error, seconds)``.
     """
 
@@ -85,11 +91,20 @@ class CompileAhead:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def start(self, *, fork: bool = False) -> None:
+        """Start the processes now, in the background; a no-op when there are none or they run.
+
+        ``fork``: copy this process, where that is safe (see ``tilegen.tuning.worker.forkable``),
+        rather than start fresh interpreters."""
+        if self.processes and not self._procs:
+            from tilegen.tuning.worker import forkable
+
+            self._start(fork=fork and forkable())
+
     def bucket(self, family, problem, configs: list) -> None:
         if not self.processes or not configs:
             return
-        if not self._procs:
-            self._start()
+        self.start()
         self._index += 1
         self._current.value = self._index
         for config in configs:
@@ -127,18 +142,20 @@ class CompileAhead:
                 q.close()
         self._tasks = self._done = self._current = None
 
-    def _start(self) -> None:
+    def _start(self, fork: bool = False) -> None:
+        # Queues of the spawn context serve forked children too, which inherit them.
         self._tasks = self._ctx.Queue()
         self._done = self._ctx.Queue()
         # Lock-free: a child killed while reading it must not leave a lock held.
         self._current = self._ctx.RawValue("i", 0)
+        ctx = multiprocessing.get_context("fork") if fork else self._ctx
         for _ in range(self.processes):
-            proc = self._ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
-                                                          log.getEffectiveLevel()),
-                                     name="tilegen-compile-ahead", daemon=True)
+            proc = ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
+                                                    log.getEffectiveLevel()),
+                               name="tilegen-compile-ahead", daemon=True)
             proc.start()
             self._procs.append(proc)
-        log.debug("compile ahead: %d processes started", self.processes)
+        log.debug("compile ahead: %d processes %s", self.processes, "forked" if fork else "spawned")
 
 
 class _Refused(RuntimeError):

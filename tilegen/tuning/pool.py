@@ -10,10 +10,12 @@ process that dies (killed, out of memory) is started again on its GPU, up to ``r
 times; its trial in flight is failed and measured again.
 
 Start-up is what a process of its own costs. The tune processes start before the parent
-opens the database and the studies, and wait for the plan, so their imports overlap that
-work. Each forks its first measuring worker before it touches CUDA, so that worker does not
-import torch and Triton again, and sets up its studies while the worker creates its CUDA
-context. A tune process that is done says so and leaves at once, rather than tearing its
+opens the database and the studies, and wait for the plan, so their own start overlaps that
+work. Where the parent has not loaded CUDA's driver and runs one thread, they are forked, with
+torch and Triton imported, rather than spawned to import them again (a replacement is always
+spawned). Each forks its first measuring worker and its compile processes before it touches
+CUDA, so they import nothing again either, and sets up its studies while the worker creates
+its CUDA context. A tune process that is done says so and leaves at once, rather than tearing its
 modules down while the command waits.
 
 Under the interpreter a slot is ``None``: a CPU process, so tests and the benchmark's smoke
@@ -63,7 +65,6 @@ class Plan:
     timeout: float | None
     trial_timeout: float
     heartbeat: int
-    compile_ahead: int | None = None  # compile processes per tune process; None: the host's default share
 
 
 def slot_name(slot: int | None, index: int) -> str:
@@ -80,9 +81,11 @@ class Pool:
     processes that never got a plan).
     """
 
-    def __init__(self, slots: list[int | None]):
+    def __init__(self, slots: list[int | None], *, compile_ahead: int | None = None):
         self.slots = slots
-        self.ctx = multiprocessing.get_context("spawn")  # a forked child would share the parent's CUDA state
+        # Compile processes per tune process on a GPU; None: the host's default share.
+        self.compile_ahead = compile_ahead
+        self.ctx = multiprocessing.get_context("spawn")  # a replacement: the parent has CUDA's state by then
         self.events = self.ctx.Queue()
         self.procs: dict[int, multiprocessing.Process] = {}
         self.done: set[int] = set()
@@ -91,22 +94,30 @@ class Pool:
         self._failed = False
 
     def __enter__(self) -> Pool:
+        from tilegen.tuning.worker import forkable
+
+        fork = forkable()
         for index in range(len(self.slots)):
-            self._start(index)
+            self._start(index, fork=fork)
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, index: int) -> None:
+    def _start(self, index: int, fork: bool = False) -> None:
         receiver, sender = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(
+        # A forked child holds copies of the parent's ends of the plan pipes, its own included,
+        # and closes them: else it would never read EOF should the parent go first.
+        inherited = [*self._plans.values(), sender] if fork else []
+        ctx = multiprocessing.get_context("fork") if fork else self.ctx
+        proc = ctx.Process(
             target=_work, args=(self.slots[index], index, self.events, receiver, log.getEffectiveLevel(),
-                                len(self.slots)),
+                                len(self.slots), self.compile_ahead, inherited),
             name=f"tilegen-tune-{index}", daemon=False)
         proc.start()
         receiver.close()
-        log.debug("tune process %d started on %s", proc.pid, slot_name(self.slots[index], index))
+        log.debug("tune process %d %s on %s", proc.pid, "forked" if fork else "spawned",
+                  slot_name(self.slots[index], index))
         self.procs[index] = proc
         replaced = self._plans.pop(index, None)
         if replaced is not None:
@@ -208,8 +219,12 @@ class _Forward:
         self.events.put(("trial", key.bucket, result, best))
 
 
-def _work(slot: int | None, index: int, events, plans, level: int = logging.WARNING, share: int = 1) -> None:
+def _work(slot: int | None, index: int, events, plans, level: int = logging.WARNING, share: int = 1,
+          compile_ahead: int | None = None, inherited: list = ()) -> None:
     """One tune process: its GPU made the only visible one, then every bucket of the plan it is sent."""
+    for end in inherited:
+        end.close()
+    from tilegen.tuning.compile_ahead import CompileAhead, default_processes
     from tilegen.tuning.worker import Worker, WorkerError, exit_now, log_to_stderr
 
     log_to_stderr(level)
@@ -219,14 +234,16 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # The measuring child first, while nothing here has touched CUDA: a fork, so it imports
     # nothing again, and its CUDA start-up overlaps this process's own (Optuna, the database,
-    # the studies) instead of following it.
+    # the studies) instead of following it. Then the compile processes, forked alike.
     worker = Worker()
     worker.start(fork=True)
+    # The host's CPUs are shared by every tune process of the pool, and by their compiles.
+    ahead = CompileAhead(0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead)
+    ahead.start(fork=True)
     import optuna
 
     from tilegen.db import DatabaseError, TuningDB
     from tilegen.device import device_info
-    from tilegen.tuning.compile_ahead import default_processes
     from tilegen.tuning.tuner import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
@@ -235,16 +252,14 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     except (EOFError, OSError):
         # The parent stopped before it had a plan (a bad option, an unreachable database): no
         # trial was started, so there is nothing to report or write.
+        ahead.close()
         worker.close()
         exit_now(0)
     try:
-        with worker, TuningDB(plan.db) as db, Tuner(
+        with worker, ahead, TuningDB(plan.db) as db, Tuner(
             db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
             trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
-            worker=worker, worker_index=index, worker_count=share,
-            # The host's CPUs are shared by every tune process of the pool, and by their compiles.
-            compile_ahead=(default_processes(share) if plan.compile_ahead is None else plan.compile_ahead)
-            if slot is not None else 0,
+            worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead,
         ) as tuner:
             log.debug("tuner open")
             tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)

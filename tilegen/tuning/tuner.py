@@ -132,6 +132,7 @@ class Tuner:
         compile_ahead: processes that compile a bucket's configs into Triton's cache while the
             worker measures (``tilegen.tuning.compile_ahead``); ``None`` is its default on a GPU
             (``TILEGEN_COMPILE_AHEAD``, else a share of the host's CPUs), 0 under the interpreter.
+            A ``CompileAhead`` (started early, forked) is used as it is, and closed with the tuner.
     """
 
     def __init__(
@@ -139,7 +140,7 @@ class Tuner:
         timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
         reporter: Reporter | None = None, warm_start: bool = True, worker=None,
         heartbeat: int = HEARTBEAT_S, worker_index: int = 0, worker_count: int = 1,
-        compile_ahead: int | None = None,
+        compile_ahead: int | CompileAhead | None = None,
     ):
         if not (isinstance(heartbeat, int) and heartbeat > 0):
             raise ValueError(f"heartbeat: expected a positive whole number of seconds, got {heartbeat!r}")
@@ -161,12 +162,15 @@ class Tuner:
         with self._studies_errors(), db.studies_lock():
             self._storage, self._retry = _storage(db, heartbeat)
         self._worker = worker or Worker()
-        if device.is_interpreter:
-            compile_ahead = 0  # the interpreter compiles nothing
-        elif compile_ahead is None:
-            # A worker of another kind (a replay of recorded timings) compiles nothing either.
-            compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
-        self._ahead = CompileAhead(compile_ahead)
+        if compile_ahead is not None and not isinstance(compile_ahead, int):
+            self._ahead = compile_ahead
+        else:
+            if device.is_interpreter:
+                compile_ahead = 0  # the interpreter compiles nothing
+            elif compile_ahead is None:
+                # A worker of another kind (a replay of recorded timings) compiles nothing either.
+                compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
+            self._ahead = CompileAhead(compile_ahead)
         log.debug("studies storage open")
 
     def __enter__(self) -> Tuner:
@@ -192,6 +196,7 @@ class Tuner:
             start = getattr(self._worker, "start", None)  # a replay has nothing to start
             if start is not None:
                 start()
+            self._ahead.start()  # and the compile processes, which the first bucket's configs need
         runs = []
         for bucket in buckets:
             run = self._open(spec, bucket, (goals or {}).get(bucket))

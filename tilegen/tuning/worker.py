@@ -39,7 +39,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-__all__ = ["Worker", "WorkerError", "INJECT_ENV"]
+__all__ = ["Worker", "WorkerError", "INJECT_ENV", "forkable"]
 
 INJECT_ENV = "TILEGEN_TUNE_INJECT"
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Worker:
         is replaced by a spawned one. Replacements after a failed trial are always spawned.
         """
         if self._proc is None:
-            self._start(fork=fork and _forkable())
+            self._start(fork=fork and forkable())
 
     def measure(self, task: tuple, timeout: float) -> dict:
         """Measure ``task = (family, problem, config, seed)`` in the child; ``timeout`` in seconds.
@@ -220,7 +220,8 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
     while True:
         try:
             task = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
+            # The parent hung up: closed its end, or died with our "ready" unread (a reset).
             # Nothing is left to save, and tearing down torch and Triton takes most of a
             # second, which the parent's close would wait for.
             exit_now()
@@ -249,13 +250,21 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
             return  # this context cannot launch again; the parent starts a new worker
 
 
-def _forkable() -> bool:
-    """Whether a fork of this process is a clean start for a worker: CUDA's driver not yet loaded
+def forkable() -> bool:
+    """Whether a fork of this process is a clean start for a child: CUDA's driver not yet loaded
     (a child cannot use a CUDA the parent initialized; torch reports only its own start of it,
     not a device count), and no other thread, whose locks the child would inherit held."""
-    from tilegen import warmup
+    from tilegen import env, warmup
+    from tilegen.interpreter import InterpreterSetupError, check_interpreter
 
     warmup.wait()  # its result (Triton's cache key) is worth inheriting, not cutting short
+    if env.interpreting() and "triton.language" in sys.modules:
+        # A copy has Triton as this process imported it; TRITON_INTERPRET set since (the tune
+        # command sets it on a machine without a GPU) needs a fresh interpreter to take effect.
+        try:
+            check_interpreter()
+        except InterpreterSetupError:
+            return False
     try:
         with open("/proc/self/maps") as f:
             driver_loaded = "libcuda.so" in f.read()
