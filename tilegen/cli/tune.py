@@ -100,8 +100,8 @@ def tune(
     db = check_db_option(db)
     slots = _parse_slots(gpus, workers)
 
-    # Counted through NVML where it answers, which leaves CUDA's driver unloaded: the tune's
-    # processes are forked before this one touches CUDA (torch.cuda.is_available() would load it).
+    # Counted through NVML where it answers, which leaves CUDA's driver uninitialized: the tune's
+    # processes are forked before this one touches CUDA (torch.cuda.is_available() would initialize it).
     if not torch.cuda.device_count():
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().

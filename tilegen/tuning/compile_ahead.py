@@ -19,7 +19,7 @@ launch computes with torch (the blockwise layer) is left to the worker.
 
 A tune starts the processes when it opens (``CompileAhead.start``), not at its first bucket,
 so their start-up overlaps the worker's and the studies'. Where the tune process has not yet
-loaded CUDA's driver and runs one thread, they are forked: copies with torch and Triton
+initialized CUDA's driver and runs one thread, they are forked: copies with torch and Triton
 imported, which spawned ones would spend seconds each importing again, all at once.
 
 ``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune

@@ -11,9 +11,9 @@ times; its trial in flight is failed and measured again.
 
 Start-up is what a process of its own costs. The tune processes start before the parent
 opens the database and the studies, and wait for the plan, so their own start overlaps that
-work. Where the parent has not loaded CUDA's driver and runs one thread, they are forked, with
-torch and Triton imported, rather than spawned to import them again (a replacement is always
-spawned). Each forks its first measuring worker and its compile processes before it touches
+work. Where the parent has not initialized CUDA's driver and runs one thread, they are
+forked, with torch and Triton imported, rather than spawned to import them again (a
+replacement is always spawned). Each forks its first measuring worker and its compile processes before it touches
 CUDA, so they import nothing again either, and sets up its studies while the worker creates
 its CUDA context. A tune process that is done says so and leaves at once, rather than tearing its
 modules down while the command waits.

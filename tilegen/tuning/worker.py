@@ -9,7 +9,7 @@ its start-up overlaps the recording of the failed trial.
 
 A child's start (importing torch and Triton, creating the CUDA context) takes seconds, so
 a tune starts it in the background (``Worker.start``) before it opens its studies, and
-the first trial waits only for what is left of it. A process that has not loaded CUDA's
+the first trial waits only for what is left of it. A process that has not initialized CUDA's
 driver and runs one thread (a tune process of ``tilegen tune --gpus``, first thing) may
 fork its first child instead: the copy has torch and Triton imported already. Should
 that child fail to start, a spawned one takes its place.
@@ -29,6 +29,7 @@ pipe's other end in a way a measuring child notices, and an orphan would keep it
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import multiprocessing
@@ -79,7 +80,7 @@ class Worker:
 
         ``fork``: copy this process rather than start a fresh interpreter, so the child skips
         importing torch and Triton, where that is safe: nothing but this thread runs, and
-        CUDA's driver is not loaded here; else it spawns. A forked child that cannot start
+        CUDA's driver is not initialized here; else it spawns. A forked child that cannot start
         is replaced by a spawned one. Replacements after a failed trial are always spawned.
         """
         if self._proc is None:
@@ -251,9 +252,9 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
 
 
 def forkable() -> bool:
-    """Whether a fork of this process is a clean start for a child: CUDA's driver not yet loaded
-    (a child cannot use a CUDA the parent initialized; torch reports only its own start of it,
-    not a device count), and no other thread, whose locks the child would inherit held."""
+    """Whether a fork of this process is a clean start for a child: CUDA's driver API not yet
+    initialized (a child cannot use a CUDA the parent initialized; torch reports only its own
+    start of it), and no other thread, whose locks the child would inherit held."""
     from tilegen import env, warmup
     from tilegen.interpreter import InterpreterSetupError, check_interpreter
 
@@ -265,12 +266,28 @@ def forkable() -> bool:
             check_interpreter()
         except InterpreterSetupError:
             return False
+    return _driver_initialized() is False and threading.active_count() == 1
+
+
+#: What the driver API answers before ``cuInit``.
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _driver_initialized() -> bool | None:
+    """Whether this process initialized CUDA's driver API (``cuInit``); ``None`` when it cannot tell.
+
+    Loading the library is not enough to spoil a fork: CUDA builds of torch load ``libcuda`` at
+    import. Asked for a device count before ``cuInit``, the driver answers that it is not
+    initialized, and initializes nothing."""
     try:
         with open("/proc/self/maps") as f:
-            driver_loaded = "libcuda.so" in f.read()
+            if "libcuda.so" not in f.read():
+                return False
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)  # the copy already loaded, or none
     except OSError:
-        return False  # no way to tell
-    return not driver_loaded and threading.active_count() == 1
+        return None
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
 
 
 def _answer(conn, message: dict) -> bool:
