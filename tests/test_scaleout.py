@@ -375,6 +375,10 @@ def test_scaleout_benchmark_smoke_run(pg_server, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "scaleout.json").read_text())
     assert report["smoke"] is True
+    # Each bucket's winners: the same config, or both timed again back to back.
+    for pair in report["winners"].values():
+        same = pair["parallel"]["config"] == pair["single"]["config"]
+        assert pair["retimed_ratio"] == 1.0 if same else pair["retimed_ratio"] > 0 and len(pair["retimed_ms"]) == 2
     for name in ("parallel", "single"):
         assert report[name]["trials_lost"] == 0
         assert all(count == report["grid_size"][str(bucket)] for bucket, count in report[name]["finished"].items())
