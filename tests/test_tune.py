@@ -519,8 +519,9 @@ def test_a_pool_restarts_a_process_that_died_before_its_plan_and_gives_up_in_one
     monkeypatch.setattr(pool_module.multiprocessing, "get_context", lambda method: _Context())
     _DeadOnArrival.started = 0
     echoed = []
-    plan = pool_module.Plan(db="x.sqlite", spec=SPEC, buckets=(16,), goals={16: 1}, sampler="grid", seed=0,
-                            timeout=None, trial_timeout=1.0, heartbeat=20)
+    setup = pool_module.Setup(db="x.sqlite", sampler="grid", seed=0, timeout=None, trial_timeout=1.0, heartbeat=20)
+    plan = pool_module.Plan(spec=SPEC, buckets=(16,), goals={16: 1})
     with pool_module.Pool([None]) as pool, pytest.raises(pool_module.PoolError, match="died .* 4 times"):
+        pool.prepare(setup)
         pool.run(plan, {}, None, echo=echoed.append, restarts=3)  # sending to a closed pipe is not the error
     assert _DeadOnArrival.started == 4 and len(echoed) == 3

@@ -215,7 +215,7 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
         WorkerError,
         summary_table,
     )
-    from tilegen.tuning.pool import Plan, PoolError
+    from tilegen.tuning.pool import Plan, PoolError, Setup
     from tilegen.tuning.report import bucket_text
 
     if sampler not in SAMPLERS:
@@ -236,6 +236,10 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
         # again and their start-up overlaps this process's opening of the studies.
         worker.start(fork=True)
         compile_ahead.start(fork=True)
+    if pool is not None:
+        # The checks passed: the tune processes open the database and the studies meanwhile.
+        pool.prepare(Setup(db=str(db) if db is not None else str(env.db_target()), sampler=sampler, seed=seed,
+                           timeout=timeout, trial_timeout=120.0, heartbeat=heartbeat))
     device = device_info()
     if device.is_interpreter:
         typer.echo(
@@ -267,9 +271,7 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
                     goals[bucket] = tuner.goal(spec, bucket)
                     keys[bucket] = TuningKey.current(spec, device, bucket)
                     progress.start(keys[bucket], goals[bucket] - measured, None)
-                plan = Plan(db=str(db) if db is not None else str(env.db_target()), spec=spec, buckets=tuple(buckets),
-                            goals=goals, sampler=sampler, seed=seed, timeout=timeout, trial_timeout=120.0,
-                            heartbeat=heartbeat)
+                plan = Plan(spec=spec, buckets=tuple(buckets), goals=goals)
                 pool.run(plan, keys, progress, echo=lambda line: typer.echo(line, err=True))
                 results = tuner.collect(spec, buckets)
     except (DatabaseError, WorkerError, PoolError) as e:

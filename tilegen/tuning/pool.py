@@ -10,13 +10,14 @@ process that dies (killed, out of memory) is started again on its GPU, up to ``r
 times; its trial in flight is failed and measured again.
 
 Start-up is what a process of its own costs. The tune processes start before the parent
-opens the database and the studies, and wait for the plan, so their own start overlaps that
-work. Where the parent has not initialized CUDA's driver and runs one thread, they are
-forked, with torch and Triton imported, rather than spawned to import them again (a
-replacement is always spawned). Each forks its first measuring worker and its compile processes before it touches
-CUDA, so they import nothing again either, and sets up its studies while the worker creates
-its CUDA context. A tune process that is done says so and leaves at once, rather than tearing its
-modules down while the command waits.
+opens the database, so their own start overlaps that work. Where the parent has not
+initialized CUDA's driver and runs one thread, they are forked, with torch and Triton
+imported, rather than spawned to import them again (a replacement is always spawned). Each
+forks its first measuring worker and its compile processes before it touches CUDA, so they
+import nothing again either. Once the parent's checks pass it sends the ``Setup``, and each
+opens its database and the studies' storage while the parent works out the ``Plan``. A tune
+process that is done says so and leaves at once, rather than tearing its modules down while
+the command waits.
 
 Under the interpreter a slot is ``None``: a CPU process, so tests and the benchmark's smoke
 run exercise the same machinery without a GPU.
@@ -24,6 +25,7 @@ run exercise the same machinery without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -39,7 +41,7 @@ from tilegen.key import TuningKey
 if TYPE_CHECKING:  # the tune processes import this module first thing: the tuner, with Optuna, comes later
     from tilegen.tuning.tuner import Reporter
 
-__all__ = ["Plan", "Pool", "PoolError"]
+__all__ = ["Plan", "Pool", "PoolError", "Setup"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,26 @@ class PoolError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What every worker of one command tunes; ``goals`` are computed once, by the parent, so a
-    replaced worker aims at the command's goal rather than one counted from its own start."""
+class Setup:
+    """How every tune process of one command tunes: sent once the parent's checks pass, so each
+    opens its database and the studies' storage while the parent works out the plan."""
 
     db: str  # a file path or a server URL, password included (it travels over a pipe, not argv)
-    spec: Spec
-    buckets: tuple[int, ...]
-    goals: dict[int, int]
     sampler: str
     seed: int
     timeout: float | None
     trial_timeout: float
     heartbeat: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every tune process of one command tunes; ``goals`` are computed once, by the parent, so
+    a replaced process aims at the command's goal rather than one counted from its own start."""
+
+    spec: Spec
+    buckets: tuple[int, ...]
+    goals: dict[int, int]
 
 
 def slot_name(slot: int | None, index: int) -> str:
@@ -74,10 +83,10 @@ def slot_name(slot: int | None, index: int) -> str:
 class Pool:
     """One tune process per slot, started before the plan exists and given it when it does.
 
-    The processes start when the pool does: their imports, their measuring workers' CUDA
-    start-up and their own imports of Optuna overlap the parent's opening of the database and
-    the studies, instead of following them. ``run`` hands each the plan and reports until every
-    one is done; ``close`` stops any still running (a tune that failed before ``run`` stops
+    The processes start when the pool does: their measuring workers' CUDA start-up and their
+    own imports of Optuna overlap the parent's checks and its opening of the database.
+    ``prepare`` hands each the setup; ``run`` hands each the plan and reports until every one
+    is done; ``close`` stops any still running (a tune that failed before ``run`` stops
     processes that never got a plan).
     """
 
@@ -90,6 +99,7 @@ class Pool:
         self.procs: dict[int, multiprocessing.Process] = {}
         self.done: set[int] = set()
         self._plans: dict[int, object] = {}  # index -> the parent's end of that process's plan pipe
+        self._setup: Setup | None = None
         self._plan: Plan | None = None
         self._failed = False
 
@@ -123,26 +133,36 @@ class Pool:
         if replaced is not None:
             replaced.close()  # the pipe of the process this one replaces
         self._plans[index] = sender
-        if self._plan is not None:
-            self._send(index)
+        for message in (self._setup, self._plan):
+            if message is not None:
+                self._send(index, message)
 
-    def _send(self, index: int) -> None:
+    def _send(self, index: int, message: Setup | Plan) -> None:
         try:
-            self._plans[index].send(self._plan)
+            self._plans[index].send(message)
         except OSError:
-            pass  # it died before reading its plan: run() sees the death and starts another
+            pass  # it died before reading it: run() sees the death and starts another
+
+    def prepare(self, setup: Setup) -> None:
+        """Hand every process the setup, once the parent's checks have passed: they open the
+        database and the studies' storage while the parent works out the plan."""
+        self._setup = setup
+        for index in list(self.procs):
+            self._send(index, setup)
 
     def run(self, plan: Plan, keys: dict[int, TuningKey], reporter: Reporter, *, echo: Callable[[str], None],
             restarts: int = RESTARTS) -> None:
-        """Run until every process has tuned every bucket of ``plan``.
+        """Run until every process has tuned every bucket of ``plan`` (after ``prepare``).
 
         ``keys`` are the parent's tuning keys by bucket: the processes' progress is reported under
         them. Raises ``PoolError`` with one line when a process reports an error or a slot's
         process died more than ``restarts`` times.
         """
+        if self._setup is None:
+            raise RuntimeError("Pool.run: prepare(setup) comes first")
         self._plan = plan
         for index in list(self.procs):
-            self._send(index)
+            self._send(index, plan)
         slots, procs, done = self.slots, self.procs, self.done
         deaths = dict.fromkeys(range(len(slots)), 0)
         errors: list[str] = []
@@ -247,20 +267,32 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     from tilegen.tuning.tuner import Tuner
 
     optuna.logging.set_verbosity(optuna.logging.CRITICAL)
+    opened = contextlib.ExitStack()
+    opened.enter_context(worker)
+    opened.enter_context(ahead)
+    failure = None
     try:
+        setup = plans.recv()
+        # The database and the studies' storage open while the parent plans. An error here is
+        # the tune's only once a plan comes: a parent that stops first has met its own.
+        try:
+            db = opened.enter_context(TuningDB(setup.db))
+            tuner = opened.enter_context(Tuner(
+                db, device_info(), sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
+                trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, reporter=_Forward(events),
+                worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead))
+        except (DatabaseError, WorkerError) as e:
+            failure = e
         plan = plans.recv()
     except (EOFError, OSError):
         # The parent stopped before it had a plan (a bad option, an unreachable database): no
         # trial was started, so there is nothing to report or write.
-        ahead.close()
-        worker.close()
+        opened.close()
         exit_now(0)
     try:
-        with worker, ahead, TuningDB(plan.db) as db, Tuner(
-            db, device_info(), sampler=plan.sampler, seed=plan.seed, timeout=plan.timeout,
-            trial_timeout=plan.trial_timeout, heartbeat=plan.heartbeat, reporter=_Forward(events),
-            worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead,
-        ) as tuner:
+        with opened:
+            if failure is not None:
+                raise failure
             log.debug("tuner open")
             tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)
             # Said before the worker, the database and this process shut down, which takes a
