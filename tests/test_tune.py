@@ -371,6 +371,45 @@ def test_a_worker_that_cannot_start_fails_the_tune_with_its_reason(tmp_path, mon
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize("maps, answer, initialized", [
+    ("7f00 r-xp /usr/lib/libc.so.6\n", None, False),  # no driver loaded: nothing to ask
+    ("7f00 r-xp /usr/lib/libcuda.so.580.159.04\n", 3, False),  # loaded (torch does at import), cuInit not called
+    ("7f00 r-xp /usr/lib/libcuda.so.580.159.04\n", 0, True),  # the driver answers: initialized
+])
+def test_a_fork_is_refused_once_the_cuda_driver_is_initialized_not_once_it_is_loaded(monkeypatch, maps, answer,
+                                                                                        initialized):
+    import io
+
+    from tilegen.tuning import worker as worker_module
+
+    asked = []
+
+    class Driver:
+        def cuDeviceGetCount(self, count):  # noqa: N802 - the driver API's name
+            asked.append(count)
+            return answer
+
+    monkeypatch.setattr(worker_module, "open", lambda path, *a, **k: io.StringIO(maps), raising=False)
+    monkeypatch.setattr(worker_module.ctypes, "CDLL", lambda name, mode=0: Driver())
+    assert worker_module._driver_initialized() is initialized
+    assert len(asked) == (answer is not None)
+    monkeypatch.setattr(worker_module, "_driver_initialized", lambda: initialized)
+    assert worker_module.forkable() is (not initialized and __import__("threading").active_count() == 1)
+
+
+def test_no_fork_when_the_driver_state_cannot_be_told(monkeypatch):
+    from tilegen.tuning import worker as worker_module
+
+    def no_library(name, mode=0):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(worker_module, "open", lambda *a, **k: __import__("io").StringIO("/lib/libcuda.so.1\n"),
+                        raising=False)
+    monkeypatch.setattr(worker_module.ctypes, "CDLL", no_library)
+    assert worker_module._driver_initialized() is None
+    assert worker_module.forkable() is False
+
+
 def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypatch, caplog):
     import logging
 
