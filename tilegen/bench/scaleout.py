@@ -15,9 +15,9 @@ first run would pay that alone.
 It reports, and writes to ``DIR/scaleout.json``: both wall times and the speedup; each
 bucket's winner in both runs and the ratio of their recorded times; where the winners differ,
 both timed again back to back in one process on the first GPU (``retimed_ratio``: the grids
-are the same, so the two winners should be within 2% of each other); per bucket, the configs measured to the end against the grid's
-size (a lost trial shows as fewer, a doubled one in ``doubled``), and Optuna trials left
-RUNNING; and where each run's time went, from the tuner's debug log (``phases``): seconds
+are the same, so the two winners should be within 2% of each other); per bucket, the configs
+measured to the end against the grid's size (a lost trial shows as fewer, a doubled one in
+``doubled``), and Optuna trials left RUNNING; and where each run's time went, from the tuner's debug log (``phases``): seconds
 from the command's start to the first trial, each measuring process's first trial, the
 trials' own time and the gaps between them, and the seconds from the last result to the
 command's exit. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16

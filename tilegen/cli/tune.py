@@ -183,8 +183,9 @@ def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
         return
     from tilegen.tuning.pool import Pool
 
-    # The tune processes start first: their imports and their workers' CUDA start-up overlap this
-    # process's checks and its opening of the database and the studies; they wait for the plan.
+    # The tune processes start first (forked where they can be): their workers' CUDA start-up and
+    # their own setup overlap this process's checks and its opening of the database and the
+    # studies; they wait for the plan.
     with Pool(slots, compile_ahead=options["compile_ahead"]) as pool:
         _check_one_model(slots)
         _tune_in(spec, lengths, batch_sizes, pool=pool, **options)
