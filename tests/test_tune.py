@@ -347,7 +347,7 @@ def test_the_worker_runs_before_the_first_trial_and_not_for_a_tune_with_nothing_
         assert opened.children == [["tilegen-tune-worker"]]
         collected = Probe()
         with Tuner(tdb, CPU_INTERPRETER, reporter=collected) as tuner:
-            tuner.collect(SPEC, [16])  # what the parent of --workers does: it measures nothing
+            tuner.collect([(SPEC, 16)])  # what the parent of --workers does: it measures nothing
         assert collected.children == [[]]
     assert len(_trials(tmp_path / "tuning.sqlite", 16)) == 1
 
@@ -429,6 +429,47 @@ def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypa
         result = worker.measure(task, 120)
     assert result["status"] == "ok", result
     assert "forked worker failed to start" in caplog.text and "no CUDA in this copy" in caplog.text
+
+
+#: Two small variants for one command: fast under the interpreter, and different kernels.
+_TWO_VARIANTS = json.dumps([{"head_dim": 16, "dtype": "fp32", "mask": "causal"},
+                            {"head_dim": 16, "dtype": "fp32", "mask": "none", "q_per_kv": 2}])
+
+
+@pytest.mark.parametrize("pool", [[], ["--workers", "2"]])
+def test_one_command_tunes_several_variants_every_config_of_each_once(tmp_path, pool):
+    from tilegen.ir import spec_from_json
+
+    db = tmp_path / "tuning.sqlite"
+    run = subprocess.run([sys.executable, "-m", "tilegen", "tune", "--spec", _TWO_VARIANTS, "--seqlens", "16",
+                          "--sampler", "grid", "--db", str(db), *pool],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    family = AttentionFwd()
+    with TuningDB(db) as tdb:
+        for item in json.loads(_TWO_VARIANTS):
+            spec = spec_from_json(item)
+            trials = [t for t in tdb.trials_for(spec.hash) if t.bucket == 16]
+            # Every feasible config of each variant measured once: none lost to the other, none twice.
+            assert _configs(trials) == Counter(str(c) for c in family.candidates(spec, CPU_INTERPRETER)), spec.name
+            assert tdb.best(spec=spec, device=CPU_INTERPRETER, template_hash=template_hash(family),
+                            triton_version=triton.__version__)[16].time_ms > 0
+            assert spec.name in run.stdout  # a summary table per variant
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--preset", "default,nope"], "error: Invalid value for --preset: unknown preset 'nope'"),
+    (["--preset", "default,"], "error: Invalid value for --preset: expected comma-separated preset names"),
+    (["--spec", "[5]"], "error: Invalid value for --spec: item 0: expected a spec object, got 5"),
+    (["--spec", "[]"], "error: Invalid value for --spec: the list of specs is empty"),
+    (["--spec", '[{"head_dim": 64}, {"head_dim": 7}]'], "error: Invalid value for --spec: item 1: head_dim"),
+    (["--preset", "default,mha-d128", "--head-dim", "64"], "error: Invalid value: give one of --spec, --preset"),
+])
+def test_a_bad_variant_list_ends_in_one_line_naming_the_item(tmp_path, args, expected):
+    result = CliRunner().invoke(app, ["tune", *args, "--sizes", "16", "--db", str(tmp_path / "t.sqlite")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1].startswith(expected), result.stderr
+    assert not (tmp_path / "t.sqlite").exists()
 
 
 def test_a_pool_replaces_a_crashed_worker_and_measures_every_config_once(tmp_path):
@@ -559,7 +600,7 @@ def test_a_pool_restarts_a_process_that_died_before_its_plan_and_gives_up_in_one
     _DeadOnArrival.started = 0
     echoed = []
     setup = pool_module.Setup(db="x.sqlite", sampler="grid", seed=0, timeout=None, trial_timeout=1.0, heartbeat=20)
-    plan = pool_module.Plan(spec=SPEC, buckets=(16,), goals={16: 1})
+    plan = pool_module.Plan(jobs=((SPEC, 16, 1),))
     with pool_module.Pool([None]) as pool, pytest.raises(pool_module.PoolError, match="died .* 4 times"):
         pool.prepare(setup)
         pool.run(plan, {}, None, echo=echoed.append, restarts=3)  # sending to a closed pipe is not the error

@@ -1,7 +1,9 @@
 """Reading a spec from the command line: flags, inline JSON, a JSON file, or a preset name.
 
 The spec options are declared once, here: ``@takes_spec`` adds them to a command and
-hands the command one resolved ``spec`` argument in their place.
+hands the command one resolved ``spec`` argument in their place; ``@takes_specs`` hands it a
+list, ``specs``, for a command that takes several variants at once (``--preset a,b``, or a
+JSON list in ``--spec``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import typer
 from tilegen.families import families
 from tilegen.ir import Spec, SpecError, spec_from_json
 
-__all__ = ["presets", "resolve_spec", "takes_spec"]
+__all__ = ["presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs"]
 
 
 def presets() -> dict[str, Spec]:
@@ -31,9 +33,10 @@ def presets() -> dict[str, Spec]:
 
 # The flags build a spec of the default preset's family; other families take --spec or --preset.
 _OPTIONS: list[tuple[str, Any]] = [
-    ("spec", Annotated[Optional[str], typer.Option(help="Spec as inline JSON or a path to a JSON file.")]),
+    ("spec", Annotated[Optional[str], typer.Option(
+        help="Spec as inline JSON or a path to a JSON file (tilegen tune: also a JSON list of specs).")]),
     ("preset", Annotated[Optional[str], typer.Option(
-        help=f"A named preset: {', '.join(presets())} (default: default).")]),
+        help=f"A named preset: {', '.join(presets())} (default: default; tilegen tune: several, comma-separated).")]),
     ("head_dim", Annotated[Optional[int], typer.Option(help="Build the spec from flags: head dim.")]),
     ("head_dim_v", Annotated[Optional[int], typer.Option(help="Value head dim (default: head dim).")]),
     ("q_per_kv", Annotated[Optional[int], typer.Option(help="Query heads per KV head.")]),
@@ -49,20 +52,29 @@ def takes_spec(command: Callable[..., Any]) -> Callable[..., Any]:
 
     A bad spec ends in one line, ``error: ...`` naming the option or field, and exit code 2.
     """
+    return _with_spec_options(command, "spec", resolve_spec)
+
+
+def takes_specs(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``takes_spec`` for a command of several variants: it receives ``specs: list[Spec]``."""
+    return _with_spec_options(command, "specs", resolve_specs)
+
+
+def _with_spec_options(command: Callable[..., Any], name: str, resolve: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(command, eval_str=True)
-    rest = [p for name, p in signature.parameters.items() if name != "spec"]
+    rest = [p for param, p in signature.parameters.items() if param != name]
     options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
                for name, annotation in _OPTIONS]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        flags = {name: kwargs.pop(name) for name, _ in _OPTIONS}
+        flags = {option: kwargs.pop(option) for option, _ in _OPTIONS}
         try:
-            spec = resolve_spec(**flags)
+            resolved = resolve(**flags)
         except typer.BadParameter as e:
             typer.echo(f"error: {e.format_message()}", err=True)
             raise typer.Exit(2) from None
-        return command(spec=spec, **kwargs)
+        return command(**{name: resolved}, **kwargs)
 
     keywords = [p.replace(kind=p.KEYWORD_ONLY) for p in rest]
     wrapper.__signature__ = signature.replace(parameters=[*options, *keywords])
@@ -91,3 +103,34 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
     except (SpecError, json.JSONDecodeError, OSError) as e:
         source = "--spec" if spec is not None else "--" + getattr(e, "field", "spec").replace("_", "-")
         raise typer.BadParameter(str(e), param_hint=source) from None
+
+
+def resolve_specs(spec: str | None, preset: str | None, head_dim: int | None = None, **flags: Any) -> list[Spec]:
+    """Several specs, in order and each once: ``--preset a,b``, or a JSON list of spec objects in
+    ``--spec``; otherwise the one spec ``resolve_spec`` gives."""
+    if preset is not None and "," in preset:
+        if spec is not None or head_dim is not None:
+            resolve_spec(spec, preset, head_dim)  # raises: one source only
+        names = [name.strip() for name in preset.split(",")]
+        if "" in names:
+            raise typer.BadParameter(f"expected comma-separated preset names, got {preset!r}", param_hint="--preset")
+        return list(dict.fromkeys(resolve_spec(None, name) for name in names))
+    if spec is not None and preset is None and head_dim is None:
+        try:
+            text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
+            data = json.loads(text)
+        except (json.JSONDecodeError, OSError) as e:
+            raise typer.BadParameter(str(e), param_hint="--spec") from None
+        if isinstance(data, list):
+            if not data:
+                raise typer.BadParameter("the list of specs is empty", param_hint="--spec")
+            specs = []
+            for index, item in enumerate(data):
+                if not isinstance(item, dict):
+                    raise typer.BadParameter(f"item {index}: expected a spec object, got {item!r}", param_hint="--spec")
+                try:
+                    specs.append(spec_from_json(item))
+                except SpecError as e:
+                    raise typer.BadParameter(f"item {index}: {e}", param_hint="--spec") from None
+            return list(dict.fromkeys(specs))
+    return [resolve_spec(spec, preset, head_dim, **flags)]

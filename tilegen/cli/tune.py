@@ -1,7 +1,9 @@
 """``tilegen tune``: tune a spec's configs per sequence-length bucket into the tuning database.
 
 A family whose bucket holds a batch too (decode: longest context x sequences) is tuned at
-every ``--sizes`` value crossed with every ``--batches`` value."""
+every ``--sizes`` value crossed with every ``--batches`` value. One command may tune several
+variants (``--preset a,b``, or a JSON list in ``--spec``): they share its start-up, and with
+``--gpus`` its GPUs."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from rich.console import Console
 
 from tilegen import env
 from tilegen.cli import app, fail
-from tilegen.cli.spec_args import takes_spec
+from tilegen.cli.spec_args import takes_specs
 from tilegen.device import device_info
 from tilegen.families import families, family_of
 from tilegen.ir import Spec
@@ -39,9 +41,9 @@ _KV_MEMORY_SHARE = 0.5
 
 
 @app.command()
-@takes_spec
+@takes_specs
 def tune(
-    spec: Spec,
+    specs: list[Spec],
     seqlens: Optional[str] = typer.Option(
         None, "--seqlens", "--sizes", help="Comma-separated sizes (sequence lengths for attention, the longest "
         "context for decode), each tuned at its family's bucket "
@@ -84,9 +86,9 @@ def tune(
         "shared by the tune processes, at most 8).",
     ),
 ) -> None:
-    """Measure configs of a spec per size bucket and store the fastest correct one for dispatch."""
+    """Measure configs of a spec (or several) per size bucket; store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
-    batch_sizes = _parse_batches(batches, family_of(spec))
+    batch_sizes = _parse_batches(batches, [family_of(spec) for spec in specs])
     if trials is not None and trials < 1:
         fail(f"--trials: expected a positive integer, got {trials}")
     if timeout is not None and not (0 < timeout < math.inf):
@@ -106,7 +108,7 @@ def tune(
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
-    _tune(spec, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
+    _tune(specs, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
           heartbeat=heartbeat, compile_ahead=compile_ahead)
 
 
@@ -173,13 +175,13 @@ def _check_one_model(slots: list[int | None]) -> None:
              f"so tune each model with its own command")
 
 
-def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
+def _tune(specs, lengths, batch_sizes, *, slots, **options) -> None:
     if slots is None:
         from tilegen.tuning.compile_ahead import CompileAhead
         from tilegen.tuning.worker import Worker
 
         with Worker() as worker, CompileAhead(compile_processes(options.pop("compile_ahead"))) as ahead:
-            _tune_in(spec, lengths, batch_sizes, pool=None, worker=worker, compile_ahead=ahead, **options)
+            _tune_in(specs, lengths, batch_sizes, pool=None, worker=worker, compile_ahead=ahead, **options)
         return
     from tilegen.tuning.pool import Pool
 
@@ -188,7 +190,7 @@ def _tune(spec, lengths, batch_sizes, *, slots, **options) -> None:
     # studies; they wait for the plan.
     with Pool(slots, compile_ahead=options["compile_ahead"]) as pool:
         _check_one_model(slots)
-        _tune_in(spec, lengths, batch_sizes, pool=pool, **options)
+        _tune_in(specs, lengths, batch_sizes, pool=pool, **options)
 
 
 def compile_processes(option: int | None) -> int:
@@ -201,7 +203,7 @@ def compile_processes(option: int | None) -> int:
     return default_processes() if option is None else option
 
 
-def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, pool, heartbeat,
+def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, pool, heartbeat,
              compile_ahead, worker=None) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
@@ -221,11 +223,11 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
 
     if sampler not in SAMPLERS:
         fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    family = family_of(spec)
-    try:
-        family.lower(spec)  # a spec the template cannot take fails here, not once per trial
-    except NotImplementedError as e:
-        fail(str(e))
+    for spec in specs:
+        try:
+            family_of(spec).lower(spec)  # a spec the template cannot take fails here, not once per trial
+        except NotImplementedError as e:
+            fail(str(e) if len(specs) == 1 else f"{spec.name}: {e}")
     try:
         database = TuningDB(db)
         database.check_writable()  # a read-only file fails here, before anything is measured
@@ -247,7 +249,8 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
             f"tilegen: no GPU; tuning under the Triton interpreter with wall-clock timing, "
             f"filed under device {device.key} (never used on a GPU)", err=True,
         )
-    buckets = _buckets(spec, family, device, lengths, batch_sizes)
+    jobs = [(spec, bucket) for spec in specs
+            for bucket in _buckets(spec, family_of(spec), device, lengths, batch_sizes)]
     if trials is None and sampler == "tpe":
         trials = _INTERPRETER_TRIALS if device.is_interpreter else _GPU_TRIALS
     # The progress bars and the table say what Optuna's lines would; an error stops the tune anyway.
@@ -259,29 +262,32 @@ def _tune_in(spec, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, 
                 database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
                 heartbeat=heartbeat, worker=worker, compile_ahead=compile_ahead,
             ) as tuner:
-                results = [tuner.tune(spec, bucket) for bucket in buckets]
+                results = [tuner.tune(spec, bucket) for spec, bucket in jobs]
         else:
             # This process plans and reports; the workers measure. Its Tuner never starts a worker.
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, seed=seed, heartbeat=heartbeat, reporter=Reporter(),
                 compile_ahead=0,
             ) as tuner:
-                goals, keys = {}, {}
-                for bucket in buckets:
+                planned, keys = [], {}
+                for spec, bucket in jobs:
                     measured, _ = tuner.measured(spec, bucket)
-                    goals[bucket] = tuner.goal(spec, bucket)
-                    keys[bucket] = TuningKey.current(spec, device, bucket)
-                    progress.start(keys[bucket], goals[bucket] - measured, None)
-                plan = Plan(spec=spec, buckets=tuple(buckets), goals=goals)
-                pool.run(plan, keys, progress, echo=lambda line: typer.echo(line, err=True))
-                results = tuner.collect(spec, buckets)
+                    goal = tuner.goal(spec, bucket)
+                    keys[spec.hash, bucket] = TuningKey.current(spec, device, bucket)
+                    progress.start(keys[spec.hash, bucket], goal - measured, None)
+                    planned.append((spec, bucket, goal))
+                pool.run(Plan(jobs=tuple(planned)), keys, progress, echo=lambda line: typer.echo(line, err=True))
+                results = tuner.collect(jobs)
     except (DatabaseError, WorkerError, PoolError) as e:
         fail(str(e))
-    Console().print(summary_table(results))
-    unsolved = [bucket_text(r.key) for r in results if r.best is None]
-    if unsolved:
-        fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}; "
-             f"the trials' reasons: tilegen db show --db {database.location} {spec.hash}")
+    for spec in specs:
+        Console().print(summary_table([r for r in results if r.key.spec == spec]))
+    for spec in specs:
+        unsolved = [bucket_text(r.key) for r in results if r.key.spec == spec and r.best is None]
+        if unsolved:
+            fail(f"no config was correct for bucket(s) {', '.join(map(str, unsolved))}"
+                 f"{f' of {spec.name}' if len(specs) > 1 else ''}; "
+                 f"the trials' reasons: tilegen db show --db {database.location} {spec.hash}")
     typer.echo(f"stored in {database.location}", err=True)
 
 
@@ -319,8 +325,10 @@ def _parse_seqlens(text: str | None) -> list[int]:
     return _parse_sizes("--seqlens", text, "1024,4096", "sizes")
 
 
-def _parse_batches(text: str | None, family) -> list[int]:
-    if text is not None and family.buckets.batch_unit is None:
+def _parse_batches(text: str | None, tuned: list) -> list[int]:
+    """``--batches`` for the families of a command that bucket a batch too; an error when none does."""
+    if text is not None and all(family.buckets.batch_unit is None for family in tuned):
+        family = tuned[0]
         takers = [f.name for f in families() if f.buckets.batch_unit is not None]
         fail(f"--batches: {family.name} buckets one size ({family.buckets.unit}), not a batch; "
              f"--batches is for {', '.join(takers)}")

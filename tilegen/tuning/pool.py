@@ -68,12 +68,11 @@ class Setup:
 
 @dataclass(frozen=True)
 class Plan:
-    """What every tune process of one command tunes; ``goals`` are computed once, by the parent, so
-    a replaced process aims at the command's goal rather than one counted from its own start."""
+    """What every tune process of one command tunes: (spec, bucket, goal) jobs, in order, of one
+    variant or several. The goals are computed once, by the parent, so a replaced process aims
+    at the command's goal rather than one counted from its own start."""
 
-    spec: Spec
-    buckets: tuple[int, ...]
-    goals: dict[int, int]
+    jobs: tuple[tuple[Spec, int, int], ...]
 
 
 def slot_name(slot: int | None, index: int) -> str:
@@ -150,12 +149,12 @@ class Pool:
         for index in list(self.procs):
             self._send(index, setup)
 
-    def run(self, plan: Plan, keys: dict[int, TuningKey], reporter: Reporter, *, echo: Callable[[str], None],
-            restarts: int = RESTARTS) -> None:
+    def run(self, plan: Plan, keys: dict[tuple[str, int], TuningKey], reporter: Reporter, *,
+            echo: Callable[[str], None], restarts: int = RESTARTS) -> None:
         """Run until every process has tuned every bucket of ``plan`` (after ``prepare``).
 
-        ``keys`` are the parent's tuning keys by bucket: the processes' progress is reported under
-        them. Raises ``PoolError`` with one line when a process reports an error or a slot's
+        ``keys`` are the parent's tuning keys by (spec hash, bucket): the processes' progress is
+        reported under them. Raises ``PoolError`` with one line when a process reports an error or a slot's
         process died more than ``restarts`` times.
         """
         if self._setup is None:
@@ -173,8 +172,8 @@ class Pool:
                     event = self.events.get(timeout=wait)
                     wait = 0
                     if event[0] == "trial":
-                        _, bucket, result, best = event
-                        reporter.trial(keys[bucket], result, best)
+                        _, job, result, best = event
+                        reporter.trial(keys[job], result, best)
                     elif event[0] == "done":
                         done.add(event[1])
                     elif event[0] == "error":
@@ -236,7 +235,7 @@ class _Forward:
         pass  # the parent showed every bucket's budget before the workers started
 
     def trial(self, key, result, best) -> None:
-        self.events.put(("trial", key.bucket, result, best))
+        self.events.put(("trial", (key.spec.hash, key.bucket), result, best))
 
 
 def _work(slot: int | None, index: int, events, plans, level: int = logging.WARNING, share: int = 1,
@@ -294,7 +293,7 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
             if failure is not None:
                 raise failure
             log.debug("tuner open")
-            tuner.tune_many(plan.spec, list(plan.buckets), goals=plan.goals)
+            tuner.tune_jobs(list(plan.jobs))
             # Said before the worker, the database and this process shut down, which takes a
             # while and concerns no trial.
             events.put(("done", index))

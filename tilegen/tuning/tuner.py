@@ -191,15 +191,20 @@ class Tuner:
     def tune_many(self, spec: Spec, buckets: list[int], *, goals: dict[int, int] | None = None) -> list[BucketResult]:
         """``tune`` for each bucket, except that waiting for trials other processes still run comes
         last: a process that has nothing left to start in one bucket starts the next one's."""
-        if goals is None or any(goals.values()):
+        return self.tune_jobs([(spec, bucket, None if goals is None else goals.get(bucket)) for bucket in buckets])
+
+    def tune_jobs(self, jobs: list[tuple[Spec, int, int | None]]) -> list[BucketResult]:
+        """``tune_many`` over (spec, bucket, goal) jobs of any variants, in order; ``goal`` as
+        ``tune`` takes it (``None``: this run's own)."""
+        if any(goal is None or goal for _, _, goal in jobs):
             # The measuring child starts now, so its start-up overlaps opening the studies.
             start = getattr(self._worker, "start", None)  # a replay has nothing to start
             if start is not None:
                 start()
             self._ahead.start()  # and the compile processes, which the first bucket's configs need
         runs = []
-        for bucket in buckets:
-            run = self._open(spec, bucket, (goals or {}).get(bucket))
+        for spec, bucket, goal in jobs:
+            run = self._open(spec, bucket, goal)
             if run.study is not None:
                 self._ahead.bucket(run.family, run.problem, run.ahead)
             try:
@@ -226,10 +231,10 @@ class Tuner:
         feasible = {c.to_json() for c in family.candidates(spec, self.device)}
         return len(feasible & set(self._measured(key, family))), len(feasible)
 
-    def collect(self, spec: Spec, buckets: list[int]) -> list[BucketResult]:
-        """Each bucket's result as the database holds it, best recorded for dispatch; measures nothing
-        (the parent of ``tilegen tune --gpus`` reports what its workers did)."""
-        return self.tune_many(spec, buckets, goals=dict.fromkeys(buckets, 0))
+    def collect(self, jobs: list[tuple[Spec, int]]) -> list[BucketResult]:
+        """Each (spec, bucket)'s result as the database holds it, best recorded for dispatch;
+        measures nothing (the parent of ``tilegen tune --gpus`` reports what its workers did)."""
+        return self.tune_jobs([(spec, bucket, 0) for spec, bucket in jobs])
 
     def _open(self, spec: Spec, bucket: int, goal: int | None) -> _Run:
         family = family_of(spec)
