@@ -63,8 +63,8 @@ def takes_specs(command: Callable[..., Any]) -> Callable[..., Any]:
 def _with_spec_options(command: Callable[..., Any], name: str, resolve: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(command, eval_str=True)
     rest = [p for param, p in signature.parameters.items() if param != name]
-    options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-               for name, annotation in _OPTIONS]
+    options = [inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+               for option, annotation in _OPTIONS]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
