@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import optuna
 import pytest
 import torch
 
@@ -152,12 +153,33 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
     assert pool.processes == 2 and pool.started and pool.closed and pool.ended == 2
     assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
     first, second = (configs for _, configs in pool.buckets)
-    assert first[0] == family.default_config(SPEC, H200, 64)
     assert sorted(map(str, first)) == sorted(map(str, feasible))  # every feasible config, once
-    assert second[0] == family.default_config(SPEC, H200, 128) and len(second) == len(feasible)
+    assert len(second) == len(feasible)
     if sampler == "tpe":
+        assert first[0] == family.default_config(SPEC, H200, 64)
+        assert second[0] == family.default_config(SPEC, H200, 128)
         # The first bucket's best (the scripted worker's first answer is its fastest) is in the warm start.
         assert worker.measured[0] in second[:2]
+    else:
+        # The grid's own order: what the worker measures first is what was compiled first.
+        assert first[:3] == worker.measured[:3]
+        assert second[:3] == worker.measured[3:6]
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_grid_order_is_the_order_optuna_hands_out(seed):
+    feasible = AttentionFwd().candidates(SPEC, H200)
+    space = tuner._Choices(feasible)
+    study = optuna.create_study(sampler=space.sampler(seed))
+    asked = [space.suggest(study.ask()) for _ in range(len(feasible))]
+    assert asked == space.order(seed, [], feasible)
+    assert asked != feasible  # shuffled, so a list-order pool would compile the wrong ones first
+    # Three configs measured: the rest keep their order; two pools share it in turns.
+    rest = space.order(seed, [], [c for c in feasible if c not in asked[:3]])
+    assert rest == asked[3:]
+    zero, one = tuner._Choices.share(rest, 0, 2), tuner._Choices.share(rest, 1, 2)
+    assert zero[:2] == [rest[0], rest[2]] and one[:2] == [rest[1], rest[3]]
+    assert sorted(map(str, zero)) == sorted(map(str, one)) == sorted(map(str, rest))
 
 
 def test_no_pool_under_the_interpreter_or_for_a_worker_that_compiles_nothing(tmp_path, monkeypatch):
@@ -237,18 +259,26 @@ def test_a_one_process_tune_compiles_ahead_with_its_option_on_a_gpu_only(monkeyp
     assert tune_command.compile_processes(option) == 0
 
 
-def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_configs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampler", ["grid", "tpe"])
+def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_configs(tmp_path, monkeypatch, sampler):
     monkeypatch.setattr(tuner, "CompileAhead", _Pool)
     _Pool.made.clear()
     orders = []
     for index in range(2):
         with TuningDB(tmp_path / f"tuning{index}.sqlite") as db, Tuner(
-                db, H200, sampler="grid", trials=1, worker=_Scripted(), compile_ahead=2,
+                db, H200, sampler=sampler, trials=1, worker=_Scripted(), compile_ahead=2,
                 worker_index=index, worker_count=2) as t:
             t.tune_many(SPEC, [64])
         orders.append(list(map(str, _Pool.made[-1].buckets[0][1])))
     first, second = orders
     assert sorted(first) == sorted(second) and len(set(first)) == len(first)
     half = len(first) // 2
-    assert second == first[half:] + first[:half]  # the second process starts halfway down the list
-    assert first[0] == str(AttentionFwd().default_config(SPEC, H200, 64))
+    if sampler == "tpe":
+        assert second == first[half:] + first[:half]  # the second process starts halfway down the list
+        assert first[0] == str(AttentionFwd().default_config(SPEC, H200, 64))
+    else:
+        # The grid comes due in turns: each process compiles every other config of its order first.
+        merged = [None] * len(first)
+        merged[::2], merged[1::2] = first[:len(first) - half], second[:half]
+        feasible = AttentionFwd().candidates(SPEC, H200)
+        assert merged == list(map(str, tuner._Choices(feasible).order(0, [], feasible)))

@@ -38,6 +38,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy
 import optuna
 from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
@@ -258,15 +259,10 @@ class Tuner:
                 for config in warm[:budget]:
                     run.study.enqueue_trial(space.params(config), skip_if_exists=True)
             if self._ahead.processes:
-                # The worker's likeliest first: the warm start (the default leads it), then the rest.
-                first = warm or [family.default_config(spec, self.device, bucket)]
-                ahead = [c for c in dict.fromkeys([*first, *run.untried()])
-                         if c.to_json() in run.feasible and c.to_json() not in run.done]
-                # Processes sharing the study draw its configs in no set order, and share Triton's
-                # disk cache: each starts compiling at its own share of the list, so together they
-                # cover it sooner than all in one order.
-                cut = len(ahead) * (self.worker_index % self.worker_count) // self.worker_count
-                run.ahead = ahead[cut:] + ahead[:cut]
+                pending = [c for c in space.order(self.seed, warm or [family.default_config(spec, self.device, bucket)],
+                                                  run.untried())
+                           if c.to_json() in run.feasible and c.to_json() not in run.done]
+                run.ahead = space.share(pending, self.worker_index % self.worker_count, self.worker_count)
         return run
 
     def _record(self, run: _Run) -> None:
@@ -561,6 +557,20 @@ class _Knobs:
         return optuna.samplers.TPESampler(seed=seed + worker_index, n_startup_trials=3, multivariate=False,
                                           constant_liar=True)
 
+    @staticmethod
+    def order(seed: int, first: list[Config], untried: list[Config]) -> list[Config]:
+        """The configs in the order the sampler likely asks for them: the warm start (the default
+        leads it), then the rest."""
+        return list(dict.fromkeys([*first, *untried]))
+
+    @staticmethod
+    def share(pending: list[Config], index: int, count: int) -> list[Config]:
+        # Processes sharing a TPE study draw its configs in no set order, and share Triton's disk
+        # cache: each starts compiling at its own share of the list, so together they cover it
+        # sooner than all in one order.
+        cut = len(pending) * index // count
+        return pending[cut:] + pending[:cut]
+
     # Parameter names of their own: a study made when the knobs were categorical by value keeps
     # those names, and Optuna refuses a second distribution under a name it already knows.
     def suggest(self, trial: optuna.Trial) -> Config:
@@ -594,6 +604,21 @@ class _Choices:
     def sampler(self, seed: int, worker_index: int = 0) -> optuna.samplers.BaseSampler:
         # One seed for every worker: it orders the grid, and grid point k must be one config for all.
         return optuna.samplers.GridSampler({self._PARAM: list(self.by_json)}, seed=seed)
+
+    def order(self, seed: int, first: list[Config], untried: list[Config]) -> list[Config]:
+        """The configs in the order the sampler hands them out. Since Optuna 3.4, GridSampler gives
+        trial k grid point k of its grid shuffled once by the seed (a numpy ``RandomState``, whose
+        stream numpy keeps fixed), whichever process runs the trial; the warm start does not apply."""
+        grid = [(j,) for j in self.by_json]  # the sampler's grid points: one-parameter tuples
+        numpy.random.RandomState(seed or 0).shuffle(grid)
+        left = {c.to_json() for c in untried}
+        return [self.by_json[j] for (j,) in grid if j in left]
+
+    @staticmethod
+    def share(pending: list[Config], index: int, count: int) -> list[Config]:
+        # The processes take trials in turn, so the grid's order comes due about `count` at a time:
+        # each pool compiles every count-th config first, and the pools together follow the order.
+        return pending[index::count] + [c for i, c in enumerate(pending) if i % count != index]
 
     def suggest(self, trial: optuna.Trial) -> Config:
         return self.by_json[trial.suggest_categorical(self._PARAM, list(self.by_json))]
