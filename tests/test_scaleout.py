@@ -28,6 +28,7 @@ import pytest
 import triton
 
 from tilegen import AttentionSpec
+from tilegen.cli.spec_args import resolve_spec
 from tilegen.codegen.render import template_hash
 from tilegen.db import SCHEMA_REVISION, TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
@@ -370,11 +371,16 @@ def _has_cuda() -> bool:
 
 
 def test_scaleout_benchmark_smoke_run(pg_server, tmp_path):
-    run = subprocess.run([sys.executable, "-m", "tilegen.bench.scaleout", "--smoke", "--out", str(tmp_path)],
-                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # Two variants in one command: the report names each bucket after its variant.
+    presets = ("default", "mha-d128-causal")
+    run = subprocess.run([sys.executable, "-m", "tilegen.bench.scaleout", "--smoke", "--preset", ",".join(presets),
+                          "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "scaleout.json").read_text())
     assert report["smoke"] is True
+    names = [resolve_spec(None, preset).name for preset in presets]
+    assert sorted(report["grid_size"]) == sorted(f"{name}/16" for name in names)
+    assert sorted(report["parallel"]["winners"]) == sorted(report["single"]["winners"]) == sorted(report["grid_size"])
     # Each bucket's winners: the same config, or both timed again back to back.
     for pair in report["winners"].values():
         same = pair["parallel"]["config"] == pair["single"]["config"]

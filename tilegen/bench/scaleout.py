@@ -1,7 +1,8 @@
 """Tuning on several GPUs against a PostgreSQL server: wall time, speedup, same winners, no trial lost.
 
     python -m tilegen.bench.scaleout --out DIR            # 2 GPUs, then 1, mha-d128-causal, 7 buckets
-    python -m tilegen.bench.scaleout --smoke --out DIR    # the same on the CPU, interpreter, tiny sizes
+    python -m tilegen.bench.scaleout --preset mha-d128-causal,mha-d64-causal --out DIR   # two variants, one command
+    TRITON_INTERPRET=1 python -m tilegen.bench.scaleout --smoke --out DIR   # CPU, interpreter, tiny sizes
 
 Starts PostgreSQL from the ``pgserver`` package in a temporary folder, then runs a full grid
 tune (``--sampler grid``) of the preset over buckets 512..32768 with ``--gpus 0,1`` into one
@@ -21,7 +22,8 @@ measured to the end against the grid's size (a lost trial shows as fewer, a doub
 from the command's start to the first trial, each measuring process's first trial, the
 trials' own time and the gaps between them, and the seconds from the last result to the
 command's exit. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
-spec at size 16; its times say nothing about GPUs, and winners are not compared.
+spec at size 16; its times say nothing about GPUs, and winners are not compared. With several
+presets, buckets are named ``preset/bucket``.
 Exit status 1 when a trial was lost or doubled, or (on GPUs) the retimed winners differ by over 2%.
 """
 
@@ -44,7 +46,7 @@ PRESET = "mha-d128-causal"
 SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SMOKE_SPEC = ["--head-dim", "16"]
 SMOKE_SIZES = (16,)
-#: One run's limit in seconds: a full tune on one H200 takes about 110 s, two GPUs about 60.
+#: One run's limit in seconds per variant: a full tune on one H200 takes about 110 s, two GPUs about 60.
 RUN_TIMEOUT_S = 240
 WINNER_TOLERANCE = 0.02
 #: Alternating rounds in which the two runs' different winners for a bucket are timed back to back.
@@ -69,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="Folder for scaleout.json and the runs' logs.")
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes: checks the machinery.")
     parser.add_argument("--gpus", default="0,1", help="GPUs of the parallel run (default 0,1); the other uses the first.")
+    parser.add_argument("--preset", help=f"Preset(s) both runs tune in one command, comma-separated (default "
+                                         f"{PRESET}; with --smoke, a d16 spec).")
     args = parser.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        # This process times differing winners again itself, and `import tilegen` has imported Triton.
+        parser.error("--smoke runs on the interpreter: TRITON_INTERPRET=1 python -m tilegen.bench.scaleout --smoke ...")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -86,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             server.psql(f"CREATE DATABASE tg_{name};")
             urls[name] = make_url(server.get_uri()).set(drivername="postgresql+psycopg", database=f"tg_{name}")
         if args.smoke:
-            spec_args, sizes = SMOKE_SPEC, SMOKE_SIZES
+            spec_args, sizes = (["--preset", args.preset] if args.preset else SMOKE_SPEC), SMOKE_SIZES
             modes = {"parallel": ["--workers", "2"], "single": []}
         else:
-            spec_args, sizes = ["--preset", PRESET], SIZES
+            spec_args, sizes = ["--preset", args.preset or PRESET], SIZES
             first = args.gpus.split(",")[0]
             modes = {"parallel": ["--gpus", args.gpus], "single": []}
         report: dict = {"smoke": args.smoke, "spec": spec_args, "sizes": list(sizes), "sampler": "grid",
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: tilegen {' '.join(command[3:]).replace(url, shown)}", flush=True)
             started = time.time()
             start = time.perf_counter()
-            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+            run = subprocess.run(command, env=env, capture_output=True, text=True,
+                                 timeout=RUN_TIMEOUT_S * len(_specs(spec_args)))
             wall = time.perf_counter() - start
             (out / f"scaleout-{name}.log").write_text(run.stdout + run.stderr)
             if run.returncode != 0:
@@ -147,11 +155,16 @@ def _warm_up() -> float:
     return round(time.perf_counter() - start, 2)
 
 
-def _spec(spec_args: list[str]):
-    from tilegen.cli.spec_args import resolve_spec
+def _specs(spec_args: list[str]) -> list:
+    from tilegen.cli.spec_args import resolve_specs
 
-    return resolve_spec(spec=None, preset=spec_args[1] if spec_args[0] == "--preset" else None,
-                        head_dim=int(spec_args[1]) if spec_args[0] == "--head-dim" else None)
+    return resolve_specs(spec=None, preset=spec_args[1] if spec_args[0] == "--preset" else None,
+                         head_dim=int(spec_args[1]) if spec_args[0] == "--head-dim" else None)
+
+
+def _bucket_name(spec, bucket: int, several: bool) -> str:
+    """How the report names a bucket: the bucket alone for one variant, else ``name/bucket``."""
+    return f"{spec.name}/{bucket}" if several else str(bucket)
 
 
 def _outcome(url: str, spec_args: list[str]) -> dict:
@@ -162,29 +175,36 @@ def _outcome(url: str, spec_args: list[str]) -> dict:
     from tilegen.device import device_info
     from tilegen.families import family_of
 
-    spec = _spec(spec_args)
+    specs = {spec.hash: spec for spec in _specs(spec_args)}
     device = device_info()
-    grid = len(family_of(spec).candidates(spec, device))
+    grids = {h: len(family_of(spec).candidates(spec, device)) for h, spec in specs.items()}
     with TuningDB(url) as db:
-        tuned = [r for r in db.list_tuned() if r.spec_hash == spec.hash and r.gpu_key == device.key]
-        trials = [t for t in db.trials_for(spec.hash) if t.gpu_key == device.key]
-    finished: dict[int, set] = {}
-    rows: dict[int, int] = {}
+        tuned = [r for r in db.list_tuned() if r.spec_hash in specs and r.gpu_key == device.key]
+        trials = [t for h in specs for t in db.trials_for(h) if t.gpu_key == device.key]
+
+    def name(row) -> str:
+        return _bucket_name(specs[row.spec_hash], row.bucket, len(specs) > 1)
+
+    finished: dict[str, set] = {}
+    rows: dict[str, int] = {}
+    grid: dict[str, int] = {}
     for trial in trials:
+        grid[name(trial)] = grids[trial.spec_hash]
         if trial.status != "infeasible":
-            finished.setdefault(trial.bucket, set()).add(json.dumps(trial.config, sort_keys=True))
-            rows[trial.bucket] = rows.get(trial.bucket, 0) + 1
+            finished.setdefault(name(trial), set()).add(json.dumps(trial.config, sort_keys=True))
+            rows[name(trial)] = rows.get(name(trial), 0) + 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         storage = optuna.storages.RDBStorage(url)
         running = sum(len(optuna.load_study(study_name=s.study_name, storage=storage).get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))) for s in optuna.get_all_study_summaries(storage))
-    buckets = sorted({r.bucket for r in tuned} | set(finished))
+    grid.update((name(r), grids[r.spec_hash]) for r in tuned)
+    buckets = sorted(grid, key=lambda b: (b.rpartition("/")[0], int(b.rpartition("/")[2])))
     return {
-        "winners": {str(r.bucket): {"config": r.config, "time_ms": r.time_ms} for r in tuned},
-        "finished": {str(b): len(finished.get(b, ())) for b in buckets},
-        "grid_size": {str(b): grid for b in buckets},
-        "trials_lost": sum(grid - len(finished.get(b, ())) for b in buckets),
+        "winners": {name(r): {"config": r.config, "time_ms": r.time_ms} for r in tuned},
+        "finished": {b: len(finished.get(b, ())) for b in buckets},
+        "grid_size": {b: grid[b] for b in buckets},
+        "trials_lost": sum(grid[b] - len(finished.get(b, ())) for b in buckets),
         "doubled": sum(rows.get(b, 0) - len(finished.get(b, ())) for b in buckets),
         "running": running,
     }
@@ -246,13 +266,15 @@ def _retime(spec_args: list[str], winners: dict) -> None:
     from tilegen.families import family_of
     from tilegen.tuning.measure import time_ms
 
-    spec = _spec(spec_args)
-    family = family_of(spec)
+    specs = {spec.name: spec for spec in _specs(spec_args)}
     on_gpu = not device_info().is_interpreter
-    for bucket, pair in winners.items():
+    for bucket_name, pair in winners.items():
         if pair["parallel"]["config"] == pair["single"]["config"]:
             pair["retimed_ratio"] = 1.0
             continue
+        name, _, bucket = bucket_name.rpartition("/")
+        spec = specs[name] if name else next(iter(specs.values()))
+        family = family_of(spec)
         problem = family.problem(spec, int(bucket), on_gpu=on_gpu)
         module = module_for(spec)
         inputs = problem.inputs(0)
@@ -273,12 +295,13 @@ def _retime(spec_args: list[str], winners: dict) -> None:
 def _print(report: dict) -> None:
     print(f"\nparallel {report['parallel']['wall_s']} s, single {report['single']['wall_s']} s: "
           f"speedup {report['speedup']}x")
-    print(f"{'bucket':>7} {'grid':>5} {'done 2':>7} {'done 1':>7} {'ms 2':>9} {'ms 1':>9} {'ratio':>7} {'same':>5} "
+    width = max([7, *map(len, report["grid_size"])])
+    print(f"{'bucket':>{width}} {'grid':>5} {'done 2':>7} {'done 1':>7} {'ms 2':>9} {'ms 1':>9} {'ratio':>7} {'same':>5} "
           f"{'retimed':>8}")
     for bucket, size in report["grid_size"].items():
         winner = report["winners"].get(bucket, {})
         same = winner.get("parallel", {}).get("config") == winner.get("single", {}).get("config", ())
-        print(f"{bucket:>7} {size:>5} {report['parallel']['finished'].get(bucket, 0):>7} "
+        print(f"{bucket:>{width}} {size:>5} {report['parallel']['finished'].get(bucket, 0):>7} "
               f"{report['single']['finished'].get(bucket, 0):>7} "
               f"{winner.get('parallel', {}).get('time_ms', float('nan')):>9.4f} "
               f"{winner.get('single', {}).get('time_ms', float('nan')):>9.4f} {winner.get('time_ratio', float('nan')):>7.4f} "
