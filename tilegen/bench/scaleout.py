@@ -20,7 +20,8 @@ are the same, so the two winners should be within 2% of each other); per bucket,
 measured to the end against the grid's size (a lost trial shows as fewer, a doubled one in
 ``doubled``), and Optuna trials left RUNNING; and where each run's time went, from the tuner's debug log (``phases``): seconds
 from the command's start to the first trial, each measuring process's first trial, the
-trials' own time and the gaps between them, and the seconds from the last result to the
+trials' own time and the gaps between them, the buckets whose winner was confirmed (timed
+again with its rivals) and the seconds that took, and the seconds from the last result to the
 command's exit. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
 spec at size 16; its times say nothing about GPUs, and winners are not compared. With several
 presets, buckets are named ``preset/bucket``.
@@ -217,9 +218,15 @@ def _phases(log: str, started: float, wall: float) -> dict:
     gaps: list[float] = []
     running: dict[str, float] = {}
     ended: dict[str, float] = {}
+    confirming: dict[str, float] = {}
+    confirm_s: list[float] = []
     for stamp, pid, message in _LOG_LINE.findall(log):
         at = float(stamp) - started
-        if re.fullmatch(r"trial \d+: measuring .*", message):
+        if re.fullmatch(r"bucket \d+: confirming .*", message):
+            confirming[pid] = at
+        elif re.fullmatch(r"bucket \d+: confirmed .*", message) and pid in confirming:
+            confirm_s.append(at - confirming.pop(pid))
+        elif re.fullmatch(r"trial \d+: measuring .*", message):
             starts.setdefault(pid, []).append(at)
             if pid in ended:
                 gaps.append(at - ended[pid])
@@ -237,6 +244,8 @@ def _phases(log: str, started: float, wall: float) -> dict:
         "trial_sum_s": round(sum(trial_s), 2),
         "gap_median_s": round(statistics.median(gaps), 3) if gaps else None,
         "after_last_result_s": round(wall - max(ended.values(), default=0.0), 2),
+        "confirmed_buckets": len(confirm_s),
+        "confirm_sum_s": round(sum(confirm_s), 2),
     }
 
 
@@ -259,12 +268,9 @@ def _retime(spec_args: list[str], winners: dict) -> None:
     Their recorded times come from different GPUs at different moments, between which one config's
     time moves by a few percent; the question is whether the two searches found equally fast configs.
     """
-    import functools
-
-    from tilegen.codegen import module_for
     from tilegen.device import device_info
     from tilegen.families import family_of
-    from tilegen.tuning.measure import time_ms
+    from tilegen.tuning.measure import compare
 
     specs = {spec.name: spec for spec in _specs(spec_args)}
     on_gpu = not device_info().is_interpreter
@@ -275,19 +281,9 @@ def _retime(spec_args: list[str], winners: dict) -> None:
         name, _, bucket = bucket_name.rpartition("/")
         spec = specs[name] if name else next(iter(specs.values()))
         family = family_of(spec)
-        problem = family.problem(spec, int(bucket), on_gpu=on_gpu)
-        module = module_for(spec)
-        inputs = problem.inputs(0)
-        outputs = problem.outputs(inputs)
-        launches = [functools.partial(problem.launch, module, family.config_type.from_dict(pair[name]["config"]),
-                                      inputs, outputs) for name in ("parallel", "single")]
-        times: list[list[float]] = [[], []]
-        for launch in launches:
-            launch()  # compiled before any timing
-        for _ in range(RETIME_ROUNDS):
-            for kept, launch in zip(times, launches):
-                kept.append(time_ms(launch, on_gpu))
-        parallel, single = (statistics.median(kept) for kept in times)
+        configs = tuple(family.config_type.from_dict(pair[run]["config"]) for run in ("parallel", "single"))
+        parallel, single = compare(family.problem(spec, int(bucket), on_gpu=on_gpu), configs, 0,
+                                   RETIME_ROUNDS)["times_ms"]
         pair["retimed_ms"] = {"parallel": round(parallel, 4), "single": round(single, 4)}
         pair["retimed_ratio"] = round(parallel / single, 4)
 
@@ -314,7 +310,8 @@ def _print(report: dict) -> None:
         if p:
             print(f"{name}: first trial at {', '.join(f'{s:.1f}' for s in p['first_trial_per_process_s'])} s; "
                   f"{p['trials']} trials, {p['trial_sum_s']:.1f} s measuring (median {p['trial_median_s']} s, "
-                  f"{p['gap_median_s']} s between); exit {p['after_last_result_s']:.1f} s after the last result")
+                  f"{p['gap_median_s']} s between); {p['confirmed_buckets']} buckets confirmed in "
+                  f"{p['confirm_sum_s']:.1f} s; exit {p['after_last_result_s']:.1f} s after the last result")
     print(f"winners within 2%: {report['winners_within_2pct']}")
 
 

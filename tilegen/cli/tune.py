@@ -85,6 +85,11 @@ def tune(
         "while the worker measures; 0 turns them off (default: $TILEGEN_COMPILE_AHEAD, else half the CPUs "
         "shared by the tune processes, at most 8).",
     ),
+    confirm: Optional[int] = typer.Option(
+        None, help="Rivals each bucket's winner is timed again with, alternately on one GPU, before its row is "
+        "stored: one measurement moves by a few percent between moments and between GPUs; 0 stores the best "
+        "first measurement (default: 2 on a GPU, 0 under the interpreter).",
+    ),
 ) -> None:
     """Measure configs of a spec (or several) per size bucket; store the fastest correct one for dispatch."""
     lengths = _parse_seqlens(seqlens)
@@ -99,6 +104,8 @@ def tune(
         fail(f"--heartbeat: expected a positive whole number of seconds, got {heartbeat}")
     if compile_ahead is not None and compile_ahead < 0:
         fail(f"--compile-ahead: expected a number of processes, 0 or more, got {compile_ahead}")
+    if confirm is not None and confirm < 0:
+        fail(f"--confirm: expected a number of rivals, 0 or more, got {confirm}")
     db = check_db_option(db)
     slots = _parse_slots(gpus, workers)
 
@@ -109,7 +116,7 @@ def tune(
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
     _tune(specs, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
-          heartbeat=heartbeat, compile_ahead=compile_ahead)
+          heartbeat=heartbeat, compile_ahead=compile_ahead, confirm=confirm)
 
 
 def check_db_option(db: str | None) -> str | Path | None:
@@ -204,7 +211,7 @@ def compile_processes(option: int | None) -> int:
 
 
 def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed, pool, heartbeat,
-             compile_ahead, worker=None) -> None:
+             compile_ahead, confirm, worker=None) -> None:
     # Optuna, SQLAlchemy and the tuner load here, so other commands do not pay for them.
     import optuna
 
@@ -242,7 +249,7 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
     if pool is not None:
         # The checks passed: the tune processes open the database and the studies meanwhile.
         pool.prepare(Setup(db=str(db) if db is not None else str(env.db_target()), sampler=sampler, seed=seed,
-                           timeout=timeout, trial_timeout=120.0, heartbeat=heartbeat))
+                           timeout=timeout, trial_timeout=120.0, heartbeat=heartbeat, confirm=confirm))
     device = device_info()
     if device.is_interpreter:
         typer.echo(
@@ -260,7 +267,7 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
         if pool is None:
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, timeout=timeout, seed=seed, reporter=progress,
-                heartbeat=heartbeat, worker=worker, compile_ahead=compile_ahead,
+                heartbeat=heartbeat, worker=worker, compile_ahead=compile_ahead, confirm=confirm,
             ) as tuner:
                 results = [tuner.tune(spec, bucket) for spec, bucket in jobs]
         else:

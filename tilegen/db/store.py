@@ -234,9 +234,11 @@ class TuningDB:
     def record_best(
         self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str, bucket: int,
         config: dict[str, Any], time_ms: float, max_error: float, trials: int,
-        tflops: float | None = None, gbps: float | None = None,
+        tflops: float | None = None, gbps: float | None = None, replace: bool = False,
     ) -> bool:
         """Keep the faster of the stored row and this one; ``True`` when this one was stored.
+        ``replace`` stores this one whatever the stored time: a tune's confirmed winner, timed
+        again alternately with its closest rivals on one GPU, against one first measurement.
 
         The trial count only grows (the larger of the two), whichever row wins. A row the
         family's kernel cannot run on ``device``, or with a time that is not positive and
@@ -250,7 +252,7 @@ class TuningDB:
                 config_json=_canonical(config), time_ms=time_ms, tflops=tflops, gbps=gbps,
                 max_error=max_error, trials=trials, created_at=utcnow(), provenance="tuned",
             )
-            return _merge_best(session, key, values)
+            return _merge_best(session, key, values, replace=replace)
 
     def import_json(self, data: dict[str, Any], *, skip_bad: bool = False, provenance: str = "imported") -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
@@ -467,12 +469,12 @@ def _insert_or_fetch(
     return row, True
 
 
-def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any]) -> bool:
+def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any], replace: bool = False) -> bool:
     row, created = _insert_or_fetch(session, TunedConfig, key, values)
     if created:
         return True
     trials = max(row.trials, values["trials"])
-    faster = values["time_ms"] < row.time_ms
+    faster = replace or values["time_ms"] < row.time_ms
     if faster:
         for name, value in values.items():
             setattr(row, name, value)

@@ -6,15 +6,17 @@ any exception raised here into a trial status.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from dataclasses import dataclass
 
 import triton.testing
 
 from tilegen.codegen import module_for
-from tilegen.families import Config, Problem
+from tilegen.families import Config, Family, Problem
 
-__all__ = ["measure", "time_ms"]
+__all__ = ["Compare", "compare", "measure", "time_ms"]
 
 _CPU_TIMING_RUNS = 3
 
@@ -40,6 +42,34 @@ def measure(problem: Problem, config: Config, seed: int, *, perturb: bool = Fals
         return {"status": "wrong", "time_ms": None, "max_error": max_error,
                 "reason": f"relative error {error:.2e} exceeds {problem.tolerance:.0e}"}
     return {"status": "ok", "time_ms": time_ms(launch, problem.on_gpu), "max_error": max_error, "reason": None}
+
+
+@dataclass(frozen=True)
+class Compare:
+    """A worker task: time configs that were each measured once (and found correct) again,
+    alternately, on one device and one set of inputs. Their first times come from different
+    moments, or different GPUs of one model, between which a kernel's time moves by a few percent."""
+
+    family: Family
+    problem: Problem
+    configs: tuple[Config, ...]
+    seed: int
+    rounds: int
+
+
+def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: int) -> dict:
+    """``{"status": "ok", "times_ms": [...]}``: each config's median over ``rounds`` alternating rounds."""
+    module = module_for(problem.spec)
+    inputs = problem.inputs(seed)
+    outputs = problem.outputs(inputs)
+    launches = [functools.partial(problem.launch, module, config, inputs, outputs) for config in configs]
+    for launch in launches:
+        launch()  # compiled, or loaded, before any timing
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for kept, launch in zip(times, launches):
+            kept.append(time_ms(launch, problem.on_gpu))
+    return {"status": "ok", "times_ms": [statistics.median(kept) for kept in times]}
 
 
 def time_ms(launch, on_gpu: bool) -> float:

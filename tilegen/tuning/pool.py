@@ -64,6 +64,7 @@ class Setup:
     timeout: float | None
     trial_timeout: float
     heartbeat: int
+    confirm: int | None = None  # the Tuner's: None is its default
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
             db = opened.enter_context(TuningDB(setup.db))
             tuner = opened.enter_context(Tuner(
                 db, device_info(), sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
-                trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, reporter=_Forward(events),
+                trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, confirm=setup.confirm,
+                reporter=_Forward(events),
                 worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead))
         except (DatabaseError, WorkerError) as e:
             failure = e

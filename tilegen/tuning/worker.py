@@ -86,8 +86,9 @@ class Worker:
         if self._proc is None:
             self._start(fork=fork and forkable())
 
-    def measure(self, task: tuple, timeout: float) -> dict:
-        """Measure ``task = (family, problem, config, seed)`` in the child; ``timeout`` in seconds.
+    def measure(self, task, timeout: float) -> dict:
+        """Measure ``task = (family, problem, config, seed)``, or run a ``measure.Compare``, in the
+        child; ``timeout`` in seconds.
 
         The family travels with the task, so the child knows families registered at run time
         (a project's own, or a test's), not only tilegen's built-in ones. Raises
@@ -208,7 +209,7 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
     log_to_stderr(level)
     try:
         from tilegen.families import register
-        from tilegen.tuning.measure import measure
+        from tilegen.tuning.measure import Compare, compare, measure
 
         inject = json.loads(os.environ.get(INJECT_ENV) or "{}")
         _start_cuda()
@@ -226,8 +227,12 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
             # Nothing is left to save, and tearing down torch and Triton takes most of a
             # second, which the parent's close would wait for.
             exit_now()
-        family, problem, config, seed = task
-        failure = inject.get(str(config)) or inject.get(config.to_json())
+        if isinstance(task, Compare):
+            # Configs each measured correct once already: no injection, only timing.
+            family, problem, config, seed, failure = task.family, task.problem, None, task.seed, None
+        else:
+            family, problem, config, seed = task
+            failure = inject.get(str(config)) or inject.get(config.to_json())
         if failure == "crash":
             os._exit(1)
         if failure == "hang":
@@ -239,7 +244,10 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
             if failure == "compile_error":
                 raise RuntimeError("PassManager::run failed (injected)")
             register(family)
-            result = measure(problem, config, seed, perturb=failure == "wrong")
+            if config is None:
+                result = compare(problem, task.configs, seed, task.rounds)
+            else:
+                result = measure(problem, config, seed, perturb=failure == "wrong")
         except Exception as e:
             # Triton raises many types while compiling (OutOfResources, CompilationError,
             # RuntimeError from the pass manager); unless CUDA itself broke, they only rule this config out.

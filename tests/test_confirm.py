@@ -1,0 +1,141 @@
+"""A bucket's winner is timed again with its closest rivals before its row is stored
+(``Tuner(confirm=...)``): one measurement moves by a few percent between moments and GPUs.
+
+A scripted worker answers trials from a table and ``Compare`` tasks from another, so the
+tests set what the first measurements and the comparison say; the last test runs a real
+``Compare`` in a worker process under the interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from tilegen.cli import app
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.tuning import Tuner
+from tilegen.tuning.measure import Compare
+from tilegen.tuning.tuner import CONFIRM_ROUNDS
+from tilegen.tuning.worker import Worker
+
+SPEC = AttentionSpec(head_dim=16, dtype="fp32", mask="causal")
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)
+FAMILY = AttentionFwd()
+CONFIGS = FAMILY.candidates(SPEC, CPU_INTERPRETER)[:5]  # the interpreter's small grid: 9 configs
+
+
+class _Scripted:
+    """First measurements from ``first`` (config index -> ms), comparisons from ``again``."""
+
+    def __init__(self, first: dict[int, float], again: dict[int, float]):
+        self.first, self.again = first, again
+        self.compared: list[tuple] = []
+
+    def measure(self, task, timeout) -> dict:
+        if isinstance(task, Compare):
+            self.compared.append(task.configs)
+            assert task.rounds == CONFIRM_ROUNDS
+            return {"status": "ok", "times_ms": [self.again[CONFIGS.index(c)] for c in task.configs]}
+        config = task[2]
+        index = CONFIGS.index(config) if config in CONFIGS else None
+        if index is None:
+            return {"status": "ok", "time_ms": 9.0, "max_error": 0.0, "reason": None}
+        return {"status": "ok", "time_ms": self.first[index], "max_error": 0.0, "reason": None}
+
+    def close(self):
+        pass
+
+
+def _tune(tmp_path, worker, *, confirm, buckets=(16,), index=0, count=1, db_name="t.sqlite"):
+    with TuningDB(tmp_path / db_name) as db, Tuner(db, CPU_INTERPRETER, sampler="grid", worker=worker, confirm=confirm,
+                                                   worker_index=index, worker_count=count, compile_ahead=0) as t:
+        results = t.tune_jobs([(SPEC, bucket, None) for bucket in buckets])
+        trials = db.trials_for(SPEC.hash)
+    return results, trials
+
+
+# config 0 measured once at 1.00 ms (a lucky moment), 1 at 1.02, 2 at 1.04, 3 at 1.20, 4 at 1.30;
+# timed again back to back, 1 is the fastest.
+FIRST = {0: 1.00, 1: 1.02, 2: 1.04, 3: 1.20, 4: 1.30}
+AGAIN = {0: 1.08, 1: 1.03, 2: 1.05, 3: 1.21, 4: 1.31}
+
+
+def test_the_winner_of_the_comparison_is_stored_with_its_new_time(tmp_path):
+    worker = _Scripted(FIRST, AGAIN)
+    [result], trials = _tune(tmp_path, worker, confirm=2)
+    # The two rivals within 5% of the best are compared with it; 1.20 ms is not a rival.
+    assert [set(configs) for configs in worker.compared] == [{CONFIGS[0], CONFIGS[1], CONFIGS[2]}]
+    assert result.best.config == CONFIGS[1] and result.best.time_ms == pytest.approx(1.03)
+    # The trials carry the new times, so whoever reads them later finds the same winner.
+    by_config = {FAMILY.config_type.from_dict(t.config): t for t in trials}
+    assert by_config[CONFIGS[0]].time_ms == pytest.approx(1.08)
+    assert "first measured 1 ms" in by_config[CONFIGS[0]].reason
+    assert by_config[CONFIGS[3]].time_ms == pytest.approx(1.20) and by_config[CONFIGS[3]].reason is None
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        [row] = [r for r in db.list_tuned() if r.spec_hash == SPEC.hash]
+        assert FAMILY.config_type.from_dict(row.config) == CONFIGS[1] and row.time_ms == pytest.approx(1.03)
+        # A later reader of the same key (the parent of --gpus collects this way) keeps it.
+        with Tuner(db, CPU_INTERPRETER, sampler="grid", worker=_Scripted(FIRST, AGAIN), confirm=2) as t:
+            [again] = t.collect([(SPEC, 16)])
+        assert again.best.config == CONFIGS[1]
+        [row] = [r for r in db.list_tuned() if r.spec_hash == SPEC.hash]
+        assert FAMILY.config_type.from_dict(row.config) == CONFIGS[1]
+
+
+def test_without_confirmation_the_best_first_measurement_wins(tmp_path):
+    worker = _Scripted(FIRST, AGAIN)
+    [result], _ = _tune(tmp_path, worker, confirm=0)
+    assert worker.compared == [] and result.best.config == CONFIGS[0]
+
+
+def test_a_clear_winner_is_not_compared(tmp_path):
+    worker = _Scripted({0: 1.0, 1: 1.2, 2: 1.3, 3: 1.4, 4: 1.5}, AGAIN)
+    [result], _ = _tune(tmp_path, worker, confirm=2)
+    assert worker.compared == [] and result.best.config == CONFIGS[0]
+
+
+def test_processes_sharing_the_studies_confirm_the_buckets_in_turn(tmp_path):
+    worker = _Scripted(FIRST, AGAIN)
+    _tune(tmp_path, worker, confirm=2, buckets=(16, 32, 64), index=1, count=2)
+    assert len(worker.compared) == 1  # the second of three buckets; the other process takes the first and third
+
+
+def test_a_failed_comparison_keeps_the_first_measurements(tmp_path):
+    class Faulting(_Scripted):
+        def measure(self, task, timeout):
+            if isinstance(task, Compare):
+                return {"status": "fault", "reason": "worker died"}
+            return super().measure(task, timeout)
+
+    [result], _ = _tune(tmp_path, Faulting(FIRST, AGAIN), confirm=2)
+    assert result.best.config == CONFIGS[0] and result.best.time_ms == pytest.approx(1.00)
+
+
+def test_confirmation_is_on_by_default_only_for_a_gpu_worker(tmp_path):
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        with Tuner(db, H200, compile_ahead=0) as t:
+            assert t.confirm == 2
+        with Tuner(db, CPU_INTERPRETER) as t:
+            assert t.confirm == 0
+        with Tuner(db, H200, worker=_Scripted(FIRST, AGAIN), compile_ahead=0) as t:
+            assert t.confirm == 0
+        with pytest.raises(ValueError, match="confirm: expected a whole number"):
+            Tuner(db, H200, confirm=-1, compile_ahead=0)
+
+
+def test_the_tune_command_refuses_a_negative_confirm(tmp_path):
+    result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "t.sqlite"), "--confirm", "-1"])
+    assert result.exit_code != 0
+    assert "--confirm: expected a number of rivals, 0 or more, got -1" in result.output
+    assert not (tmp_path / "t.sqlite").exists()
+
+
+def test_a_worker_process_compares_configs_on_one_set_of_inputs():
+    problem = FAMILY.problem(SPEC, 16, on_gpu=False)
+    interpreter_configs = tuple(FAMILY.candidates(SPEC, CPU_INTERPRETER)[:2])
+    with Worker() as worker:
+        answer = worker.measure(Compare(FAMILY, problem, interpreter_configs, 0, 2), timeout=300)
+    assert answer["status"] == "ok", answer
+    assert len(answer["times_ms"]) == 2 and all(t > 0 for t in answer["times_ms"])
