@@ -9,6 +9,7 @@ tests set what the first measurements and the comparison say; the last test runs
 from __future__ import annotations
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from tilegen.cli import app
@@ -139,3 +140,45 @@ def test_a_worker_process_compares_configs_on_one_set_of_inputs():
         answer = worker.measure(Compare(FAMILY, problem, interpreter_configs, 0, 2), timeout=300)
     assert answer["status"] == "ok", answer
     assert len(answer["times_ms"]) == 2 and all(t > 0 for t in answer["times_ms"])
+
+
+# -- start-up of --gpus: what the parent does before its tune processes can start ---------------
+
+
+def test_one_model_is_checked_without_cuda_where_nvml_names_one(monkeypatch):
+    from tilegen.cli import tune as tune_command
+
+    read = []
+    monkeypatch.setattr(tune_command.torch.cuda, "get_device_name", lambda i: read.append(i) or f"GPU model {i}")
+    monkeypatch.setattr(tune_command, "host_gpu_models", lambda: {"NVIDIA H200"})
+    tune_command._check_one_model([0, 1])
+    assert read == []  # every GPU of the host is one model: no CUDA context
+    monkeypatch.setattr(tune_command, "host_gpu_models", lambda: None)  # NVML cannot tell: CUDA says
+    with pytest.raises(typer.Exit):
+        tune_command._check_one_model([0, 1])
+    assert read == [0, 1]
+    monkeypatch.setattr(tune_command, "host_gpu_models", lambda: {"NVIDIA H200", "NVIDIA L40S"})
+    monkeypatch.setattr(tune_command.torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    tune_command._check_one_model([0, 1])  # a mixed host, but the chosen two are alike
+
+
+def test_host_gpu_models_without_nvml_is_none_or_names():
+    from tilegen.device import host_gpu_models
+
+    models = host_gpu_models()
+    assert models is None or all(isinstance(name, str) and name for name in models)
+
+
+def test_a_planning_tuner_opens_no_studies_and_takes_no_lock(tmp_path, monkeypatch):
+    from tilegen.tuning import tuner as tuner_module
+
+    opened = []
+    real = tuner_module._storage
+    monkeypatch.setattr(tuner_module, "_storage", lambda db, heartbeat: opened.append(1) or real(db, heartbeat))
+    worker = _Scripted(FIRST, AGAIN)
+    _tune(tmp_path, worker, confirm=0)
+    assert opened == [1]
+    with TuningDB(tmp_path / "t.sqlite") as db, Tuner(db, CPU_INTERPRETER, sampler="grid", worker=worker,
+                                                      open_studies=False) as t:
+        [result] = t.collect([(SPEC, 16)])
+    assert opened == [1] and result.best.config == CONFIGS[0]

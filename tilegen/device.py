@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 
 from tilegen import env
 
-__all__ = ["DeviceInfo", "CPU_INTERPRETER", "device_info"]
+__all__ = ["DeviceInfo", "CPU_INTERPRETER", "device_info", "host_gpu_models"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,29 @@ def device_info(index: int | None = None) -> DeviceInfo:
     props = torch.cuda.get_device_properties(idx)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 49152
     return DeviceInfo(props.name, (props.major, props.minor), props.multi_processor_count, props.total_memory, smem)
+
+
+def host_gpu_models() -> set[str] | None:
+    """The model names of every GPU of this host, from NVML: no CUDA context, which on a host of
+    several GPUs takes a second or more to start. ``None`` where NVML cannot tell."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        models = set()
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            name = ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or \
+                    nvml.nvmlDeviceGetName(handle, name, len(name)) != 0:
+                return None
+            models.add(name.value.decode(errors="replace"))
+        return models
+    finally:
+        nvml.nvmlShutdown()

@@ -19,7 +19,7 @@ from rich.console import Console
 from tilegen import env
 from tilegen.cli import app, fail
 from tilegen.cli.spec_args import takes_specs
-from tilegen.device import device_info
+from tilegen.device import device_info, host_gpu_models
 from tilegen.families import families, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
@@ -173,9 +173,12 @@ def _parse_slots(gpus: str | None, workers: int | None) -> list[int | None] | No
 
 
 def _check_one_model(slots: list[int | None]) -> None:
-    """GPUs of one command must be of one model: rows are keyed by it. (Checked once the tune
-    processes have started: reading the names creates this process's CUDA context.)"""
+    """GPUs of one command must be of one model: rows are keyed by it. A host whose GPUs NVML
+    names alike passes as it is; otherwise the chosen GPUs' names are read through CUDA, which
+    starts this process's CUDA runtime (once the tune processes are forked)."""
     gpus = [slot for slot in slots if slot is not None]
+    if not gpus or len(host_gpu_models() or ()) == 1:
+        return
     names = {torch.cuda.get_device_name(i) for i in gpus}
     if len(names) > 1:
         fail(f"--gpus: the GPUs are of different models ({', '.join(sorted(names))}); their rows are keyed apart, "
@@ -274,7 +277,7 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
             # This process plans and reports; the workers measure. Its Tuner never starts a worker.
             with ProgressReporter(Console(stderr=True)) as progress, Tuner(
                 database, device, sampler=sampler, trials=trials, seed=seed, heartbeat=heartbeat, reporter=Reporter(),
-                compile_ahead=0,
+                compile_ahead=0, open_studies=False,
             ) as tuner:
                 planned, keys = [], {}
                 for spec, bucket in jobs:

@@ -272,13 +272,16 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     opened.enter_context(ahead)
     failure = None
     try:
+        # The CUDA runtime starts while the parent still checks its options (it takes a while
+        # on a host of several GPUs); the forks above had to come first.
+        device = device_info()
         setup = plans.recv()
         # The database and the studies' storage open while the parent plans. An error here is
         # the tune's only once a plan comes: a parent that stops first has met its own.
         try:
             db = opened.enter_context(TuningDB(setup.db))
             tuner = opened.enter_context(Tuner(
-                db, device_info(), sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
+                db, device, sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
                 trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, confirm=setup.confirm,
                 reporter=_Forward(events),
                 worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead))

@@ -147,6 +147,9 @@ class Tuner:
             0 stores the best first measurement. ``None``: the default on a GPU, 0 under the
             interpreter (its wall-clock times rank nothing) and for a worker of another kind.
             Processes sharing the studies confirm the buckets in turn.
+        open_studies: open Optuna's storage now (under the studies lock), so a tune's first bucket
+            does not wait for it; off for a tuner that only plans and reads results (the parent of
+            ``tilegen tune --gpus``), which then holds no lock its tune processes wait on.
     """
 
     def __init__(
@@ -154,7 +157,7 @@ class Tuner:
         timeout: float | None = None, seed: int = 0, trial_timeout: float = 120.0,
         reporter: Reporter | None = None, warm_start: bool = True, worker=None,
         heartbeat: int = HEARTBEAT_S, worker_index: int = 0, worker_count: int = 1,
-        compile_ahead: int | CompileAhead | None = None, confirm: int | None = None,
+        compile_ahead: int | CompileAhead | None = None, confirm: int | None = None, open_studies: bool = True,
     ):
         if not (isinstance(heartbeat, int) and heartbeat > 0):
             raise ValueError(f"heartbeat: expected a positive whole number of seconds, got {heartbeat!r}")
@@ -173,8 +176,9 @@ class Tuner:
         self.worker_index = worker_index
         self.worker_count = max(1, worker_count)
         self._label = f"{socket.gethostname()}:{os.getpid()}"
-        with self._studies_errors(), db.studies_lock():
-            self._storage, self._retry = _storage(db, heartbeat)
+        self._studies = None
+        if open_studies:
+            self._open_studies()
         self._worker = worker or Worker()
         if confirm is None:
             confirm = CONFIRM_RIVALS if isinstance(self._worker, Worker) and not device.is_interpreter else 0
@@ -190,7 +194,21 @@ class Tuner:
                 # A worker of another kind (a replay of recorded timings) compiles nothing either.
                 compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
             self._ahead = CompileAhead(compile_ahead)
-        log.debug("studies storage open")
+
+    def _open_studies(self) -> tuple[optuna.storages.RDBStorage, object]:
+        if self._studies is None:
+            with self._studies_errors(), self.db.studies_lock():
+                self._studies = _storage(self.db, self.heartbeat)
+            log.debug("studies storage open")
+        return self._studies
+
+    @property
+    def _storage(self) -> optuna.storages.RDBStorage:
+        return self._open_studies()[0]
+
+    @property
+    def _retry(self):
+        return self._open_studies()[1]
 
     def __enter__(self) -> Tuner:
         return self
