@@ -265,6 +265,22 @@ def test_a_study_from_categorical_knobs_resumes(tmp_path):
     assert str(result.best.config) == min(worker.measured, key=times.__getitem__)
 
 
+def test_the_studies_file_is_written_in_wal_mode(tmp_path):
+    """Optuna's default (a rollback journal, synced in full on every commit) made a trial's bookkeeping slower."""
+    import sqlite3
+
+    db_path = tmp_path / "tuning.sqlite"
+    times = {str(c): 1.0 + i for i, c in enumerate(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))}
+    with TuningDB(db_path) as db, Tuner(db, CPU_INTERPRETER, trials=2, worker=_ScriptedWorker(times)) as tuner:
+        tuner.tune(SPEC, 16)
+    studies = sqlite3.connect(studies_url(db_path).removeprefix("sqlite:///"))
+    try:
+        assert studies.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert studies.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0] == 2
+    finally:
+        studies.close()
+
+
 def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
     times = {str(c): 1.0 for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER)}
     default = str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 16))

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "WRITE", "open_engine", "open_server_engine",
-    "explain_error", "explain_server_error", "advisory_key", "known_revisions",
+    "explain_error", "explain_server_error", "advisory_key", "known_revisions", "studies_connection",
 ]
 
 #: Execution option that makes a connection begin with ``BEGIN IMMEDIATE``.
@@ -200,6 +200,24 @@ def _configure_connection(dbapi_connection: sqlite3.Connection, _record, *, read
             cursor.execute("PRAGMA synchronous = NORMAL")
     finally:
         cursor.close()
+
+
+def studies_connection(path: str, timeout_s: float) -> sqlite3.Connection:
+    """A connection to the file of Optuna's studies, for its engine: WAL and ``synchronous =
+    NORMAL``, as tilegen's own file. Optuna's default, a rollback journal synced in full on every
+    commit, made a trial's bookkeeping 47 ms against 33 (a grid of instant trials on the 2-CPU CI
+    machine); with WAL a killed process loses no commit, and a power cut only the last ones."""
+    connection = sqlite3.connect(path, timeout=timeout_s, check_same_thread=False)
+    cursor = connection.cursor()
+    try:
+        _enable_wal(cursor)
+        cursor.execute("PRAGMA synchronous = NORMAL")
+    except sqlite3.Error:
+        connection.close()
+        raise
+    finally:
+        cursor.close()
+    return connection
 
 
 def _enable_wal(cursor: sqlite3.Cursor) -> None:

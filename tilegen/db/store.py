@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import math
 import os
@@ -40,7 +41,8 @@ from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
 from tilegen.db.location import is_url, server_url, shown
 from tilegen.db.validate import check_best, check_trial
 from tilegen.db.migrate import (
-    ADVISORY_CLASS, WRITE, advisory_key, explain_error, explain_server_error, open_engine, open_server_engine,
+    ADVISORY_CLASS, CONNECT_TIMEOUT_S, WRITE, advisory_key, explain_error, explain_server_error, open_engine,
+    open_server_engine, studies_connection,
 )
 from tilegen.db.models import (
     TRIAL_STATUSES,
@@ -60,6 +62,8 @@ from tilegen.ir import Spec
 __all__ = ["TuningDB", "studies_url"]
 
 _M = TypeVar("_M", bound=Base)
+#: How long a write to the studies file waits while another tune process writes.
+_STUDIES_TIMEOUT_S = 60
 _GPUS_BY_KEY = select(Gpu).order_by(Gpu.key)
 
 
@@ -120,6 +124,15 @@ class TuningDB:
         if self.is_server:
             return self.url.render_as_string(hide_password=False)
         return studies_url(self.path)
+
+    def studies_engine(self) -> dict[str, Any]:
+        """SQLAlchemy engine options for Optuna's storage at ``studies_url``: a server's connections
+        checked before use and bounded in time; a file's in WAL mode, waiting up to a minute while
+        another tune process writes."""
+        if self.is_server:
+            return {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+        path = studies_url(self.path).removeprefix("sqlite:///")
+        return {"creator": functools.partial(studies_connection, path, _STUDIES_TIMEOUT_S)}
 
     @contextlib.contextmanager
     def studies_lock(self, name: str = "") -> Iterator[None]:

@@ -58,8 +58,6 @@ __all__ = ["SAMPLERS", "TrialResult", "BucketResult", "Reporter", "Tuner"]
 SAMPLERS = ("tpe", "grid")
 #: Best configs of this many other buckets seed a study, nearest length first.
 _NEIGHBOURS = 3
-#: How long a write to the studies file waits while another tune process writes (SQLite's busy timeout).
-_SQLITE_TIMEOUT_S = 60
 #: Seconds between a running trial's heartbeats, by default.
 HEARTBEAT_S = 20
 #: A trial whose heartbeat is this many intervals old belongs to a dead process: it is failed and queued again.
@@ -596,10 +594,7 @@ class _Run:
 def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
     """Optuna's storage for the database's studies, with heartbeats: a trial of a dead process is
     failed and queued again (same config, same grid point) instead of staying RUNNING."""
-    if db.is_server:
-        engine = {"pool_pre_ping": True, "connect_args": {"connect_timeout": 10}}
-    else:
-        engine = {"connect_args": {"timeout": _SQLITE_TIMEOUT_S}}
+    engine = db.studies_engine()
     # Optuna 4.9 renamed the retry callback and the argument that takes it.
     renamed = "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
     name = "heartbeat_stale_trial_callback" if renamed else "failed_trial_callback"
