@@ -217,6 +217,7 @@ def test_concurrent_tunes_on_one_database_both_complete(tmp_path):
         pytest.param(["--compile-ahead", "-1"], "--compile-ahead", id="compile-ahead-negative"),
         pytest.param(["--db", "{tmp}/corrupt.sqlite"], "corrupt", id="corrupt-db"),
         pytest.param(["--db", "{tmp}/ok.sqlite"], "Optuna studies file", id="corrupt-studies-file"),
+        pytest.param(["--db", "{tmp}/ok.sqlite"], "ok.optuna.sqlite: file is not a database", id="corrupt-studies-cause"),
     ],
 )
 def test_bad_input_exits_with_one_line_and_no_traceback(tmp_path, args, message):

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             spec_args, sizes = ["--preset", args.preset or PRESET], SIZES
             first = args.gpus.split(",")[0]
             modes = {"parallel": ["--gpus", args.gpus], "single": []}
+        variants = len(_specs(spec_args))
         report: dict = {"smoke": args.smoke, "spec": spec_args, "sizes": list(sizes), "sampler": "grid",
                         "warm_up_s": _warm_up()}
         print(f"warm-up (imports and a CUDA context, for the OS's file cache): {report['warm_up_s']} s", flush=True)
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: tilegen {' '.join(command[3:]).replace(url, shown)}", flush=True)
             started = time.time()
             start = time.perf_counter()
-            run = subprocess.run(command, env=env, capture_output=True, text=True,
-                                 timeout=RUN_TIMEOUT_S * len(_specs(spec_args)))
+            run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S * variants)
             wall = time.perf_counter() - start
             (out / f"scaleout-{name}.log").write_text(run.stdout + run.stderr)
             if run.returncode != 0:
