@@ -70,8 +70,9 @@ _POLL_S = 0.5
 WORKER_ATTR = "tilegen_worker"
 #: A bucket's winner is timed again, alternately on one GPU, with up to this many rivals measured
 #: within CONFIRM_SPREAD of it: one measurement moves by a few percent from one moment (or one
-#: GPU of a model) to the next. On two H200s a tune picked, in 1 to 2 of 7 buckets, a config 2-5%
-#: slower than the best when the two were timed back to back.
+#: GPU of a model) to the next. On two H200s, unconfirmed tunes picked in 1 of 7 buckets a config
+#: 2-5% slower than another run's when the two were timed back to back, and confirmation found
+#: first measurements up to 12% fast (BENCHMARKS.md).
 CONFIRM_RIVALS = 2
 CONFIRM_SPREAD = 0.05
 CONFIRM_ROUNDS = 3
