@@ -622,3 +622,14 @@ def test_a_pool_restarts_a_process_that_died_before_its_plan_and_gives_up_in_one
         pool.prepare(setup)
         pool.run(plan, {}, None, echo=echoed.append, restarts=3)  # sending to a closed pipe is not the error
     assert _DeadOnArrival.started == 4 and len(echoed) == 3
+
+
+def test_the_bookkeeping_benchmark_times_a_grid_of_instant_trials():
+    run = subprocess.run([sys.executable, "-m", "tilegen.bench.bookkeeping", "--dbs", "sqlite", "--runs", "1"],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    [line] = [line for line in run.stdout.splitlines() if line.startswith("sqlite: ")]
+    assert float(line.split()[1]) > 0 and "ms per trial" in line
+    bad = subprocess.run([sys.executable, "-m", "tilegen.bench.bookkeeping", "--dbs", "mysql"],
+                         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--dbs: expected sqlite and/or postgresql, got 'mysql'" in bad.stderr

@@ -205,8 +205,8 @@ def _configure_connection(dbapi_connection: sqlite3.Connection, _record, *, read
 def studies_connection(path: str, timeout_s: float) -> sqlite3.Connection:
     """A connection to the file of Optuna's studies, for its engine: WAL and ``synchronous =
     NORMAL``, as tilegen's own file. Optuna's default, a rollback journal synced in full on every
-    commit, made a trial's bookkeeping 47 ms against 33 (a grid of instant trials on the 2-CPU CI
-    machine); with WAL a killed process loses no commit, and a power cut only the last ones."""
+    commit, made a trial's bookkeeping 45 ms against 32 (``tilegen.bench.bookkeeping`` on the 2-CPU
+    CI machine); with WAL a killed process loses no commit, and a power cut only the last ones."""
     connection = sqlite3.connect(path, timeout=timeout_s, check_same_thread=False)
     try:
         cursor = connection.cursor()

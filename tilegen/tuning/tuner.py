@@ -707,9 +707,9 @@ class _Choices:
 
 class _Grid(optuna.samplers.GridSampler):
     """Optuna's grid sampler, less its check after every trial for an exhausted grid. The check
-    reads every trial of the study each time (with it a trial's bookkeeping took 32-36 ms against
-    26-29 on SQLite, and 65-75 against 58-65 on PostgreSQL: a 60-config grid of instant trials on
-    the 2-CPU CI machine), and the tuner stops each study at its goal itself."""
+    reads every trial of the study each time, so its cost grows with the grid (with it a trial's
+    bookkeeping took 32 ms against 30 on SQLite, for 60-config grids: ``tilegen.bench.bookkeeping``
+    on the 2-CPU CI machine), and the tuner stops each study at its goal itself."""
 
     def after_trial(self, study, trial, state, values) -> None:
         pass
