@@ -334,12 +334,11 @@ class Tuner:
             log.warning("bucket %d: confirming %s failed (%s); keeping the first measurements", run.key.bucket,
                         ", ".join(map(str, configs)), answer.get("reason"))
             return
-        rows = {run.family.config_type.from_dict(row.config).to_json(): row
-                for row in self.db.trials_in_studies(run.key.study_name)
-                if _run_index(run.key.study_name, row.study_name) is not None and row.status == "ok"}
+        # The rows the finalists' results came from (run.done is built from the same mapping).
+        rows = self._rows(run.key, run.family)
         for first, again in zip(finalists, answer["times_ms"]):
             row = rows.get(first.config.to_json())
-            if row is None:
+            if row is None or row.status != "ok":
                 continue
             self.db.record_trial(
                 **run.key.fields(), study_name=row.study_name, trial_number=row.trial_number, config=row.config,
@@ -551,10 +550,14 @@ class Tuner:
     def _measured(self, key: TuningKey, family: Family) -> dict[str, TrialResult]:
         """Configs the key's studies (every run) have measured, by canonical JSON, from the database: it
         holds every finished trial, even one whose process was killed before Optuna heard of it."""
-        rows = [r for r in self.db.trials_in_studies(key.study_name)
-                if _run_index(key.study_name, r.study_name) is not None]
-        results = (TrialResult.from_row(row, family.config_type) for row in rows)
-        return {result.config.to_json(): result for result in results}
+        rows = self._rows(key, family)
+        return {config: TrialResult.from_row(row, family.config_type) for config, row in rows.items()}
+
+    def _rows(self, key: TuningKey, family: Family) -> dict[str, TrialRow]:
+        """The key's trial rows (every run) by canonical config JSON; of a config stored twice, the last."""
+        rows = (r for r in self.db.trials_in_studies(key.study_name)
+                if _run_index(key.study_name, r.study_name) is not None)
+        return {family.config_type.from_dict(row.config).to_json(): row for row in rows}
 
 
 @dataclass(eq=False)
