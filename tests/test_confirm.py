@@ -103,6 +103,23 @@ def test_processes_sharing_the_studies_confirm_the_buckets_in_turn(tmp_path):
     assert len(worker.compared) == 1  # the second of three buckets; the other process takes the first and third
 
 
+def test_a_finished_bucket_is_confirmed_while_later_ones_are_measured(tmp_path):
+    class Logged(_Scripted):
+        events: list = []
+
+        def measure(self, task, timeout):
+            self.events.append("compare" if isinstance(task, Compare) else "trial")
+            return super().measure(task, timeout)
+
+    worker = Logged(FIRST, AGAIN)
+    results, _ = _tune(tmp_path, worker, confirm=2, buckets=(16, 32, 64))
+    grid = len(FAMILY.candidates(SPEC, CPU_INTERPRETER))
+    # Bucket 16 once 32 is measured, 32 once 64 is, and the last bucket at the end: a GPU that
+    # shares the studies goes on measuring while another confirms.
+    assert [i for i, e in enumerate(worker.events) if e == "compare"] == [2 * grid, 3 * grid + 1, 3 * grid + 2]
+    assert all(r.best.config == CONFIGS[1] for r in results)
+
+
 def test_a_failed_comparison_keeps_the_first_measurements(tmp_path):
     class Faulting(_Scripted):
         def measure(self, task, timeout):

@@ -7,6 +7,7 @@ variants (``--preset a,b``, or a JSON list in ``--spec``): they share its start-
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -195,12 +196,29 @@ def _tune(specs, lengths, batch_sizes, *, slots, **options) -> None:
         return
     from tilegen.tuning.pool import Pool
 
+    _import_tune_modules(options["db"])
     # The tune processes start first (forked where they can be): their workers' CUDA start-up and
     # their own setup overlap this process's checks and its opening of the database and the
     # studies; they wait for the plan.
     with Pool(slots, compile_ahead=options["compile_ahead"]) as pool:
         _check_one_model(slots)
         _tune_in(specs, lengths, batch_sizes, pool=pool, **options)
+
+
+def _import_tune_modules(db) -> None:
+    """Import here what each tune process imports, so that its forked copies find it done. A
+    one-process tune imports the same before it forks its worker; meanwhile the background
+    warm-up (``tilegen.warmup``), which a fork waits for, ends."""
+    import optuna  # noqa: F401
+
+    import tilegen.tuning.tuner  # noqa: F401
+    from tilegen.db.location import is_url, server_url
+
+    target = str(db if db is not None else env.db_target())
+    if is_url(target):
+        # The server's driver (psycopg for PostgreSQL), which each process's engine would load.
+        with contextlib.suppress(Exception):  # a bad URL is reported where the database opens
+            server_url(target).get_dialect().import_dbapi()
 
 
 def compile_processes(option: int | None) -> int:

@@ -260,7 +260,7 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     # The host's CPUs are shared by every tune process of the pool, and by their compiles.
     ahead = CompileAhead(0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead)
     ahead.start(fork=True)
-    import optuna
+    import optuna  # the parent imported it before forking this process, where it could
 
     from tilegen.db import DatabaseError, TuningDB
     from tilegen.device import device_info
@@ -275,7 +275,9 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
         # The CUDA runtime starts while the parent still checks its options (it takes a while
         # on a host of several GPUs); the forks above had to come first.
         device = device_info()
+        log.debug("CUDA up")
         setup = plans.recv()
+        log.debug("setup received")
         # The database and the studies' storage open while the parent plans. An error here is
         # the tune's only once a plan comes: a parent that stops first has met its own.
         try:
@@ -288,6 +290,7 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
         except (DatabaseError, WorkerError) as e:
             failure = e
         plan = plans.recv()
+        log.debug("plan received")
     except (EOFError, OSError):
         # The parent stopped before it had a plan (a bad option, an unreachable database): no
         # trial was started, so there is nothing to report or write.

@@ -247,16 +247,38 @@ class Tuner:
                 self._search(run)
             finally:
                 self._ahead.end_bucket()
+            if run.study is not None:
+                # Read again: another process may have confirmed this bucket meanwhile, and a
+                # row from this process's older view would undo its winner.
+                run.done = self._measured(run.key, run.family)
             self._record(run)
             runs.append(run)
+            # An earlier bucket of this process's share that every process has finished is
+            # confirmed now, while the others go on measuring, rather than at the end, where
+            # only the last bucket's confirmation keeps a GPU busy.
+            for index, earlier in enumerate(runs[:-1]):
+                if self._confirms(index, earlier) and self._complete(earlier):
+                    self._confirm(earlier)
+                    earlier.confirmed = True
         for run in runs:
             if self._finish(run):
                 self._record(run)
         for index, run in enumerate(runs):
             # Every bucket is measured to its goal by now, by every process; each confirms its share.
-            if run.study is not None and index % self.worker_count == self.worker_index % self.worker_count:
+            if self._confirms(index, run):
                 self._confirm(run)
         return [self._result(run) for run in runs]
+
+    def _confirms(self, index: int, run: _Run) -> bool:
+        """Whether this process confirms the ``index``-th bucket of its jobs and has not yet."""
+        return (run.study is not None and not run.confirmed
+                and index % self.worker_count == self.worker_index % self.worker_count)
+
+    def _complete(self, run: _Run) -> bool:
+        """Whether the bucket holds every result it will get (a trial still running elsewhere, or
+        one to measure again, leaves it to the end of the tune)."""
+        run.done = self._measured(run.key, run.family)
+        return run.measured() >= run.goal or not run.untried()
 
     def goal(self, spec: Spec, bucket: int) -> int:
         """The measured-config count this run aims at for a key: what it holds plus the budget."""
@@ -578,6 +600,7 @@ class _Run:
     objective: object = None
     callbacks: list = field(default_factory=list)
     ahead: list[Config] = field(default_factory=list)  # configs to compile ahead, in order
+    confirmed: bool = False
 
     def __post_init__(self):
         self.feasible = {c.to_json() for c in self.configs}
