@@ -220,17 +220,22 @@ def _first_compile(x_ptr, N: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1)
 
 
+def first_compile(x) -> None:
+    """Launch (in a compile process: compile) a tiny kernel on ``x``, 16 floats: a process's first
+    compile pays Triton's one-time costs, which this takes off a real kernel's. Its entry in
+    Triton's cache is a few kilobytes."""
+    _first_compile[(1,)](x, N=16)
+
+
 def _warm_up() -> None:
-    """Pay the process's one-time costs of compiling on a tiny kernel, before the first bucket's
-    configs arrive: on the H200 host a compile process's first config took 2.2-3.7 s and the
-    next ones 0.7-1.2 s (CUDA's context for the inputs, Triton's backend and tools), and the
-    first trial waits for it. The kernel's entry in Triton's cache is a few kilobytes."""
+    """Pay the process's one-time costs of compiling before the first bucket's configs arrive: on
+    the H200 host a compile process's first config took 2.2-3.7 s and the next ones 0.7-1.2 s
+    (CUDA's context for the inputs, Triton's backend and tools), and the first trial waits for it."""
     import torch
 
     start = time.perf_counter()
     try:
-        x = torch.empty(16, device="cuda") if torch.cuda.is_available() else torch.empty(16)
-        _first_compile[(1,)](x, N=16)
+        first_compile(torch.empty(16, device="cuda") if torch.cuda.is_available() else torch.empty(16))
     except Exception as e:  # noqa: BLE001 - only a head start: the first config pays it instead
         log.debug("compile ahead: warm-up failed: %s: %s", type(e).__name__, e)
         return
