@@ -109,7 +109,7 @@ class _Pool:
 
     made: ClassVar[list] = []
 
-    def __init__(self, processes):
+    def __init__(self, processes, *, after=None):
         self.processes = processes
         self.buckets, self.ended, self.closed, self.started = [], 0, False, False
         _Pool.made.append(self)

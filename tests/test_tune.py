@@ -369,6 +369,21 @@ def test_the_worker_runs_before_the_first_trial_and_not_for_a_tune_with_nothing_
     assert len(_trials(tmp_path / "tuning.sqlite", 16)) == 1
 
 
+@pytest.mark.parametrize("fork", [True, False])
+def test_compile_processes_start_after_the_worker_has_cuda(fork):
+    from tilegen.tuning.worker import Worker
+
+    with Worker() as worker:
+        assert not worker.cuda_up.value
+        worker.start(fork=fork)
+        # Set by the child once its CUDA context exists (none under the interpreter): what
+        # the compile processes wait for before creating theirs.
+        deadline = time.monotonic() + 120
+        while not worker.cuda_up.value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.cuda_up.value
+
+
 def test_a_worker_that_cannot_start_fails_the_tune_with_its_reason(tmp_path, monkeypatch):
     from tilegen.tuning import WorkerError
 

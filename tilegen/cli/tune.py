@@ -191,7 +191,8 @@ def _tune(specs, lengths, batch_sizes, *, slots, **options) -> None:
         from tilegen.tuning.compile_ahead import CompileAhead
         from tilegen.tuning.worker import Worker
 
-        with Worker() as worker, CompileAhead(compile_processes(options.pop("compile_ahead"))) as ahead:
+        with Worker() as worker, CompileAhead(compile_processes(options.pop("compile_ahead")),
+                                              after=worker.cuda_up) as ahead:
             _tune_in(specs, lengths, batch_sizes, pool=None, worker=worker, compile_ahead=ahead, **options)
         return
     from tilegen.tuning.pool import Pool

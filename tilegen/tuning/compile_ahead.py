@@ -49,6 +49,8 @@ _NICE = 10
 #: The most of the GPU's memory one compile process may take for a bucket's inputs: several
 #: processes hold a copy each beside the worker's own, which must never run out.
 _MEMORY_SHARE = 0.02
+#: The longest the processes wait for the event they start after (a spawned worker imports torch first).
+_AFTER_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -79,8 +81,11 @@ class CompileAhead:
     ``reports()`` gives what they did: ``(bucket index, config JSON, "ok" | error, seconds)``.
     """
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, *, after=None):
         self.processes = max(0, int(processes))
+        # A shared flag (the tuning worker's ``cuda_up``) the processes wait for, up to _AFTER_S
+        # seconds, before they create their CUDA contexts: the worker's comes first.
+        self._after = after
         self._ctx = multiprocessing.get_context("spawn")  # the tune process may hold threads and CUDA-free state alike
         self._procs: list = []
         self._tasks = None
@@ -154,7 +159,7 @@ class CompileAhead:
         ctx = multiprocessing.get_context("fork") if fork else self._ctx
         for _ in range(self.processes):
             proc = ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
-                                                    log.getEffectiveLevel()),
+                                                    log.getEffectiveLevel(), self._after),
                                name="tilegen-compile-ahead", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -242,7 +247,7 @@ def _warm_up() -> None:
     log.debug("compile ahead: warmed up in %.2f s", time.perf_counter() - start)
 
 
-def _serve(tasks, done, current, parent: int, level: int = logging.WARNING) -> None:
+def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, after=None) -> None:
     from tilegen.tuning.worker import _leave_with_parent, log_to_stderr
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tune's to handle
@@ -255,6 +260,9 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING) -> N
     from tilegen.families import register
 
     _compile_only()
+    deadline = time.monotonic() + _AFTER_S
+    while after is not None and not after.value and time.monotonic() < deadline:
+        time.sleep(0.01)
     _warm_up()
     guard = _allocate_only()
     built = None  # (bucket index, module, inputs, outputs); module None when the bucket's launch computes

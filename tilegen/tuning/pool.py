@@ -258,7 +258,8 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     worker = Worker()
     worker.start(fork=True)
     # The host's CPUs are shared by every tune process of the pool, and by their compiles.
-    ahead = CompileAhead(0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead)
+    ahead = CompileAhead(0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead,
+                         after=worker.cuda_up)
     ahead.start(fork=True)
     import optuna  # the parent imported it before forking this process, where it could
 

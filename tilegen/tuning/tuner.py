@@ -192,7 +192,7 @@ class Tuner:
             elif compile_ahead is None:
                 # A worker of another kind (a replay of recorded timings) compiles nothing either.
                 compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
-            self._ahead = CompileAhead(compile_ahead)
+            self._ahead = CompileAhead(compile_ahead, after=getattr(self._worker, "cuda_up", None))
 
     def _open_studies(self) -> tuple[optuna.storages.RDBStorage, object]:
         if self._studies is None:

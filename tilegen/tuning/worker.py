@@ -68,6 +68,13 @@ class Worker:
         self._ready = False  # the child said it can measure
         self._forked = False  # the child is a copy of this process
         self._deadline = 0.0  # by when it must say so
+        # Set once the child has its CUDA context (or failed to start): compile processes
+        # create theirs after it, since contexts created at once on a host queue behind each
+        # other (on the 2-GPU H200 host a first worker was ready 3.5-4 s after its fork when
+        # 16 compile processes created theirs meanwhile, 0.9 s before they did).
+        # Shared memory, not an Event: a semaphore of the spawn context would be tracked, and
+        # reported leaked when a tune process leaves through os._exit.
+        self.cuda_up = multiprocessing.get_context("spawn").RawValue("b", 0)
 
     def __enter__(self) -> Worker:
         return self
@@ -134,7 +141,7 @@ class Worker:
         self._conn, child_conn = ctx.Pipe()
         # A forked child holds a copy of this end too, and would never read EOF unless it closes it.
         self._proc = ctx.Process(target=_serve, args=(child_conn, os.getpid(), log.getEffectiveLevel(),
-                                                      self._conn if fork else None),
+                                                      self._conn if fork else None, self.cuda_up),
                                  name="tilegen-tune-worker", daemon=True)
         self._proc.start()
         # A copy imports nothing: a long silence means it is stuck, and a spawned one should take over.
@@ -197,7 +204,7 @@ def log_to_stderr(level: int) -> None:
     logger.setLevel(level)
 
 
-def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) -> None:
+def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cuda_up=None) -> None:
     """The child's loop: one task in, one result dict out, until the parent hangs up."""
     if parents_end is not None:
         parents_end.close()
@@ -216,6 +223,9 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None) ->
     except Exception as e:  # reported to the parent, which cannot tune without a worker
         _answer(conn, {"error": f"{type(e).__name__}: {e}"[:_REASON_CHARS]})
         return
+    finally:
+        if cuda_up is not None:
+            cuda_up.value = 1
     if not _answer(conn, {"ready": True}):
         return
     log.debug("worker process ready")
