@@ -20,7 +20,10 @@ launch computes with torch (the blockwise layer) is left to the worker.
 A tune starts the processes when it opens (``CompileAhead.start``), not at its first bucket,
 so their start-up overlaps the worker's and the studies'. Where the tune process has not yet
 initialized CUDA's driver and runs one thread, they are forked: copies with torch and Triton
-imported, which spawned ones would spend seconds each importing again, all at once.
+imported, which spawned ones would spend seconds each importing again, all at once. Each then
+waits for the measuring worker's CUDA context (contexts created at once queue behind each
+other), creates its own and compiles a tiny kernel, so the first bucket's first config does
+not pay those one-time costs.
 
 ``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune
 on a GPU uses ``min(8, usable CPUs / 2 / tune processes on the host)``, and the interpreter,
