@@ -105,7 +105,9 @@ def test_processes_sharing_the_studies_confirm_the_buckets_in_turn(tmp_path):
 
 def test_a_finished_bucket_is_confirmed_while_later_ones_are_measured(tmp_path):
     class Logged(_Scripted):
-        events: list = []
+        def __init__(self, first, again):
+            super().__init__(first, again)
+            self.events: list[str] = []
 
         def measure(self, task, timeout):
             self.events.append("compare" if isinstance(task, Compare) else "trial")

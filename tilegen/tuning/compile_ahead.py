@@ -52,7 +52,7 @@ _NICE = 10
 #: The most of the GPU's memory one compile process may take for a bucket's inputs: several
 #: processes hold a copy each beside the worker's own, which must never run out.
 _MEMORY_SHARE = 0.02
-#: The longest the processes wait for the event they start after (a spawned worker imports torch first).
+#: The longest the processes wait for the flag they start after (a spawned worker imports torch first).
 _AFTER_S = 10.0
 log = logging.getLogger(__name__)
 

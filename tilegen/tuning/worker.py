@@ -70,8 +70,8 @@ class Worker:
         self._deadline = 0.0  # by when it must say so
         # Set once the child has its CUDA context (or failed to start): compile processes
         # create theirs after it, since contexts created at once on a host queue behind each
-        # other (on the 2-GPU H200 host a first worker was ready 3.5-4 s after its fork when
-        # 16 compile processes created theirs meanwhile, 0.9 s before they did).
+        # other (on the 2-GPU H200 host a first worker was warm 3.5-4 s after its fork while 16
+        # compile processes created theirs, 1.9 s after it once they waited).
         # Shared memory, not an Event: a semaphore of the spawn context would be tracked, and
         # reported leaked when a tune process leaves through os._exit.
         self.cuda_up = multiprocessing.get_context("spawn").RawValue("b", 0)
@@ -329,9 +329,9 @@ def _start_cuda() -> None:
 
 
 def _warm_up() -> None:
-    """Pay the first trial's one-time costs (cuBLAS and the random generator for the inputs and
-    the reference, Triton's first compile and module load) while the tune process still opens
-    its studies: on the H200 host a tune's first trial took 3.0-3.9 s, the next ones 0.13 s."""
+    """Pay the one-time costs a first trial adds to its own kernel's compile (cuBLAS and the
+    random generator for the inputs and the reference, Triton's first compile and module load)
+    while the tune process still opens its studies, whose first trial comes 0.6-2 s later."""
     import torch
 
     from tilegen import env
