@@ -503,8 +503,7 @@ class Tuner:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         measured_here = False
         while deadline is None or time.monotonic() < deadline:
-            run.done = self._measured(run.key, run.family)
-            if run.measured() >= run.goal or not run.untried():
+            if self._complete(run):
                 break
             with self._studies_errors():
                 self._reap(run)
