@@ -1,6 +1,7 @@
 """Attention-forward benchmark: tilegen against SDPA (flash, cuDNN) and FlexAttention, in one run.
 
-    python -m tilegen.bench.attention                    # the BENCHMARKS.md table
+    python -m tilegen.bench.attention                    # the BENCHMARKS.md table (or: tilegen bench attention)
+    python -m tilegen.bench.attention --plot attention.png   # and TFLOP/s against length, per variant
     python -m tilegen.bench.attention --sweep            # also time every feasible config
     python -m tilegen.bench.attention --seqlens 1024,2048,4096,8192,16384,32768 --kv-heads 32,8 \
         --dtypes bf16,fp16 --providers tilegen,sdpa-cudnn   # the whole grid against cuDNN
@@ -32,10 +33,11 @@ from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
 
-__all__ = ["main"]
+__all__ = ["main", "plot"]
 
 TOKENS = 16384
 HEADS = 32
+PROVIDERS = ("tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,15 @@ class Case:
         problem = family_of(spec).problem(spec, self.seqlen, on_gpu=True, batch=self.batch, heads_q=HEADS)
         return problem.flops()
 
-    def __str__(self) -> str:
+    @property
+    def variant(self) -> str:
+        """The case without its length: one line of the plot."""
         gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
         dtype = "" if self.dtype == "bf16" else f" {self.dtype}"
-        return f"N={self.seqlen} d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}{dtype}"
+        return f"d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}{dtype}"
+
+    def __str__(self) -> str:
+        return f"N={self.seqlen} {self.variant}"
 
 
 def _inputs(case: Case, seed: int = 0):
@@ -126,7 +133,8 @@ def bench_case(case: Case, only: set[str] | None = None) -> dict:
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     choice = tilegen.explain(q, k, v, causal=case.causal)
     flops = case.flops(prepare_call(q, k, v, case.causal, None, None, None, False)[0])
-    row = {"case": str(case), "batch": case.batch, "config": str(choice.config),
+    row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
+           "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
     for name, fn in providers.items():
         try:
@@ -159,8 +167,42 @@ def sweep_case(case: Case) -> list[dict]:
     return results
 
 
+def plot(rows: list[dict], path: str) -> str | None:
+    """TFLOP/s against sequence length, one panel per variant and a line per provider; the PNG's
+    path, or ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    cols = min(2, len(variants))
+    nrows = math.ceil(len(variants) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4 * nrows), squeeze=False)
+    for ax, variant in zip(axes.flat, variants):
+        mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["seqlen"])
+        for name in PROVIDERS:
+            points = [(r["seqlen"], r[name]["tflops"]) for r in mine if "tflops" in r.get(name, {})]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (batch x length = 16k tokens)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{variant}, {HEADS} query heads")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(variants):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
 def _table(rows: list[dict]) -> str:
-    names = [n for n in ("tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex") if any(n in r for r in rows)]
+    names = [n for n in PROVIDERS if any(n in r for r in rows)]
     peers = [p for p in ("sdpa-flash", "sdpa-cudnn") if p in names]
     lines = [
         "| case | batch | tilegen config | " + " | ".join(f"{n} TFLOP/s" for n in names)
@@ -191,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of tilegen, tilegen-default, sdpa-flash, sdpa-cudnn, flex (default all)")
     parser.add_argument("--sweep", action="store_true", help="time every feasible config too")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
+    parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s against sequence length, a panel per "
+                        "head dim, mask, head layout and dtype, here (needs matplotlib)")
     args = parser.parse_args(argv)
-    known = {"tilegen", "tilegen-default", "sdpa-flash", "sdpa-cudnn", "flex"}
+    known = set(PROVIDERS)
     only = set(args.providers.split(",")) if args.providers else None
     if only and not only <= known:
         parser.error(f"--providers: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
@@ -227,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"device": info.name, "rows": rows, "sweep": sweeps}, f, indent=1)
     if rows:
         print(_table(rows))
+    if args.plot and rows:
+        written = plot(rows, args.plot)
+        print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")
     return 0
 
 

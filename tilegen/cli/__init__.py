@@ -1,4 +1,4 @@
-"""The ``tilegen`` command: emit, tune, db.
+"""The ``tilegen`` command: emit, tune, db, bench.
 
 Each subcommand lives in its own module and registers itself on ``app``. Every error a
 user can fix (a bad flag, number, path, spec or database) ends in one line,
@@ -42,6 +42,7 @@ def _root() -> None:
 from tilegen.cli import emit  # noqa: E402,F401  (registers its command)
 from tilegen.cli import tune  # noqa: E402,F401  (registers its command)
 from tilegen.cli import db  # noqa: E402,F401  (registers its commands)
+from tilegen.cli import bench  # noqa: E402,F401  (registers its command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,63 @@
+"""``tilegen bench NAME``: every benchmark module behind one command, and the prefill benchmark's plot."""
+
+from __future__ import annotations
+
+import pkgutil
+
+import pytest
+from typer.testing import CliRunner
+
+import tilegen.bench
+from tilegen.cli import app
+
+runner = CliRunner()
+
+
+def test_the_help_lists_every_benchmark_with_what_it_measures():
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    names = [m.name for m in pkgutil.iter_modules(tilegen.bench.__path__) if not m.name.startswith("_")]
+    assert len(names) >= 10
+    for name in names:
+        assert f" {name} " in result.output
+    assert "Attention-forward benchmark" in result.output and "Batch decode on a GPU" in result.output
+
+
+def test_an_unknown_benchmark_fails_in_one_line_naming_the_choices():
+    result = runner.invoke(app, ["bench", "prefil"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: NAME: no benchmark 'prefil'; choose one of attention, blockwise, bookkeeping, coldstart, decode, "
+        "hosttime, scaleout, serving, serving_kernels, tuning"]
+
+
+def test_a_benchmark_gets_the_flags_after_its_name():
+    result = runner.invoke(app, ["bench", "attention", "-h"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("usage: tilegen bench attention") and "--plot PNG" in result.output
+    # Its own checks run on its own flags: a bad one fails there, before any GPU work.
+    result = runner.invoke(app, ["bench", "attention", "--dtypes", "fp8"])
+    assert result.exit_code == 2 and "--dtypes: expected bf16 and/or fp16" in result.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without a GPU gets")
+def test_without_a_gpu_the_prefill_benchmark_says_so():
+    result = runner.invoke(app, ["bench"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+def test_the_plot_has_a_panel_per_variant_and_a_line_per_provider(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tilegen.bench.attention import plot
+
+    rows = []
+    for variant in ("d=128 causal", "d=64 full gqa4"):
+        for n, scale in ((1024, 1.0), (4096, 1.2), (16384, 1.3)):
+            row = {"variant": variant, "seqlen": n, "case": f"N={n} {variant}"}
+            row.update({name: {"tflops": 300 * scale + i} for i, name in enumerate(("tilegen", "sdpa-cudnn", "flex"))})
+            row["sdpa-flash"] = {"error": "not on this GPU"}  # a missing peer leaves its line out
+            rows.append(row)
+    path = tmp_path / "attention.png"
+    assert plot(rows, str(path)) == str(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000

@@ -1,0 +1,56 @@
+"""``tilegen bench NAME [ARGS]``: run one of tilegen's benchmarks, its peers measured in the same run.
+
+Each benchmark is the module ``tilegen.bench.NAME`` (``python -m tilegen.bench.NAME`` runs the
+same); its own flags follow the name, and ``-h`` after the name lists them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import re
+import sys
+from pathlib import Path
+
+import typer
+
+import tilegen.bench
+from tilegen.cli import app, fail
+
+
+def benchmarks() -> dict[str, str]:
+    """Each benchmark's name and what it measures: its module docstring's opening, up to the first
+    colon or full stop, read without importing the module."""
+    folder = Path(tilegen.bench.__file__).parent
+    found = {}
+    for info in pkgutil.iter_modules([str(folder)]):
+        if info.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(ast.parse((folder / f"{info.name}.py").read_text())) or ""
+        found[info.name] = re.split(r"[:.](\s|$)", doc.split("\n\n", 1)[0].replace("\n", " "), maxsplit=1)[0]
+    return found
+
+
+def _help() -> str:
+    rows = "\n".join(f"  {name:16} {line}" for name, line in sorted(benchmarks().items()))
+    return ("Run a benchmark: tilegen and its peers (SDPA, FlexAttention, ...) on the same inputs, in one run. "
+            "Its flags follow NAME; `tilegen bench NAME -h` lists them.\n\n\b\n" + rows)
+
+
+@app.command(help=_help(), context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    name: str = typer.Argument("attention", help="The benchmark (default attention: prefill against the peers)."),
+) -> None:
+    known = benchmarks()
+    if name not in known:
+        fail(f"NAME: no benchmark {name!r}; choose one of {', '.join(sorted(known))}")
+    module = importlib.import_module(f"tilegen.bench.{name}")
+    # argparse names the program after sys.argv[0]: its usage lines then show the command as typed.
+    argv0, sys.argv[0] = sys.argv[0], f"tilegen bench {name}"
+    try:
+        code = module.main(list(ctx.args))
+    finally:
+        sys.argv[0] = argv0
+    raise typer.Exit(code or 0)
