@@ -6,7 +6,6 @@ same); its own flags follow the name, and ``-h`` after the name lists them.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import pkgutil
 import re
@@ -21,14 +20,17 @@ from tilegen.cli import app, fail
 
 def benchmarks() -> dict[str, str]:
     """Each benchmark's name and what it measures: its module docstring's opening, up to the first
-    colon or full stop, read without importing the module."""
+    colon or full stop, read from the file's head (every ``tilegen`` command builds this help, so
+    nothing is imported or parsed)."""
     folder = Path(tilegen.bench.__file__).parent
     found = {}
     for info in pkgutil.iter_modules([str(folder)]):
         if info.name.startswith("_"):
             continue
-        doc = ast.get_docstring(ast.parse((folder / f"{info.name}.py").read_text())) or ""
-        found[info.name] = re.split(r"[:.](\s|$)", doc.split("\n\n", 1)[0].replace("\n", " "), maxsplit=1)[0]
+        with open(folder / f"{info.name}.py") as f:
+            head = f.read(1000)
+        opening = head.partition('"""')[2].partition("\n\n")[0].replace("\n", " ")
+        found[info.name] = re.split(r"[:.](\s|$)", opening, maxsplit=1)[0]
     return found
 
 
