@@ -29,6 +29,7 @@ import triton
 
 import tilegen
 from tilegen import dispatch
+from tilegen.bench import pyplot
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
@@ -170,12 +171,8 @@ def sweep_case(case: Case) -> list[dict]:
 def plot(rows: list[dict], path: str) -> str | None:
     """TFLOP/s against sequence length, one panel per variant and a line per provider; the PNG's
     path, or ``None`` without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     cols = min(2, len(variants))

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 
 import tilegen
+from tilegen.bench import pyplot
 from tilegen.env import interpreting
 from tilegen.layers import LayerConfig, reference_layer
 from tilegen.ops.blockwise import explain_layer, ffn_table, layer_spec
@@ -320,12 +321,8 @@ def fit(config, start, chunk, budget_s, measured, device) -> list[dict]:
 
 
 def plot(rows, fits, path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in PROVIDERS:
