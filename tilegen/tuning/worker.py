@@ -70,8 +70,8 @@ class Worker:
         self._deadline = 0.0  # by when it must say so
         # Set once the child has its CUDA context (or failed to start): compile processes
         # create theirs after it, since contexts created at once on a host queue behind each
-        # other (on the 2-GPU H200 host a first worker was warm 3.5-4 s after its fork while 16
-        # compile processes created theirs, 1.9 s after it once they waited).
+        # other (on the 2-GPU H200 host a first worker was warm 3.7-4.4 s after its fork while 16
+        # compile processes created theirs, 1.9-2.1 s after it once they waited).
         # Shared memory, not an Event: a semaphore of the spawn context would be tracked, and
         # reported leaked when a tune process leaves through os._exit.
         self.cuda_up = multiprocessing.get_context("spawn").RawValue("b", 0)
