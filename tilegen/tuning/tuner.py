@@ -259,7 +259,6 @@ class Tuner:
             for index, earlier in enumerate(runs[:-1]):
                 if self._confirms(index, earlier) and self._complete(earlier):
                     self._confirm(earlier)
-                    earlier.confirmed = True
         for run in runs:
             if self._finish(run):
                 self._record(run)
@@ -270,8 +269,9 @@ class Tuner:
         return [self._result(run) for run in runs]
 
     def _confirms(self, index: int, run: _Run) -> bool:
-        """Whether this process confirms the ``index``-th bucket of its jobs and has not yet."""
-        return (run.study is not None and not run.confirmed
+        """Whether this process confirms the ``index``-th bucket of its jobs and has not yet (without
+        confirmation, never: nor does it read the bucket's trials again to find out)."""
+        return (bool(self.confirm) and run.study is not None and not run.confirmed
                 and index % self.worker_count == self.worker_index % self.worker_count)
 
     def _complete(self, run: _Run) -> bool:
@@ -342,8 +342,7 @@ class Tuner:
         """Time the bucket's best config again with its closest rivals, alternately, and store the
         winner of that comparison with its time; the rivals' trials take their new times too, so
         the database's trials name the same winner to anyone who reads them later."""
-        if not self.confirm:
-            return
+        run.confirmed = True
         ok = sorted((r for r in run.done.values() if r.status == "ok"), key=lambda r: r.time_ms)
         finalists = [r for r in ok[:1 + self.confirm] if r.time_ms <= ok[0].time_ms * (1 + CONFIRM_SPREAD)]
         if len(finalists) < 2:
