@@ -448,9 +448,10 @@ def test_the_rendered_schedule_holds_only_what_its_spec_has():
     assert "softcap=softcap" in causal_window and "softcap" not in causal
     # launch() takes exactly the numbers its spec's code reads.
     ops = {"attention", "blockwise_ffn", "block_q", "eps", "scale"}
-    assert _launch_keywords(_layer_spec()) == ops | {"rope_theta"}
+    assert _launch_keywords(_layer_spec()) == ops | {"rope", "rope_theta"}
     assert _launch_keywords(_layer_spec(causal=False, rope=False)) == ops
-    assert _launch_keywords(_layer_spec(window=True, softcap=True)) == ops | {"rope_theta", "softcap", "window_left"}
+    assert _launch_keywords(_layer_spec(window=True, softcap=True)) == ops | {"rope", "rope_theta", "softcap",
+                                                                              "window_left"}
     assert _launch_keywords(_layer_spec(causal=False, window=True, rope=False)) == ops | {"window_left", "window_right"}
 
 

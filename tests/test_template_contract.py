@@ -27,6 +27,7 @@ SPECS = [
                                  "return_lse": True}), id="decode-paged1"),
     pytest.param(spec_from_json({"family": "attention_decode", "head_dim": 40, "kv_layout": "dense", "q_tokens": 4,
                                  "mask": "window", "softcap": True}), id="decode-dense-q4"),
+    pytest.param(spec_from_json({"family": "rope", "head_dim": 40, "dtype": "fp16"}), id="rope-d40-padded-half"),
 ]
 
 

@@ -22,6 +22,7 @@ from tilegen.layers import BlockwiseLayer, LayerConfig  # noqa: E402
 from tilegen.ops.decode import PagedDecode  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
 from tilegen.ops.merge import merge_states  # noqa: E402
+from tilegen.ops.rope import apply_rope  # noqa: E402
 from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "PagedKVCache",
     "SpecError",
     "append_kv",
+    "apply_rope",
     "attention",
     "blockwise_ffn",
     "blockwise_layer",

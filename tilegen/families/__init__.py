@@ -39,6 +39,7 @@ from tilegen.families.merge_states import MergeStates  # noqa: E402
 from tilegen.families.attention_varlen import AttentionVarlen  # noqa: E402
 from tilegen.families.attention_decode import AttentionDecode  # noqa: E402
 from tilegen.families.blockwise_ffn import BlockwiseFFN  # noqa: E402
+from tilegen.families.rope import Rope  # noqa: E402
 
 register(AttentionFwd())
 register(KVAppend())
@@ -46,6 +47,7 @@ register(MergeStates())
 register(AttentionVarlen())
 register(AttentionDecode())
 register(BlockwiseFFN())
+register(Rope())
 
 # After its parts' families: the layer's specs build theirs through the registry.
 from tilegen.families.blockwise_layer import BlockwiseLayer  # noqa: E402

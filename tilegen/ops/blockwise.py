@@ -28,6 +28,7 @@ from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
 from tilegen.layers.config import LayerConfig
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
+from tilegen.ops.rope import apply_rope
 
 __all__ = ["blockwise_ffn", "blockwise_layer", "explain_layer", "ffn_table", "layer_spec", "layer_table"]
 
@@ -179,6 +180,8 @@ def blockwise_layer(
         block = table.choose(n).config.block_q
     # attention is looked up here, per call: the benchmark's memory replay stands in for it.
     args = dict(attention=attention, blockwise_ffn=blockwise_ffn, block_q=block, **spec.launch_args(config))
+    if spec.rope:
+        args["rope"] = apply_rope
     sequences = zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]
     for x_seq, out_seq in sequences:
         table.launch(x_seq, w, out_seq, **args)

@@ -88,7 +88,8 @@ class Problem(base.Problem):
 
     def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
         x, w = inputs
-        module.launch(x, w, outputs[0], attention=tilegen.attention, blockwise_ffn=tilegen.blockwise_ffn,
+        ops = {"rope": tilegen.apply_rope} if self.spec.rope else {}
+        module.launch(x, w, outputs[0], attention=tilegen.attention, blockwise_ffn=tilegen.blockwise_ffn, **ops,
                       block_q=config.block_q, **self.spec.launch_args(self.layer()))
 
     def check_rows(self) -> torch.Tensor | None:

@@ -1,0 +1,156 @@
+"""``tilegen.apply_rope``: rotary position embedding (rotate-half form) from the caller's tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tilegen import dispatch
+from tilegen.device import device_info
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.env import interpreting
+from tilegen.families.rope import RopeSpec
+from tilegen.families.rope.spec import MAX_HEAD_DIM
+from tilegen.ir import SpecError
+from tilegen.ops.memo import memoized
+
+__all__ = ["apply_rope", "explain_rope"]
+
+_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def apply_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotary position embedding, rotate-half form (Llama's, GPT-NeoX's), as one kernel.
+
+    With ``x = [x1, x2]`` split at ``head_dim / 2``: ``out = x * cos + [-x2, x1] * sin``, per
+    token and head, in fp32 and rounded once to ``x``'s dtype. The tables are each token's, over
+    the whole head (Llama's repeat their ``head_dim / 2`` angles twice; any table is taken as it
+    is), so theta, scaled angles (Llama 3, NTK) and the positions of a ragged batch are the caller's.
+
+    Args:
+        x: ``[..., heads, head_dim]``, fp16, bf16 or fp32, any strides; ``head_dim`` even, at most 512.
+        cos, sin: ``[..., head_dim]``, ``x``'s shape without ``heads``, fp32, bf16 or fp16, on ``x``'s device.
+        out: write the result here (``x``'s shape and dtype, any strides); it may be ``x`` itself
+            (in place), and must not otherwise overlap an input.
+
+    Returns ``out`` when given, else a new tensor. Every call checks shapes, dtypes and devices on the
+    host (a call shaped like an earlier one reuses its checked plan); it does not synchronize.
+    """
+    try:
+        key = (x.shape, cos.shape, sin.shape, x.dtype, cos.dtype, sin.dtype, x.device, cos.device, sin.device,
+               None if out is None else (out.__class__, out.shape, out.dtype, out.device))
+        plan = _plans.get(key)
+    except AttributeError:  # not tensors: the checks say which
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, cos, sin, out)
+        if key is not None:
+            _plans.put(key, plan)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if plan.launches:
+        rows3, rows2 = plan.rows3, plan.rows2
+        view = _writable(out, rows3)
+        # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
+        target = view if view is not None else out.new_empty(rows3)
+        plan.launch(x.reshape(rows3), cos.reshape(rows2), sin.reshape(rows2), target, **plan.config)
+        if view is None:
+            out.copy_(target.reshape(out.shape))
+    return out
+
+
+def explain_rope(x, cos, sin) -> dispatch.Choice:
+    """Which config ``apply_rope`` runs these arguments with, and where it comes from."""
+    spec = _check(x, cos, sin, None)
+    return _table(spec, x.device).choose(math.prod(x.shape[:-1]))
+
+
+def _writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``t`` viewed as ``shape`` without a copy, or None when its strides do not allow one."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    launches: bool  # False when there is no row
+    rows3: tuple[int, int, int]  # [tokens, heads, head_dim]: x and out as the kernel sees them
+    rows2: tuple[int, int]  # [tokens, head_dim]: the tables
+    launch: Callable[..., Any]
+    config: dict[str, int]
+
+
+_plans = dispatch.plan_cache()
+
+
+def _plan(x, cos, sin, out) -> _Plan:
+    spec = _check(x, cos, sin, out)
+    heads, dim = x.shape[-2], x.shape[-1]
+    tokens = math.prod(x.shape[:-2])
+    table = _table(spec, x.device)
+    return _Plan(
+        launches=tokens * heads > 0,
+        rows3=(tokens, heads, dim),
+        rows2=(tokens, dim),
+        launch=table.launch,
+        config=table.choose(tokens * heads).config.to_dict(),
+    )
+
+
+def _table(spec: RopeSpec, device: torch.device) -> dispatch.Table:
+    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
+
+
+def _check(x, cos, sin, out) -> RopeSpec:
+    """Every check, raising with the argument's name at the first that fails; the spec."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected [..., heads, head_dim], got shape {tuple(x.shape)}")
+    if x.dtype not in SPEC_DTYPES:
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    device = x.device
+    if device.type == "cpu" and not interpreting():
+        raise ValueError("x: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
+                         "TRITON_INTERPRET=1")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"x: device {device} is not supported; expected cuda")
+    table_shape = x.shape[:-2] + x.shape[-1:]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != table_shape:
+            raise ValueError(f"{name}: expected shape {tuple(table_shape)} (x's without heads), got {tuple(t.shape)}")
+        if t.dtype not in _TABLE_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device} while x is on {device}; all inputs must share a device")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != x.shape:
+            raise ValueError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out: expected dtype {x.dtype}, got {out.dtype}")
+        if out.device != device:
+            raise ValueError(f"out: on {out.device} while the inputs are on {device}")
+    return _spec_for(SPEC_DTYPES[x.dtype], x.shape[-1])
+
+
+@memoized
+def _spec_for(dtype: str, dim: int) -> RopeSpec:
+    try:
+        return RopeSpec(head_dim=dim, dtype=dtype)
+    except SpecError:
+        raise ValueError(f"x: head_dim {dim} is not supported; expected an even number in 2..{MAX_HEAD_DIM}") from None
