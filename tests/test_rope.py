@@ -230,6 +230,6 @@ def test_the_kernel_compiles_for_an_h200(tmp_path):
         env["TILEGEN_CACHE_DIR"] = str(tmp_path)
         script = Path(__file__).with_name("sm90_compile.py")
         done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=300, check=False)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("cubin bytes") == len(configs)

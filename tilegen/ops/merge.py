@@ -10,15 +10,14 @@ from typing import Any
 import torch
 
 from tilegen import dispatch
-from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
+from tilegen.ops.rows import check_device, table_on, writable
 
-__all__ = ["merge_states", "explain_merge"]
+__all__ = ["explain_merge", "merge_states"]
 
 
 def merge_states(
@@ -82,7 +81,7 @@ def merge_states(
         out_lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
     if plan.launches:
         rows, rows3 = plan.rows, plan.rows3
-        o_view, lse_view = _writable(out, rows3), _writable(out_lse, rows)
+        o_view, lse_view = writable(out, rows3), writable(out_lse, rows)
         # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
         target_o = o_view if o_view is not None else out.new_empty(rows3)
         target_lse = lse_view if lse_view is not None else out_lse.new_empty(rows)
@@ -100,15 +99,7 @@ def merge_states(
 def explain_merge(o_a, lse_a, o_b, lse_b) -> dispatch.Choice:
     """Which config ``merge_states`` runs these arguments with, and where it comes from."""
     spec = _check(o_a, lse_a, o_b, lse_b, None, None)
-    return _table(spec, o_a.device).choose(lse_a.numel())
-
-
-def _writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``t`` viewed as ``shape`` without a copy, or None when its strides do not allow one."""
-    try:
-        return t.view(shape)
-    except RuntimeError:
-        return None
+    return table_on(spec, o_a.device).choose(lse_a.numel())
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +118,7 @@ def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
     spec = _check(o_a, lse_a, o_b, lse_b, out, out_lse)
     heads, dim = o_a.shape[-2], o_a.shape[-1]
     tokens = math.prod(o_a.shape[:-2])
-    table = _table(spec, o_a.device)
+    table = table_on(spec, o_a.device)
     return _Plan(
         launches=tokens * heads > 0,
         rows=(tokens, heads),
@@ -136,9 +127,6 @@ def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
         config=table.choose(tokens * heads).config.to_dict(),
     )
 
-
-def _table(spec: MergeStatesSpec, device: torch.device) -> dispatch.Table:
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:
@@ -151,11 +139,7 @@ def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:
     if o_a.dtype not in SPEC_DTYPES:
         raise TypeError(f"o_a: expected dtype float16, bfloat16 or float32, got {o_a.dtype}")
     device = o_a.device
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("o_a: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
-                         "TRITON_INTERPRET=1")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"o_a: device {device} is not supported; expected cuda")
+    check_device("o_a", device)
     if o_b.shape != o_a.shape:
         raise ValueError(f"o_b: shape {tuple(o_b.shape)} differs from o_a's {tuple(o_a.shape)}")
     if o_b.dtype != o_a.dtype:

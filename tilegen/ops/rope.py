@@ -10,13 +10,12 @@ from typing import Any
 import torch
 
 from tilegen import dispatch
-from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
+from tilegen.ops.rows import check_device, table_on, writable
 
 __all__ = ["apply_rope", "explain_rope"]
 
@@ -60,7 +59,7 @@ def apply_rope(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if plan.launches:
         rows3, rows2 = plan.rows3, plan.rows2
-        view = _writable(out, rows3)
+        view = writable(out, rows3)
         # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
         target = view if view is not None else out.new_empty(rows3)
         plan.launch(x.reshape(rows3), cos.reshape(rows2), sin.reshape(rows2), target, **plan.config)
@@ -72,15 +71,7 @@ def apply_rope(
 def explain_rope(x, cos, sin) -> dispatch.Choice:
     """Which config ``apply_rope`` runs these arguments with, and where it comes from."""
     spec = _check(x, cos, sin, None)
-    return _table(spec, x.device).choose(math.prod(x.shape[:-1]))
-
-
-def _writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``t`` viewed as ``shape`` without a copy, or None when its strides do not allow one."""
-    try:
-        return t.view(shape)
-    except RuntimeError:
-        return None
+    return table_on(spec, x.device).choose(math.prod(x.shape[:-1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +90,7 @@ def _plan(x, cos, sin, out) -> _Plan:
     spec = _check(x, cos, sin, out)
     heads, dim = x.shape[-2], x.shape[-1]
     tokens = math.prod(x.shape[:-2])
-    table = _table(spec, x.device)
+    table = table_on(spec, x.device)
     return _Plan(
         launches=tokens * heads > 0,
         rows3=(tokens, heads, dim),
@@ -108,9 +99,6 @@ def _plan(x, cos, sin, out) -> _Plan:
         config=table.choose(tokens * heads).config.to_dict(),
     )
 
-
-def _table(spec: RopeSpec, device: torch.device) -> dispatch.Table:
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def _check(x, cos, sin, out) -> RopeSpec:
@@ -123,11 +111,7 @@ def _check(x, cos, sin, out) -> RopeSpec:
     if x.dtype not in SPEC_DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     device = x.device
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("x: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
-                         "TRITON_INTERPRET=1")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"x: device {device} is not supported; expected cuda")
+    check_device("x", device)
     table_shape = x.shape[:-2] + x.shape[-1:]
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != table_shape:

@@ -13,17 +13,12 @@ from types import ModuleType
 import torch
 
 from tilegen.families import base
+from tilegen.families.buckets import tokens_and_heads
 from tilegen.families.merge_states.config import Config
 from tilegen.families.merge_states.reference import merge_reference
 from tilegen.families.merge_states.spec import MergeStatesSpec
 
 __all__ = ["Problem", "check_merge", "random_lse"]
-
-_GPU_HEADS = 32
-#: Under the interpreter: 5 heads and an odd token count, so the rows are no multiple of any block.
-_CPU_HEADS = 5
-_CPU_MAX_ROWS = 48
-
 
 @dataclass(frozen=True)
 class Problem(base.Problem):
@@ -34,11 +29,7 @@ class Problem(base.Problem):
 
     @classmethod
     def for_bucket(cls, spec: MergeStatesSpec, bucket: int, *, on_gpu: bool, heads: int | None = None) -> Problem:
-        if on_gpu:
-            heads = heads or min(_GPU_HEADS, bucket)
-            return cls(spec, max(1, bucket // heads), heads, True)
-        heads = heads or _CPU_HEADS
-        return cls(spec, max(1, min(bucket, _CPU_MAX_ROWS) // heads) | 1, heads, False)
+        return cls(spec, *tokens_and_heads(bucket, on_gpu=on_gpu, heads=heads), on_gpu)
 
     @property
     def rows(self) -> int:

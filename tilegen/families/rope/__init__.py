@@ -21,7 +21,7 @@ from tilegen.families.rope.lower import lower as _lower
 from tilegen.families.rope.problem import Problem
 from tilegen.families.rope.spec import RopeSpec
 
-__all__ = ["Rope", "RopeSpec", "Config", "Problem"]
+__all__ = ["Config", "Problem", "Rope", "RopeSpec"]
 
 
 class Rope(Family):

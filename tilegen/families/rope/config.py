@@ -11,7 +11,7 @@ from tilegen.families import base
 from tilegen.families.rope.lower import MAX_BLOCK_ELEMENTS
 from tilegen.families.rope.spec import RopeSpec
 
-__all__ = ["Config", "search_space", "feasible", "default_rule"]
+__all__ = ["Config", "default_rule", "feasible", "search_space"]
 
 
 @dataclass(frozen=True, order=True)

@@ -8,7 +8,7 @@ import triton
 
 from tilegen.families.rope.spec import RopeSpec
 
-__all__ = ["lower", "MAX_BLOCK_ELEMENTS"]
+__all__ = ["MAX_BLOCK_ELEMENTS", "lower"]
 
 #: Elements of one program's [BLOCK_R, head_dim / 2] half-block (both halves and both tables are live).
 MAX_BLOCK_ELEMENTS = 8 * 1024

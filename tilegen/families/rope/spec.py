@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from tilegen.ir import Spec, SpecError, check_int
 
-__all__ = ["RopeSpec", "MAX_HEAD_DIM"]
+__all__ = ["MAX_HEAD_DIM", "RopeSpec"]
 
 #: Widest head the kernel holds as one block row; halves that are not powers of two are padded and masked.
 MAX_HEAD_DIM = 512
