@@ -219,6 +219,25 @@ def test_a_tune_reaches_dispatch_and_the_op(tmp_path, monkeypatch, device):
     assert_rotated(tilegen.apply_rope(*parts), *parts)
 
 
+def test_the_custom_op_passes_opcheck(device):
+    torch.library.opcheck(torch.ops.tilegen.apply_rope.default, make((3, 5, 24), torch.float32, device))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_fullgraph_in_place(device, backend):
+    x, cos, sin = make((7, 5, 40), torch.bfloat16, device, seed=9)
+    expected = tilegen.apply_rope(x, cos, sin)
+
+    def f(q, cos, sin):
+        tilegen.apply_rope(q, cos, sin, out=q)
+        return q * 2
+
+    torch._dynamo.reset()
+    y = x.clone()
+    doubled = torch.compile(f, fullgraph=True, backend=backend)(y, cos, sin)
+    assert torch.equal(y, expected) and torch.equal(doubled, expected * 2)
+
+
 def test_the_kernel_compiles_for_an_h200(tmp_path):
     """What the interpreter runs, the sm90 compiler must accept (block shapes, types, constexprs)."""
     pytest.importorskip("triton.backends.nvidia")

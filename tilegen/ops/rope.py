@@ -43,8 +43,14 @@ def apply_rope(
             (in place), and must not otherwise overlap an input.
 
     Returns ``out`` when given, else a new tensor. Every call checks shapes, dtypes and devices on the
-    host (a call shaped like an earlier one reuses its checked plan); it does not synchronize.
+    host (a call shaped like an earlier one reuses its checked plan); it does not synchronize. Under
+    ``torch.compile`` the call goes through the custom op ``tilegen::apply_rope`` (out of place; a
+    given ``out`` is then copied into), so ``fullgraph=True`` traces it.
     """
+    if torch.compiler.is_compiling():
+        _check(x, cos, sin, out)
+        rotated = torch.ops.tilegen.apply_rope(x, cos, sin)
+        return rotated if out is None else out.copy_(rotated)
     try:
         key = (x.shape, cos.shape, sin.shape, x.dtype, cos.dtype, sin.dtype, x.device, cos.device, sin.device,
                None if out is None else (out.__class__, out.shape, out.dtype, out.device))
@@ -138,3 +144,13 @@ def _spec_for(dtype: str, dim: int) -> RopeSpec:
         return RopeSpec(head_dim=dim, dtype=dtype)
     except SpecError:
         raise ValueError(f"x: head_dim {dim} is not supported; expected an even number in 2..{MAX_HEAD_DIM}") from None
+
+
+@torch.library.custom_op("tilegen::apply_rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return apply_rope(x, cos, sin)
+
+
+@_rope_op.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
