@@ -20,6 +20,7 @@ from tilegen.families.merge_states.spec import MergeStatesSpec
 
 __all__ = ["Problem", "check_merge", "random_lse"]
 
+
 @dataclass(frozen=True)
 class Problem(base.Problem):
     spec: MergeStatesSpec

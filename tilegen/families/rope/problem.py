@@ -20,6 +20,7 @@ from tilegen.families.rope.spec import RopeSpec
 
 __all__ = ["Problem", "check_rope"]
 
+
 @dataclass(frozen=True)
 class Problem(base.Problem):
     spec: RopeSpec
