@@ -25,7 +25,7 @@ from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.buckets import Buckets
 from tilegen.ir import Spec
 
-__all__ = ["Config", "ConfigError", "Family", "Problem", "TOLERANCE", "relative_error"]
+__all__ = ["TOLERANCE", "Config", "ConfigError", "Family", "Problem", "RowBlockConfig", "RowsProblem", "relative_error"]
 
 #: Largest relative Frobenius error an output may show against its reference, by spec dtype.
 TOLERANCE = {"fp16": 1e-2, "bf16": 1e-2, "fp32": 1e-4}
@@ -136,6 +136,43 @@ class Problem(abc.ABC):
 
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.spec.dtype]
+
+
+@dataclass(frozen=True, order=True)
+class RowBlockConfig(Config):
+    """Launch parameters of a kernel over ``[tokens, heads, head_dim]`` rows (``merge_states``,
+    ``rope``): rows ((token, head) pairs) per program, and warps."""
+
+    block_r: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return f"R{self.block_r}-w{self.num_warps}"
+
+
+@dataclass(frozen=True)
+class RowsProblem(Problem):
+    """A problem over ``[tokens, heads, head_dim]`` rows whose bucket counts them (tokens x heads)."""
+
+    spec: Spec
+    tokens: int
+    heads: int
+    on_gpu: bool
+
+    @classmethod
+    def for_bucket(cls, spec: Spec, bucket: int, *, on_gpu: bool, heads: int | None = None) -> RowsProblem:
+        """On a GPU 32 heads (Llama's query heads) and the tokens that fill the bucket; under the
+        interpreter 5 heads and an odd token count below 48 rows, so the rows are no multiple of any
+        block."""
+        if on_gpu:
+            heads = heads or min(32, bucket)
+            return cls(spec, max(1, bucket // heads), heads, True)
+        heads = heads or 5
+        return cls(spec, max(1, min(bucket, 48) // heads) | 1, heads, False)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.heads
 
 
 class Family(abc.ABC):

@@ -16,7 +16,7 @@ import inspect
 import operator
 from collections.abc import Iterable
 
-__all__ = ["Buckets", "PowerOfTwoBuckets", "ContextBatchBuckets", "bucket_of", "nearest_bucket", "tokens_and_heads"]
+__all__ = ["Buckets", "PowerOfTwoBuckets", "ContextBatchBuckets", "bucket_of", "nearest_bucket"]
 
 
 def bucket_of(n, min_bucket=16):
@@ -27,17 +27,6 @@ def bucket_of(n, min_bucket=16):
 def nearest_bucket(bucket, tuned):
     """The tuned bucket nearest to ``bucket`` in log2 distance, the larger one on a tie."""
     return min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
-
-
-def tokens_and_heads(bucket: int, *, on_gpu: bool, heads: int | None = None) -> tuple[int, int]:
-    """``(tokens, heads)`` of a tuning problem whose bucket counts (token, head) rows: on a GPU 32
-    heads (Llama's query heads) and the tokens that fill the bucket; under the interpreter 5 heads
-    and an odd token count below 48 rows, so the rows are no multiple of any block."""
-    if on_gpu:
-        heads = heads or min(32, bucket)
-        return max(1, bucket // heads), heads
-    heads = heads or 5
-    return max(1, min(bucket, 48) // heads) | 1, heads
 
 
 class Buckets:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import triton
 
 from tilegen.device import DeviceInfo
@@ -11,18 +9,11 @@ from tilegen.families import base
 from tilegen.families.merge_states.lower import MAX_BLOCK_ELEMENTS
 from tilegen.families.merge_states.spec import MergeStatesSpec
 
-__all__ = ["Config", "search_space", "feasible", "default_rule"]
+__all__ = ["Config", "default_rule", "feasible", "search_space"]
 
 
-@dataclass(frozen=True, order=True)
-class Config(base.Config):
+class Config(base.RowBlockConfig):
     """Launch parameters of one merge kernel: rows ((token, head) pairs) per program, and warps."""
-
-    block_r: int
-    num_warps: int
-
-    def __str__(self) -> str:
-        return f"R{self.block_r}-w{self.num_warps}"
 
 
 def search_space(spec: MergeStatesSpec, device: DeviceInfo) -> dict[str, list[int]]:

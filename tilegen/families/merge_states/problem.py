@@ -13,7 +13,6 @@ from types import ModuleType
 import torch
 
 from tilegen.families import base
-from tilegen.families.buckets import tokens_and_heads
 from tilegen.families.merge_states.config import Config
 from tilegen.families.merge_states.reference import merge_reference
 from tilegen.families.merge_states.spec import MergeStatesSpec
@@ -22,19 +21,8 @@ __all__ = ["Problem", "check_merge", "random_lse"]
 
 
 @dataclass(frozen=True)
-class Problem(base.Problem):
+class Problem(base.RowsProblem):
     spec: MergeStatesSpec
-    tokens: int
-    heads: int
-    on_gpu: bool
-
-    @classmethod
-    def for_bucket(cls, spec: MergeStatesSpec, bucket: int, *, on_gpu: bool, heads: int | None = None) -> Problem:
-        return cls(spec, *tokens_and_heads(bucket, on_gpu=on_gpu, heads=heads), on_gpu)
-
-    @property
-    def rows(self) -> int:
-        return self.tokens * self.heads
 
     def inputs(self, seed: int):
         device = "cuda" if self.on_gpu else "cpu"

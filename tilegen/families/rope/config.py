@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import triton
 
 from tilegen.device import DeviceInfo
@@ -14,15 +12,8 @@ from tilegen.families.rope.spec import RopeSpec
 __all__ = ["Config", "default_rule", "feasible", "search_space"]
 
 
-@dataclass(frozen=True, order=True)
-class Config(base.Config):
+class Config(base.RowBlockConfig):
     """Launch parameters of one RoPE kernel: rows ((token, head) pairs) per program, and warps."""
-
-    block_r: int
-    num_warps: int
-
-    def __str__(self) -> str:
-        return f"R{self.block_r}-w{self.num_warps}"
 
 
 def search_space(spec: RopeSpec, device: DeviceInfo) -> dict[str, list[int]]:

@@ -13,7 +13,6 @@ from types import ModuleType
 import torch
 
 from tilegen.families import base
-from tilegen.families.buckets import tokens_and_heads
 from tilegen.families.rope.config import Config
 from tilegen.families.rope.reference import rope_reference, rope_tables
 from tilegen.families.rope.spec import RopeSpec
@@ -22,19 +21,8 @@ __all__ = ["Problem", "check_rope"]
 
 
 @dataclass(frozen=True)
-class Problem(base.Problem):
+class Problem(base.RowsProblem):
     spec: RopeSpec
-    tokens: int
-    heads: int
-    on_gpu: bool
-
-    @classmethod
-    def for_bucket(cls, spec: RopeSpec, bucket: int, *, on_gpu: bool, heads: int | None = None) -> Problem:
-        return cls(spec, *tokens_and_heads(bucket, on_gpu=on_gpu, heads=heads), on_gpu)
-
-    @property
-    def rows(self) -> int:
-        return self.tokens * self.heads
 
     def inputs(self, seed: int):
         device = "cuda" if self.on_gpu else "cpu"
