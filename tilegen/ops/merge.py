@@ -128,7 +128,6 @@ def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
     )
 
 
-
 def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:
     """Every check, raising with the argument's name at the first that fails; the spec."""
     for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):

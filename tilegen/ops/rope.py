@@ -106,7 +106,6 @@ def _plan(x, cos, sin, out) -> _Plan:
     )
 
 
-
 def _check(x, cos, sin, out) -> RopeSpec:
     """Every check, raising with the argument's name at the first that fails; the spec."""
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
