@@ -235,7 +235,7 @@ def test_bad_input_is_refused_before_any_kernel_is_generated(device, monkeypatch
 
     monkeypatch.setattr(attention_module, "run_with_config", fail)
     monkeypatch.setattr(attention_module, "_plan_for", fail)
-    monkeypatch.setattr(attention_module, "_table", fail)
+    monkeypatch.setattr(attention_module.dispatch, "table_on", fail)
     q, k, v = qkv(device)
     with raises(ValueError, "softcap:"):
         tilegen.attention(q, k, v, softcap=-2.0)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilegen.codegen import module_for
-from tilegen.device import DeviceInfo
+from tilegen.device import DeviceInfo, device_info
 from tilegen.families import Buckets, Config, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
@@ -144,6 +144,11 @@ def table_for(spec: Spec, device: DeviceInfo) -> Table:
     if table is None:
         table = _tables[key] = Table(spec, device, _load_rows(spec, device))
     return table
+
+
+def table_on(spec: Spec, device) -> Table:
+    """The spec's table for the GPU (or the interpreter) that a ``torch.device`` names."""
+    return table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def plan_cache() -> PlanCache:

@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from tilegen import dispatch, env
-from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.kv_append import KVAppendSpec
@@ -90,7 +89,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:
     """Which config ``append_kv`` runs these arguments with, and where it comes from."""
     spec = _check(cache, k, v, cu_seqlens)
-    return _table(spec, k.device).choose(k.shape[0])
+    return dispatch.table_on(spec, k.device).choose(k.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,16 +104,12 @@ _plans = dispatch.plan_cache()
 
 def _plan(cache, k, v, cu_seqlens) -> _Plan:
     spec = _check(cache, k, v, cu_seqlens)
-    table = _table(spec, k.device)
+    table = dispatch.table_on(spec, k.device)
     return _Plan(
         launches=k.shape[0] > 0 and k.shape[1] > 0,
         launch=table.launch,
         config=table.choose(k.shape[0]).config.to_dict(),
     )
-
-
-def _table(spec: KVAppendSpec, device: torch.device) -> dispatch.Table:
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:

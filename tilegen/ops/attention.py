@@ -146,7 +146,7 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
 
 def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Plan:
     """The plan of checked arguments: eager calls and the compiled custom op both launch through it."""
-    table = _table(spec, q.device)
+    table = dispatch.table_on(spec, q.device)
     choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
     out_shape = (batch, heads, n_q, spec.dv)
@@ -232,10 +232,6 @@ def _check_out(out, shape, q) -> None:
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
     return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
-
-
-def _table(spec: AttentionSpec, device: torch.device) -> dispatch.Table:
-    return dispatch.table_for(spec, device_info(_device_index(device)))
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from tilegen import dispatch
-from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
@@ -33,17 +32,13 @@ from tilegen.ops.rope import apply_rope
 __all__ = ["blockwise_ffn", "blockwise_layer", "explain_layer", "ffn_table", "layer_spec", "layer_table"]
 
 
-def _table(spec, device: torch.device) -> dispatch.Table:
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
-
-
 def ffn_table(spec: BlockwiseFFNSpec, device: torch.device) -> dispatch.Table:
-    return _table(spec, device)
+    return dispatch.table_on(spec, device)
 
 
 def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
     """The layer's tuned query blocks on ``device``; its ``launch`` is the generated schedule's."""
-    return _table(spec, device)
+    return dispatch.table_on(spec, device)
 
 
 def layer_spec(config: LayerConfig, dtype: torch.dtype) -> BlockwiseLayerSpec:

@@ -15,7 +15,7 @@ from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.rows import check_device, table_on, writable
+from tilegen.ops.tensors import check_device, writable
 
 __all__ = ["explain_merge", "merge_states"]
 
@@ -99,7 +99,7 @@ def merge_states(
 def explain_merge(o_a, lse_a, o_b, lse_b) -> dispatch.Choice:
     """Which config ``merge_states`` runs these arguments with, and where it comes from."""
     spec = _check(o_a, lse_a, o_b, lse_b, None, None)
-    return table_on(spec, o_a.device).choose(lse_a.numel())
+    return dispatch.table_on(spec, o_a.device).choose(lse_a.numel())
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
     spec = _check(o_a, lse_a, o_b, lse_b, out, out_lse)
     heads, dim = o_a.shape[-2], o_a.shape[-1]
     tokens = math.prod(o_a.shape[:-2])
-    table = table_on(spec, o_a.device)
+    table = dispatch.table_on(spec, o_a.device)
     return _Plan(
         launches=tokens * heads > 0,
         rows=(tokens, heads),

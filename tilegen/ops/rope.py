@@ -15,7 +15,7 @@ from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.rows import check_device, table_on, writable
+from tilegen.ops.tensors import check_device, writable
 
 __all__ = ["apply_rope", "explain_rope"]
 
@@ -77,7 +77,7 @@ def apply_rope(
 def explain_rope(x, cos, sin) -> dispatch.Choice:
     """Which config ``apply_rope`` runs these arguments with, and where it comes from."""
     spec = _check(x, cos, sin, None)
-    return table_on(spec, x.device).choose(math.prod(x.shape[:-1]))
+    return dispatch.table_on(spec, x.device).choose(math.prod(x.shape[:-1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +96,7 @@ def _plan(x, cos, sin, out) -> _Plan:
     spec = _check(x, cos, sin, out)
     heads, dim = x.shape[-2], x.shape[-1]
     tokens = math.prod(x.shape[:-2])
-    table = table_on(spec, x.device)
+    table = dispatch.table_on(spec, x.device)
     return _Plan(
         launches=tokens * heads > 0,
         rows3=(tokens, heads, dim),

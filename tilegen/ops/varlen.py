@@ -24,9 +24,7 @@ from typing import Any
 import torch
 
 from tilegen import dispatch, env
-from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.attention_fwd.masks import (
     launch_window,
     mask_kind,
@@ -38,6 +36,7 @@ from tilegen.ir import SpecError
 from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.memo import memoized
+from tilegen.ops.tensors import check_device
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -257,11 +256,8 @@ def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, pa
 
 
 def _table(spec: VarlenAttentionSpec, device: torch.device) -> dispatch.Table:
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("q: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q: device {device} is not supported; expected cuda")
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
+    check_device("q", device)
+    return dispatch.table_on(spec, device)
 
 
 def _output(plan: _Plan, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

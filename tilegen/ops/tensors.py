@@ -1,15 +1,13 @@
-"""Pieces shared by the ops over ``[tokens, heads, head_dim]`` rows (``merge_states``, ``apply_rope``):
-the device check, the dispatch table on a tensor's device, and writing through a view."""
+"""What several ops do with the tensors they are handed: check that the kernels can run on
+their device, and write through a view of them."""
 
 from __future__ import annotations
 
 import torch
 
-from tilegen import dispatch
-from tilegen.device import device_info
 from tilegen.env import interpreting
 
-__all__ = ["check_device", "table_on", "writable"]
+__all__ = ["check_device", "writable"]
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -19,11 +17,6 @@ def check_device(name: str, device: torch.device) -> None:
                          "TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: device {device} is not supported; expected cuda")
-
-
-def table_on(spec, device: torch.device) -> dispatch.Table:
-    """The spec's dispatch table for the GPU (or the interpreter) that ``device`` names."""
-    return dispatch.table_for(spec, device_info(device.index if device.type == "cuda" else None))
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
