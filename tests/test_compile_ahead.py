@@ -112,7 +112,11 @@ class _Pool:
     def __init__(self, processes, *, after=None):
         self.processes = processes
         self.buckets, self.ended, self.closed, self.started = [], 0, False, False
+        self.capability = None
         _Pool.made.append(self)
+
+    def target(self, capability):
+        self.capability = capability
 
     def start(self, fork=False):
         self.started = True
@@ -151,6 +155,7 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
         t.tune_many(SPEC, [64, 128])
     pool = _Pool.made[-1]
     assert pool.processes == 2 and pool.started and pool.closed and pool.ended == 2
+    assert pool.capability == (9, 0)  # what its processes compile for, without asking CUDA
     assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
     first, second = (configs for _, configs in pool.buckets)
     assert sorted(map(str, first)) == sorted(map(str, feasible))  # every feasible config, once
@@ -282,3 +287,28 @@ def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_con
         merged[::2], merged[1::2] = first[:len(first) - half], second[:half]
         feasible = AttentionFwd().candidates(SPEC, H200)
         assert merged == list(map(str, tuner._Choices(feasible).order(0, [], feasible)))
+
+
+def test_a_gpu_bucket_builds_on_meta_tensors_without_cuda_and_a_paged_one_falls_back():
+    from tilegen.families.attention_decode import AttentionDecode
+    from tilegen.families.attention_decode.spec import DecodeSpec
+
+    problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="bf16", mask="causal"), 4096, on_gpu=True)
+    generator = torch.Generator
+    with compile_ahead._OnMeta():
+        inputs = problem.inputs(0)
+        outputs = problem.outputs(inputs)
+        gen = torch.Generator("cuda")  # the Problems' seeded generators: CPU ones here
+    assert torch.Generator is generator and gen.device.type == "cpu"
+    tensors = [*inputs, *(t for t in outputs if t is not None)]
+    assert {t.device.type for t in tensors} == {"meta"}
+    # What Triton specializes on besides alignment: the GPU bucket's shapes, dtypes and strides.
+    q, k, v = inputs
+    assert q.shape == (problem.batch, problem.heads_q, 4096, 128) and k.shape == v.shape == \
+        (problem.batch, problem.heads_kv, 4096, 128)
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v, outputs[0]))
+    spec = DecodeSpec(head_dim=64, q_per_kv=4, dtype="bf16", page_size=16)
+    paged = AttentionDecode().problem(spec, AttentionDecode().buckets.pack(256, 4), on_gpu=True)
+    with pytest.raises(RuntimeError, match="meta"), compile_ahead._OnMeta():
+        paged.inputs(0)  # its page table is built from values: real inputs, on the GPU, then
+    assert torch.Generator is generator

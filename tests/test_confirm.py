@@ -116,9 +116,10 @@ def test_a_finished_bucket_is_confirmed_while_later_ones_are_measured(tmp_path):
     worker = Logged(FIRST, AGAIN)
     results, _ = _tune(tmp_path, worker, confirm=2, buckets=(16, 32, 64))
     grid = len(FAMILY.candidates(SPEC, CPU_INTERPRETER))
-    # Bucket 16 once 32 is measured, 32 once 64 is, and the last bucket at the end: a GPU that
-    # shares the studies goes on measuring while another confirms.
-    assert [i for i, e in enumerate(worker.events) if e == "compare"] == [2 * grid, 3 * grid + 1, 3 * grid + 2]
+    # Each bucket as soon as every process has measured it (here: at once), before the next one's
+    # trials: a GPU that shares the studies goes on measuring while another confirms, and none
+    # is left confirming at the end while the others wait.
+    assert [i for i, e in enumerate(worker.events) if e == "compare"] == [grid, 2 * grid + 1, 3 * grid + 2]
     assert all(r.best.config == CONFIGS[1] for r in results)
 
 

@@ -1,3 +1,3 @@
-from tilegen.cli import main
+from tilegen.cli import run
 
-main()
+run()

@@ -60,9 +60,9 @@ _LOGGED_CLI = (
     "logger = logging.getLogger('tilegen.tuning')\n"
     "logger.addHandler(handler)\n"
     "logger.setLevel(logging.DEBUG)\n"
-    "from tilegen.cli import main\n"
+    "from tilegen.cli import run\n"
     "sys.argv[0] = 'tilegen'\n"
-    "main()\n"
+    "run()\n"
 )
 _LOG_LINE = re.compile(r"^(\d+\.\d+) (\d+) tilegen\.tuning[.\w]*: (.*)$", re.MULTILINE)
 

@@ -9,6 +9,16 @@ specialization Triton keys its cache on (dtypes, 16-byte alignment, ints equal t
 divisible by 16, constexprs, options) is the one the worker's launch will have. The
 worker's JIT then loads each kernel from the disk cache in milliseconds.
 
+The inputs are built on torch's meta device: shapes, dtypes and strides without memory, at
+address 0, which is aligned as any allocation is. With Triton's questions to the driver
+(the current device and stream, the GPU's capability) answered from what the tune read from
+its GPU, a compile process then never starts CUDA. Contexts created at once on a host queue
+behind each other: on the 2-GPU H200 host, 16 compile processes that each made one were
+ready 2.2-2.5 s after the measuring workers' own, against 1.3 s for 8. A Problem whose inputs
+need values (a paged cache's page table, built from its lengths) falls back to real inputs
+on the GPU, made once the worker's context is up, as does a config whose launch fails on
+meta tensors.
+
 The processes only fill a cache: a config that fails to compile here is left to the worker
 (which records its compile error as before), tasks of a bucket that has ended are dropped,
 and the processes are killed when the tune closes, so a tune's results are the same with or
@@ -21,9 +31,9 @@ A tune starts the processes when it opens (``CompileAhead.start``), not at its f
 so their start-up overlaps the worker's and the studies'. Where the tune process has not yet
 initialized CUDA's driver and runs one thread, they are forked: copies with torch and Triton
 imported, which spawned ones would spend seconds each importing again, all at once. Each then
-waits for the measuring worker's CUDA context (contexts created at once queue behind each
-other), creates its own and compiles a tiny kernel, so the first bucket's first config does
-not pay those one-time costs.
+waits for the GPU's capability (``CompileAhead.target``, which the tuner sends once it has
+read its device) and compiles a tiny kernel, so the first bucket's first config does not pay
+Triton's one-time costs.
 
 ``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune
 on a GPU uses ``min(8, usable CPUs / 2 / tune processes on the host)``, and the interpreter,
@@ -52,8 +62,11 @@ _NICE = 10
 #: The most of the GPU's memory one compile process may take for a bucket's inputs: several
 #: processes hold a copy each beside the worker's own, which must never run out.
 _MEMORY_SHARE = 0.02
-#: The longest the processes wait for the flag they start after (a spawned worker imports torch first).
+#: The longest the processes wait for the worker's CUDA context, or for the GPU's capability
+#: (a spawned worker imports torch first).
 _AFTER_S = 10.0
+#: Kernel calls this process's launches reached (a failure past the first is Triton's, not the inputs').
+_KERNEL_CALLS = [0]
 log = logging.getLogger(__name__)
 
 
@@ -87,9 +100,12 @@ class CompileAhead:
     def __init__(self, processes: int, *, after=None):
         self.processes = max(0, int(processes))
         # A shared flag (the tuning worker's ``cuda_up``) the processes wait for, up to _AFTER_S
-        # seconds, before they create their CUDA contexts: the worker's comes first.
+        # seconds, before they create a CUDA context (only for a bucket that cannot go on meta
+        # tensors): the worker's comes first.
         self._after = after
         self._ctx = multiprocessing.get_context("spawn")  # the tune process may hold threads and CUDA-free state alike
+        # The GPU's compute capability, (0, 0) until ``target`` sets it; shared memory, as ``after`` is.
+        self._target = self._ctx.RawArray("i", 2)
         self._procs: list = []
         self._tasks = None
         self._done = None
@@ -111,6 +127,10 @@ class CompileAhead:
             from tilegen.tuning.worker import forkable
 
             self._start(fork=fork and forkable())
+
+    def target(self, capability: tuple[int, int]) -> None:
+        """The GPU's compute capability, which the processes compile for without asking CUDA."""
+        self._target[:] = list(capability)
 
     def bucket(self, family, problem, configs: list) -> None:
         if not self.processes or not configs:
@@ -162,7 +182,7 @@ class CompileAhead:
         ctx = multiprocessing.get_context("fork") if fork else self._ctx
         for _ in range(self.processes):
             proc = ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
-                                                    log.getEffectiveLevel(), self._after),
+                                                    log.getEffectiveLevel(), self._after, self._target),
                                name="tilegen-compile-ahead", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -213,13 +233,81 @@ def _compile_only() -> None:
     from triton.runtime import jit
 
     def warmup_item(self, grid):
-        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=True, **kwargs)
+        def run(*args, **kwargs):
+            _KERNEL_CALLS[0] += 1
+            return self.run(*args, grid=grid, warmup=True, **kwargs)
+
+        return run
 
     def refuse(self):
         raise RuntimeError("a compile-ahead process loads no kernel")
 
     jit.KernelInterface.__getitem__ = warmup_item
     compiler.CompiledKernel._init_handles = refuse
+
+
+def _answer_without_cuda(capability: tuple[int, int] | None) -> None:
+    """Answer the questions Triton's JIT asks the driver on every call without starting CUDA:
+    the device is 0 (a tune process sees its one GPU as 0, a one-process tune uses the
+    current one, 0), a warmup launches on no stream, and the capability is the one the tune
+    read from its GPU (left to the driver when not known)."""
+    from triton.runtime.driver import driver
+
+    active = driver.active
+    active.get_current_device = lambda: 0
+    active.get_current_stream = lambda device=None: 0
+    if capability is not None:
+        active.get_device_capability = lambda device=None: capability
+
+
+class _OnMeta:
+    """Every tensor built inside lands on torch's meta device: a Problem's inputs and outputs
+    with their shapes, dtypes and strides, no memory and no CUDA. Random generators are
+    dropped (a meta tensor holds no values) and ``torch.Generator`` makes CPU ones, which
+    start nothing. Code that needs values (``tolist``, a data-dependent shape) raises."""
+
+    def __enter__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._device import _device_constructors
+
+        constructors = _device_constructors()
+
+        def to_meta(value):
+            return "meta" if isinstance(value, (str, torch.device)) else value
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = dict(kwargs or {})
+                if func in constructors:
+                    kwargs["device"] = "meta"
+                    kwargs.pop("generator", None)
+                elif func is torch.Tensor.to:
+                    args = tuple(to_meta(a) for a in args)
+                    if "device" in kwargs:
+                        kwargs["device"] = "meta"
+                elif func in (torch.Tensor.cuda, torch.Tensor.cpu):
+                    return args[0].to("meta")
+                return func(*args, **kwargs)
+
+        class CpuGenerator(torch.Generator):  # a class still: modules imported meanwhile annotate with it
+            def __new__(cls, device=None):
+                return super().__new__(cls)
+
+            def __init__(self, device=None):
+                super().__init__()
+
+        self._generator = torch.Generator
+        torch.Generator = CpuGenerator
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self._mode.__exit__(*exc)
+        torch.Generator = self._generator
 
 
 @triton.jit
@@ -235,7 +323,7 @@ def first_compile(x) -> None:
     _first_compile[(1,)](x, N=16)
 
 
-def _warm_up() -> None:
+def _warm_up(device: str) -> None:
     """Pay the process's one-time costs of compiling before the first bucket's configs arrive: on
     the H200 host a compile process's first config took 2.2-3.7 s and the next ones 0.7-1.2 s
     (CUDA's context for the inputs, Triton's backend and tools), and the first trial waits for it."""
@@ -243,14 +331,47 @@ def _warm_up() -> None:
 
     start = time.perf_counter()
     try:
-        first_compile(torch.empty(16, device="cuda") if torch.cuda.is_available() else torch.empty(16))
+        first_compile(torch.empty(16, device=device))
     except Exception as e:  # noqa: BLE001 - only a head start: the first config pays it instead
         log.debug("compile ahead: warm-up failed: %s: %s", type(e).__name__, e)
         return
-    log.debug("compile ahead: warmed up in %.2f s", time.perf_counter() - start)
+    log.debug("compile ahead: warmed up in %.2f s (%s)", time.perf_counter() - start, device)
 
 
-def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, after=None) -> None:
+class _Bucket:
+    """One bucket's module and its inputs and outputs: on meta tensors, and on real ones (the
+    GPU's, or the interpreter's CPU) only once a launch needs them."""
+
+    def __init__(self, index: int, family, problem, after, on_meta: bool):
+        from tilegen.codegen import module_for
+        from tilegen.families import register
+
+        register(family)
+        self.index, self.problem, self._after = index, problem, after
+        self.module = module_for(problem.spec)
+        self.meta = self.real = None
+        self.refused = None  # why the bucket is the worker's alone
+        if on_meta:
+            try:
+                with _OnMeta():
+                    inputs = problem.inputs(0)
+                    self.meta = (inputs, problem.outputs(inputs))
+            except Exception as e:  # noqa: BLE001 - the inputs need values: real ones then
+                log.debug("compile ahead: %s builds on the GPU (%s: %s)", problem.spec.name, type(e).__name__, e)
+
+    def real_inputs(self):
+        if self.real is None:
+            deadline = time.monotonic() + _AFTER_S
+            while self.problem.on_gpu and self._after is not None and not self._after.value \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _check_memory(self.problem)
+            inputs = self.problem.inputs(0)
+            self.real = (inputs, self.problem.outputs(inputs))
+        return self.real
+
+
+def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, after=None, target=None) -> None:
     from tilegen.tuning.worker import _leave_with_parent, log_to_stderr
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tune's to handle
@@ -259,40 +380,56 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, afte
     log_to_stderr(level)
     # tilegen's own ops go through the JIT (which is in warmup here), never a direct launch.
     os.environ["TILEGEN_DIRECT_LAUNCH"] = "0"
-    from tilegen.codegen import module_for
-    from tilegen.families import register
 
     _compile_only()
+    # The capability comes from the tune once it has read its device; a first task may come first.
     deadline = time.monotonic() + _AFTER_S
-    while after is not None and not after.value and time.monotonic() < deadline:
+    while target is not None and not target[0] and tasks.empty() and time.monotonic() < deadline:
         time.sleep(0.01)
-    _warm_up()
+    try:
+        _answer_without_cuda(tuple(target) if target is not None and target[0] else None)
+        on_meta = True
+    except Exception as e:  # noqa: BLE001 - a driver of another shape: ask CUDA as the worker does
+        log.debug("compile ahead: the driver answers itself (%s: %s)", type(e).__name__, e)
+        on_meta = False
+    _warm_up("meta" if on_meta else "cuda")
     guard = _allocate_only()
-    built = None  # (bucket index, module, inputs, outputs); module None when the bucket's launch computes
+    built = None
     while True:
         index, family, problem, config = tasks.get()
         if index != current.value:
             continue  # its bucket has ended
-        if built is not None and built[0] == index and built[1] is None:
+        if built is not None and built.index == index and built.refused:
             continue  # every config's launch computes alike: the bucket is the worker's
         start = time.perf_counter()
         try:
-            if built is None or built[0] != index:
+            if built is None or built.index != index:
                 built = None
-                register(family)
-                _check_memory(problem)
-                module = module_for(problem.spec)
-                inputs = problem.inputs(0)
-                built = (index, module, inputs, problem.outputs(inputs))
-            _, module, inputs, outputs = built
-            with guard:
-                problem.launch(module, config, inputs, outputs)
-            status = "ok"
+                built = _Bucket(index, family, problem, after, on_meta)
+            status = _compile(built, config, guard)
         except _Refused as e:
-            status = str(e)
-            built = (index, None, None, None)
+            status = built.refused = str(e)
         except Exception as e:  # the worker meets the same error and records it
             status = f"{type(e).__name__}: {e}"[:500]
         seconds = time.perf_counter() - start
         log.debug("compile ahead: %s %s in %.2f s", config, "compiled" if status == "ok" else "failed", seconds)
         done.put((index, config.to_json(), status, seconds))
+
+
+def _compile(built: _Bucket, config, guard) -> str:
+    """Compile one config through the Problem's launch: on meta tensors where the bucket has them,
+    else (or where that launch fails) on real ones."""
+    if built.meta is not None:
+        _KERNEL_CALLS[0] = 0
+        try:
+            with guard:
+                built.problem.launch(built.module, config, *built.meta)
+            return "ok"
+        except Exception as e:
+            if isinstance(e, _Refused) or _KERNEL_CALLS[0]:
+                raise  # the launch computes with torch, or Triton refused the config: the same on any inputs
+            log.debug("compile ahead: %s on meta tensors: %s: %s", config, type(e).__name__, e)
+    inputs, outputs = built.real_inputs()
+    with guard:
+        built.problem.launch(built.module, config, inputs, outputs)
+    return "ok"

@@ -193,6 +193,8 @@ class Tuner:
                 # A worker of another kind (a replay of recorded timings) compiles nothing either.
                 compile_ahead = default_processes() if isinstance(self._worker, Worker) else 0
             self._ahead = CompileAhead(compile_ahead, after=getattr(self._worker, "cuda_up", None))
+        if not device.is_interpreter:
+            self._ahead.target(device.capability)  # its processes compile for it without starting CUDA
 
     def _open_studies(self) -> tuple[optuna.storages.RDBStorage, object]:
         if self._studies is None:
@@ -253,10 +255,10 @@ class Tuner:
                 run.done = self._measured(run.key, run.family)
             self._record(run)
             runs.append(run)
-            # An earlier bucket of this process's share that every process has finished is
-            # confirmed now, while the others go on measuring, rather than at the end, where
-            # only the last bucket's confirmation keeps a GPU busy.
-            for index, earlier in enumerate(runs[:-1]):
+            # A bucket of this process's share that every process has finished, this one
+            # included, is confirmed now, while the others go on measuring, rather than at the
+            # end, where a confirmation keeps one GPU busy while the others wait for it.
+            for index, earlier in enumerate(runs):
                 if self._confirms(index, earlier) and self._complete(earlier):
                     self._confirm(earlier)
         for run in runs:
