@@ -3,6 +3,7 @@
     python -m tilegen.bench.scaleout --out DIR            # 2 GPUs, then 1, mha-d128-causal, 7 buckets
     python -m tilegen.bench.scaleout --preset mha-d128-causal,mha-d64-causal --out DIR   # two variants, one command
     TRITON_INTERPRET=1 python -m tilegen.bench.scaleout --smoke --out DIR   # CPU, interpreter, tiny sizes
+    python -m tilegen.bench.scaleout --bytecode --out DIR   # the packages' bytecode compiled first
 
 Starts PostgreSQL from the ``pgserver`` package in a temporary folder, then runs a full grid
 tune (``--sampler grid``) of the preset over buckets 512..32768 with ``--gpus 0,1`` into one
@@ -22,7 +23,10 @@ measured to the end against the grid's size (a lost trial shows as fewer, a doub
 from the command's start to the first trial, each measuring process's first trial, the
 trials' own time and the gaps between them, the buckets whose winner was confirmed (timed
 again with its rivals) and the seconds that took, and the seconds from the last result to the
-command's exit. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
+command's exit. ``--bytecode`` first compiles the installed packages' bytecode into a folder
+that both runs read (``PYTHONPYCACHEPREFIX``): a machine that sets ``PYTHONDONTWRITEBYTECODE``
+and ships torch without bytecode compiles torch's sources in every run's first process, seconds
+a usual install does not spend. ``--smoke`` runs two interpreter workers (``--workers 2``) against one, on a d16
 spec at size 16; its times say nothing about GPUs, and winners are not compared. With several
 presets, buckets are named ``preset/bucket``.
 Exit status 1 when a trial was lost or doubled, or (on GPUs) the retimed winners differ by over 2%.
@@ -74,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", default="0,1", help="GPUs of the parallel run (default 0,1); the other uses the first.")
     parser.add_argument("--preset", help=f"Preset(s) both runs tune in one command, comma-separated (default "
                                          f"{PRESET}; with --smoke, a d16 spec).")
+    parser.add_argument("--bytecode", action="store_true",
+                        help="First compile the installed packages' bytecode into a folder of the benchmark's own "
+                             "(PYTHONPYCACHEPREFIX), which both runs then read: what pip install leaves, and a "
+                             "machine that sets PYTHONDONTWRITEBYTECODE or ships packages without it lacks.")
     args = parser.parse_args(argv)
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         # This process times differing winners again itself, and `import tilegen` has imported Triton.
@@ -101,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             first = args.gpus.split(",")[0]
             modes = {"parallel": ["--gpus", args.gpus], "single": []}
         variants = len(_specs(spec_args))
-        report: dict = {"smoke": args.smoke, "spec": spec_args, "sizes": list(sizes), "sampler": "grid",
-                        "warm_up_s": _warm_up()}
+        report: dict = {"smoke": args.smoke, "spec": spec_args, "sizes": list(sizes), "sampler": "grid"}
+        if args.bytecode:
+            report["bytecode_s"] = _bytecode(folder / "pycache")
+            print(f"bytecode compiled in {report['bytecode_s']} s", flush=True)
+        report["warm_up_s"] = _warm_up()
         print(f"warm-up (imports and a CUDA context, for the OS's file cache): {report['warm_up_s']} s", flush=True)
         for name in ("parallel", "single"):
             env = {**os.environ, "TRITON_CACHE_DIR": str(folder / name / "triton"),
@@ -144,6 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:
         bad |= not report["winners_within_2pct"]
     return 1 if bad else 0
+
+
+def _bytecode(prefix: Path) -> float:
+    """Compile the bytecode of every package a tune imports into ``prefix`` and point this process
+    (and so both runs) at it; the seconds that took."""
+    import site
+
+    import tilegen
+
+    roots = {Path(p) for p in (*site.getsitepackages(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p}
+    roots.add(Path(tilegen.__file__).parent)
+    os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *map(str, sorted(r for r in roots
+                                                                                        if r.is_dir()))],
+                   check=False, stdout=subprocess.DEVNULL, timeout=RUN_TIMEOUT_S)
+    return round(time.perf_counter() - start, 2)
 
 
 def _warm_up() -> float:

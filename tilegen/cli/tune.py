@@ -89,7 +89,7 @@ def tune(
     confirm: Optional[int] = typer.Option(
         None, help="Rivals each bucket's winner is timed again with, alternately on one GPU, before its row is "
         "stored: one measurement moves by a few percent between moments and between GPUs; 0 stores the best "
-        "first measurement (default: 2 on a GPU, 0 under the interpreter).",
+        "first measurement (default: 1 on a GPU, 0 under the interpreter).",
     ),
 ) -> None:
     """Measure configs of a spec (or several) per size bucket; store the fastest correct one for dispatch."""

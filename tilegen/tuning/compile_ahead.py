@@ -353,9 +353,11 @@ class _Bucket:
         from tilegen.codegen import module_for
         from tilegen.families import register
 
+        start = time.perf_counter()
         register(family)
         self.index, self.problem, self._after = index, problem, after
         self.module = module_for(problem.spec)
+        loaded = time.perf_counter()
         self.meta = self.real = None
         self.refused = None  # why the bucket is the worker's alone
         if on_meta:
@@ -365,6 +367,7 @@ class _Bucket:
                     self.meta = (inputs, problem.outputs(inputs))
             except Exception as e:  # noqa: BLE001 - the inputs need values: real ones then
                 log.debug("compile ahead: %s builds on the GPU (%s: %s)", problem.spec.name, type(e).__name__, e)
+        log.debug("compile ahead: bucket ready in %.2f s (module %.2f s)", time.perf_counter() - start, loaded - start)
 
     def real_inputs(self):
         if self.real is None:
