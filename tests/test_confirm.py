@@ -16,7 +16,7 @@ from tilegen.cli import app
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
-from tilegen.tuning import Tuner
+from tilegen.tuning import Tuner, tuner
 from tilegen.tuning.measure import Compare
 from tilegen.tuning.tuner import CONFIRM_ROUNDS
 from tilegen.tuning.worker import Worker
@@ -85,6 +85,14 @@ def test_the_winner_of_the_comparison_is_stored_with_its_new_time(tmp_path):
         assert FAMILY.config_type.from_dict(row.config) == CONFIGS[1]
 
 
+def test_one_rival_within_12_percent_is_compared_by_default(tmp_path):
+    # A first measurement 10% fast (as seen on an H200) still meets its rival; the third does not.
+    worker = _Scripted({0: 1.00, 1: 1.10, 2: 1.11, 3: 1.20, 4: 1.30}, {0: 1.12, 1: 1.09, 2: 1.10, 3: 1.2, 4: 1.3})
+    [result], _ = _tune(tmp_path, worker, confirm=tuner.CONFIRM_RIVALS)
+    assert [set(configs) for configs in worker.compared] == [{CONFIGS[0], CONFIGS[1]}]
+    assert result.best.config == CONFIGS[1] and result.best.time_ms == pytest.approx(1.09)
+
+
 def test_without_confirmation_the_best_first_measurement_wins(tmp_path):
     worker = _Scripted(FIRST, AGAIN)
     [result], _ = _tune(tmp_path, worker, confirm=0)
@@ -137,7 +145,7 @@ def test_a_failed_comparison_keeps_the_first_measurements(tmp_path):
 def test_confirmation_is_on_by_default_only_for_a_gpu_worker(tmp_path):
     with TuningDB(tmp_path / "t.sqlite") as db:
         with Tuner(db, H200, compile_ahead=0) as t:
-            assert t.confirm == 2
+            assert t.confirm == 1  # the runner-up
         with Tuner(db, CPU_INTERPRETER) as t:
             assert t.confirm == 0
         with Tuner(db, H200, worker=_Scripted(FIRST, AGAIN), compile_ahead=0) as t:

@@ -43,6 +43,7 @@ which compiles nothing, none.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import queue
@@ -345,6 +346,26 @@ def _warm_up(device: str) -> None:
     log.debug("compile ahead: warmed up in %.2f s (%s)", time.perf_counter() - start, device)
 
 
+def _warm_meta() -> None:
+    """Build a few tensors on the meta device as a Problem does, at once: torch's first meta
+    operations import its meta kernels and decompositions, which took 2.4-3.2 s in each compile
+    process of the 2-GPU H200 host (0.4-0.6 s with the packages' bytecode compiled), in the
+    first bucket's path; here they overlap the worker's start and the opening of the studies."""
+    import torch
+
+    start = time.perf_counter()
+    try:
+        with _OnMeta():
+            gen = torch.Generator("cuda").manual_seed(0)
+            x = torch.randn((2, 2, 16, 16), generator=gen, device="cuda", dtype=torch.bfloat16)
+            out = torch.full(x.shape, math.nan, device=x.device, dtype=x.dtype)
+            (x[:1, :1].to(torch.float32) + out[:1, :1]).cumsum(0).stride()
+    except Exception as e:  # noqa: BLE001 - only a head start: the first bucket pays it instead
+        log.debug("compile ahead: meta warm-up failed: %s: %s", type(e).__name__, e)
+        return
+    log.debug("compile ahead: meta tensors warmed up in %.2f s", time.perf_counter() - start)
+
+
 class _Bucket:
     """One bucket's module and its inputs and outputs: on meta tensors, and on real ones (the
     GPU's, or the interpreter's CPU) only once a launch needs them."""
@@ -392,6 +413,7 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, afte
     os.environ["TILEGEN_DIRECT_LAUNCH"] = "0"
 
     _compile_only()
+    _warm_meta()
     # The capability comes from the tune once it has read its device; a first task may come first.
     deadline = time.monotonic() + _AFTER_S
     while target is not None and not target[0] and tasks.empty() and time.monotonic() < deadline:
