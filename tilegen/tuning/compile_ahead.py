@@ -325,11 +325,10 @@ def first_compile(x) -> None:
 
 
 def _warm_up(device: str) -> None:
-    """Pay the process's one-time costs of compiling before the first bucket's configs arrive: on
-    the 2-GPU H200 host a compile process's first config took 2.1-3.6 s and the next ones 0.4-1.2
-    s (Triton's compiler, LLVM and ptxas starting), and the first trials wait for them. The tiny
-    kernel is compiled even when Triton's cache holds it (the measuring worker compiles it too):
-    a cache hit would start none of that."""
+    """Pay Triton's one-time costs of compiling (its compiler, LLVM and ptxas starting) before the
+    first bucket's configs arrive, which the first trials wait for. The tiny kernel is compiled
+    even when Triton's cache holds it (the measuring worker compiles it too): a cache hit would
+    start none of that."""
     import torch
     from triton import knobs
 
@@ -350,7 +349,8 @@ def _warm_meta() -> None:
     """Build a few tensors on the meta device as a Problem does, at once: torch's first meta
     operations import its meta kernels and decompositions, which took 2.4-3.2 s in each compile
     process of the 2-GPU H200 host (0.4-0.6 s with the packages' bytecode compiled), in the
-    first bucket's path; here they overlap the worker's start and the opening of the studies."""
+    first bucket's path; here they overlap the worker's start and the opening of the studies
+    (4.0-4.1 s there, 16 processes at once)."""
     import torch
 
     start = time.perf_counter()
