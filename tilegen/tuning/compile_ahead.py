@@ -366,6 +366,13 @@ def _warm_meta() -> None:
     log.debug("compile ahead: meta tensors warmed up in %.2f s", time.perf_counter() - start)
 
 
+def _wait_for(ready) -> None:
+    """Poll ``ready()`` (shared memory another process sets) until it holds, at most ``_AFTER_S`` s."""
+    deadline = time.monotonic() + _AFTER_S
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class _Bucket:
     """One bucket's module and its inputs and outputs: on meta tensors, and on real ones (the
     GPU's, or the interpreter's CPU) only once a launch needs them."""
@@ -392,10 +399,7 @@ class _Bucket:
 
     def real_inputs(self):
         if self.real is None:
-            deadline = time.monotonic() + _AFTER_S
-            while self.problem.on_gpu and self._after is not None and not self._after.value \
-                    and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _wait_for(lambda: not self.problem.on_gpu or self._after is None or self._after.value)
             _check_memory(self.problem)
             inputs = self.problem.inputs(0)
             self.real = (inputs, self.problem.outputs(inputs))
@@ -415,9 +419,7 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, afte
     _compile_only()
     _warm_meta()
     # The capability comes from the tune once it has read its device; a first task may come first.
-    deadline = time.monotonic() + _AFTER_S
-    while target is not None and not target[0] and tasks.empty() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for(lambda: target is None or target[0] or not tasks.empty())
     try:
         _answer_without_cuda(tuple(target) if target is not None and target[0] else None)
         on_meta = True
