@@ -312,3 +312,44 @@ def test_a_gpu_bucket_builds_on_meta_tensors_without_cuda_and_a_paged_one_falls_
     with pytest.raises(RuntimeError, match="meta"), compile_ahead._OnMeta():
         paged.inputs(0)  # its page table is built from values: real inputs, on the GPU, then
     assert torch.Generator is generator
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_attention_buckets_meta_inputs_import_nothing_more(dtype):
+    """Random tensors on meta run torch's Python reference code, whose first call imports sympy:
+    seconds per compile process where packages ship without bytecode, in the first bucket's
+    path. An attention bucket's inputs are random and NaN-filled tensors only, so building them
+    on meta must import nothing; a fresh interpreter shows it."""
+    code = f"""
+import sys, torch, torch.utils._device  # the latter is what _OnMeta itself uses
+from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.tuning.compile_ahead import _OnMeta
+problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="{dtype}", mask="causal", q_per_kv=4), 8192, on_gpu=True)
+before = set(sys.modules)
+with _OnMeta():
+    inputs = problem.inputs(0)
+    outputs = problem.outputs(inputs)
+assert {{t.device.type for t in (*inputs, *outputs) if t is not None}} == {{"meta"}}
+print(sorted(set(sys.modules) - before))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_random_tensors_on_meta_keep_their_shape_and_dtype():
+    with compile_ahead._OnMeta():
+        gen = torch.Generator("cuda").manual_seed(0)
+        made = [
+            torch.randn(2, 3, generator=gen, device="cuda", dtype=torch.bfloat16), torch.randn((2, 3)),
+            torch.randn(torch.Size([4])), torch.randn(size=(5,)), torch.rand(3, 4),
+            torch.randint(0, 5, (2, 2), generator=gen), torch.randint(7, (3,)),
+            torch.randint(0, 5, size=(6,), dtype=torch.int32),
+            torch.randn_like(torch.empty(3, 2, dtype=torch.float16)), torch.randn(()),
+        ]
+    assert [(t.device.type, tuple(t.shape), t.dtype) for t in made] == [
+        ("meta", (2, 3), torch.bfloat16), ("meta", (2, 3), torch.float32), ("meta", (4,), torch.float32),
+        ("meta", (5,), torch.float32), ("meta", (3, 4), torch.float32), ("meta", (2, 2), torch.int64),
+        ("meta", (3,), torch.int64), ("meta", (6,), torch.int32), ("meta", (3, 2), torch.float16),
+        ("meta", (), torch.float32),
+    ]

@@ -265,7 +265,14 @@ class _OnMeta:
     """Every tensor built inside lands on torch's meta device: a Problem's inputs and outputs
     with their shapes, dtypes and strides, no memory and no CUDA. Random generators are
     dropped (a meta tensor holds no values) and ``torch.Generator`` makes CPU ones, which
-    start nothing. Code that needs values (``tolist``, a data-dependent shape) raises."""
+    start nothing. Code that needs values (``tolist``, a data-dependent shape) raises.
+
+    Random tensors are made as empty ones: torch's random functions on meta run its Python
+    reference code, whose first call imports sympy (about 500 modules), and that took 2.4-3.2 s
+    per process on the 2-GPU H200 host (4.0-4.1 s with 16 processes at once), where packages
+    ship without bytecode, in the first bucket's path. Arithmetic on meta tensors imports more
+    (torch._dynamo); a Problem that computes its inputs pays that once per process, at its
+    first bucket."""
 
     def __enter__(self):
         import torch
@@ -273,13 +280,27 @@ class _OnMeta:
         from torch.utils._device import _device_constructors
 
         constructors = _device_constructors()
+        random = {torch.randn, torch.rand, torch.randint}
+        random_like = {torch.randn_like, torch.rand_like, torch.randint_like}
 
         def to_meta(value):
             return "meta" if isinstance(value, (str, torch.device)) else value
 
+        def empty(func, args, kwargs):
+            if func in random_like:
+                return torch.empty_like(args[0], dtype=kwargs.get("dtype"), device="meta")
+            if func is torch.randint:  # randint([low,] high, size)
+                size, dtype = kwargs.get("size", args[-1] if args else None), kwargs.get("dtype", torch.int64)
+            else:  # randn(*size) or randn(size)
+                one = len(args) == 1 and isinstance(args[0], (tuple, list))
+                size, dtype = kwargs.get("size", args[0] if one else args), kwargs.get("dtype")
+            return torch.empty(size, dtype=dtype, device="meta", requires_grad=kwargs.get("requires_grad", False))
+
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = dict(kwargs or {})
+                if func in random or func in random_like:
+                    return empty(func, args, kwargs)
                 if func in constructors:
                     kwargs["device"] = "meta"
                     kwargs.pop("generator", None)
@@ -345,27 +366,6 @@ def _warm_up(device: str) -> None:
     log.debug("compile ahead: warmed up in %.2f s (%s)", time.perf_counter() - start, device)
 
 
-def _warm_meta() -> None:
-    """Build a few tensors on the meta device as a Problem does, at once: torch's first meta
-    operations import its meta kernels and decompositions, which took 2.4-3.2 s in each compile
-    process of the 2-GPU H200 host (0.4-0.6 s with the packages' bytecode compiled), in the
-    first bucket's path; here they overlap the worker's start and the opening of the studies
-    (4.0-4.1 s there, 16 processes at once)."""
-    import torch
-
-    start = time.perf_counter()
-    try:
-        with _OnMeta():
-            gen = torch.Generator("cuda").manual_seed(0)
-            x = torch.randn((2, 2, 16, 16), generator=gen, device="cuda", dtype=torch.bfloat16)
-            out = torch.full(x.shape, math.nan, device=x.device, dtype=x.dtype)
-            (x[:1, :1].to(torch.float32) + out[:1, :1]).cumsum(0).stride()
-    except Exception as e:  # noqa: BLE001 - only a head start: the first bucket pays it instead
-        log.debug("compile ahead: meta warm-up failed: %s: %s", type(e).__name__, e)
-        return
-    log.debug("compile ahead: meta tensors warmed up in %.2f s", time.perf_counter() - start)
-
-
 def _wait_for(ready) -> None:
     """Poll ``ready()`` (shared memory another process sets) until it holds, at most ``_AFTER_S`` s."""
     deadline = time.monotonic() + _AFTER_S
@@ -417,7 +417,6 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, afte
     os.environ["TILEGEN_DIRECT_LAUNCH"] = "0"
 
     _compile_only()
-    _warm_meta()
     # The capability comes from the tune once it has read its device; a first task may come first.
     _wait_for(lambda: target is None or target[0] or not tasks.empty())
     try:
