@@ -47,16 +47,19 @@ def cases():
 def ahead(processes: int) -> None:
     from tilegen.tuning.compile_ahead import CompileAhead
 
-    reports = []
+    reports, waited = [], []
     start = time.perf_counter()
     with CompileAhead(processes) as pool:
         pool.start(fork=True)  # as a tune starts them: copies of this process, which has not loaded CUDA
         started = sorted({proc._popen.method for proc in pool._procs})
         for family, problem, configs in cases():
             pool.bucket(family, problem, configs)
+            # With 2 processes the first two configs start at once; the third waits its turn.
+            waited.append([pool.wait(configs[0], timeout=300), pool.wait(configs[2], timeout=300)])
             reports += pool.reports(wait_for=len(configs), timeout=300)
             pool.end_bucket()
-    print(json.dumps({"reports": reports, "started": started, "seconds": time.perf_counter() - start}), flush=True)
+    print(json.dumps({"reports": reports, "waited": waited, "started": started,
+                      "seconds": time.perf_counter() - start}), flush=True)
 
 
 def launch() -> None:

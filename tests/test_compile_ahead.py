@@ -59,6 +59,10 @@ def rounds(tmp_path_factory):
 def test_the_worker_launch_finds_every_kernel_the_pool_compiled(rounds):
     ahead, warm, cold, before, after = rounds
     assert ahead["started"] == ["fork"]
+    # The first config of each bucket was waited for and compiled; the third (broken), which no
+    # process took up at once, was not waited for; waiting kept every report for ``reports``.
+    assert ahead["waited"] == [[True, False], [True, False]]
+    assert len(ahead["reports"]) == 6
     assert sum(status == "ok" for _, _, status, _ in ahead["reports"]) == 4
     # Without the pool the launches compile (the two decode configs differ in the split count only: one kernel).
     assert cold["built"] >= 3
@@ -113,6 +117,7 @@ class _Pool:
         self.processes = processes
         self.buckets, self.ended, self.closed, self.started = [], 0, False, False
         self.capability = None
+        self.waited = []
         _Pool.made.append(self)
 
     def target(self, capability):
@@ -126,6 +131,10 @@ class _Pool:
 
     def end_bucket(self):
         self.ended += 1
+
+    def wait(self, config):
+        self.waited.append((len(self.buckets), config))
+        return True
 
     def close(self):
         self.closed = True
@@ -156,6 +165,8 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
     pool = _Pool.made[-1]
     assert pool.processes == 2 and pool.started and pool.closed and pool.ended == 2
     assert pool.capability == (9, 0)  # what its processes compile for, without asking CUDA
+    # Only the first trial waits for its config's compile: every later one finds its config compiled ahead.
+    assert pool.waited == [(1, worker.measured[0])]
     assert [spec for spec, _ in pool.buckets] == [SPEC, SPEC]
     first, second = (configs for _, configs in pool.buckets)
     assert sorted(map(str, first)) == sorted(map(str, feasible))  # every feasible config, once

@@ -54,7 +54,7 @@ import time
 import triton
 import triton.language as tl
 
-__all__ = ["ENV", "CompileAhead", "default_processes"]
+__all__ = ["ENV", "FIRST_WAIT_S", "CompileAhead", "default_processes"]
 
 ENV = "TILEGEN_COMPILE_AHEAD"
 _MAX_PROCESSES = 8
@@ -66,6 +66,10 @@ _MEMORY_SHARE = 0.02
 #: The longest the processes wait for the worker's CUDA context, or for the GPU's capability
 #: (a spawned worker imports torch first).
 _AFTER_S = 10.0
+#: The longest a tune's first trial waits for the compile processes to compile its config.
+#: Its worker would compile it itself once warmed up: on the 2-GPU H200 host a compile process
+#: had the first config (BM64-BN128-w4-s3, 1.9-2.1 s to compile) 1.0-1.5 s before the worker.
+FIRST_WAIT_S = 5.0
 #: Kernel calls this process's launches reached (a failure past the first is Triton's, not the inputs').
 _KERNEL_CALLS = [0]
 log = logging.getLogger(__name__)
@@ -112,6 +116,9 @@ class CompileAhead:
         self._done = None
         self._current = None  # the bucket the processes serve; a task of another is dropped
         self._index = 0
+        self._forked = False
+        self._front: set[str] = set()  # the current bucket's configs the processes take first, at once
+        self._backlog: list[tuple] = []  # reports ``wait`` read, which ``reports`` has yet to give
 
     def __enter__(self) -> CompileAhead:
         return self
@@ -139,6 +146,7 @@ class CompileAhead:
         self.start()
         self._index += 1
         self._current.value = self._index
+        self._front = {c.to_json() for c in configs[:self.processes]}
         for config in configs:
             self._tasks.put((self._index, family, problem, config))
         log.debug("compile ahead: %d configs queued for %s", len(configs), problem.spec.name)
@@ -147,9 +155,26 @@ class CompileAhead:
         if self._current is not None:
             self._current.value = 0
 
+    def wait(self, config, timeout: float = FIRST_WAIT_S) -> bool:
+        """Wait up to ``timeout`` s for the processes to compile ``config`` of the current bucket,
+        where one of them took it up as the bucket was queued (one of the first ``processes``
+        configs) and they were forked, so ready by then; ``True`` once it is compiled."""
+        key = config.to_json()
+        if not self._forked or key not in self._front or self._done is None:
+            return False
+        deadline = time.monotonic() + timeout
+        while True:
+            for index, done, status, _ in self._backlog:
+                if index == self._index and done == key:
+                    return status == "ok"
+            try:
+                self._backlog.append(self._done.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                return False
+
     def reports(self, wait_for: int = 0, timeout: float = 0.0) -> list[tuple]:
         """What the processes reported since the last call; waits up to ``timeout`` s for ``wait_for`` reports."""
-        got = []
+        got, self._backlog = self._backlog, []
         if self._done is None:
             return got
         deadline = time.monotonic() + timeout
@@ -181,6 +206,7 @@ class CompileAhead:
         # Lock-free: a child killed while reading it must not leave a lock held.
         self._current = self._ctx.RawValue("i", 0)
         ctx = multiprocessing.get_context("fork") if fork else self._ctx
+        self._forked = fork
         for _ in range(self.processes):
             proc = ctx.Process(target=_serve, args=(self._tasks, self._done, self._current, os.getpid(),
                                                     log.getEffectiveLevel(), self._after, self._target),

@@ -178,6 +178,7 @@ class Tuner:
         self.worker_index = worker_index
         self.worker_count = max(1, worker_count)
         self._label = f"{socket.gethostname()}:{os.getpid()}"
+        self._first_trial = True
         self._studies = None
         self._worker = worker or Worker()
         if confirm is None:
@@ -564,6 +565,12 @@ class Tuner:
             result = TrialResult(config, "infeasible", reason=reason)
         else:
             task = (family, problem, config, self.seed * 1_000_003 + trial.number)
+            if self._first_trial:
+                # Later trials find their configs compiled ahead; the first one's compile started
+                # with its bucket, while the worker may still be warming up.
+                self._first_trial = False
+                if self._ahead.wait(config):
+                    log.debug("trial %d: compiled ahead", trial.number)
             log.debug("trial %d: measuring %s", trial.number, config)
             result = TrialResult(config, **self._worker.measure(task, self.trial_timeout))
             log.debug("trial %d: %s", trial.number, result.status)
