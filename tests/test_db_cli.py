@@ -83,6 +83,25 @@ def test_list_prints_every_tuned_row(populated):
         assert text in result.stdout
 
 
+def test_list_says_which_rows_dispatch_can_never_use_and_why(populated):
+    with TuningDB(populated) as db:
+        _best(db, OTHER_SPEC, 128, 4.0, Config(16, 16, 4, 1), template_hash="0" * 16)
+        why = {(row.spec_hash, row.bucket, row.triton_version): TuningDB.why_stale(row) for row in db.list_tuned()}
+    old = "other Triton"
+    assert why == {
+        (SPEC.hash, 64, triton.__version__): None, (SPEC.hash, 128, triton.__version__): None,
+        (OTHER_SPEC.hash, 64, triton.__version__): None, (SPEC.hash, 64, "0.0-old"): old,
+        (OTHER_SPEC.hash, 128, triton.__version__): "template changed",
+    }
+    result = runner.invoke(app, ["db", "--db", str(populated), "list"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    assert "unused" in result.stdout and old in result.stdout and "template changed" in result.stdout
+    assert f"2 of the tuned configs in {populated} are ones dispatch here can never use" in result.stderr
+    assert invoke("db", "--db", populated, "prune", "--yes").exit_code == 0
+    result = invoke("db", "--db", populated, "list")
+    assert result.exit_code == 0 and "can never use" not in result.stderr
+
+
 def test_list_reads_tilegen_db_by_default(populated, monkeypatch):
     monkeypatch.setenv("TILEGEN_DB", str(populated))
     result = invoke("db", "list")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
+import triton
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -93,11 +94,13 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
     """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
     path = _path(ctx, db)
     console = _console()
+    stale = 0
     if path.exists():
         with _open(path) as database:
             rows = database.list_tuned()
         if rows:
-            console.print(_tuned_table(rows, title=str(path)))
+            console.print(_tuned_table(rows, title=str(path), stale=True))
+            stale = sum(TuningDB.why_stale(row) is not None for row in rows)
         else:
             typer.echo(f"no tuned configs in {path}", err=True)
     else:
@@ -106,7 +109,12 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
     if shipped is not None:
         with _open(shipped) as database:
             rows = database.list_tuned()
-        console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}"))
+        console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}",
+                                   stale=True))
+    if stale:
+        typer.echo(f"{stale} of the tuned configs in {path} are ones dispatch here can never use (the 'unused' "
+                   f"column says why: their kernel's template has changed since, or they were tuned with another "
+                   f"Triton than the installed {triton.__version__}); `tilegen db prune` deletes them", err=True)
 
 
 @db_app.command()
@@ -392,10 +400,12 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
+def _tuned_table(rows: list[TunedRow], *, title: str, stale: bool = False) -> Table:
+    """The rows as a table; with ``stale``, a last column says why dispatch here can never use a
+    row (empty for the rows it can)."""
     table = Table(title=title)
     for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date",
-                 "from"):
+                 "from", *(("unused",) if stale else ())):
         table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left",
                          no_wrap=name == "bucket")
     for row in rows:
@@ -403,6 +413,7 @@ def _tuned_table(rows: list[TunedRow], *, title: str) -> Table:
             row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, _bucket_text(row),
             _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
             _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"), row.provenance,
+            *((TuningDB.why_stale(row) or "",) if stale else ()),
         )
     return table
 
