@@ -127,6 +127,11 @@ def test_the_ffn_op_names_bad_arguments(device):
         tilegen.blockwise_ffn(x, **good, eps=0.0)
     with pytest.raises(SpecError, match="norm"):
         BlockwiseFFNSpec(d_model=8, d_ffn=8, norm="batchnorm")
+    rows = torch.cat([x, x[:1]]).clone()  # x's rows and one more, in one buffer
+    with pytest.raises(ValueError, match="^out: overlaps x in memory; pass x itself, or a tensor of its own"):
+        tilegen.blockwise_ffn(rows[:5], **good, out=rows[1:])
+    with pytest.raises(ValueError, match="^out: overlaps w_up in memory"):
+        tilegen.blockwise_ffn(x, **good, out=w.w_up.flatten()[:5 * D_MODEL].view(5, D_MODEL))
 
 
 # --------------------------------------------------------------------------------- the layer
@@ -177,6 +182,9 @@ def test_the_layer_takes_a_batch_the_default_block_and_out(device):
         y = x.clone()
         assert tilegen.blockwise_layer(y, weights, layer, block=BLOCK, out=y) is y
         assert relative_error(y, reference_layer(x, weights, layer, compute_dtype=torch.float64))[0] < 1e-4
+    rows = torch.cat([x[1], x[1, :1]]).clone()
+    with pytest.raises(ValueError, match="^out: overlaps x in memory; pass x itself"):
+        tilegen.blockwise_layer(rows[:37], weights, config, out=rows[1:])
     # Each query block really sees only its keys: a block size of one row gives the same layer.
     one = tilegen.blockwise_layer(x[1, :9], weights, config, block=1)
     assert relative_error(one, reference_layer(x[1, :9], weights, config, compute_dtype=torch.float64))[0] < 1e-4

@@ -191,6 +191,26 @@ def test_bad_input_names_the_argument(make, kwargs, exc, prefix, device):
         tilegen.merge_states(*make(*parts), **kwargs)
 
 
+def test_an_out_overlapping_an_input_or_itself_is_refused(device):
+    o_a, lse_a, o_b, lse_b = make_parts((5, 3, 24), torch.float32, device)
+    want, want_lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+    rows = torch.cat([o_a, o_a[:1]]).clone()
+    with _raises(ValueError, "out: overlaps o_a in memory; pass o_a or o_b itself, or a tensor of its own"):
+        tilegen.merge_states(rows[:5], lse_a, o_b, lse_b, out=rows[1:])
+    lses = torch.cat([lse_b, lse_b[:1]]).clone()
+    with _raises(ValueError, "out_lse: overlaps lse_b in memory; pass lse_a or lse_b itself"):
+        tilegen.merge_states(o_a, lse_a, o_b, lses[:5], out_lse=lses[1:])
+    both = torch.empty(5 * 3 * 24 + 5 * 3, device=device)
+    with _raises(ValueError, "out: overlaps out_lse in memory"):
+        tilegen.merge_states(o_a, lse_a, o_b, lse_b, out=both[:360].view(5, 3, 24), out_lse=both[350:365].view(5, 3))
+    with _raises(ValueError, "out: overlaps itself"):
+        tilegen.merge_states(o_a, lse_a, o_b, lse_b, out=torch.zeros(5, 1, 24, device=device).expand(5, 3, 24))
+    # Into o_b and lse_a themselves: each program reads its rows before it writes them.
+    a, la, b, lb = (t.clone() for t in (o_a, lse_a, o_b, lse_b))
+    out, out_lse = tilegen.merge_states(a, la, b, lb, out=b, out_lse=la)
+    assert out is b and out_lse is la and torch.equal(b, want) and torch.equal(la, want_lse)
+
+
 def test_a_head_dim_past_the_kernel_s_bound_is_refused(device):
     parts = make_parts((2, 1, 513), torch.float32, device)
     with _raises(ValueError, "o_a: head_dim 513 is not supported; expected 1..512"):

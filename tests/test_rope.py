@@ -160,6 +160,24 @@ def test_bad_input_names_the_argument(build, kwargs, exc, prefix, device):
         tilegen.apply_rope(*build(*parts), **kwargs)
 
 
+def test_an_out_overlapping_an_input_or_itself_is_refused(device):
+    """In place is x itself; any other out that shares memory with an input would be written by
+    one program while another still reads it."""
+    x, cos, sin = make((5, 3, 24), torch.float32, device)
+    want = tilegen.apply_rope(x, cos, sin)
+    rows = torch.cat([x, x[:1]]).clone()  # x's rows and one more, in one buffer
+    with _raises(ValueError, "out: overlaps x in memory; pass x itself, or a tensor of its own"):
+        tilegen.apply_rope(rows[:5], cos, sin, out=rows[1:])
+    shared = torch.cat([cos.flatten(), torch.zeros(360 - 60, device=device)])
+    with _raises(ValueError, "out: overlaps cos in memory"):
+        tilegen.apply_rope(x, shared[:120].view(5, 24), sin, out=shared[60:].view(5, 3, 24))
+    with _raises(ValueError, "out: overlaps itself (stride 0 in dimension 0"):
+        tilegen.apply_rope(x, cos, sin, out=torch.zeros(3, 24, device=device).expand(5, 3, 24))
+    y = rows[:5]
+    assert tilegen.apply_rope(y, cos, sin, out=y) is y
+    assert torch.equal(y, want) and torch.equal(rows[5], x[0])  # the row past the view is untouched
+
+
 def test_a_head_dim_past_the_kernel_s_bound_is_refused(device):
     x, cos, sin = make((2, 1, 514), torch.float32, device)
     with _raises(ValueError, "x: head_dim 514 is not supported; expected an even number in 2..512"):

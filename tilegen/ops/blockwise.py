@@ -28,6 +28,7 @@ from tilegen.layers.config import LayerConfig
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 from tilegen.ops.rope import apply_rope
+from tilegen.ops.tensors import check_out
 
 __all__ = ["blockwise_ffn", "blockwise_layer", "explain_layer", "ffn_table", "layer_spec", "layer_table"]
 
@@ -74,7 +75,7 @@ def blockwise_ffn(
         w_down: ``[d_model, d_ffn]``.
         norm: ``rmsnorm`` or ``layernorm``.
         eps: the norm's epsilon.
-        out: where to write ``[tokens, d_model]`` (may be ``x`` itself, not a partial overlap).
+        out: where to write ``[tokens, d_model]`` (may be ``x`` itself; a partial overlap is refused).
 
     Every tensor must have ``x``'s dtype and device; an error names the argument that does not.
     """
@@ -117,6 +118,9 @@ def blockwise_ffn(
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
     if out is None:
         out = torch.empty_like(x)
+    else:
+        check_out("out", out, {"x": x, **{name: t for name, (t, _) in expected.items() if name != "out"}},
+                  may_be=("x",))
     if n == 0:
         return out
     spec = BlockwiseFFNSpec(d_model=d, d_ffn=f, norm=norm, ffn=ffn, dtype=SPEC_DTYPES[x.dtype])
@@ -151,7 +155,7 @@ def blockwise_layer(
             block for this many tokens (``explain_layer`` says which): on a GPU 4096 untuned.
         out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
             (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
-            block writes them), but not a view that overlaps ``x`` partly.
+            block writes them); a view that overlaps ``x`` partly, or a weight, is refused.
 
     Returns the layer's output, ``x``'s shape and dtype; it computes the function of
     ``tilegen.layers.reference_layer``. Weights that do not match the config (missing,
@@ -162,6 +166,8 @@ def blockwise_layer(
         out = torch.empty_like(x)
     elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out: expected a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
+    else:
+        check_out("out", out, {"x": x, **w}, may_be=("x",))
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block: expected a positive int, got {block!r}")
     n = x.shape[-2]

@@ -15,7 +15,7 @@ from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, writable
+from tilegen.ops.tensors import check_device, check_out, writable
 
 __all__ = ["explain_merge", "merge_states"]
 
@@ -43,7 +43,7 @@ def merge_states(
             any strides.
         lse_a, lse_b: fp32 ``[..., heads]`` (``o``'s shape without head_dim), same device.
         out: write the merged output here (``o_a``'s shape and dtype, any strides); it may be
-            ``o_a`` or ``o_b`` itself, and must not otherwise overlap an input.
+            ``o_a`` or ``o_b`` itself, and must not otherwise overlap an input (one that does is refused).
         out_lse: write the merged LSE here (``lse_a``'s shape, fp32); it may be ``lse_a`` or ``lse_b``,
             likewise.
 
@@ -75,6 +75,13 @@ def merge_states(
             _plans.put(key, plan)
     # empty_like, not new_empty(shape): a torch.Size argument takes torch's slow path (on the H200's
     # host 5.1 us against 1.6 for empty_like), a large part of a short call.
+    # Addresses change from call to call, so these are not part of the plan.
+    if out is not None:
+        check_out("out", out, {"o_a": o_a, "o_b": o_b, "lse_a": lse_a, "lse_b": lse_b, "out_lse": out_lse},
+                  may_be=("o_a", "o_b"))
+    if out_lse is not None:
+        check_out("out_lse", out_lse, {"lse_a": lse_a, "lse_b": lse_b, "o_a": o_a, "o_b": o_b},
+                  may_be=("lse_a", "lse_b"))
     if out is None:
         out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
     if out_lse is None:

@@ -15,7 +15,7 @@ from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, writable
+from tilegen.ops.tensors import check_device, check_out, writable
 
 __all__ = ["apply_rope", "explain_rope"]
 
@@ -40,7 +40,7 @@ def apply_rope(
         x: ``[..., heads, head_dim]``, fp16, bf16 or fp32, any strides; ``head_dim`` even, at most 512.
         cos, sin: ``[..., head_dim]``, ``x``'s shape without ``heads``, fp32, bf16 or fp16, on ``x``'s device.
         out: write the result here (``x``'s shape and dtype, any strides); it may be ``x`` itself
-            (in place), and must not otherwise overlap an input.
+            (in place), and must not otherwise overlap an input (one that does is refused).
 
     Returns ``out`` when given, else a new tensor. Every call checks shapes, dtypes and devices on the
     host (a call shaped like an earlier one reuses its checked plan); it does not synchronize. Under
@@ -63,6 +63,8 @@ def apply_rope(
             _plans.put(key, plan)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:  # addresses change from call to call, so this is not part of the plan
+        check_out("out", out, {"x": x, "cos": cos, "sin": sin}, may_be=("x",))
     if plan.launches:
         rows3, rows2 = plan.rows3, plan.rows2
         view = writable(out, rows3)

@@ -7,7 +7,7 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["check_device", "writable"]
+__all__ = ["check_device", "check_out", "writable"]
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -25,3 +25,44 @@ def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
         return t.view(shape)
     except RuntimeError:
         return None
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[first, last + 1)`` that ``t``'s elements lie in; None when it has none."""
+    if t.numel() == 0:
+        return None
+    first = last = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride * t.element_size()
+        if reach < 0:
+            first += reach
+        else:
+            last += reach
+    return first, last + t.element_size()
+
+
+def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | None], may_be: tuple[str, ...] = ()) -> None:
+    """Raise, naming ``name``, when ``out`` overlaps itself or one of ``inputs`` in memory, unless
+    it is exactly one of the ``may_be`` inputs (same address, shape and strides): the kernels
+    read an input's row and write the output's in one program, and another program's write to
+    memory still to be read, or two writes to one element, would be a silently wrong answer.
+    Spans are compared, so a view interleaved with an input (every other element each) is
+    refused too, though the two share no element."""
+    for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
+        if stride == 0 and size > 1:
+            raise ValueError(f"{name}: overlaps itself (stride 0 in dimension {dim}, as from expand); "
+                             "pass a tensor whose elements are distinct")
+    span = _span(out)
+    if span is None:
+        return
+    for other, t in inputs.items():
+        if t is None:
+            continue
+        if other in may_be and (t.data_ptr(), t.shape, t.stride()) == (out.data_ptr(), out.shape, out.stride()):
+            continue
+        there = _span(t)
+        if there is not None and span[0] < there[1] and there[0] < span[1]:
+            allowed = " or ".join(may_be)
+            raise ValueError(f"{name}: overlaps {other} in memory; pass "
+                             + (f"{allowed} itself, or " if allowed else "")
+                             + "a tensor of its own")
