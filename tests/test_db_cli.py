@@ -86,7 +86,9 @@ def test_list_prints_every_tuned_row(populated):
 def test_list_says_which_rows_dispatch_can_never_use_and_why(populated):
     with TuningDB(populated) as db:
         _best(db, OTHER_SPEC, 128, 4.0, Config(16, 16, 4, 1), template_hash="0" * 16)
-        why = {(row.spec_hash, row.bucket, row.triton_version): TuningDB.why_stale(row) for row in db.list_tuned()}
+        rows = db.list_tuned()
+        why = {(row.spec_hash, row.bucket, row.triton_version): reason
+               for row, reason in zip(rows, TuningDB.why_stale(rows))}
     old = "other Triton"
     assert why == {
         (SPEC.hash, 64, triton.__version__): None, (SPEC.hash, 128, triton.__version__): None,
@@ -100,6 +102,12 @@ def test_list_says_which_rows_dispatch_can_never_use_and_why(populated):
     assert invoke("db", "--db", populated, "prune", "--yes").exit_code == 0
     result = invoke("db", "--db", populated, "list")
     assert result.exit_code == 0 and "can never use" not in result.stderr
+    # A row of a family this tilegen does not know: prune keeps it unless told.
+    with sqlite3.connect(populated) as raw:
+        raw.execute("UPDATE tg_variants SET family = 'retired_family' WHERE spec_hash = ?", (OTHER_SPEC.hash,))
+    result = runner.invoke(app, ["db", "--db", str(populated), "list"], env={"COLUMNS": "1000"})
+    assert "unknown family" in result.stdout
+    assert "(with --all, the 1 of families this tilegen does not know)" in result.stderr, result.stderr
 
 
 def test_list_reads_tilegen_db_by_default(populated, monkeypatch):

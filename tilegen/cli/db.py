@@ -94,13 +94,14 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
     """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
     path = _path(ctx, db)
     console = _console()
-    stale = 0
+    stale = unknown = 0
     if path.exists():
         with _open(path) as database:
             rows = database.list_tuned()
         if rows:
-            console.print(_tuned_table(rows, title=str(path), stale=True))
-            stale = sum(TuningDB.why_stale(row) is not None for row in rows)
+            reasons = TuningDB.why_stale(rows)
+            console.print(_tuned_table(rows, title=str(path), unused=reasons))
+            stale, unknown = sum(r is not None for r in reasons), reasons.count("unknown family")
         else:
             typer.echo(f"no tuned configs in {path}", err=True)
     else:
@@ -110,11 +111,13 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
         with _open(shipped) as database:
             rows = database.list_tuned()
         console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}",
-                                   stale=True))
+                                   unused=TuningDB.why_stale(rows)))
     if stale:
         typer.echo(f"{stale} of the tuned configs in {path} are ones dispatch here can never use (the 'unused' "
                    f"column says why: their kernel's template has changed since, or they were tuned with another "
-                   f"Triton than the installed {triton.__version__}); `tilegen db prune` deletes them", err=True)
+                   f"Triton than the installed {triton.__version__}); `tilegen db prune` deletes them"
+                   + (f" (with --all, the {unknown} of families this tilegen does not know)" if unknown else ""),
+                   err=True)
 
 
 @db_app.command()
@@ -400,20 +403,20 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _tuned_table(rows: list[TunedRow], *, title: str, stale: bool = False) -> Table:
-    """The rows as a table; with ``stale``, a last column says why dispatch here can never use a
-    row (empty for the rows it can)."""
+def _tuned_table(rows: list[TunedRow], *, title: str, unused: list[str | None] | None = None) -> Table:
+    """The rows as a table; with ``unused`` (``TuningDB.why_stale`` of the rows), a last column says
+    why dispatch here can never use a row (empty for the rows it can)."""
     table = Table(title=title)
     for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date",
-                 "from", *(("unused",) if stale else ())):
+                 "from", *(("unused",) if unused is not None else ())):
         table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left",
                          no_wrap=name == "bucket")
-    for row in rows:
+    for row, reason in zip(rows, unused if unused is not None else [None] * len(rows)):
         table.add_row(
             row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, _bucket_text(row),
             _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
             _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"), row.provenance,
-            *((TuningDB.why_stale(row) or "",) if stale else ()),
+            *((reason or "",) if unused is not None else ()),
         )
     return table
 

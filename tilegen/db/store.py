@@ -370,18 +370,23 @@ class TuningDB:
         return and_(judged_tuned, or_(*stale_tuned)), and_(Trial.variant_id.in_(judged_variants), stale_trials)
 
     @staticmethod
-    def why_stale(row: TunedRow) -> str | None:
-        """Why dispatch here can never read a tuned row, in a few words, as ``prune`` judges by
-        default (the installed Triton, each registered family's current template); ``None`` when
-        it can. A row of a family this tilegen does not know is kept by ``prune`` and named here."""
-        known = {family.name: family for family in families()}
-        if row.family not in known:
-            return "unknown family"
-        if row.template_hash != current_template_hash(known[row.family]):
-            return "template changed"
-        if row.triton_version != triton.__version__:
-            return "other Triton"
-        return None
+    def why_stale(rows: Iterable[TunedRow]) -> list[str | None]:
+        """Why dispatch here can never read each tuned row, in a few words, as ``prune`` judges by
+        default (the installed Triton, each registered family's current template); ``None`` for
+        a row it can. Rows of a family this tilegen does not know (which ``prune`` keeps unless
+        told) are ``"unknown family"``."""
+        current = {family.name: current_template_hash(family) for family in families()}
+
+        def why(row: TunedRow) -> str | None:
+            if row.family not in current:
+                return "unknown family"
+            if row.template_hash != current[row.family]:
+                return "template changed"
+            if row.triton_version != triton.__version__:
+                return "other Triton"
+            return None
+
+        return [why(row) for row in rows]
 
     # -- reading -------------------------------------------------------------------------
 
