@@ -43,7 +43,6 @@ which compiles nothing, none.
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import queue
