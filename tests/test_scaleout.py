@@ -392,3 +392,7 @@ def test_scaleout_benchmark_smoke_run(pg_server, tmp_path):
         phases = report[name]["phases"]
         assert phases["trials"] == sum(report[name]["finished"].values())
         assert 1 <= len(phases["first_trial_per_process_s"]) <= (2 if name == "parallel" else 1)
+        # The tune's own time, from its first fork to its last result: within the run's wall time.
+        assert 0 < phases["after_fork_s"] < report[name]["wall_s"]
+    assert report["speedup_after_fork"] == round(report["single"]["phases"]["after_fork_s"]
+                                                 / report["parallel"]["phases"]["after_fork_s"], 3)

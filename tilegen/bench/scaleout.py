@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         report["grid_size"] = report["parallel"].pop("grid_size")
         report["single"].pop("grid_size")
         report["speedup"] = round(report["single"]["wall_s"] / report["parallel"]["wall_s"], 3)
+        after = [report[n]["phases"].get("after_fork_s") for n in ("parallel", "single")]
+        report["speedup_after_fork"] = round(after[1] / after[0], 3) if all(after) else None
         report["winners"] = _winners(report)
         _retime(spec_args, report["winners"])
         report["winners_within_2pct"] = all(abs(w["retimed_ratio"] - 1) <= WINNER_TOLERANCE
@@ -248,8 +250,12 @@ def _phases(log: str, started: float, wall: float) -> dict:
     ended: dict[str, float] = {}
     confirming: dict[str, float] = {}
     confirm_s: list[float] = []
+    last = 0.0
+    forked: float | None = None  # the first process the tune forks (a tune process, or the worker)
     for stamp, pid, message in _LOG_LINE.findall(log):
         at = float(stamp) - started
+        if forked is None and re.fullmatch(r"(tune process|worker) \d+ forked.*", message):
+            forked = at
         if re.fullmatch(r"bucket \d+: confirming .*", message):
             confirming[pid] = at
         elif re.fullmatch(r"bucket \d+: confirmed .*", message) and pid in confirming:
@@ -262,9 +268,14 @@ def _phases(log: str, started: float, wall: float) -> dict:
         elif re.fullmatch(r"trial \d+: \w+", message) and pid in running:
             trial_s.append(at - running.pop(pid))
             ended[pid] = at
+        if re.fullmatch(r"trial \d+: \w+|bucket \d+: confirmed .*", message):
+            last = at
     if not starts:
         return {}
     return {
+        # The tune's own work, from its first fork to its last result or confirmation: the run's
+        # wall time less the command's start-up (imports) and its exit, which both runs pay.
+        "after_fork_s": round(last - forked, 2) if forked is not None else None,
         "first_trial_s": round(min(s[0] for s in starts.values()), 2),
         "first_trial_per_process_s": sorted(round(s[0], 2) for s in starts.values()),
         "trials": len(trial_s),
@@ -319,6 +330,9 @@ def _retime(spec_args: list[str], winners: dict) -> None:
 def _print(report: dict) -> None:
     print(f"\nparallel {report['parallel']['wall_s']} s, single {report['single']['wall_s']} s: "
           f"speedup {report['speedup']}x")
+    if report.get("speedup_after_fork"):
+        print(f"after the fork: parallel {report['parallel']['phases']['after_fork_s']} s, single "
+              f"{report['single']['phases']['after_fork_s']} s: speedup {report['speedup_after_fork']}x")
     width = max([7, *map(len, report["grid_size"])])
     print(f"{'bucket':>{width}} {'grid':>5} {'done 2':>7} {'done 1':>7} {'ms 2':>9} {'ms 1':>9} {'ratio':>7} {'same':>5} "
           f"{'retimed':>8}")
