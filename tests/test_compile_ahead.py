@@ -321,8 +321,31 @@ def test_a_gpu_bucket_builds_on_meta_tensors_without_cuda_and_a_paged_one_falls_
     spec = DecodeSpec(head_dim=64, q_per_kv=4, dtype="bf16", page_size=16)
     paged = AttentionDecode().problem(spec, AttentionDecode().buckets.pack(256, 4), on_gpu=True)
     with pytest.raises(RuntimeError, match="meta"), compile_ahead._OnMeta():
-        paged.inputs(0)  # its page table is built from values: real inputs, on the GPU, then
+        paged.inputs(0)  # its page table is built from values, which meta tensors do not hold
     assert torch.Generator is generator
+    with compile_ahead._OnMeta():
+        placeholders = paged.placeholder_inputs()  # what compile-ahead builds: the buffers alone
+    assert {t.device.type for t in placeholders.values() if isinstance(t, torch.Tensor)} == {"meta"}
+    assert placeholders["k"].shape == (4 * 256 // 16 + 3, 16, paged.heads_kv, 64)
+
+
+@pytest.mark.parametrize("k_lens", [(0, 1, 17, 1000), (16, 15), (1,), (33, 0, 0, 64, 5)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_placeholders_have_the_inputs_shapes_dtypes_and_strides(k_lens, page_size):
+    """A compile specializes on these (and on alignment and the int arguments, which the launch
+    computes from the lengths alone), so the kernels compiled from placeholders are the ones a
+    launch on real inputs finds."""
+    from tilegen.families.attention_decode import AttentionDecode
+    from tilegen.families.attention_decode.spec import DecodeSpec
+
+    spec = DecodeSpec(head_dim=64, q_per_kv=4, dtype="bf16", page_size=page_size)
+    problem = AttentionDecode().problem(spec, AttentionDecode().buckets.pack(1024, 4), on_gpu=False, k_lens=k_lens)
+
+    def shape_of(inputs):
+        return {name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
+                for name, t in inputs.items()}
+
+    assert shape_of(problem.placeholder_inputs()) == shape_of(problem.inputs(0))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -109,6 +109,13 @@ class Problem(abc.ABC):
     def inputs(self, seed: int) -> Any:
         """Fresh random inputs (never zeros, so a kernel that skips work shows)."""
 
+    def placeholder_inputs(self) -> Any:
+        """Inputs with ``inputs(0)``'s shapes, dtypes and strides whose values do not matter: all a
+        compile needs. Compile-ahead builds them on torch's meta device, where nothing computed
+        from values can run; a Problem whose inputs are computed from values (a page table from
+        its lengths) builds its buffers here without that."""
+        return self.inputs(0)
+
     @abc.abstractmethod
     def outputs(self, inputs: Any) -> Any:
         """Output buffers poisoned with NaN, the main output first: any element the kernel leaves

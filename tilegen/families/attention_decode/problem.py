@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from tilegen.device import device_info
+from tilegen.device import DeviceInfo, device_info
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
@@ -37,9 +37,12 @@ def decode_buffers(batch: int, rows: int, dv: int, num_splits: int, device) -> t
 
 @dataclass(frozen=True)
 class DecodeProblem(VarlenProblem):
-    """``len(k_lens)`` sequences, one query token each; ``num_splits`` forces the split count (tests)."""
+    """``len(k_lens)`` sequences, one query token each; ``num_splits`` forces the split count (tests).
+    ``device`` is the GPU the split rule counts SMs on, read where the problem is made: a compile
+    process, which asks CUDA nothing, launches it too."""
 
     num_splits: int | None = None
+    device: DeviceInfo | None = None
 
     @classmethod
     def for_bucket(cls, spec, bucket: int, *, on_gpu: bool, k_lens=None, heads_q=None, num_splits=None,
@@ -63,7 +66,7 @@ class DecodeProblem(VarlenProblem):
                 ragged = ragged_lengths(longest, longest * batch)
                 k_lens = (longest, 0, 1, spec.page_size + 1, *ragged[1:])[:batch]
         return cls(spec, tuple(spec.q_tokens for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket,
-                   on_gpu, num_splits)
+                   on_gpu, num_splits, device_info())
 
     @property
     def batch(self) -> int:
@@ -91,11 +94,35 @@ class DecodeProblem(VarlenProblem):
                 "v": randn(batch, self.heads_kv, n, self.spec.dv),
                 "cu_q": torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32, device=gen.device)}
 
+    def placeholder_inputs(self) -> dict:
+        if self.spec.kv_layout != "paged":
+            return self.inputs(0)
+        return self._paged_buffers()
+
+    def _paged_buffers(self) -> dict:
+        """The paged inputs' tensors, allocated from the lengths alone: every slot NaN, the rest of
+        no value yet. Their sizes come from the lengths on the host, so they build anywhere, the
+        meta device included."""
+        device = "cuda" if self.on_gpu else "cpu"
+        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
+        batch, used = len(self.k_lens), sum(-(-n // size) for n in self.k_lens)
+        num_pages = used + _SPARE_PAGES
+
+        def ints(n):
+            return torch.empty(n, dtype=torch.int32, device=device)
+
+        return {"q": torch.empty(sum(self.q_lens), self.heads_q, spec.head_dim, dtype=dtype, device=device),
+                "cu_q": ints(batch + 1), "max_q": max(self.q_lens),
+                "k": torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype),
+                "v": torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype),
+                "indptr": ints(batch + 1), "indices": ints(used), "last": ints(batch)}
+
     def _paged_inputs(self, seed: int) -> dict:
         """``VarlenProblem``'s paged inputs (shuffled pages, NaN in every slot no sequence holds), filled
         in one scatter: a GPU trial at a large batch holds millions of tokens, too many pages to fill
         one by one."""
-        device = "cuda" if self.on_gpu else "cpu"
+        inputs = self._paged_buffers()
+        k_pages, v_pages, device = inputs["k"], inputs["v"], inputs["k"].device
         gen = torch.Generator(device).manual_seed(seed)
         spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
 
@@ -104,11 +131,8 @@ class DecodeProblem(VarlenProblem):
 
         lengths = torch.tensor(self.k_lens, dtype=torch.int64, device=device)
         pages_per_seq = (lengths + size - 1) // size
-        used = int(pages_per_seq.sum())
-        num_pages = used + _SPARE_PAGES
-        k_pages = torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype)
-        v_pages = torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype)
-        indices = torch.randperm(num_pages, generator=gen, device=device)[:used]
+        used = inputs["indices"].numel()
+        indices = torch.randperm(k_pages.shape[0], generator=gen, device=device)[:used]
         indptr = torch.nn.functional.pad(pages_per_seq.cumsum(0), (1, 0))
         # Token t of sequence b lies in slot t % size of page indices[indptr[b] + t // size].
         seq = torch.repeat_interleave(torch.arange(len(self.k_lens), device=device), lengths)
@@ -118,10 +142,12 @@ class DecodeProblem(VarlenProblem):
         k_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.head_dim)
         v_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.dv)
         last = torch.where(pages_per_seq > 0, lengths - (pages_per_seq - 1) * size, 0)
-        q_offsets = torch.tensor((0, *self.q_lens), device=device).cumsum(0)
-        return {"q": randn(sum(self.q_lens), self.heads_q, spec.head_dim), "cu_q": q_offsets.to(torch.int32),
-                "max_q": max(self.q_lens), "k": k_pages, "v": v_pages, "indptr": indptr.to(torch.int32),
-                "indices": indices.to(torch.int32), "last": last.to(torch.int32)}
+        inputs["q"].copy_(randn(*inputs["q"].shape))
+        inputs["cu_q"].copy_(torch.tensor((0, *self.q_lens), device=device).cumsum(0))
+        inputs["indptr"].copy_(indptr)
+        inputs["indices"].copy_(indices)
+        inputs["last"].copy_(last)
+        return inputs
 
     def outputs(self, inputs: dict):
         out, lse = super().outputs(inputs)
@@ -143,7 +169,7 @@ class DecodeProblem(VarlenProblem):
         batch, tokens = len(self.k_lens), self.spec.q_tokens
         # Packed [batch * tokens, heads, dim] seen as the kernel's [batch, heads, tokens, dim].
         q = inputs["q"].view(batch, tokens, self.heads_q, -1).permute(0, 2, 1, 3)
-        splits = self.num_splits or split_count(config, device_info(), len(self.k_lens), self.heads_kv,
+        splits = self.num_splits or split_count(config, self.device or device_info(), len(self.k_lens), self.heads_kv,
                                                 max(self.k_lens))
         chunk = math.ceil(max(max(self.k_lens), 1) / splits / config.block_n) * config.block_n
         part_o, part_lse = decode_buffers(batch, self.heads_q * tokens, self.spec.dv, splits, q.device)
