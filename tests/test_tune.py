@@ -20,6 +20,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 import triton
 from typer.testing import CliRunner
 
@@ -382,6 +383,24 @@ def test_compile_processes_start_after_the_worker_has_cuda(fork):
         while not worker.cuda_up.value and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.cuda_up.value
+
+
+def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones():
+    """The parent's CPU thread pool, started here by a parallel op, is no pool in a fork: a
+    child that entered it would wait forever (the first trial timed out)."""
+    from tilegen.tuning.worker import Worker, forkable
+
+    x = torch.randn(512, 512)
+    (x @ x).sum()
+    if not forkable():
+        pytest.skip("another thread runs in this process: the worker would be spawned, not forked")
+    family = AttentionFwd()
+    problem = family.problem(SPEC, 16, on_gpu=False)
+    with Worker() as worker:
+        worker.start(fork=True)
+        result = worker.measure((family, problem, family.default_config(SPEC, CPU_INTERPRETER, 16), 0), 30)
+        assert worker._forked
+    assert result["status"] == "ok", result
 
 
 def test_a_worker_that_cannot_start_fails_the_tune_with_its_reason(tmp_path, monkeypatch):

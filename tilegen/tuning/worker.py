@@ -206,8 +206,14 @@ def log_to_stderr(level: int) -> None:
 
 def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cuda_up=None) -> None:
     """The child's loop: one task in, one result dict out, until the parent hangs up."""
-    if parents_end is not None:
+    if parents_end is not None:  # a fork
         parents_end.close()
+        # A fork inherits torch's CPU thread pool (OpenMP) as the parent left it: where the parent
+        # had run a parallel CPU op, the child's first one waits forever on threads it does not
+        # have (a trial then timed out after 120 s). With one thread torch never enters the pool.
+        import torch
+
+        torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group; the parent decides, and closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Watching from the start: a child started ahead of its first trial can outlive a parent
