@@ -20,7 +20,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 import triton
 from typer.testing import CliRunner
 
@@ -385,22 +384,34 @@ def test_compile_processes_start_after_the_worker_has_cuda(fork):
         assert worker.cuda_up.value
 
 
-def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones():
-    """The parent's CPU thread pool, started here by a parallel op, is no pool in a fork: a
-    child that entered it would wait forever (the first trial timed out)."""
-    from tilegen.tuning.worker import Worker, forkable
+def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones(tmp_path):
+    """The parent's CPU thread pool, started by a parallel op, is no pool in a fork: a child that
+    entered it would wait forever (the first trial timed out). A fresh interpreter, so that the
+    worker is forked (this process may hold other threads, and then spawns it)."""
+    script = textwrap.dedent("""
+        import json, torch
+        from tilegen.cli.spec_args import presets
+        from tilegen.device import CPU_INTERPRETER
+        from tilegen.families.attention_fwd import AttentionFwd
+        from tilegen.interpreter import patch_interpreter
+        from tilegen.tuning.worker import Worker, forkable
 
-    x = torch.randn(512, 512)
-    (x @ x).sum()
-    if not forkable():
-        pytest.skip("another thread runs in this process: the worker would be spawned, not forked")
-    family = AttentionFwd()
-    problem = family.problem(SPEC, 16, on_gpu=False)
-    with Worker() as worker:
-        worker.start(fork=True)
-        result = worker.measure((family, problem, family.default_config(SPEC, CPU_INTERPRETER, 16), 0), 30)
-        assert worker._forked
-    assert result["status"] == "ok", result
+        patch_interpreter()
+        x = torch.randn(512, 512)
+        (x @ x).sum()  # starts this process's CPU thread pool
+        assert forkable()
+        spec, family = presets()["default"], AttentionFwd()
+        with Worker() as worker:
+            worker.start(fork=True)
+            task = (family, family.problem(spec, 16, on_gpu=False), family.default_config(spec, CPU_INTERPRETER, 16), 0)
+            result = worker.measure(task, 30)
+            assert worker._forked
+        print(json.dumps(result["status"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=_env(TRITON_INTERPRET="1",
+                          TILEGEN_CACHE_DIR=str(tmp_path)), capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == '"ok"', done.stdout[-2000:]
 
 
 def test_a_worker_that_cannot_start_fails_the_tune_with_its_reason(tmp_path, monkeypatch):
