@@ -353,13 +353,13 @@ class TuningDB:
     def _stale(keep_triton, keep_templates, keep_tilegen, all_families):
         """Where-clauses of the stale tuned rows and trials (see ``prune``)."""
         triton_version = keep_triton or triton.__version__
-        known = [family.name for family in families()]
+        templates = _current_templates()
         if keep_templates is not None:
             current = Variant.template_hash.in_(sorted(keep_templates))
         else:
-            current = or_(*(and_(Variant.family == family.name, Variant.template_hash == current_template_hash(family))
-                            for family in families()))
-        judged = true() if all_families else Variant.family.in_(known)
+            current = or_(*(and_(Variant.family == name, Variant.template_hash == template)
+                            for name, template in templates.items()))
+        judged = true() if all_families else Variant.family.in_(list(templates))
         judged_variants = select(Variant.id).where(judged)
         stale_variants = select(Variant.id).where(judged, ~current)
         stale_tuned = [TunedConfig.triton_version != triton_version, TunedConfig.variant_id.in_(stale_variants)]
@@ -375,7 +375,7 @@ class TuningDB:
         default (the installed Triton, each registered family's current template); ``None`` for
         a row it can. Rows of a family this tilegen does not know (which ``prune`` keeps unless
         told) are ``"unknown family"``."""
-        current = {family.name: current_template_hash(family) for family in families()}
+        current = _current_templates()
 
         def why(row: TunedRow) -> str | None:
             if row.family not in current:
@@ -545,6 +545,12 @@ def _count(session: Session, model: type[Base], where: ColumnElement[bool]) -> i
 def _delete(session: Session, model: type[Base], where: ColumnElement[bool]) -> int:
     result = session.execute(delete(model).where(where), execution_options={"synchronize_session": False})
     return result.rowcount
+
+
+def _current_templates() -> dict[str, str]:
+    """Each registered family's current template hash, by family name: what dispatch keys on,
+    so what ``prune`` and ``why_stale`` judge rows by."""
+    return {family.name: current_template_hash(family) for family in families()}
 
 
 def _tuned_query() -> Select:
