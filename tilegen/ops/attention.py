@@ -35,6 +35,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.launch import Launcher, launcher_for
 from tilegen.ops.memo import memoized
+from tilegen.ops.tensors import check_out
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -69,7 +70,8 @@ def attention(
         return_lse: also return the natural-log log-sum-exp, fp32 ``[batch, heads_q, n_q]``
             (``-inf`` for rows that see no key).
         out: write the output here instead of a new tensor: ``[batch, heads_q, n_q, head_dim_v]``
-            in the input dtype, on the input device, any strides, not overlapping itself or the inputs.
+            in the input dtype, on the input device, any strides; ``q`` itself (in place), but
+            nothing else that shares memory with itself, ``q``, ``k`` or ``v``.
 
     Returns:
         ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype (laid out as
@@ -111,10 +113,13 @@ def attention(
         # On the H200's host, empty_like(q) costs 1.6 us, new_empty 2.4 us with a tuple and 5.1 us
         # with a torch.Size: the allocation is a large part of a short call's host time.
         out = torch.empty_like(q) if plan.out_like_q else q.new_empty(plan.out_shape)
-    elif out.__class__ is not torch.Tensor or out.shape != plan.out_shape or out.dtype != q.dtype or (
-        out.device != q.device
-    ):
-        _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
+    else:
+        if out.__class__ is not torch.Tensor or out.shape != plan.out_shape or out.dtype != q.dtype or (
+            out.device != q.device
+        ):
+            _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
+        # A program reads only its own query rows, before it writes their output: out may be q itself.
+        check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.lse_shape is not None else None
     if plan.launches:
         # The plan fixes every shape, dtype and scalar the launcher reads; the strides complete the key

@@ -34,6 +34,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.tensors import check_out
 
 __all__ = ["PagedDecode"]
 
@@ -161,9 +162,12 @@ class PagedDecode:
         out_shape = plan.out_shape
         if out is None:
             out = torch.empty_like(q) if plan.out_like_q else q.new_empty(out_shape)
-        elif not isinstance(out, torch.Tensor) or out.shape != out_shape or out.dtype != q.dtype \
-                or out.device != q.device:
-            raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
+        else:
+            if not isinstance(out, torch.Tensor) or out.shape != out_shape or out.dtype != q.dtype \
+                    or out.device != q.device:
+                raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
+            # A program reads its query rows before anything writes their output: out may be q itself.
+            check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages}, may_be=("q",))
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
             # The plan and the checks above fix every shape and dtype the launcher reads: the strides

@@ -36,7 +36,7 @@ from tilegen.ir import SpecError
 from tilegen.launch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device
+from tilegen.ops.tensors import check_device, check_out
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -80,7 +80,7 @@ def varlen_attention(
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    out = _output(plan, q, out)
+    out = _output(plan, q, out, {"k": k, "v": v})
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
@@ -177,7 +177,7 @@ class PagedAttention:
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
-        out = _output(plan, q, out)
+        out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides (q's token count
@@ -260,7 +260,7 @@ def _table(spec: VarlenAttentionSpec, device: torch.device) -> dispatch.Table:
     return dispatch.table_on(spec, device)
 
 
-def _output(plan: _Plan, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _output(plan: _Plan, q: torch.Tensor, out: torch.Tensor | None, kv: dict[str, torch.Tensor]) -> torch.Tensor:
     shape = (q.shape[0], plan.heads_q, plan.spec.dv)
     if out is None:
         return q.new_empty(shape)
@@ -268,6 +268,8 @@ def _output(plan: _Plan, q: torch.Tensor, out: torch.Tensor | None) -> torch.Ten
         raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
     if out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out: expected {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+    # A program reads only its own query rows, before it writes their output: out may be q itself.
+    check_out("out", out, {"q": q, **kv}, may_be=("q",))
     return out
 
 
