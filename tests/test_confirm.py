@@ -9,12 +9,13 @@ tests set what the first measurements and the comparison say; the last test runs
 from __future__ import annotations
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
 from tilegen.cli import app
 from tilegen.db import TuningDB
-from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
 from tilegen.tuning import Tuner, tuner
 from tilegen.tuning.measure import Compare
@@ -162,10 +163,12 @@ def test_the_tune_command_refuses_a_negative_confirm(tmp_path):
 
 
 def test_a_worker_process_compares_configs_on_one_set_of_inputs():
-    problem = FAMILY.problem(SPEC, 16, on_gpu=False)
-    interpreter_configs = tuple(FAMILY.candidates(SPEC, CPU_INTERPRETER)[:2])
+    """On a GPU each config is replayed from a CUDA graph (measure.replayable), under the interpreter called."""
+    on_gpu = torch.cuda.is_available()
+    problem = FAMILY.problem(SPEC, 16, on_gpu=on_gpu)
+    configs = tuple(FAMILY.candidates(SPEC, device_info() if on_gpu else CPU_INTERPRETER)[:2])
     with Worker() as worker:
-        answer = worker.measure(Compare(FAMILY, problem, interpreter_configs, 0, 2), timeout=300)
+        answer = worker.measure(Compare(FAMILY, problem, configs, 0, 2), timeout=300)
     assert answer["status"] == "ok", answer
     assert len(answer["times_ms"]) == 2 and all(t > 0 for t in answer["times_ms"])
 
@@ -210,3 +213,32 @@ def test_a_planning_tuner_opens_no_studies_and_takes_no_lock(tmp_path, monkeypat
                                                       open_studies=False) as t:
         [result] = t.collect([(SPEC, 16)])
     assert opened == [1] and result.best.config == CONFIGS[0]
+
+
+@pytest.mark.gpu
+def test_a_trial_is_timed_from_a_cuda_graph_of_its_launch():
+    """The replay runs the launch's kernels on its tensors; a launch that synchronizes cannot be
+    captured, and is then timed as it is."""
+    from tilegen.tuning.measure import replayable
+
+    x = torch.randn(1000, device="cuda")
+    out = torch.full_like(x, float("nan"))
+
+    def launch():
+        torch.mul(x, 2.0, out=out)
+
+    launch()
+    replay = replayable(launch, True)
+    assert replay is not launch
+    x.copy_(torch.randn_like(x))
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 2.0)
+
+    def synchronizing():
+        out.copy_(x * float(x.sum().item() != 0.5))
+
+    assert replayable(synchronizing, True) is synchronizing
+    assert replayable(launch, False) is launch
+    replayable(launch, True)()  # the failed capture left this thread able to capture and launch
+    torch.cuda.synchronize()
