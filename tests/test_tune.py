@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -70,6 +71,11 @@ def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Triton interpreter" in run.stderr
+    # The file alone holds the rows, as one copies or ships it: the tune checkpointed its write-ahead log.
+    alone = tmp_path / "copied.sqlite"
+    shutil.copyfile(db, alone)
+    with TuningDB(alone) as copied:
+        assert sorted(copied.best(**KEY)) == [16, 32]
     with TuningDB(db) as tdb:
         best = {bucket: str(Config.from_dict(row.config)) for bucket, row in tdb.best(**KEY).items()}
     assert sorted(best) == [16, 32]

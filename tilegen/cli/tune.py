@@ -309,6 +309,8 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
                 results = tuner.collect(jobs)
     except (DatabaseError, WorkerError, PoolError) as e:
         fail(str(e))
+    finally:
+        database.close()
     for spec in specs:
         Console().print(summary_table([r for r in results if r.key.spec == spec]))
     for spec in specs:
