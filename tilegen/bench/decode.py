@@ -1,6 +1,7 @@
 """Batch decode on a GPU: ``tilegen.PagedDecode`` against SDPA (flash, cuDNN) on contiguous KV.
 
     python -m tilegen.bench.decode --out decode.json
+    python -m tilegen.bench.decode --q-tokens 2,4,8 --out speculative.json
 
 bf16, 32 query / 8 KV heads, head dim 128, one query token per sequence, every context
 full. Figure of merit: GB/s of K and V read (2 x batch x 8 x context x 128 x 2 bytes) per
@@ -21,6 +22,7 @@ import triton
 
 import tilegen
 from tilegen.families import relative_error
+from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 
 HQ, HKV, D = 32, 8, 128
 CASES = [(64, 4096, 16), (256, 1024, 16), (1, 131072, 16), (4, 65536, 16), (64, 4096, 1)]
@@ -69,17 +71,56 @@ def case(batch: int, ctx: int, page_size: int) -> dict:
     return row
 
 
+def speculative_case(batch: int, ctx: int, n_q: int) -> dict:
+    """``n_q`` new query tokens per sequence (speculative decoding's drafts) on contiguous KV:
+    ``tilegen.attention``, which routes them to the decode family, against SDPA. SDPA's causal
+    mask is aligned top-left, so every provider is timed without a mask (the drafts see every
+    key, n_q - 1 more per row than causal would: nothing, in bytes read); tilegen's causal mask,
+    aligned bottom-right, is timed too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, HQ, n_q, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gb = 2 * batch * HKV * ctx * D * 2 / 1e9
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    row = {"batch": batch, "context": ctx, "q_tokens": n_q, "config": str(tilegen.explain(q, k, v).config),
+           "rel_err": relative_error(tilegen.attention(q, k, v).float(), ref.float())[0],
+           "tilegen": gb / _bench(lambda: tilegen.attention(q, k, v)) * 1e3,
+           "tilegen-causal": gb / _bench(lambda: tilegen.attention(q, k, v, causal=True)) * 1e3}
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                row[name] = gb / _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) * 1e3
+        except Exception as e:  # a backend missing on this GPU/torch is reported, not fatal
+            row[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    return row
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--q-tokens", default="1",
+                        help="comma-separated query tokens per sequence; above 1, tilegen.attention on contiguous KV "
+                             "(speculative decoding) against SDPA, at the same batch x context shapes (default: 1)")
     args = parser.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.q_tokens.split(",")]
+    except ValueError:
+        parser.error(f"--q-tokens: expected comma-separated whole numbers, got {args.q_tokens!r}")
+    if any(not 1 <= t <= MAX_Q_TOKENS for t in tokens):
+        parser.error(f"--q-tokens: each must be 1 to {MAX_Q_TOKENS} (the decode family's), got {args.q_tokens!r}")
     if not torch.cuda.is_available():
         raise SystemExit("tilegen.bench.decode times CUDA kernels; run it on a GPU")
+    contiguous = list(dict.fromkeys((batch, ctx, None) for batch, ctx, _ in CASES))
     rows = []
-    for batch, ctx, page_size in CASES:
-        rows.append(case(batch, ctx, page_size))
-        print(json.dumps(rows[-1]), flush=True)
-        torch.cuda.empty_cache()
+    for n_q in tokens:
+        for batch, ctx, page_size in CASES if n_q == 1 else contiguous:
+            rows.append(case(batch, ctx, page_size) if n_q == 1 else speculative_case(batch, ctx, n_q))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
