@@ -61,3 +61,12 @@ def test_the_plot_has_a_panel_per_variant_and_a_line_per_provider(tmp_path):
     assert plot(rows, str(path)) == str(path)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+@pytest.mark.parametrize("value, message", [
+    ("9", "--q-tokens: each must be 1 to 8 (the decode family's), got '9'"),
+    ("2,x", "--q-tokens: expected comma-separated whole numbers, got '2,x'"),
+])
+def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value, message):
+    result = runner.invoke(app, ["bench", "decode", "--q-tokens", value])
+    assert result.exit_code == 2 and message in result.output
