@@ -104,6 +104,9 @@ class Problem(abc.ABC):
 
     spec: Spec
     on_gpu: bool
+    #: Time a trial's launch replayed from a CUDA graph (``tilegen.tuning.measure.replayable``), so
+    #: that a short kernel is not timed with its host-side launch.
+    timed_from_graph: ClassVar[bool] = True
 
     @abc.abstractmethod
     def inputs(self, seed: int) -> Any:

@@ -43,7 +43,7 @@ def measure(problem: Problem, config: Config, seed: int, *, perturb: bool = Fals
     if not error <= problem.tolerance:  # NaN compares false: it never passes
         return {"status": "wrong", "time_ms": None, "max_error": max_error,
                 "reason": f"relative error {error:.2e} exceeds {problem.tolerance:.0e}"}
-    timed = replayable(launch, problem.on_gpu)
+    timed = replayable(launch, problem.on_gpu and problem.timed_from_graph)
     return {"status": "ok", "time_ms": time_ms(timed, problem.on_gpu), "max_error": max_error, "reason": None}
 
 
@@ -68,7 +68,7 @@ def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: in
     launches = [functools.partial(problem.launch, module, config, inputs, outputs) for config in configs]
     for launch in launches:
         launch()  # compiled, or loaded, before any timing
-    launches = [replayable(launch, problem.on_gpu) for launch in launches]
+    launches = [replayable(launch, problem.on_gpu and problem.timed_from_graph) for launch in launches]
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(rounds):
         for kept, launch in zip(times, launches):
@@ -76,27 +76,28 @@ def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: in
     return {"status": "ok", "times_ms": [statistics.median(kept) for kept in times]}
 
 
-def replayable(launch: Callable[[], None], on_gpu: bool) -> Callable[[], None]:
-    """``launch`` captured in a CUDA graph, as its replay; ``launch`` itself when it cannot be
-    captured (it synchronizes, say) or off the GPU. ``launch`` must have run once already, so
-    that its kernels are compiled and loaded.
+def replayable(launch: Callable[[], None], graph: bool) -> Callable[[], None]:
+    """``launch`` captured in a CUDA graph, as its replay, when ``graph`` (a GPU problem that is
+    ``timed_from_graph``); ``launch`` itself otherwise, or when it cannot be captured (it
+    synchronizes, say). ``launch`` must have run once already, so that its kernels are compiled
+    and loaded.
 
     A trial then times its kernels, not the host's way to them: ``do_bench`` starts the clock
-    after its L2 flush, and a launch whose Python outlasts that flush on the GPU is timed as
-    host time. On the H200 a decode trial's launch (its split buffers, Triton's JIT entry point
-    twice) outlasted a 37 us MQA kernel: trials read 1029-1268 GB/s of KV where the same
-    kernels, launched directly, read 1727-1806."""
-    if not on_gpu:
+    after its L2 flush, and a launch whose Python outlasts that flush on the GPU is timed partly
+    as host time. On the H200 a decode trial's launch (its split buffers, Triton's JIT entry
+    point twice) outlasted 36-52 us MQA kernels: at 1 x 131072 four configs read 412-1104 GB/s
+    of KV timed eagerly, 1285-1856 replayed, ranked differently."""
+    if not graph:
         return launch
-    graph = torch.cuda.CUDAGraph()
+    captured = torch.cuda.CUDAGraph()
     try:
         # thread_local: a capture error in this thread is not one for another thread's CUDA calls.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(captured, capture_error_mode="thread_local"):
             launch()
     except Exception:  # noqa: BLE001 - whatever stops the capture, the eager launch still times the config
         torch.cuda.synchronize()
         return launch
-    return graph.replay
+    return captured.replay
 
 
 def time_ms(launch, on_gpu: bool) -> float:

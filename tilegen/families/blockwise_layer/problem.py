@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 
@@ -66,6 +67,9 @@ class Problem(base.Problem):
     spec: BlockwiseLayerSpec
     tokens: int
     on_gpu: bool
+    # A trial launches a whole layer, milliseconds of kernels at the least, whose host side cannot
+    # show; captured, its activations would be held a second time in the graph's memory pool.
+    timed_from_graph: ClassVar[bool] = False
 
     @classmethod
     def for_bucket(cls, spec: BlockwiseLayerSpec, bucket: int, *, on_gpu: bool, tokens: int | None = None) -> Problem:
