@@ -132,3 +132,12 @@ def test_the_shipped_trials_are_filed_under_their_rows_buckets():
     assert {bucket for bucket, _ in trials} == set(_shipped_rows(DECODE_HASH))
     # A bucket tuned again files its new trials under a numbered study, "-n<bucket>-run2".
     assert all(re.search(rf"-n{bucket}(-run\d+)?$", study) for bucket, study in trials)
+
+
+def test_the_shipped_file_is_self_contained():
+    """Rollback-journal mode, as tuning_db/README.md says: the file alone holds every row (no -wal
+    beside it to ship too), and a reader leaves no -shm and -wal files in a checkout."""
+    uri = f"file:{env.shipped_db_path()}?mode=ro"
+    with sqlite3.connect(uri, uri=True) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
