@@ -32,9 +32,23 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def case(batch: int, ctx: int, page_size: int) -> dict:
+def _sdpa(q, k, v, gb: float) -> dict:
+    """GB/s of SDPA's flash and cuDNN backends on the same tensors, unmasked (each query row sees
+    every key), or why a backend did not run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    rates = {}
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                rates[name] = gb / _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) * 1e3
+        except Exception as e:  # a backend missing on this GPU/torch is reported, not fatal
+            rates[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    return rates
+
+
+def case(batch: int, ctx: int, page_size: int) -> dict:
     gen = torch.Generator("cuda").manual_seed(0)
     k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -57,13 +71,7 @@ def case(batch: int, ctx: int, page_size: int) -> dict:
     row = {"batch": batch, "context": ctx, "page_size": page_size, "config": str(choice.config),
            "source": choice.source, "splits": decode.num_splits, "rel_err": error,
            "tilegen-paged": gb / _bench(lambda: decode.run(q_step, cache)) * 1e3}
-    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                row[name] = gb / _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) * 1e3
-        except Exception as e:  # a backend missing on this GPU/torch is reported, not fatal
-            row[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    row.update(_sdpa(q, k, v, gb))
     dense_error = relative_error(tilegen.attention(q, k, v)[:, :, 0].float(), ref.float())[0]
     row["tilegen-dense"] = gb / _bench(lambda: tilegen.attention(q, k, v)) * 1e3
     row["dense_config"] = str(tilegen.explain(q, k, v).config)
@@ -77,8 +85,6 @@ def speculative_case(batch: int, ctx: int, n_q: int) -> dict:
     mask is aligned top-left, so every provider is timed without a mask (the drafts see every
     key, n_q - 1 more per row than causal would: nothing, in bytes read); tilegen's causal mask,
     aligned bottom-right, is timed too."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     gen = torch.Generator("cuda").manual_seed(1)
     k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -89,13 +95,7 @@ def speculative_case(batch: int, ctx: int, n_q: int) -> dict:
            "rel_err": relative_error(tilegen.attention(q, k, v).float(), ref.float())[0],
            "tilegen": gb / _bench(lambda: tilegen.attention(q, k, v)) * 1e3,
            "tilegen-causal": gb / _bench(lambda: tilegen.attention(q, k, v, causal=True)) * 1e3}
-    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                row[name] = gb / _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) * 1e3
-        except Exception as e:  # a backend missing on this GPU/torch is reported, not fatal
-            row[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    row.update(_sdpa(q, k, v, gb))
     return row
 
 
