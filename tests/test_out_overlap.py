@@ -46,8 +46,10 @@ def test_attention_out_over_an_input_is_refused(device):
             tilegen.attention(q, k, v, out=q.transpose(0, 1))
         with _raises("out: overlaps itself (stride 0"):
             tilegen.attention(q, k, v, out=torch.empty(32, device=device).expand(2, 2, 17, 32))
-    base = torch.empty(2 * q.numel(), device=device)
-    tilegen.attention(q, k, v, out=base[q.numel():].view(q.shape))  # one storage, no overlap: fine
+    base = torch.full((2 * q.numel(),), float("nan"), device=device)
+    beside = tilegen.attention(q, k, v, out=base[q.numel():].view(q.shape))  # one storage, no overlap: fine
+    assert torch.equal(beside, tilegen.attention(q, k, v))
+    assert base[: q.numel()].isnan().all()  # the other half untouched
 
 
 def test_decode_out_over_q_in_place_and_over_pages_refused(device):
