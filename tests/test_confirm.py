@@ -8,6 +8,8 @@ tests set what the first measurements and the comparison say; the last test runs
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import typer
@@ -227,8 +229,9 @@ def test_a_trial_is_timed_from_a_cuda_graph_of_its_launch():
     def launch():
         torch.mul(x, 2.0, out=out)
 
+    gpu, cpu = (SimpleNamespace(on_gpu=on_gpu, timed_from_graph=True) for on_gpu in (True, False))
     launch()
-    replay = replayable(launch, True)
+    replay = replayable(launch, gpu)
     assert replay is not launch
     x.copy_(torch.randn_like(x))
     replay()
@@ -238,7 +241,7 @@ def test_a_trial_is_timed_from_a_cuda_graph_of_its_launch():
     def synchronizing():
         out.copy_(x * float(x.sum().item() != 0.5))
 
-    assert replayable(synchronizing, True) is synchronizing
-    assert replayable(launch, False) is launch
-    replayable(launch, True)()  # the failed capture left this thread able to capture and launch
+    assert replayable(synchronizing, gpu) is synchronizing
+    assert replayable(launch, cpu) is launch
+    replayable(launch, gpu)()  # the failed capture left this thread able to capture and launch
     torch.cuda.synchronize()

@@ -43,8 +43,8 @@ def measure(problem: Problem, config: Config, seed: int, *, perturb: bool = Fals
     if not error <= problem.tolerance:  # NaN compares false: it never passes
         return {"status": "wrong", "time_ms": None, "max_error": max_error,
                 "reason": f"relative error {error:.2e} exceeds {problem.tolerance:.0e}"}
-    timed = replayable(launch, problem.on_gpu and problem.timed_from_graph)
-    return {"status": "ok", "time_ms": time_ms(timed, problem.on_gpu), "max_error": max_error, "reason": None}
+    return {"status": "ok", "time_ms": time_ms(replayable(launch, problem), problem.on_gpu), "max_error": max_error,
+            "reason": None}
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: in
     launches = [functools.partial(problem.launch, module, config, inputs, outputs) for config in configs]
     for launch in launches:
         launch()  # compiled, or loaded, before any timing
-    launches = [replayable(launch, problem.on_gpu and problem.timed_from_graph) for launch in launches]
+    launches = [replayable(launch, problem) for launch in launches]
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(rounds):
         for kept, launch in zip(times, launches):
@@ -76,9 +76,9 @@ def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: in
     return {"status": "ok", "times_ms": [statistics.median(kept) for kept in times]}
 
 
-def replayable(launch: Callable[[], None], graph: bool) -> Callable[[], None]:
-    """``launch`` captured in a CUDA graph, as its replay, when ``graph`` (a GPU problem that is
-    ``timed_from_graph``); ``launch`` itself otherwise, or when it cannot be captured (it
+def replayable(launch: Callable[[], None], problem: Problem) -> Callable[[], None]:
+    """``problem``'s ``launch`` captured in a CUDA graph, as its replay, when the problem is on a
+    GPU and ``timed_from_graph``; ``launch`` itself otherwise, or when it cannot be captured (it
     synchronizes, say). ``launch`` must have run once already, so that its kernels are compiled
     and loaded.
 
@@ -87,7 +87,7 @@ def replayable(launch: Callable[[], None], graph: bool) -> Callable[[], None]:
     as host time. On the H200 a decode trial's launch (its split buffers, Triton's JIT entry
     point twice) outlasted 36-52 us MQA kernels: at 1 x 131072 four configs read 412-1104 GB/s
     of KV timed eagerly, 1285-1856 replayed, ranked differently."""
-    if not graph:
+    if not (problem.on_gpu and problem.timed_from_graph):
         return launch
     captured = torch.cuda.CUDAGraph()
     try:
