@@ -5,7 +5,9 @@ rejects what its CPU interpreter lets through (types, block shapes, constexpr ru
 
 Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` makes compilable
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
-argument is an i32. Prints one line per compiled config.
+argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
+``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` is passed as that option.
+Prints one line per compiled config.
 """
 
 import json
@@ -33,15 +35,16 @@ def main(request: dict) -> None:
     module.__file__ = path
     sys.modules[spec.name] = module
     exec(compile(open(path).read(), path, "exec"), module.__dict__)
-    kernel = getattr(module, f"_{spec.name}_kernel")
+    kernel = getattr(module, f"_{spec.name}_{request.get('kernel', 'kernel')}")
     for config in request["configs"]:
         config = dict(config)
         warps = config.pop("num_warps")
+        options = {"num_warps": warps, **({"launch_pdl": config.pop("launch_pdl")} if "launch_pdl" in config else {})}
         signature = {
             name: "constexpr" if name in config else request["pointers"].get(name, "i32") for name in kernel.arg_names
         }
         compiled = triton.compile(ASTSource(kernel, signature, constexprs=config), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
+                                  options=options)
         print(spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"]))
 
 

@@ -238,3 +238,11 @@ def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("cubin bytes") == len(configs)
+    # The merge, as a programmatic dependent (waiting in gdc_wait) and as a plain launch.
+    merges = [{"SPLITS_PAD": 64, "DV_BLOCK": 64, "PDL": True, "launch_pdl": True, "num_warps": 2},
+              {"SPLITS_PAD": 8, "DV_BLOCK": 64, "PDL": False, "num_warps": 2}]
+    request = {**request, "kernel": "kernel_merge", "configs": merges}
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == len(merges)
