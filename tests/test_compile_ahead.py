@@ -387,3 +387,23 @@ def test_random_tensors_on_meta_keep_their_shape_and_dtype():
         ("meta", (3,), torch.int64), ("meta", (6,), torch.int32), ("meta", (3, 2), torch.float16),
         ("meta", (), torch.float32),
     ]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_prefill_placeholders_have_the_inputs_shapes_dtypes_and_strides(page_size):
+    """The ragged and paged prefill family builds its paged buffers as decode does: from the
+    lengths alone, so on the meta device too."""
+    from tilegen.families.attention_varlen import AttentionVarlen, VarlenAttentionSpec
+
+    spec = VarlenAttentionSpec(head_dim=64, q_per_kv=2, dtype="bf16", mask="causal", kv_layout="paged",
+                               page_size=page_size)
+    problem = AttentionVarlen().problem(spec, 64, on_gpu=False, k_lens=(0, 1, 17, 40), q_lens=(0, 1, 9, 40))
+
+    def shape_of(inputs):
+        return {name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
+                for name, t in inputs.items()}
+
+    assert shape_of(problem.placeholder_inputs()) == shape_of(problem.inputs(0))
+    with compile_ahead._OnMeta():
+        placeholders = problem.placeholder_inputs()
+    assert {t.device.type for t in placeholders.values() if isinstance(t, torch.Tensor)} == {"meta"}

@@ -21,8 +21,6 @@ BUCKETS = ContextBatchBuckets("longest context", "sequences")
 #: The interpreter is slow: its trials cap the context and the batch (a GPU trial measures both as bucketed).
 _CPU_MAX_CONTEXT = 48
 _CPU_MAX_BATCH = 8
-#: Pages no sequence holds, NaN: a kernel that reads a page it was not given fails the check.
-_SPARE_PAGES = 3
 
 
 def decode_buffers(batch: int, rows: int, dv: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +78,7 @@ class DecodeProblem(VarlenProblem):
 
     def inputs(self, seed: int) -> dict:
         if self.spec.kv_layout == "paged":
-            return self._paged_inputs(seed)
+            return super().inputs(seed)
         # Dense: [batch, kv_heads, n_k, dim] tensors, every sequence as long as the longest.
         gen = torch.Generator("cuda" if self.on_gpu else "cpu").manual_seed(seed)
         n, batch = max(self.k_lens), len(self.k_lens)
@@ -93,61 +91,6 @@ class DecodeProblem(VarlenProblem):
                 "k": randn(batch, self.heads_kv, n, self.spec.head_dim),
                 "v": randn(batch, self.heads_kv, n, self.spec.dv),
                 "cu_q": torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32, device=gen.device)}
-
-    def placeholder_inputs(self) -> dict:
-        if self.spec.kv_layout != "paged":
-            return self.inputs(0)
-        return self._paged_buffers()
-
-    def _paged_buffers(self) -> dict:
-        """The paged inputs' tensors, allocated from the lengths alone: every slot NaN, the rest of
-        no value yet. Their sizes come from the lengths on the host, so they build anywhere, the
-        meta device included."""
-        device = "cuda" if self.on_gpu else "cpu"
-        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
-        batch, used = len(self.k_lens), sum(-(-n // size) for n in self.k_lens)
-        num_pages = used + _SPARE_PAGES
-
-        def ints(n):
-            return torch.empty(n, dtype=torch.int32, device=device)
-
-        return {"q": torch.empty(sum(self.q_lens), self.heads_q, spec.head_dim, dtype=dtype, device=device),
-                "cu_q": ints(batch + 1), "max_q": max(self.q_lens),
-                "k": torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype),
-                "v": torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype),
-                "indptr": ints(batch + 1), "indices": ints(used), "last": ints(batch)}
-
-    def _paged_inputs(self, seed: int) -> dict:
-        """``VarlenProblem``'s paged inputs (shuffled pages, NaN in every slot no sequence holds), filled
-        in one scatter: a GPU trial at a large batch holds millions of tokens, too many pages to fill
-        one by one."""
-        inputs = self._paged_buffers()
-        k_pages, v_pages, device = inputs["k"], inputs["v"], inputs["k"].device
-        gen = torch.Generator(device).manual_seed(seed)
-        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
-
-        def randn(*shape):
-            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
-
-        lengths = torch.tensor(self.k_lens, dtype=torch.int64, device=device)
-        pages_per_seq = (lengths + size - 1) // size
-        used = inputs["indices"].numel()
-        indices = torch.randperm(k_pages.shape[0], generator=gen, device=device)[:used]
-        indptr = torch.nn.functional.pad(pages_per_seq.cumsum(0), (1, 0))
-        # Token t of sequence b lies in slot t % size of page indices[indptr[b] + t // size].
-        seq = torch.repeat_interleave(torch.arange(len(self.k_lens), device=device), lengths)
-        first = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
-        pos = torch.arange(seq.numel(), device=device) - first[seq]
-        page = indices[indptr[seq] + pos // size]
-        k_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.head_dim)
-        v_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.dv)
-        last = torch.where(pages_per_seq > 0, lengths - (pages_per_seq - 1) * size, 0)
-        inputs["q"].copy_(randn(*inputs["q"].shape))
-        inputs["cu_q"].copy_(torch.tensor((0, *self.q_lens), device=device).cumsum(0))
-        inputs["indptr"].copy_(indptr)
-        inputs["indices"].copy_(indices)
-        inputs["last"].copy_(last)
-        return inputs
 
     def outputs(self, inputs: dict):
         out, lse = super().outputs(inputs)

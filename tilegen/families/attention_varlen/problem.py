@@ -78,6 +78,8 @@ class VarlenProblem(base.Problem):
         return _SOFTCAP if self.spec.softcap else None
 
     def inputs(self, seed: int) -> dict:
+        if self.spec.kv_layout == "paged":
+            return self._paged_inputs(seed)
         device = "cuda" if self.on_gpu else "cpu"
         gen = torch.Generator(device).manual_seed(seed)
         dtype = self.torch_dtype()
@@ -86,27 +88,63 @@ class VarlenProblem(base.Problem):
         def randn(*shape):
             return torch.randn(shape, generator=gen, device=device, dtype=dtype)
 
-        cu_q = _cumsum(self.q_lens, device)
-        data = {"q": randn(sum(self.q_lens), self.heads_q, spec.head_dim), "cu_q": cu_q,
-                "max_q": max(self.q_lens)}
-        if spec.kv_layout == "ragged":
-            data.update(k=randn(sum(self.k_lens), self.heads_kv, spec.head_dim),
-                        v=randn(sum(self.k_lens), self.heads_kv, spec.dv), cu_k=_cumsum(self.k_lens, device))
-            return data
-        size = spec.page_size
-        pages_per_seq = [math.ceil(n / size) for n in self.k_lens]
-        num_pages = sum(pages_per_seq) + _SPARE_PAGES
-        k_pages = torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype)
-        v_pages = torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype)
-        order = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)  # pages in shuffled order
-        indices = order[: sum(pages_per_seq)]
-        for page, (start, n) in zip(*_page_slots(pages_per_seq, self.k_lens, size)):
-            k_pages[indices[page], :n] = randn(n, self.heads_kv, spec.head_dim)
-            v_pages[indices[page], :n] = randn(n, self.heads_kv, spec.dv)
-        last = [n - (p - 1) * size if p else 0 for n, p in zip(self.k_lens, pages_per_seq)]
-        data.update(k=k_pages, v=v_pages, indptr=_cumsum(pages_per_seq, device), indices=indices.contiguous(),
-                    last=torch.tensor(last, dtype=torch.int32, device=device))
-        return data
+        return {"q": randn(sum(self.q_lens), self.heads_q, spec.head_dim), "cu_q": _cumsum(self.q_lens, device),
+                "max_q": max(self.q_lens), "k": randn(sum(self.k_lens), self.heads_kv, spec.head_dim),
+                "v": randn(sum(self.k_lens), self.heads_kv, spec.dv), "cu_k": _cumsum(self.k_lens, device)}
+
+    def placeholder_inputs(self) -> dict:
+        if self.spec.kv_layout != "paged":
+            return self.inputs(0)
+        return self._paged_buffers()
+
+    def _paged_buffers(self) -> dict:
+        """The paged inputs' tensors, allocated from the lengths alone: every slot NaN, the rest of
+        no value yet. Their sizes come from the lengths on the host, so they build anywhere, the
+        meta device included."""
+        device = "cuda" if self.on_gpu else "cpu"
+        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
+        batch, used = len(self.k_lens), sum(-(-n // size) for n in self.k_lens)
+        num_pages = used + _SPARE_PAGES
+
+        def ints(n):
+            return torch.empty(n, dtype=torch.int32, device=device)
+
+        return {"q": torch.empty(sum(self.q_lens), self.heads_q, spec.head_dim, dtype=dtype, device=device),
+                "cu_q": ints(batch + 1), "max_q": max(self.q_lens),
+                "k": torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype),
+                "v": torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype),
+                "indptr": ints(batch + 1), "indices": ints(used), "last": ints(batch)}
+
+    def _paged_inputs(self, seed: int) -> dict:
+        """Shuffled pages, NaN in every slot no sequence holds, filled in one scatter: a GPU decode
+        trial at a large batch holds millions of tokens, too many pages to fill one by one."""
+        inputs = self._paged_buffers()
+        k_pages, v_pages, device = inputs["k"], inputs["v"], inputs["k"].device
+        gen = torch.Generator(device).manual_seed(seed)
+        spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
+
+        def randn(*shape):
+            return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+        lengths = torch.tensor(self.k_lens, dtype=torch.int64, device=device)
+        pages_per_seq = (lengths + size - 1) // size
+        used = inputs["indices"].numel()
+        indices = torch.randperm(k_pages.shape[0], generator=gen, device=device)[:used]
+        indptr = torch.nn.functional.pad(pages_per_seq.cumsum(0), (1, 0))
+        # Token t of sequence b lies in slot t % size of page indices[indptr[b] + t // size].
+        seq = torch.repeat_interleave(torch.arange(len(self.k_lens), device=device), lengths)
+        first = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
+        pos = torch.arange(seq.numel(), device=device) - first[seq]
+        page = indices[indptr[seq] + pos // size]
+        k_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.head_dim)
+        v_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.dv)
+        last = torch.where(pages_per_seq > 0, lengths - (pages_per_seq - 1) * size, 0)
+        inputs["q"].copy_(randn(*inputs["q"].shape))
+        inputs["cu_q"].copy_(torch.tensor((0, *self.q_lens), device=device).cumsum(0))
+        inputs["indptr"].copy_(indptr)
+        inputs["indices"].copy_(indices)
+        inputs["last"].copy_(last)
+        return inputs
 
     def outputs(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = inputs["q"]
@@ -181,13 +219,3 @@ def _cumsum(lengths, device) -> torch.Tensor:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32, device=device)
 
-
-def _page_slots(pages_per_seq, lengths, size):
-    """Per used page (in page-table order): its index in ``indices`` and (first token, tokens held)."""
-    pages, slots, p = [], [], 0
-    for count, n in zip(pages_per_seq, lengths):
-        for i in range(count):
-            pages.append(p)
-            slots.append((i * size, min(size, n - i * size)))
-            p += 1
-    return pages, slots
