@@ -407,3 +407,26 @@ def test_paged_prefill_placeholders_have_the_inputs_shapes_dtypes_and_strides(pa
     with compile_ahead._OnMeta():
         placeholders = problem.placeholder_inputs()
     assert {t.device.type for t in placeholders.values() if isinstance(t, torch.Tensor)} == {"meta"}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_append_placeholders_have_the_inputs_shapes_dtypes_and_strides(page_size):
+    """kv_append's placeholders are sized from the lengths alone, so its compile-ahead needs no GPU."""
+    import dataclasses
+
+    from tilegen.families.kv_append import KVAppend
+    from tilegen.families.kv_append.spec import KVAppendSpec
+
+    spec = KVAppendSpec(head_dim=64, dtype="bf16", page_size=page_size)
+    problem = KVAppend().problem(spec, KVAppend().buckets.of(64), on_gpu=False)
+
+    def shape_of(inputs):
+        return {field.name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
+                for field in dataclasses.fields(inputs) for t in [getattr(inputs, field.name)]}
+
+    assert shape_of(problem.placeholder_inputs()) == shape_of(problem.inputs(0))
+    with compile_ahead._OnMeta():
+        placeholders = problem.placeholder_inputs()
+        outputs = problem.outputs(placeholders)
+    tensors = [getattr(placeholders, f.name) for f in dataclasses.fields(placeholders)] + list(outputs)
+    assert {t.device.type for t in tensors if isinstance(t, torch.Tensor)} == {"meta"}

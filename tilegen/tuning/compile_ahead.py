@@ -10,16 +10,15 @@ divisible by 16, constexprs, options) is the one the worker's launch will have. 
 worker's JIT then loads each kernel from the disk cache in milliseconds.
 
 The inputs are the Problem's placeholders (``Problem.placeholder_inputs``: its inputs'
-shapes, dtypes and strides, with a paged decode cache's buffers sized from the lengths and
-no page table computed) built on torch's meta device: no memory, at address 0, which is
+shapes, dtypes and strides, with a paged cache's buffers and kv_append's inputs sized from
+the lengths and no page table computed) built on torch's meta device: no memory, at address 0, which is
 aligned as any allocation is. With Triton's questions to the driver (the current device and
 stream, the GPU's capability) answered from what the tune read from its GPU, a compile
 process then never starts CUDA. Contexts created at once on a host queue behind each other:
 on the 2-GPU H200 host, 16 compile processes that each made one were ready 2.2-2.5 s after
-the measuring workers' own, against 1.3 s for 8. A Problem whose placeholders still need
-values (kv_append's, whose cache is filled from its inputs) falls back to real inputs on the
-GPU, made once the worker's context is up, as does a config whose launch fails on meta
-tensors.
+the measuring workers' own, against 1.3 s for 8. A Problem whose placeholders cannot be
+built on meta tensors falls back to real inputs on the GPU, made once the worker's context is
+up, as does a config whose launch fails on meta tensors.
 
 The processes only fill a cache: a config that fails to compile here is left to the worker
 (which records its compile error as before), tasks of a bucket that has ended are dropped,

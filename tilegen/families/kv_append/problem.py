@@ -113,6 +113,21 @@ class Problem(base.Problem):
         indptr, indices, last, cu = ints
         return AppendInputs(indptr, indices, last, num_pages, k, v, cu)
 
+    def placeholder_inputs(self) -> AppendInputs:
+        """``inputs(0)``'s tensors, sized from the lengths on the host: no page table is drawn, so
+        they build on the meta device too."""
+        device = "cuda" if self.on_gpu else "cpu"
+        size, batch = self.spec.page_size, len(self.context)
+        used = sum(-(-(c + n) // size) for c, n in zip(self.context, self.new_tokens))
+        dtype = self.torch_dtype()
+
+        def ints(n):
+            return torch.empty(n, dtype=torch.int32, device=device)
+
+        k = torch.empty(self.total_new, self.kv_heads, self.spec.head_dim, dtype=dtype, device=device)
+        v = torch.empty(self.total_new, self.kv_heads, self.spec.dv, dtype=dtype, device=device)
+        return AppendInputs(ints(batch + 1), ints(used), ints(batch), used + _SPARE_PAGES, k, v, ints(batch + 1))
+
     def outputs(self, inputs: AppendInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V pages, all NaN."""
         shape = (inputs.num_pages, self.spec.page_size, self.kv_heads)
