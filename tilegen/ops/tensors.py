@@ -47,8 +47,9 @@ def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | Non
     read an input's row and write the output's in one program, and another program's write to
     memory still to be read, or two writes to one element, would be a silently wrong answer.
     Spans are compared, so a view interleaved with an input (every other element each) is
-    refused too, though the two share no element. Only tensors of one storage can overlap, which
-    is all that most calls pay for (about half a microsecond)."""
+    refused too, though the two share no element. Only tensors of one storage can overlap, so
+    most calls pay for reading each tensor's storage address and no more (3 µs in all for
+    ``out`` and three inputs on the 2-core CPU machine)."""
     if 0 in out.stride():
         for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
             if stride == 0 and size > 1:
