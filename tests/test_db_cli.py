@@ -140,6 +140,18 @@ def test_export_then_import_into_a_fresh_database(populated, tmp_path):
         assert {r.provenance for r in b.list_tuned()} == {"imported"}
 
 
+def test_import_replace_takes_a_slower_retune(populated, tmp_path):
+    retune, exported = tmp_path / "retune.sqlite", tmp_path / "retune.json"
+    with TuningDB(retune) as db:
+        _best(db, SPEC, 64, 1.5, Config(64, 16, 4, 1))
+    assert invoke("db", "--db", retune, "export", exported).exit_code == 0
+    for flags, kept in (((), 1.0), (("--replace",), 1.5)):
+        result = invoke("db", "--db", populated, "import", *flags, exported)
+        assert result.exit_code == 0, result.output
+        with TuningDB(populated) as db:
+            assert db.best(spec=SPEC, device=CPU_INTERPRETER, **CURRENT)[64].time_ms == kept
+
+
 def _without_provenance(data: dict) -> dict:
     return {**data, **{name: [{k: v for k, v in row.items() if k != "provenance"} for row in data[name]]
                        for name in ("tuned", "trials")}}

@@ -180,8 +180,13 @@ def import_(
         "is not positive, a bucket its family never gives) and import the rest; by default one such row refuses "
         "the whole file.",
     ),
+    replace: bool = typer.Option(
+        False, "--replace", help="The file's rows win whatever their times, and each study it holds trials of "
+        "replaces the stored one: for a re-tune measured another way, whose times do not compare with those here.",
+    ),
 ) -> None:
-    """Merge an export in: per bucket the faster config wins; trials already here are kept.
+    """Merge an export in: per bucket the faster config wins; trials already here are kept (both
+    unless --replace).
 
     Every row is checked first and marked as imported (`tilegen db verify` re-runs it here).
     """
@@ -193,7 +198,7 @@ def import_(
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         fail(f"FILE.json: {file} is not JSON ({e}); give a file written by `tilegen db export`")
     with _open(path, write=True) as database, _errors():
-        count = database.import_json(data, skip_bad=skip_bad)
+        count = database.import_json(data, skip_bad=skip_bad, replace=replace)
         skipped = database.skipped
     for line in skipped:
         typer.echo(f"skipped {line}", err=True)

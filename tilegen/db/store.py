@@ -276,10 +276,15 @@ class TuningDB:
             )
             return _merge_best(session, key, values, replace=replace)
 
-    def import_json(self, data: dict[str, Any], *, skip_bad: bool = False, provenance: str = "imported") -> int:
+    def import_json(
+        self, data: dict[str, Any], *, skip_bad: bool = False, provenance: str = "imported", replace: bool = False,
+    ) -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
 
-        Tuned rows merge as ``record_best`` does; trials already here are kept as they are.
+        Tuned rows merge as ``record_best`` does; trials already here are kept as they are. With
+        ``replace`` the export's rows win whatever their times, and each study it holds trials of
+        loses the trials stored here first: a re-tune whose times are not comparable with the
+        stored ones (measured another way) replaces them, rows and trials alike.
         Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
         before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
         its kernel cannot run, a time that is not positive, a bucket its family never gives),
@@ -299,7 +304,11 @@ class TuningDB:
                 values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
                                                 "max_error", "trials", "created_at")}
                 values.update(config_json=_canonical(entry["config"]), provenance=provenance)
-                changed += _merge_best(session, key, values)
+                changed += _merge_best(session, key, values, replace=replace)
+            if replace:
+                studies = {entry["study_name"] for entry in sections["trials"]}
+                if studies:
+                    _delete(session, Trial, Trial.study_name.in_(studies))
             for entry in sections["trials"]:
                 key = {"study_name": entry["study_name"], "trial_number": entry["trial_number"]}
                 values = {n: entry[n] for n in ("bucket", "triton_version", "status", "time_ms", "max_error",
