@@ -93,29 +93,26 @@ class Problem(base.Problem):
         return sum((c + n - 1) // size - c // size + 1 for c, n in zip(self.context, self.new_tokens) if n)
 
     def inputs(self, seed: int) -> AppendInputs:
-        device = "cuda" if self.on_gpu else "cpu"
+        inputs = self.placeholder_inputs()
         gen = torch.Generator().manual_seed(seed)  # on the CPU: the page order is drawn there
         size = self.spec.page_size
         lens = torch.tensor([c + n for c, n in zip(self.context, self.new_tokens)], dtype=torch.int64)
         pages = (lens + size - 1) // size
-        num_pages = int(pages.sum()) + _SPARE_PAGES
         # Pages in shuffled order: a kernel that assumes a sequence's pages are adjacent fails.
-        indices = torch.randperm(num_pages, generator=gen)[: int(pages.sum())]
-        indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        indptr[1:] = torch.cumsum(pages, 0)
-        last = torch.where(pages > 0, lens - (pages - 1) * size, 0)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(self.new_tokens, dtype=torch.int64), 0)
-        dtype = self.torch_dtype()
-        k = torch.randn(self.total_new, self.kv_heads, self.spec.head_dim, generator=gen).to(device, dtype)
-        v = torch.randn(self.total_new, self.kv_heads, self.spec.dv, generator=gen).to(device, dtype)
-        ints = (t.to(device=device, dtype=torch.int32) for t in (indptr, indices, last, cu))
-        indptr, indices, last, cu = ints
-        return AppendInputs(indptr, indices, last, num_pages, k, v, cu)
+        indices = torch.randperm(inputs.num_pages, generator=gen)[: int(pages.sum())]
+        inputs.indptr[1:].copy_(torch.cumsum(pages, 0))
+        inputs.indptr[0] = 0
+        inputs.indices.copy_(indices)
+        inputs.last_page_len.copy_(torch.where(pages > 0, lens - (pages - 1) * size, 0))
+        inputs.cu_seqlens[1:].copy_(torch.cumsum(torch.tensor(self.new_tokens, dtype=torch.int64), 0))
+        inputs.cu_seqlens[0] = 0
+        inputs.k.copy_(torch.randn(inputs.k.shape, generator=gen))
+        inputs.v.copy_(torch.randn(inputs.v.shape, generator=gen))
+        return inputs
 
     def placeholder_inputs(self) -> AppendInputs:
-        """``inputs(0)``'s tensors, sized from the lengths on the host: no page table is drawn, so
-        they build on the meta device too."""
+        """The inputs' tensors, sized from the lengths on the host and holding no values yet: no
+        page table is drawn, so they build on the meta device too."""
         device = "cuda" if self.on_gpu else "cpu"
         size, batch = self.spec.page_size, len(self.context)
         used = sum(-(-(c + n) // size) for c, n in zip(self.context, self.new_tokens))
