@@ -99,10 +99,9 @@ class Problem(base.Problem):
         lens = torch.tensor([c + n for c, n in zip(self.context, self.new_tokens)], dtype=torch.int64)
         pages = (lens + size - 1) // size
         # Pages in shuffled order: a kernel that assumes a sequence's pages are adjacent fails.
-        indices = torch.randperm(inputs.num_pages, generator=gen)[: int(pages.sum())]
+        inputs.indices.copy_(torch.randperm(inputs.num_pages, generator=gen)[: inputs.indices.numel()])
         inputs.indptr[1:].copy_(torch.cumsum(pages, 0))
         inputs.indptr[0] = 0
-        inputs.indices.copy_(indices)
         inputs.last_page_len.copy_(torch.where(pages > 0, lens - (pages - 1) * size, 0))
         inputs.cu_seqlens[1:].copy_(torch.cumsum(torch.tensor(self.new_tokens, dtype=torch.int64), 0))
         inputs.cu_seqlens[0] = 0
