@@ -7,7 +7,8 @@ Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` ma
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
 argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
 ``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` is passed as that option.
-Prints one line per compiled config.
+Prints one line per compiled config; with ``"ptxas": true`` the line also says whether ptxas
+serialized the kernel's wgmma instructions (its C7514 warning), assembling the PTX once more.
 """
 
 import json
@@ -43,9 +44,34 @@ def main(request: dict) -> None:
         signature = {
             name: "constexpr" if name in config else request["pointers"].get(name, "i32") for name in kernel.arg_names
         }
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=config), target=GPUTarget("cuda", 90, 32),
+        source = ASTSource
+        if getattr(kernel, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+
+            if "num_warps" in kernel.arg_names:  # a Gluon kernel reads its warp count as a constexpr too
+                signature["num_warps"] = "constexpr"
+                config["num_warps"] = warps
+        compiled = triton.compile(source(kernel, signature, constexprs=config), target=GPUTarget("cuda", 90, 32),
                                   options=options)
-        print(spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"]))
+        line = [spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"])]
+        if request.get("ptxas"):
+            line.append("wgmma serialized" if _serialized(compiled.asm["ptx"]) else "wgmma async")
+        print(*line)
+
+
+def _serialized(ptx: str) -> bool:
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".o"],
+                              capture_output=True, text=True, check=True)
+    return "C7514" in done.stdout + done.stderr
 
 
 if __name__ == "__main__":

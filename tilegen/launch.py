@@ -398,7 +398,9 @@ class Launcher:
         launch = self.jit
         names = set(launch.__code__.co_names)
         for name, value in vars(module).items():
-            if name in names and value.__class__ is JITFunction:
+            # Gluon kernels too (a JITFunction subclass with the same run): their launches are captured
+            # like the others, and go through the JIT where no fingerprint describes their arguments.
+            if name in names and isinstance(value, JITFunction):
                 self._kernels[name] = DirectKernel(value, variant)
         self.direct = _rebind(launch, self._kernels)
         self._capture = _rebind(launch, {name: _Capture(self, kernel) for name, kernel in self._kernels.items()})

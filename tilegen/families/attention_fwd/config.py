@@ -14,7 +14,8 @@ from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
 
-__all__ = ["Config", "TileConfig", "search_space", "feasible", "default_rule", "has_tma"]
+__all__ = ["Config", "TileConfig", "search_space", "feasible", "default_rule", "has_tma", "has_wgmma",
+           "wgmma_unsupported"]
 
 # Rough per-thread register budget for the fp32 score tile and accumulator; past
 # it the kernel spills and is never the winner, so it is not worth compiling.
@@ -41,24 +42,29 @@ class Config(TileConfig):
     # 1: Q, K and V are read through TMA tensor descriptors (Hopper and later) where the tensors
     # allow one (16-byte aligned base and strides, contiguous head dim); else through pointers.
     tma: int = 0
+    # 1: the Gluon kernel (Hopper wgmma, its pipeline written out; common/attention_wgmma) on TMA
+    # descriptors, where the call allows descriptors and a positive scale; else the Triton kernel.
+    wgmma: int = 0
 
-    switches = frozenset({"tma"})
+    switches = frozenset({"tma", "wgmma"})
 
     def __str__(self) -> str:
-        return super().__str__() + ("-tma" if self.tma else "")
+        return super().__str__() + ("-tma" if self.tma else "") + ("-wgmma" if self.wgmma else "")
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
     if device.is_interpreter:
         # The interpreter ignores warps and stages; keep the space small so a CPU tune is quick.
         # The TMA path runs under the interpreter too, but a CPU tune need not try it: tests do.
-        return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1], "tma": [0]}
+        return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1], "tma": [0],
+                "wgmma": [0]}
     return {
         "block_m": [64, 128, 256],
         "block_n": [32, 64, 128],
         "num_warps": [4, 8],
         "num_stages": [2, 3, 4],
         "tma": [0, 1] if has_tma(device) else [0],
+        "wgmma": [0, 1] if has_wgmma(device) and wgmma_unsupported(spec) is None else [0],
     }
 
 
@@ -68,7 +74,51 @@ def has_tma(device: DeviceInfo) -> bool:
     return device.is_interpreter or device.capability >= (9, 0)
 
 
+def has_wgmma(device: DeviceInfo) -> bool:
+    """Whether the Gluon kernel can run: an sm90 GPU (wgmma is Hopper's alone) and Triton 3.6, the
+    version whose Gluon API the template is written against and verified with on the H200."""
+    return not device.is_interpreter and device.capability[0] == 9 and triton.__version__.startswith("3.6.")
+
+
+def wgmma_unsupported(spec: AttentionSpec) -> str | None:
+    """Why the Gluon kernel does not implement ``spec``, or ``None`` when it does."""
+    if spec.mask not in ("none", "causal"):
+        return f"mask={spec.mask!r}: the Gluon kernel has no window"
+    if spec.softcap:
+        return "softcap: the Gluon kernel has none"
+    if spec.head_dim not in (64, 128) or spec.dv != spec.head_dim:
+        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes 64 or 128, equal"
+    if spec.dtype not in ("bf16", "fp16"):
+        return f"dtype={spec.dtype}: the Gluon kernel takes bf16 or fp16"
+    return None
+
+
+def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
+    if config.wgmma not in (0, 1):
+        return f"wgmma={config.wgmma}: expected 0 or 1"
+    if not config.wgmma:
+        return None
+    if not has_wgmma(device):
+        return (f"wgmma=1: needs an sm90 GPU and Triton 3.6, not {device.name} (sm{device.capability[0]}"
+                f"{device.capability[1]}) with Triton {triton.__version__}")
+    reason = wgmma_unsupported(spec)
+    if reason is not None:
+        return f"wgmma=1: {reason}"
+    if not config.tma:
+        return "wgmma=1 reads through TMA: it goes with tma=1"
+    if config.block_m not in (64, 128) or config.num_warps != config.block_m // 16:
+        return f"wgmma=1: one warpgroup per 64 query rows, so BM64 with 4 warps or BM128 with 8, not {config}"
+    if config.block_n not in (64, 128):
+        return f"block_n={config.block_n}: the Gluon kernel takes 64 or 128"
+    if config.num_stages < 2:
+        return "wgmma=1: K and V need at least two slots each"
+    return None
+
+
 def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
+    reason = _wgmma_infeasible(spec, config, device)
+    if reason is not None:
+        return reason
     if config.tma not in (0, 1):
         return f"tma={config.tma}: expected 0 or 1"
     if config.tma and not has_tma(device):
@@ -114,5 +164,10 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if dim <= 128:
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
         # full (466, against 413 for BN32).
-        return [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
+        rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
+        if has_wgmma(device) and wgmma_unsupported(spec) is None:
+            # Past 2k keys the Gluon kernel at the same tiles led the tuned Triton rows on the H200 (bf16,
+            # causal and full, MHA and GQA 32/8, 4k to 32k: 1.01-1.08x); at 1k-2k it did not.
+            rule[-1:] = [(2048, rule[-1][1]), (None, Config(128, 128, 8, 3, 1, 1))]
+        return rule
     return [(None, Config(64, 32, 4, 2))]

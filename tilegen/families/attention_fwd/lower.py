@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tilegen.families.attention_fwd.config import wgmma_unsupported
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.lowering import head_dim_values
 
@@ -20,7 +21,9 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
             f"kv_layout={spec.kv_layout!r}: the dense template reads contiguous [batch, heads, seq, dim] KV only; "
             "ragged and paged KV are the attention_varlen family's (tilegen.varlen_attention, tilegen.PagedAttention)"
         )
-    return {**attention_values(spec), "layout": "dense", "tma": True}
+    wgmma = wgmma_unsupported(spec) is None
+    return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
+            "wgmma_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype)}
 
 
 def attention_values(spec) -> dict[str, Any]:

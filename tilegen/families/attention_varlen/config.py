@@ -1,6 +1,6 @@
 """Ragged and paged attention configs: the dense family's tiles, warps and stages, without its
-TMA knob (these kernels find each sequence's keys through cumulative lengths or a page table,
-which a descriptor of one dense tensor does not describe)."""
+TMA and wgmma knobs (these kernels find each sequence's keys through cumulative lengths or a page
+table, which a descriptor of one dense tensor does not describe)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = ["TileConfig", "search_space", "feasible", "default_rule"]
 def search_space(spec, device: DeviceInfo) -> dict[str, list[int]]:
     space = dense.search_space(spec, device)
     space.pop("tma", None)
+    space.pop("wgmma", None)
     return space
 
 
