@@ -51,6 +51,25 @@ def test_decode_matches_reference(page_size, group, splits, device):
     _check(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_reads_a_head_major_cache(splits, device):
+    """Pages stored [num_pages, kv_heads, page_size, dim] (FlashInfer's HND layout), handed over as
+    their [num_pages, page_size, kv_heads, dim] view: the kernel follows the strides, so each
+    head's page is one contiguous run."""
+    gen = torch.Generator().manual_seed(11 + splits)
+    nhd = make_cache(_contexts(16), 16, 2, 32, torch.bfloat16, device, gen)
+    k_hnd, v_hnd = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (nhd.k_pages, nhd.v_pages))
+    assert k_hnd.stride(2) == 16 * 32 and torch.equal(k_hnd.nan_to_num(), nhd.k_pages.nan_to_num())
+    cache = tilegen.PagedKVCache(k_hnd, v_hnd, nhd.indptr, nhd.indices, nhd.last_page_len)
+    q = torch.randn(cache.batch, 8, 32, generator=gen).to(device=device, dtype=torch.bfloat16)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, return_lse=True, num_splits=splits)
+    out = torch.full((cache.batch, 8, 32), math.nan, dtype=torch.bfloat16, device=device)
+    _, lse = decode.run(q, cache, out=out)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, torch.bfloat16)
+
+
 @pytest.mark.parametrize("kwargs", [{"window": (20, 0)}, {"softcap": 3.0, "scale": 0.2}], ids=["window", "softcap"])
 def test_decode_window_and_softcap_with_splits(kwargs, device):
     gen = torch.Generator().manual_seed(9)
