@@ -23,7 +23,13 @@ from helpers import Case, check_against_reference, param, poisoned_like_out
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec, Config
-from tilegen.families.attention_fwd.config import default_rule, feasible, has_wgmma, search_space
+from tilegen.families.attention_fwd.config import (
+    default_rule,
+    feasible,
+    has_wgmma,
+    search_space,
+    wgmma_unsupported,
+)
 from tilegen.ops.attention import prepare_call, run_with_config
 
 HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
@@ -58,8 +64,8 @@ def test_offered_on_hopper_with_triton_36_only():
 ])
 def test_refuses_what_the_kernel_does_not_implement(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
-    if spec.mask == "window" or spec.softcap or spec.head_dim != spec.dv or spec.head_dim == 96 or spec.dtype == "fp32":
-        assert search_space(spec, HOPPER)["wgmma"] == [0]
+    # A spec the kernel does not implement is never offered the knob; a config it refuses is.
+    assert search_space(spec, HOPPER)["wgmma"] == ([0] if wgmma_unsupported(spec) else [0, 1])
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
@@ -106,8 +112,8 @@ def test_falls_back_to_the_triton_kernel_off_the_gpu(case, device, monkeypatch):
 def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], getattr(gl, {"bf16": "bfloat16",
-                                                                                         "fp16": "float16"}[dtype]))
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
     return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
 
 
