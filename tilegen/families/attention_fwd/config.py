@@ -64,7 +64,7 @@ def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]
         "num_warps": [4, 8],
         "num_stages": [2, 3, 4],
         "tma": [0, 1] if has_tma(device) else [0],
-        "wgmma": [0, 1] if has_wgmma(device) and wgmma_unsupported(spec) is None else [0],
+        "wgmma": [0, 1] if _offers_wgmma(spec, device) else [0],
     }
 
 
@@ -91,6 +91,11 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     if spec.dtype not in ("bf16", "fp16"):
         return f"dtype={spec.dtype}: the Gluon kernel takes bf16 or fp16"
     return None
+
+
+def _offers_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
+    """Whether the knob is on offer: the device runs the Gluon kernel and the kernel implements the spec."""
+    return has_wgmma(device) and wgmma_unsupported(spec) is None
 
 
 def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
@@ -165,7 +170,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
         # full (466, against 413 for BN32).
         rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
-        if has_wgmma(device) and wgmma_unsupported(spec) is None:
+        if _offers_wgmma(spec, device):
             # Past 2k keys the Gluon kernel at the same tiles led the tuned Triton rows on the H200 (bf16,
             # causal and full, MHA and GQA 32/8, 4k to 32k: 1.01-1.08x); at 1k-2k it did not.
             rule[-1:] = [(2048, rule[-1][1]), (None, Config(128, 128, 8, 3, 1, 1))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.config import wgmma_unsupported
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.lowering import head_dim_values
@@ -23,7 +24,8 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         )
     wgmma = wgmma_unsupported(spec) is None
     return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
-            "wgmma_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(spec.dtype)}
+            # Gluon names its dtypes as torch does.
+            "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch.")}
 
 
 def attention_values(spec) -> dict[str, Any]:
