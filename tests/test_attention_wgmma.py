@@ -1,4 +1,6 @@
-"""The attention kernel's Gluon path (config ``wgmma=1``): Hopper's wgmma pipeline written out.
+"""The attention kernel's Gluon paths (config ``wgmma`` 1, 2 and 3): Hopper's wgmma pipeline written
+out, in one partition or warp-specialized (a loader warp, two consumer warpgroups, with or without
+ping-pong turns).
 
 Gluon has no interpreter, so on the CPU machine these tests check what the knob promises without
 running it: where it is offered, what it refuses and why, that a launch falls back to the Triton
@@ -37,16 +39,20 @@ AMPERE = DeviceInfo("NVIDIA A100", (8, 0), 108, 80 << 30, 166912)
 BLACKWELL = DeviceInfo("NVIDIA B200", (10, 0), 148, 180 << 30, 232448)
 TRITON_36 = triton.__version__.startswith("3.6.")
 WGMMA = Config(128, 128, 8, 3, tma=1, wgmma=1)
+WS = Config(128, 128, 8, 2, tma=1, wgmma=2)
+WS_PINGPONG = Config(128, 64, 8, 3, tma=1, wgmma=3)
 
 
 def test_offered_on_hopper_with_triton_36_only():
     spec = AttentionFwd.presets["mha-d128-causal"]
-    assert search_space(spec, HOPPER)["wgmma"] == ([0, 1] if TRITON_36 else [0])
+    assert search_space(spec, HOPPER)["wgmma"] == ([0, 1, 2, 3] if TRITON_36 else [0])
     for device in (AMPERE, BLACKWELL, CPU_INTERPRETER):
         assert not has_wgmma(device)
         assert search_space(spec, device)["wgmma"] == [0]
-        assert "needs an sm90 GPU and Triton 3.6" in feasible(spec, WGMMA, device)
-    assert str(WGMMA) == "BM128-BN128-w8-s3-tma-wgmma"
+        for config in (WGMMA, WS, WS_PINGPONG):
+            assert "needs an sm90 GPU and Triton 3.6" in feasible(spec, config, device)
+    assert [str(c) for c in (WGMMA, WS, WS_PINGPONG)] == [
+        "BM128-BN128-w8-s3-tma-wgmma", "BM128-BN128-w8-s2-tma-ws", "BM128-BN64-w8-s3-tma-ws-pp"]
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
@@ -60,23 +66,35 @@ def test_offered_on_hopper_with_triton_36_only():
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 64, 4, 3, tma=1, wgmma=1), "BM128 with 8"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 32, 4, 3, tma=1, wgmma=1), "64 or 128"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 1, tma=1, wgmma=1), "two slots"),
-    (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 2, tma=1, wgmma=2), "expected 0 or 1"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 2, tma=1, wgmma=4), "expected one of 0, 1, 2, 3"),
+    (AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), WS, "softcap"),
+    (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 2, tma=0, wgmma=3), "goes with tma=1"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 2, tma=1, wgmma=2), "BM128 with 8 warps"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 64, 4, 2, tma=1, wgmma=3), "BM128 with 8 warps"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 32, 8, 2, tma=1, wgmma=2), "64 or 128"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 64, 8, 1, tma=1, wgmma=2), "two slots"),
+    (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 4, tma=1, wgmma=2), "shared memory"),
 ])
 def test_refuses_what_the_kernel_does_not_implement(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
     # A spec the kernel does not implement is never offered the knob; a config it refuses is.
-    assert search_space(spec, HOPPER)["wgmma"] == ([0] if wgmma_unsupported(spec) else [0, 1])
+    assert search_space(spec, HOPPER)["wgmma"] == ([0] if wgmma_unsupported(spec) else [0, 1, 2, 3])
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 def test_feasible_configs_and_default_rule():
     for spec in (AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
                  AttentionSpec(head_dim=64, dtype="fp16")):
-        for config in (WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1)):
+        for config in (WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1), WS,
+                       WS_PINGPONG, Config(128, 128, 8, 3, tma=1, wgmma=3)):
             assert feasible(spec, config, HOPPER) is None, (spec, config)
-    # Past 2k the d128 rule takes the Gluon kernel (measured on the H200); d64 keeps the Triton one.
-    d128 = default_rule(AttentionSpec(head_dim=128, mask="causal", dtype="bf16"), HOPPER)
-    assert d128[-2] == (2048, Config(128, 128, 8, 3, 1)) and d128[-1] == (None, WGMMA)
+    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask (measured on
+    # the H200); d64 keeps the Triton one.
+    causal = default_rule(AttentionSpec(head_dim=128, mask="causal", dtype="bf16"), HOPPER)
+    full = default_rule(AttentionSpec(head_dim=128, dtype="fp16", q_per_kv=4), HOPPER)
+    assert causal[-2] == (1024, Config(64, 64, 4, 3, 1)) and causal[-1] == (None, WS)
+    assert full[-2] == (1024, WS) and full[-1] == (None, WS)
+    assert not any(c.wgmma for _, c in causal[:-1]) and not any(c.wgmma for _, c in full[:-2])
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER))
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), HOPPER))
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, dtype="bf16"), AMPERE))
@@ -85,8 +103,9 @@ def test_feasible_configs_and_default_rule():
 def test_only_specs_it_implements_carry_the_kernel():
     from tilegen.codegen import source_for
 
-    assert "_wgmma(" in source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
-    assert "_wgmma(" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
+    source = source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
+    assert "_wgmma(" in source and "_wgmma_ws(" in source
+    assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
     assert "gluon" not in source_for(AttentionSpec(head_dim=96, dtype="fp16"))
 
 
@@ -102,11 +121,11 @@ def test_falls_back_to_the_triton_kernel_off_the_gpu(case, device, monkeypatch):
     q, k, v = case.inputs(device)
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, None, True)
     monkeypatch.setattr(module_for(spec), "TMA_MIN_WORK", 0)
-    poisoned = poisoned_like_out(q, v)
-    out, lse = run_with_config(spec, Config(64, 64, 4, 2, tma=1, wgmma=1), q, k, v, scale, softcap, left, right,
-                               out=poisoned)
-    assert not torch.isnan(poisoned).any()
-    check_against_reference(out, lse, q, k, v, causal=case.causal)
+    for config in (Config(64, 64, 4, 2, tma=1, wgmma=1), Config(128, 64, 8, 2, tma=1, wgmma=3)):
+        poisoned = poisoned_like_out(q, v)
+        out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
+        assert not torch.isnan(poisoned).any()
+        check_against_reference(out, lse, q, k, v, causal=case.causal)
 
 
 def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
@@ -127,14 +146,16 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     script = Path(__file__).with_name("sm90_compile.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    configs = [(128, 128, 3, 8), (64, 128, 3, 4), (64, 64, 2, 4)]
-    for block_m, block_n, stages, warps in configs:
+    configs = [("kernel_wgmma", 128, 128, 3, 8, {"BLOCK_M": 128}), ("kernel_wgmma", 64, 128, 3, 4, {"BLOCK_M": 64}),
+               ("kernel_wgmma", 64, 64, 2, 4, {"BLOCK_M": 64}), ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False}),
+               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True})]
+    for kernel, q_rows, block_n, stages, warps, constants in configs:
         pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "qk_scale": "fp32",
-                    "q_desc": _descriptor(block_m, spec.head_dim, spec.dtype),
+                    "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
                     "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
                     "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
-        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma", "ptxas": True,
-                   "configs": [{"BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
+        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
+                   "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
         done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -154,8 +175,8 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1)],
-                         ids=str)
+@pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1),
+                                    WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2)], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     if not has_wgmma(device_info(torch.cuda.current_device())):
@@ -164,13 +185,13 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
     module = module_for(spec)
     monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    kernel = getattr(module, f"_{spec.name}_kernel_wgmma")
+    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
+    kernel = getattr(module, name)
     runs = []
-    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma",
-                        type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
     poisoned = poisoned_like_out(q, v)
     out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
     torch.cuda.synchronize()
-    assert len(runs) == 1, "the launcher did not take the Gluon kernel"
+    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
     assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
     check_against_reference(out, lse, q, k, v, causal=case.causal, scale=case.scale)

@@ -15,7 +15,7 @@ from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
 
 __all__ = ["Config", "TileConfig", "search_space", "feasible", "default_rule", "has_tma", "has_wgmma",
-           "wgmma_unsupported"]
+           "wgmma_unsupported", "WGMMA_KERNELS"]
 
 # Rough per-thread register budget for the fp32 score tile and accumulator; past
 # it the kernel spills and is never the winner, so it is not worth compiling.
@@ -42,14 +42,20 @@ class Config(TileConfig):
     # 1: Q, K and V are read through TMA tensor descriptors (Hopper and later) where the tensors
     # allow one (16-byte aligned base and strides, contiguous head dim); else through pointers.
     tma: int = 0
-    # 1: the Gluon kernel (Hopper wgmma, its pipeline written out; common/attention_wgmma) on TMA
-    # descriptors, where the call allows descriptors and a positive scale; else the Triton kernel.
+    # A Gluon kernel (Hopper wgmma, its pipeline written out) on TMA descriptors, where the call allows
+    # descriptors and a positive scale; else the Triton kernel. 1: one partition (common/attention_wgmma);
+    # 2: warp-specialized, a loader warp and two consumer warpgroups (common/attention_wgmma_ws);
+    # 3: as 2, the consumers taking turns at the tensor cores (ping-pong).
     wgmma: int = 0
 
     switches = frozenset({"tma", "wgmma"})
 
     def __str__(self) -> str:
-        return super().__str__() + ("-tma" if self.tma else "") + ("-wgmma" if self.wgmma else "")
+        return super().__str__() + ("-tma" if self.tma else "") + _WGMMA_SUFFIX[self.wgmma]
+
+
+_WGMMA_SUFFIX = {0: "", 1: "-wgmma", 2: "-ws", 3: "-ws-pp"}
+WGMMA_KERNELS = tuple(_WGMMA_SUFFIX)
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
@@ -64,7 +70,7 @@ def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]
         "num_warps": [4, 8],
         "num_stages": [2, 3, 4],
         "tma": [0, 1] if has_tma(device) else [0],
-        "wgmma": [0, 1] if _offers_wgmma(spec, device) else [0],
+        "wgmma": list(WGMMA_KERNELS) if _offers_wgmma(spec, device) else [0],
     }
 
 
@@ -99,24 +105,27 @@ def _offers_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
 
 
 def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
-    if config.wgmma not in (0, 1):
-        return f"wgmma={config.wgmma}: expected 0 or 1"
+    if config.wgmma not in WGMMA_KERNELS:
+        return f"wgmma={config.wgmma}: expected one of {', '.join(map(str, WGMMA_KERNELS))}"
     if not config.wgmma:
         return None
+    knob = f"wgmma={config.wgmma}"
     if not has_wgmma(device):
-        return (f"wgmma=1: needs an sm90 GPU and Triton 3.6, not {device.name} (sm{device.capability[0]}"
+        return (f"{knob}: needs an sm90 GPU and Triton 3.6, not {device.name} (sm{device.capability[0]}"
                 f"{device.capability[1]}) with Triton {triton.__version__}")
     reason = wgmma_unsupported(spec)
     if reason is not None:
-        return f"wgmma=1: {reason}"
+        return f"{knob}: {reason}"
     if not config.tma:
-        return "wgmma=1 reads through TMA: it goes with tma=1"
-    if config.block_m not in (64, 128) or config.num_warps != config.block_m // 16:
-        return f"wgmma=1: one warpgroup per 64 query rows, so BM64 with 4 warps or BM128 with 8, not {config}"
+        return f"{knob} reads through TMA: it goes with tma=1"
+    if config.wgmma == 1 and (config.block_m not in (64, 128) or config.num_warps != config.block_m // 16):
+        return f"{knob}: one warpgroup per 64 query rows, so BM64 with 4 warps or BM128 with 8, not {config}"
+    if config.wgmma > 1 and (config.block_m, config.num_warps) != (128, 8):
+        return f"{knob}: two consumer warpgroups of 64 query rows (and a loader warp), so BM128 with 8 warps, not {config}"
     if config.block_n not in (64, 128):
-        return f"block_n={config.block_n}: the Gluon kernel takes 64 or 128"
+        return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
     if config.num_stages < 2:
-        return "wgmma=1: K and V need at least two slots each"
+        return f"{knob}: K and V need at least two slots each"
     return None
 
 
@@ -171,8 +180,11 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         # full (466, against 413 for BN32).
         rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
         if _offers_wgmma(spec, device):
-            # Past 2k keys the Gluon kernel at the same tiles led the tuned Triton rows on the H200 (bf16,
-            # causal and full, MHA and GQA 32/8, 4k to 32k: 1.01-1.08x); at 1k-2k it did not.
-            rule[-1:] = [(2048, rule[-1][1]), (None, Config(128, 128, 8, 3, 1, 1))]
+            # The warp-specialized Gluon kernel with two K/V slots led at d128 on the H200 (bf16, 32 heads,
+            # 16k tokens): against the one-partition kernel at BM128-BN128-s3, 0.96-1.20x from 1k to 16k,
+            # causal and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the
+            # shipped Triton rows everywhere but causal 1k (335 against 346).
+            ws = Config(128, 128, 8, 2, 1, 2)
+            rule[-2:] = [(512, rule[-2][1]), (1024, rule[-2][1] if spec.mask == "causal" else ws), (None, ws)]
         return rule
     return [(None, Config(64, 32, 4, 2))]
