@@ -25,6 +25,7 @@ from helpers import Case, check_against_reference, param, poisoned_like_out
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec, Config
+from tilegen.families.base import ConfigError
 from tilegen.families.attention_fwd.config import (
     default_rule,
     feasible,
@@ -51,6 +52,10 @@ def test_offered_on_hopper_with_triton_36_only():
         assert search_space(spec, device)["wgmma"] == [0]
         for config in (WGMMA, WS, WS_PINGPONG):
             assert "needs an sm90 GPU and Triton 3.6" in feasible(spec, config, device)
+    # The knob is a choice of kernel: a stored config names one of them or is refused.
+    assert Config.from_dict(WS_PINGPONG.to_dict()) == WS_PINGPONG
+    with pytest.raises(ConfigError, match="wgmma: expected one of 0, 1, 2, 3, got 4"):
+        Config.from_dict({**WS.to_dict(), "wgmma": 4})
     assert [str(c) for c in (WGMMA, WS, WS_PINGPONG)] == [
         "BM128-BN128-w8-s3-tma-wgmma", "BM128-BN128-w8-s2-tma-ws", "BM128-BN64-w8-s3-tma-ws-pp"]
 

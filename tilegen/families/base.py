@@ -38,13 +38,14 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, order=True)
 class Config:
     """Launch parameters of one kernel: positive ints, one field per knob, except the on/off
-    ``switches`` (0 or 1).
+    ``switches`` (0 or 1) and the ``choices`` (one of a few ints, 0 among them).
 
     A config's identity is its canonical JSON (``to_json``): two configs that differ in
     any knob are two trials and two rows. ``str`` is only a short label for people.
     """
 
     switches: ClassVar[frozenset[str]] = frozenset()
+    choices: ClassVar[dict[str, tuple[int, ...]]] = {}
 
     def to_dict(self) -> dict[str, int]:
         """The knobs by name; the names are the generated launcher's keyword arguments."""
@@ -78,6 +79,9 @@ class Config:
             if n in cls.switches:
                 if data[n] not in (0, 1):
                     raise ConfigError(f"{n}: expected 0 (off) or 1 (on), got {data[n]!r}")
+            elif n in cls.choices:
+                if data[n] not in cls.choices[n]:
+                    raise ConfigError(f"{n}: expected one of {', '.join(map(str, cls.choices[n]))}, got {data[n]!r}")
             elif data[n] < 1:
                 raise ConfigError(f"{n}: expected a positive int, got {data[n]!r}")
         return cls(**{n: data[n] for n in names})

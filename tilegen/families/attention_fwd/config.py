@@ -48,14 +48,15 @@ class Config(TileConfig):
     # 3: as 2, the consumers taking turns at the tensor cores (ping-pong).
     wgmma: int = 0
 
-    switches = frozenset({"tma", "wgmma"})
+    switches = frozenset({"tma"})
+    choices = {"wgmma": (0, 1, 2, 3)}
 
     def __str__(self) -> str:
         return super().__str__() + ("-tma" if self.tma else "") + _WGMMA_SUFFIX[self.wgmma]
 
 
 _WGMMA_SUFFIX = {0: "", 1: "-wgmma", 2: "-ws", 3: "-ws-pp"}
-WGMMA_KERNELS = tuple(_WGMMA_SUFFIX)
+WGMMA_KERNELS = Config.choices["wgmma"]
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
