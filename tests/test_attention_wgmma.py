@@ -93,14 +93,16 @@ def test_feasible_configs_and_default_rule():
         for config in (WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1), WS,
                        WS_PINGPONG, Config(128, 128, 8, 3, tma=1, wgmma=3)):
             assert feasible(spec, config, HOPPER) is None, (spec, config)
-    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask (measured on
-    # the H200); d64 keeps the Triton one.
+    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask; d64 from 8k
+    # on (measured on the H200).
     causal = default_rule(AttentionSpec(head_dim=128, mask="causal", dtype="bf16"), HOPPER)
     full = default_rule(AttentionSpec(head_dim=128, dtype="fp16", q_per_kv=4), HOPPER)
     assert causal[-2] == (1024, Config(64, 64, 4, 3, 1)) and causal[-1] == (None, WS)
     assert full[-2] == (1024, WS) and full[-1] == (None, WS)
     assert not any(c.wgmma for _, c in causal[:-1]) and not any(c.wgmma for _, c in full[:-2])
-    assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER))
+    d64 = default_rule(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)
+    assert d64[-1] == (None, WS) and d64[-2] == (4096, Config(128, 64, 8, 3, 1))
+    assert not any(c.wgmma for _, c in d64[:-1])
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), HOPPER))
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, dtype="bf16"), AMPERE))
 
