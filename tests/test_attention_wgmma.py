@@ -135,6 +135,42 @@ def test_falls_back_to_the_triton_kernel_off_the_gpu(case, device, monkeypatch):
         check_against_reference(out, lse, q, k, v, causal=case.causal)
 
 
+class _OnGpu(torch.Tensor):
+    """A CPU tensor the launcher takes for one on CUDA device 0: its Gluon branch runs up to the launch."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return 0
+
+
+@pytest.mark.parametrize("causal,n_q,heads,grid", [
+    (True, 1000, 16, 128),  # 8 query tiles x 16 heads: fewer tiles than programs
+    (True, 4096, 8, 131),  # 256 tiles in turns over an odd count of programs
+    (True, 4097, 8, 33 * 8),  # past 32 query tiles a head: a program per tile
+    (False, 4097, 8, 132),  # full: a program per SM
+])
+def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
+    """The persistent kernel's grid: a program per SM (132 here), an odd count of them for causal, and
+    for causal past 32 query tiles a head one program per tile."""
+    spec = AttentionSpec(head_dim=128, mask="causal" if causal else "none", dtype="bf16")
+    module = module_for(spec)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(module, "_PROGRAMS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
+    grids = []
+    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws",
+                        type("Spy", (), {"__getitem__": lambda self, g: grids.append(g) or (lambda *a, **k: None)})())
+    q, k, v = (torch.empty(1, heads, n_q, 128, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
+    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30,
+                  **Config(128, 128, 8, 2, tma=1, wgmma=2).to_dict())
+    assert grids == [(grid, )]
+
+
 def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
     from triton.experimental.gluon import language as gl
 
