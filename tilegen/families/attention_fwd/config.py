@@ -178,7 +178,8 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         rule = [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
         if _offers_wgmma(spec, device):
             # From 8k keys the warp-specialized kernel led the shipped Triton rows on the H200 (bf16, 32
-            # heads, 16k tokens: 1.01-1.07x, causal 16k 415 against 389 TFLOP/s); at 2k-4k it did not.
+            # heads, 16k tokens: 1.01-1.07x, causal 16k 415 against 389 TFLOP/s); at 2k-4k it lost causal
+            # (4k: 356 against 365) and was level full.
             rule[-1:] = [(4096, rule[-1][1]), (None, Config(128, 128, 8, 2, 1, 2))]
         return rule
     if dim <= 128:
@@ -187,9 +188,9 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
         if _offers_wgmma(spec, device):
             # The warp-specialized Gluon kernel with two K/V slots led at d128 on the H200 (bf16, 32 heads,
-            # 16k tokens): against the one-partition kernel at BM128-BN128-s3, 0.96-1.20x from 1k to 16k,
+            # 16k tokens): against the one-partition kernel at BM128-BN128-s3, 1.07-1.17x from 1k to 16k,
             # causal and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the
-            # shipped Triton rows everywhere but causal 1k (335 against 346).
+            # shipped Triton rows everywhere but causal 1k (330 against 346).
             ws = Config(128, 128, 8, 2, 1, 2)
             rule[-2:] = [(512, rule[-2][1]), (1024, rule[-2][1] if spec.mask == "causal" else ws), (None, ws)]
         return rule
