@@ -13,9 +13,10 @@ import abc
 import dataclasses
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -45,7 +46,7 @@ class Config:
     """
 
     switches: ClassVar[frozenset[str]] = frozenset()
-    choices: ClassVar[dict[str, tuple[int, ...]]] = {}
+    choices: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
 
     def to_dict(self) -> dict[str, int]:
         """The knobs by name; the names are the generated launcher's keyword arguments."""

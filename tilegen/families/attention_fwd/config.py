@@ -7,6 +7,7 @@ lines, so Python never offers a config that breaks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import triton
 
@@ -49,7 +50,7 @@ class Config(TileConfig):
     wgmma: int = 0
 
     switches = frozenset({"tma"})
-    choices = {"wgmma": (0, 1, 2, 3)}
+    choices = MappingProxyType({"wgmma": (0, 1, 2, 3)})
 
     def __str__(self) -> str:
         return super().__str__() + ("-tma" if self.tma else "") + _WGMMA_SUFFIX[self.wgmma]
