@@ -58,6 +58,8 @@ class Config(TileConfig):
 
 _WGMMA_SUFFIX = {0: "", 1: "-wgmma", 2: "-ws", 3: "-ws-pp"}
 WGMMA_KERNELS = Config.choices["wgmma"]
+# The default rule's warp-specialized config at d64 and d128: two K/V slots (BENCHMARKS.md).
+_WARP_SPECIALIZED = Config(128, 128, 8, 2, tma=1, wgmma=2)
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
@@ -181,7 +183,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # From 8k keys the warp-specialized kernel led the shipped Triton rows on the H200 (bf16, 32
             # heads, 16k tokens: 1.01-1.07x, causal 16k 415 against 389 TFLOP/s); at 2k-4k it lost causal
             # (4k: 356 against 365) and was level full.
-            rule[-1:] = [(4096, rule[-1][1]), (None, Config(128, 128, 8, 2, 1, 2))]
+            rule[-1:] = [(4096, rule[-1][1]), (None, _WARP_SPECIALIZED)]
         return rule
     if dim <= 128:
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
@@ -192,7 +194,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # 16k tokens): against the one-partition kernel at BM128-BN128-s3, 1.07-1.17x from 1k to 16k,
             # causal and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the
             # shipped Triton rows everywhere but causal 1k (330 against 346).
-            ws = Config(128, 128, 8, 2, 1, 2)
+            ws = _WARP_SPECIALIZED
             rule[-2:] = [(512, rule[-2][1]), (1024, rule[-2][1] if spec.mask == "causal" else ws), (None, ws)]
         return rule
     return [(None, Config(64, 32, 4, 2))]
