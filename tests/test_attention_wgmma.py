@@ -79,6 +79,10 @@ def test_offered_on_hopper_with_triton_36_only():
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 32, 8, 2, tma=1, wgmma=2), "64 or 128"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 64, 8, 1, tma=1, wgmma=2), "two slots"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 4, tma=1, wgmma=2), "shared memory"),
+    (AttentionSpec(head_dim=128, dtype="bf16"), Config(192, 128, 12, 2, tma=1, wgmma=2), "head dim 64 only"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(192, 128, 8, 2, tma=1, wgmma=2), "BM192 with 12"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(192, 128, 12, 2, tma=1, wgmma=1), "BM64 with 4 warps"),
+    (AttentionSpec(head_dim=64, dtype="bf16"), Config(192, 128, 12, 2, tma=1, wgmma=0), "power of two"),
 ])
 def test_refuses_what_the_kernel_does_not_implement(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
@@ -93,16 +97,23 @@ def test_feasible_configs_and_default_rule():
         for config in (WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1), WS,
                        WS_PINGPONG, Config(128, 128, 8, 3, tma=1, wgmma=3)):
             assert feasible(spec, config, HOPPER) is None, (spec, config)
-    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask; d64 from 8k
-    # on (measured on the H200).
+    for config in (Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)):
+        assert feasible(AttentionSpec(head_dim=64, dtype="fp16"), config, HOPPER) is None, config
+    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask; d64 from 2k on
+    # causal and 1k on full, with three consumers from 8k causal and 2k full (measured on the H200).
     causal = default_rule(AttentionSpec(head_dim=128, mask="causal", dtype="bf16"), HOPPER)
     full = default_rule(AttentionSpec(head_dim=128, dtype="fp16", q_per_kv=4), HOPPER)
     assert causal[-2] == (1024, Config(64, 64, 4, 3, 1)) and causal[-1] == (None, WS)
     assert full[-2] == (1024, WS) and full[-1] == (None, WS)
     assert not any(c.wgmma for _, c in causal[:-1]) and not any(c.wgmma for _, c in full[:-2])
     d64 = default_rule(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)
-    assert d64[-1] == (None, WS) and d64[-2] == (4096, Config(128, 64, 8, 3, 1))
-    assert not any(c.wgmma for _, c in d64[:-1])
+    assert d64[-2:] == [(1024, Config(128, 128, 8, 2, tma=1, wgmma=3)), (None, Config(192, 128, 12, 2, tma=1, wgmma=3))]
+    assert not any(c.wgmma for _, c in d64[:-2])
+    d64 = default_rule(AttentionSpec(head_dim=64, mask="causal", dtype="bf16"), HOPPER)
+    assert d64[-2:] == [(4096, WS), (None, Config(192, 128, 12, 2, tma=1, wgmma=2))]
+    assert not any(c.wgmma for _, c in d64[:-2])
+    assert 192 not in search_space(AttentionSpec(head_dim=128, dtype="bf16"), HOPPER)["block_m"]
+    assert 192 in search_space(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)["block_m"]
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), HOPPER))
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, dtype="bf16"), AMPERE))
 
@@ -190,8 +201,12 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
     configs = [("kernel_wgmma", 128, 128, 3, 8, {"BLOCK_M": 128}), ("kernel_wgmma", 64, 128, 3, 4, {"BLOCK_M": 64}),
-               ("kernel_wgmma", 64, 64, 2, 4, {"BLOCK_M": 64}), ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False}),
-               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True})]
+               ("kernel_wgmma", 64, 64, 2, 4, {"BLOCK_M": 64}),
+               ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2}),
+               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2})]
+    if spec.head_dim == 64:
+        configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3}),
+                    ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3})]
     for kernel, q_rows, block_n, stages, warps, constants in configs:
         pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "qk_scale": "fp32",
                     "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
@@ -222,11 +237,15 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1),
-                                    WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2)], ids=str)
+                                    WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)],
+                         ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     if not has_wgmma(device_info(torch.cuda.current_device())):
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    if config.block_m == 192 and case.head_dim != 64:
+        pytest.skip("three consumer warpgroups at head dim 64 only")
     q, k, v = case.inputs(torch.device("cuda"))
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
     module = module_for(spec)

@@ -45,7 +45,8 @@ class Config(TileConfig):
     tma: int = 0
     # A Gluon kernel (Hopper wgmma, its pipeline written out) on TMA descriptors, where the call allows
     # descriptors and a positive scale; else the Triton kernel. 1: one partition (common/attention_wgmma);
-    # 2: warp-specialized, a loader warp and two consumer warpgroups (common/attention_wgmma_ws);
+    # 2: warp-specialized, a loader warp and two consumer warpgroups (common/attention_wgmma_ws), or three
+    # at BM192 (d64);
     # 3: as 2, the consumers taking turns at the tensor cores (ping-pong).
     wgmma: int = 0
 
@@ -58,8 +59,12 @@ class Config(TileConfig):
 
 _WGMMA_SUFFIX = {0: "", 1: "-wgmma", 2: "-ws", 3: "-ws-pp"}
 WGMMA_KERNELS = Config.choices["wgmma"]
-# The default rule's warp-specialized config at d64 and d128: two K/V slots (BENCHMARKS.md).
+# The default rule's warp-specialized configs: two K/V slots; at d64 from 2k keys three consumers (BM192),
+# with ping-pong for full attention (BENCHMARKS.md).
 _WARP_SPECIALIZED = Config(128, 128, 8, 2, tma=1, wgmma=2)
+_WS_PINGPONG = Config(128, 128, 8, 2, tma=1, wgmma=3)
+_WS_THREE = Config(192, 128, 12, 2, tma=1, wgmma=2)
+_WS_THREE_PINGPONG = Config(192, 128, 12, 2, tma=1, wgmma=3)
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
@@ -68,10 +73,11 @@ def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]
         # The TMA path runs under the interpreter too, but a CPU tune need not try it: tests do.
         return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1], "tma": [0],
                 "wgmma": [0]}
+    three = _offers_wgmma(spec, device) and spec.head_dim == 64  # three consumer warpgroups: BM192 with 12 warps
     return {
-        "block_m": [64, 128, 256],
+        "block_m": [64, 128, 192, 256] if three else [64, 128, 256],
         "block_n": [32, 64, 128],
-        "num_warps": [4, 8],
+        "num_warps": [4, 8, 12] if three else [4, 8],
         "num_stages": [2, 3, 4],
         "tma": [0, 1] if has_tma(device) else [0],
         "wgmma": list(WGMMA_KERNELS) if _offers_wgmma(spec, device) else [0],
@@ -124,8 +130,12 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"{knob} reads through TMA: it goes with tma=1"
     if config.wgmma == 1 and (config.block_m not in (64, 128) or config.num_warps != config.block_m // 16):
         return f"{knob}: one warpgroup per 64 query rows, so BM64 with 4 warps or BM128 with 8, not {config}"
-    if config.wgmma > 1 and (config.block_m, config.num_warps) != (128, 8):
-        return f"{knob}: two consumer warpgroups of 64 query rows (and a loader warp), so BM128 with 8 warps, not {config}"
+    if config.wgmma > 1 and (config.block_m, config.num_warps) not in ((128, 8), (192, 12)):
+        return (f"{knob}: two or three consumer warpgroups of 64 query rows (and a loader warp), so BM128 with 8 "
+                f"warps or BM192 with 12, not {config}")
+    if config.block_m == 192 and spec.head_dim != 64:
+        # Three consumers get 160 registers each: a 64 x 128 fp32 score tile and a 64 x d accumulator fit at d64.
+        return f"{knob}: three consumer warpgroups (BM192) fit in registers at head dim 64 only, not {spec.head_dim}"
     if config.block_n not in (64, 128):
         return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
     if config.num_stages < 2:
@@ -143,6 +153,8 @@ def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | N
         return f"tma=1: {device.name} (sm{device.capability[0]}{device.capability[1]}) has no TMA; it needs sm90"
     for name in ("block_m", "block_n"):
         value = getattr(config, name)
+        if name == "block_m" and value == 192 and config.wgmma > 1:
+            continue  # three consumer warpgroups of 64 rows; checked above
         if value % 16 or value & (value - 1):
             return f"{name}={value}: the template asserts a power of two and a multiple of 16"
     dim_pad = triton.next_power_of_2(spec.head_dim)
@@ -180,10 +192,15 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if dim <= 64:
         rule = [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
         if _offers_wgmma(spec, device):
-            # From 8k keys the warp-specialized kernel led the shipped Triton rows on the H200 (bf16, 32
-            # heads, 16k tokens: 1.01-1.07x, causal 16k 415 against 389 TFLOP/s); at 2k-4k it lost causal
-            # (4k: 356 against 365) and was level full.
-            rule[-1:] = [(4096, rule[-1][1]), (None, _WARP_SPECIALIZED)]
+            # On the H200 (bf16, 32 heads, 16k tokens, TFLOP/s): three consumers led two from 8k causal
+            # (16k: 442 against 415) and from 2k full (8k: 473 against 427 with ping-pong), two led the Triton
+            # rows causal at 2k-4k (4k: 379 against 357) and full at 1k with ping-pong (378 against 364);
+            # causal at 1k the Triton row led (295 against 258).
+            tuned = rule[1][1]
+            if spec.mask == "causal":
+                rule[1:] = [(1024, tuned), (4096, _WARP_SPECIALIZED), (None, _WS_THREE)]
+            else:
+                rule[1:] = [(512, tuned), (1024, _WS_PINGPONG), (None, _WS_THREE_PINGPONG)]
         return rule
     if dim <= 128:
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
