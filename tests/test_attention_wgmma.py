@@ -139,7 +139,10 @@ def test_falls_back_to_the_triton_kernel_off_the_gpu(case, device, monkeypatch):
     q, k, v = case.inputs(device)
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, None, True)
     monkeypatch.setattr(module_for(spec), "TMA_MIN_WORK", 0)
-    for config in (Config(64, 64, 4, 2, tma=1, wgmma=1), Config(128, 64, 8, 2, tma=1, wgmma=3)):
+    configs = [Config(64, 64, 4, 2, tma=1, wgmma=1), Config(128, 64, 8, 2, tma=1, wgmma=3)]
+    if case.head_dim == 64:  # three consumers' 192-row tiles: the Triton kernel takes 128
+        configs.append(Config(192, 128, 12, 2, tma=1, wgmma=2))
+    for config in configs:
         poisoned = poisoned_like_out(q, v)
         out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
         assert not torch.isnan(poisoned).any()
@@ -180,6 +183,28 @@ def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
     module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30,
                   **Config(128, 128, 8, 2, tma=1, wgmma=2).to_dict())
     assert grids == [(grid, )]
+
+
+@pytest.mark.parametrize("config,grid,consumers", [
+    (Config(192, 128, 12, 2, tma=1, wgmma=2), 6 * 16, 3),  # 1000 rows in 192-row tiles: 6 a head
+    (Config(128, 128, 8, 2, tma=1, wgmma=3), 8 * 16, 2),
+])
+def test_warp_specialized_consumers(config, grid, consumers, monkeypatch):
+    """The launcher gives the kernel a consumer warpgroup per 64 rows of the config's tile, and sizes the
+    grid by that tile."""
+    spec = AttentionSpec(head_dim=64, dtype="bf16")
+    module = module_for(spec)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(module, "_PROGRAMS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
+    launches = []
+    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", type("Spy", (), {
+        "__getitem__": lambda self, g: (lambda *a, **k: launches.append((g, k["CONSUMERS"], k["PINGPONG"])))})())
+    q, k, v = (torch.empty(1, 16, 1000, 64, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
+    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30, **config.to_dict())
+    assert launches == [((grid, ), consumers, config.wgmma == 3)]
 
 
 def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
