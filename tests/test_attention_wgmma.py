@@ -169,20 +169,26 @@ class _OnGpu(torch.Tensor):
 def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
     """The persistent kernel's grid: a program per SM (132 here), an odd count of them for causal, and
     for causal past 32 query tiles a head one program per tile."""
-    spec = AttentionSpec(head_dim=128, mask="causal" if causal else "none", dtype="bf16")
+    launches = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=128, mask="causal" if causal else "none", dtype="bf16"),
+                                         Config(128, 128, 8, 2, tma=1, wgmma=2), heads, n_q, monkeypatch)
+    assert [g for g, _ in launches] == [(grid, )]
+
+
+def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch):
+    """Run the launcher on stand-in CUDA tensors of a 132-SM GPU; return the (grid, keyword arguments) of its
+    warp-specialized kernel's launches."""
     module = module_for(spec)
     if module.gluon is None:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
     monkeypatch.setattr(module, "_PROGRAMS", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
-    grids = []
-    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws",
-                        type("Spy", (), {"__getitem__": lambda self, g: grids.append(g) or (lambda *a, **k: None)})())
-    q, k, v = (torch.empty(1, heads, n_q, 128, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
-    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30,
-                  **Config(128, 128, 8, 2, tma=1, wgmma=2).to_dict())
-    assert grids == [(grid, )]
+    launches = []
+    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *args, **kwargs: launches.append((grid, kwargs)))})())
+    q, k, v = (torch.empty(1, heads, n_q, spec.head_dim, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
+    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30, **config.to_dict())
+    return launches
 
 
 @pytest.mark.parametrize("config,grid,consumers", [
@@ -192,19 +198,8 @@ def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
 def test_warp_specialized_consumers(config, grid, consumers, monkeypatch):
     """The launcher gives the kernel a consumer warpgroup per 64 rows of the config's tile, and sizes the
     grid by that tile."""
-    spec = AttentionSpec(head_dim=64, dtype="bf16")
-    module = module_for(spec)
-    if module.gluon is None:
-        pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    monkeypatch.setattr(module, "_PROGRAMS", {})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
-    launches = []
-    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", type("Spy", (), {
-        "__getitem__": lambda self, g: (lambda *a, **k: launches.append((g, k["CONSUMERS"], k["PINGPONG"])))})())
-    q, k, v = (torch.empty(1, 16, 1000, 64, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
-    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30, **config.to_dict())
-    assert launches == [((grid, ), consumers, config.wgmma == 3)]
+    launches = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=64, dtype="bf16"), config, 16, 1000, monkeypatch)
+    assert [(g, k["CONSUMERS"], k["PINGPONG"]) for g, k in launches] == [((grid, ), consumers, config.wgmma == 3)]
 
 
 def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
