@@ -193,9 +193,9 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         rule = [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
         if _offers_wgmma(spec, device):
             # On the H200 (bf16, 32 heads, 16k tokens, TFLOP/s): three consumers led two from 8k causal
-            # (16k: 442 against 415) and from 2k full (8k: 473 against 427 with ping-pong), two led the Triton
-            # rows causal at 2k-4k (4k: 379 against 357) and full at 1k with ping-pong (378 against 364);
-            # causal at 1k the Triton row led (295 against 258).
+            # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong), two led
+            # the Triton rows causal at 2k-4k (4k: 387 against 357) and full at 1k with ping-pong (398 against
+            # 367); causal at 1k the Triton row led (296 against 243).
             tuned = rule[1][1]
             if spec.mask == "causal":
                 rule[1:] = [(1024, tuned), (4096, _WARP_SPECIALIZED), (None, _WS_THREE)]
