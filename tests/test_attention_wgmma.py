@@ -114,6 +114,11 @@ def test_feasible_configs_and_default_rule():
     assert not any(c.wgmma for _, c in d64[:-2])
     assert 192 not in search_space(AttentionSpec(head_dim=128, dtype="bf16"), HOPPER)["block_m"]
     assert 192 in search_space(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)["block_m"]
+    # The ragged and paged kernels are Triton's alone: no Gluon tile in their space.
+    from tilegen.families.attention_varlen.config import search_space as varlen_space
+
+    assert varlen_space(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER) == {
+        "block_m": [64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), HOPPER))
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, dtype="bf16"), AMPERE))
 

@@ -15,7 +15,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
 
-__all__ = ["Config", "TileConfig", "search_space", "feasible", "default_rule", "has_tma", "has_wgmma",
+__all__ = ["Config", "TileConfig", "search_space", "tile_space", "feasible", "default_rule", "has_tma", "has_wgmma",
            "wgmma_unsupported", "WGMMA_KERNELS"]
 
 # Rough per-thread register budget for the fp32 score tile and accumulator; past
@@ -67,21 +67,26 @@ _WS_THREE = Config(192, 128, 12, 2, tma=1, wgmma=2)
 _WS_THREE_PINGPONG = Config(192, 128, 12, 2, tma=1, wgmma=3)
 
 
-def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
+def tile_space(device: DeviceInfo) -> dict[str, list[int]]:
+    """The Triton kernel's tiles, warps and stages: what the ragged and paged kernels search too."""
     if device.is_interpreter:
         # The interpreter ignores warps and stages; keep the space small so a CPU tune is quick.
+        return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1]}
+    return {"block_m": [64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+
+
+def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
+    space = tile_space(device)
+    if device.is_interpreter:
         # The TMA path runs under the interpreter too, but a CPU tune need not try it: tests do.
-        return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1], "tma": [0],
-                "wgmma": [0]}
-    three = _offers_wgmma(spec, device) and spec.head_dim == 64  # three consumer warpgroups: BM192 with 12 warps
-    return {
-        "block_m": [64, 128, 192, 256] if three else [64, 128, 256],
-        "block_n": [32, 64, 128],
-        "num_warps": [4, 8, 12] if three else [4, 8],
-        "num_stages": [2, 3, 4],
-        "tma": [0, 1] if has_tma(device) else [0],
-        "wgmma": list(WGMMA_KERNELS) if _offers_wgmma(spec, device) else [0],
-    }
+        return {**space, "tma": [0], "wgmma": [0]}
+    space["tma"] = [0, 1] if has_tma(device) else [0]
+    space["wgmma"] = list(WGMMA_KERNELS) if _offers_wgmma(spec, device) else [0]
+    if _offers_wgmma(spec, device) and spec.head_dim == 64:
+        # The warp-specialized kernel's three consumer warpgroups: BM192 with 12 warps.
+        space["block_m"].insert(2, 192)
+        space["num_warps"].append(12)
+    return space
 
 
 def has_tma(device: DeviceInfo) -> bool:

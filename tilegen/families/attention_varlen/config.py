@@ -12,10 +12,7 @@ __all__ = ["TileConfig", "search_space", "feasible", "default_rule"]
 
 
 def search_space(spec, device: DeviceInfo) -> dict[str, list[int]]:
-    space = dense.search_space(spec, device)
-    space.pop("tma", None)
-    space.pop("wgmma", None)
-    return space
+    return dense.tile_space(device)
 
 
 def feasible(spec, config: TileConfig, device: DeviceInfo) -> str | None:
