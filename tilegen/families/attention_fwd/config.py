@@ -80,9 +80,10 @@ def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]
     if device.is_interpreter:
         # The TMA path runs under the interpreter too, but a CPU tune need not try it: tests do.
         return {**space, "tma": [0], "wgmma": [0]}
+    offered = _offers_wgmma(spec, device)
     space["tma"] = [0, 1] if has_tma(device) else [0]
-    space["wgmma"] = list(WGMMA_KERNELS) if _offers_wgmma(spec, device) else [0]
-    if _offers_wgmma(spec, device) and spec.head_dim == 64:
+    space["wgmma"] = list(WGMMA_KERNELS) if offered else [0]
+    if offered and spec.head_dim == 64:
         # The warp-specialized kernel's three consumer warpgroups: BM192 with 12 warps.
         space["block_m"].insert(2, 192)
         space["num_warps"].append(12)
@@ -201,11 +202,11 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong), two led
             # the Triton rows causal at 2k-4k (4k: 387 against 357) and full at 1k with ping-pong (398 against
             # 367); causal at 1k the Triton row led (296 against 243).
-            tuned = rule[1][1]
+            triton_tma = rule[1][1]
             if spec.mask == "causal":
-                rule[1:] = [(1024, tuned), (4096, _WARP_SPECIALIZED), (None, _WS_THREE)]
+                rule[1:] = [(1024, triton_tma), (4096, _WARP_SPECIALIZED), (None, _WS_THREE)]
             else:
-                rule[1:] = [(512, tuned), (1024, _WS_PINGPONG), (None, _WS_THREE_PINGPONG)]
+                rule[1:] = [(512, triton_tma), (1024, _WS_PINGPONG), (None, _WS_THREE_PINGPONG)]
         return rule
     if dim <= 128:
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
