@@ -99,19 +99,20 @@ def test_feasible_configs_and_default_rule():
             assert feasible(spec, config, HOPPER) is None, (spec, config)
     for config in (Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)):
         assert feasible(AttentionSpec(head_dim=64, dtype="fp16"), config, HOPPER) is None, config
-    # Past 1k the d128 rule takes the warp-specialized kernel, and at 1k too without a mask; d64 from 2k on
-    # causal and 1k on full, with three consumers from 8k causal and 2k full (measured on the H200).
+    # From 512 keys the d128 rule takes the warp-specialized kernel, causal with 64-key blocks up to 1k; d64
+    # from 2k on causal (ping-pong at 4k) and 512 on full, with three consumers from 8k causal and 2k full
+    # (measured on the H200).
     causal = default_rule(AttentionSpec(head_dim=128, mask="causal", dtype="bf16"), HOPPER)
     full = default_rule(AttentionSpec(head_dim=128, dtype="fp16", q_per_kv=4), HOPPER)
-    assert causal[-2] == (1024, Config(64, 64, 4, 3, 1)) and causal[-1] == (None, WS)
-    assert full[-2] == (1024, WS) and full[-1] == (None, WS)
-    assert not any(c.wgmma for _, c in causal[:-1]) and not any(c.wgmma for _, c in full[:-2])
+    assert causal[1:] == [(1024, Config(128, 64, 8, 3, tma=1, wgmma=2)), (None, WS)]
+    assert full[1:] == [(None, WS)]
+    assert not causal[0][1].wgmma and not full[0][1].wgmma
     d64 = default_rule(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)
-    assert d64[-2:] == [(1024, Config(128, 128, 8, 2, tma=1, wgmma=3)), (None, Config(192, 128, 12, 2, tma=1, wgmma=3))]
-    assert not any(c.wgmma for _, c in d64[:-2])
+    assert d64[1:] == [(1024, WS), (None, Config(192, 128, 12, 2, tma=1, wgmma=3))]
+    assert not d64[0][1].wgmma
     d64 = default_rule(AttentionSpec(head_dim=64, mask="causal", dtype="bf16"), HOPPER)
-    assert d64[-2:] == [(4096, WS), (None, Config(192, 128, 12, 2, tma=1, wgmma=2))]
-    assert not any(c.wgmma for _, c in d64[:-2])
+    assert d64[-3:] == [(2048, WS), (4096, Config(128, 128, 8, 2, tma=1, wgmma=3)), (None, Config(192, 128, 12, 2, tma=1, wgmma=2))]
+    assert not any(c.wgmma for _, c in d64[:-3])
     assert 192 not in search_space(AttentionSpec(head_dim=128, dtype="bf16"), HOPPER)["block_m"]
     assert 192 in search_space(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)["block_m"]
     # The ragged and paged kernels are Triton's alone: no Gluon tile in their space.
@@ -179,9 +180,9 @@ def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
     assert [g for g, _ in launches] == [(grid, )]
 
 
-def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch):
-    """Run the launcher on stand-in CUDA tensors of a 132-SM GPU; return the (grid, keyword arguments) of its
-    warp-specialized kernel's launches."""
+def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None):
+    """Run the launcher on stand-in CUDA tensors of a 132-SM GPU (writing `out`, else Q); return the (grid,
+    keyword arguments) of its warp-specialized kernel's launches, the output argument under "Out"."""
     module = module_for(spec)
     if module.gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -190,10 +191,28 @@ def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
     launches = []
     monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *args, **kwargs: launches.append((grid, kwargs)))})())
+        "__getitem__": lambda self, grid: (lambda *args, **kwargs: launches.append((grid, {**kwargs, "Out": args[3]})))
+    })())
     q, k, v = (torch.empty(1, heads, n_q, spec.head_dim, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
-    module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30, **config.to_dict())
+    module.launch(q, k, v, q if out is None else out, q, scale=0.1, softcap=0.0, window_left=1 << 30,
+                  window_right=1 << 30, **config.to_dict())
     return launches
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_warp_specialized_output_store(offset, monkeypatch):
+    """The output goes out through a TMA descriptor of one consumer's 64 rows where its base and strides allow
+    one, else through pointers (a base one element past 16-byte alignment)."""
+    heads, n_q = 4, 1000
+    out = torch.empty(heads * n_q * 64 + offset, dtype=torch.bfloat16)[offset:].view(1, heads, n_q, 64)
+    (_, kwargs), = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=64, dtype="bf16"),
+                                             Config(128, 128, 8, 2, tma=1, wgmma=2), heads, n_q, monkeypatch,
+                                             out.as_subclass(_OnGpu))
+    assert kwargs["TMA_STORE"] == (offset == 0)
+    if offset:
+        assert kwargs["Out"].data_ptr() == out.data_ptr()
+    else:
+        assert kwargs["Out"].block_shape == [1, 1, 64, 64] and kwargs["Out"].base.data_ptr() == out.data_ptr()
 
 
 @pytest.mark.parametrize("config,grid,consumers", [
@@ -227,13 +246,16 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
     configs = [("kernel_wgmma", 128, 128, 3, 8, {"BLOCK_M": 128}), ("kernel_wgmma", 64, 128, 3, 4, {"BLOCK_M": 64}),
                ("kernel_wgmma", 64, 64, 2, 4, {"BLOCK_M": 64}),
-               ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2}),
-               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2})]
+               ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": True}),
+               ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": False}),
+               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2, "TMA_STORE": True})]
     if spec.head_dim == 64:
-        configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3}),
-                    ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3})]
+        configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3, "TMA_STORE": True}),
+                    ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3, "TMA_STORE": False})]
     for kernel, q_rows, block_n, stages, warps, constants in configs:
-        pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "qk_scale": "fp32",
+        # The warp-specialized kernel stores through a descriptor of Q's block where the output allows one.
+        out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        pointers = {"Out": out, "Lse": "*fp32", "qk_scale": "fp32",
                     "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
                     "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
                     "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}

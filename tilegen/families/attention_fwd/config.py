@@ -59,9 +59,10 @@ class Config(TileConfig):
 
 _WGMMA_SUFFIX = {0: "", 1: "-wgmma", 2: "-ws", 3: "-ws-pp"}
 WGMMA_KERNELS = Config.choices["wgmma"]
-# The default rule's warp-specialized configs: two K/V slots; at d64 from 2k keys three consumers (BM192),
-# with ping-pong for full attention (BENCHMARKS.md).
+# The default rule's warp-specialized configs: two K/V slots (three of 64 keys for d128 causal up to 1k);
+# at d64 three consumers (BM192) from 8k causal and 2k full, with ping-pong for full attention (BENCHMARKS.md).
 _WARP_SPECIALIZED = Config(128, 128, 8, 2, tma=1, wgmma=2)
+_WS_SHORT_CAUSAL = Config(128, 64, 8, 3, tma=1, wgmma=2)
 _WS_PINGPONG = Config(128, 128, 8, 2, tma=1, wgmma=3)
 _WS_THREE = Config(192, 128, 12, 2, tma=1, wgmma=2)
 _WS_THREE_PINGPONG = Config(192, 128, 12, 2, tma=1, wgmma=3)
@@ -199,25 +200,28 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         rule = [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
         if _offers_wgmma(spec, device):
             # On the H200 (bf16, 32 heads, 16k tokens, TFLOP/s): three consumers led two from 8k causal
-            # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong), two led
-            # the Triton rows causal at 2k-4k (4k: 387 against 357) and full at 1k with ping-pong (398 against
-            # 367); causal at 1k the Triton row led (296 against 243).
+            # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong). Two led
+            # the Triton rows causal at 2k-4k, with ping-pong at 4k (399 against 394 without), and full at
+            # 512-1k without it (1k: 414 against 386 with it, 512: 370 against 334 for the Triton row). Causal
+            # up to 1k the Triton row led (1k: 295 against 278 for the best warp-specialized config).
             triton_tma = rule[1][1]
             if spec.mask == "causal":
-                rule[1:] = [(1024, triton_tma), (4096, _WARP_SPECIALIZED), (None, _WS_THREE)]
+                rule[1:] = [(1024, triton_tma), (2048, _WARP_SPECIALIZED), (4096, _WS_PINGPONG), (None, _WS_THREE)]
             else:
-                rule[1:] = [(512, triton_tma), (1024, _WS_PINGPONG), (None, _WS_THREE_PINGPONG)]
+                rule[1:] = [(1024, _WARP_SPECIALIZED), (None, _WS_THREE_PINGPONG)]
         return rule
     if dim <= 128:
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
         # full (466, against 413 for BN32).
         rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
         if _offers_wgmma(spec, device):
-            # The warp-specialized Gluon kernel with two K/V slots led at d128 on the H200 (bf16, 32 heads,
-            # 16k tokens): against the one-partition kernel at BM128-BN128-s3, 1.07-1.17x from 1k to 16k,
-            # causal and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the
-            # shipped Triton rows everywhere but causal 1k (330 against 346).
-            ws = _WARP_SPECIALIZED
-            rule[-2:] = [(512, rule[-2][1]), (1024, rule[-2][1] if spec.mask == "causal" else ws), (None, ws)]
+            # The warp-specialized Gluon kernel led at d128 on the H200 (bf16, 32 heads, 16k tokens): with two
+            # K/V slots, against the one-partition kernel at BM128-BN128-s3, 1.07-1.17x from 1k to 16k, causal
+            # and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the Triton rows
+            # from 512 keys on (full 512: 513 against 377); causal up to 1k with three slots of 64 keys, where
+            # a causal tile has few blocks and half of its diagonal one is masked (1k: 422 against 375 for
+            # BN128, 359 for the Triton row).
+            causal = [(1024, _WS_SHORT_CAUSAL)] if spec.mask == "causal" else []
+            rule[1:] = causal + [(None, _WARP_SPECIALIZED)]
         return rule
     return [(None, Config(64, 32, 4, 2))]
