@@ -70,3 +70,36 @@ def test_the_plot_has_a_panel_per_variant_and_a_line_per_provider(tmp_path):
 def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value, message):
     result = runner.invoke(app, ["bench", "decode", "--q-tokens", value])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_rounds_alternate_the_providers_and_report_each_ones_median(monkeypatch):
+    """With --rounds the providers of a case take turns, the order rotating, and each figure is the median of
+    its rounds; a provider that fails while timed is reported as an error, not fatal."""
+    import torch
+
+    from tilegen.bench import attention as bench
+
+    q = torch.randn(1, 32, 8, 16)
+    calls, ms = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def do_bench(fn, **_):
+        name = fn()
+        calls.append(name)
+        if name == "c":
+            raise RuntimeError("out of memory")
+        return next(ms[name])
+
+    monkeypatch.setattr(bench, "_inputs", lambda case: (q, q, q))
+    monkeypatch.setattr(bench, "_providers", lambda case, inputs: {n: (lambda *_, n=n: n) for n in "abc"})
+    monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
+    monkeypatch.setattr(bench.tilegen, "explain", lambda *a, **k: type("C", (), {"config": "cfg", "source": "default"}))
+    monkeypatch.setattr(bench, "prepare_call", lambda *a: (None, ))
+    monkeypatch.setattr(bench.Case, "flops", lambda self, spec: 1e9)
+    monkeypatch.setattr(bench.triton.testing, "do_bench", do_bench)
+    row = bench.bench_case(bench.Case(8, 16, False), rounds=3)
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]
+    assert row["a"]["ms"] == 2.0 and row["a"]["ms_rounds"] == [3.0, 1.0, 2.0] and row["b"]["ms"] == 5.0
+    assert row["a"]["tflops"] == 1e9 / 2.0 * 1e-9
+    assert row["c"] == {"error": "RuntimeError: out of memory"}
+    result = runner.invoke(app, ["bench", "attention", "--rounds", "0"])
+    assert result.exit_code == 2 and "--rounds: expected a positive number" in result.output

@@ -3,6 +3,7 @@
     python -m tilegen.bench.attention                    # the BENCHMARKS.md table (or: tilegen bench attention)
     python -m tilegen.bench.attention --plot attention.png   # and TFLOP/s against length, per variant
     python -m tilegen.bench.attention --sweep            # also time every feasible config
+    python -m tilegen.bench.attention --rounds 3         # each figure the median of 3 alternating rounds
     python -m tilegen.bench.attention --seqlens 1024,2048,4096,8192,16384,32768 --kv-heads 32,8 \
         --dtypes bf16,fp16 --providers tilegen,sdpa-cudnn   # the whole grid against cuDNN
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -125,7 +127,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_case(case: Case, only: set[str] | None = None) -> dict:
+def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dict:
     q, k, v = _inputs(case)
     providers = _providers(case, (q, k, v))
     if only:
@@ -137,13 +139,31 @@ def bench_case(case: Case, only: set[str] | None = None) -> dict:
     row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
            "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
+    times = {}
     for name, fn in providers.items():
         try:
-            err = _rel_err(fn(q, k, v), ref)
-            ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
-            row[name] = {"ms": ms, "tflops": flops / ms * 1e-9, "rel_err": err}
+            row[name] = {"rel_err": _rel_err(fn(q, k, v), ref)}
+            times[name] = []
         except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
             row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    # With several rounds the providers take turns, the order rotating each round, so that a drift of the
+    # GPU's clocks within a case weighs on all of them alike; a figure is the median of its rounds.
+    names = list(times)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name not in times:
+                continue
+            fn = providers[name]
+            try:
+                times[name].append(
+                    triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median"))
+            except Exception as e:
+                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+                del times[name]
+    for name, ms in times.items():
+        row[name].update(ms=statistics.median(ms), tflops=flops / statistics.median(ms) * 1e-9)
+        if rounds > 1:
+            row[name]["ms_rounds"] = ms
     return row
 
 
@@ -228,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16", help="bf16 and/or fp16")
     parser.add_argument("--providers", default=None,
                         help="comma-separated subset of tilegen, tilegen-default, sdpa-flash, sdpa-cudnn, flex (default all)")
+    parser.add_argument("--rounds", type=int, default=1, help="time the providers of a case in this many "
+                        "alternating rounds and report each one's median (default 1)")
     parser.add_argument("--sweep", action="store_true", help="time every feasible config too")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s against sequence length, a panel per "
@@ -239,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--providers: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
     if any(not h.isdigit() or int(h) < 1 or HEADS % int(h) for h in args.kv_heads.split(",")):
         parser.error(f"--kv-heads: expected divisors of {HEADS}, got {args.kv_heads!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
         parser.error(f"--dtypes: expected bf16 and/or fp16, got {args.dtypes!r}")
     if not torch.cuda.is_available():
@@ -261,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep or args.sweep_only:
             sweeps += sweep_case(case)
         if not args.sweep_only:
-            rows.append(bench_case(case, only))
+            rows.append(bench_case(case, only, args.rounds))
             print(json.dumps(rows[-1]), flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
