@@ -207,6 +207,23 @@ def test_import_with_replace_takes_the_files_rows_and_its_studies_trials(db, tmp
     assert [t.trial_number for t in db.trials_in_studies("other study")] == [0]
 
 
+def test_import_numbers_a_rerun_studys_trials_after_the_stored_ones(db, tmp_path):
+    """A study run again into a fresh file numbers its trials from 0 too: the import keeps both runs, the
+    file's trials after the stored ones, and a second import of the same file adds nothing."""
+    for number in range(3):
+        trial(db, number)
+    with TuningDB(tmp_path / "rerun.sqlite") as rerun:
+        trial(rerun, 0)  # the stored trial 0 itself ...
+        rerun.record_trial(**KEY, bucket=64, study_name="study", trial_number=1, config=config(128), status="ok",
+                           time_ms=0.5, reason=None)  # ... and a new measurement under a stored number
+        trial(rerun, 2)  # ... and trial 2
+        exported = rerun.export_json()
+    assert db.import_json(exported) == 1
+    trials = {t.trial_number: (t.config["block_m"], t.time_ms) for t in db.trials_in_studies("study")}
+    assert trials == {0: (16, 1.0), 1: (32, 2.0), 2: (64, 3.0), 3: (128, 0.5)}
+    assert db.import_json(exported) == 0
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [

@@ -281,7 +281,9 @@ class TuningDB:
     ) -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
 
-        Tuned rows merge as ``record_best`` does; trials already here are kept as they are. With
+        Tuned rows merge as ``record_best`` does; trials already here are kept as they are, and an
+        imported trial whose number the study already holds for another measurement (the study
+        run again elsewhere) is added after the study's last. With
         ``replace`` the export's rows win whatever their times, and each study it holds trials of
         loses the trials stored here first: a re-tune whose times are not comparable with the
         stored ones (measured another way) replaces them, rows and trials alike.
@@ -315,7 +317,14 @@ class TuningDB:
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
                               provenance=provenance)
-                changed += _insert_or_fetch(session, Trial, key, values)[1]
+                row, added = _insert_or_fetch(session, Trial, key, values)
+                if not added and not _same_measurement(row, values) and _twin(session, key, values) is None:
+                    # The study was run again elsewhere, numbering from 0 (a re-tune into a fresh file): its
+                    # trials go after this study's last instead of being dropped for the numbers they share.
+                    last = session.scalar(select(func.max(Trial.trial_number)).where(
+                        Trial.study_name == key["study_name"]))
+                    added = _insert_or_fetch(session, Trial, {**key, "trial_number": last + 1}, values)[1]
+                changed += added
         return changed
 
     def prune(
@@ -517,6 +526,18 @@ def _insert_or_fetch(
         # a writer that does not lock first, it happens.
         return session.scalars(query).one(), False
     return row, True
+
+
+def _same_measurement(row: Trial, values: dict[str, Any]) -> bool:
+    return (row.config_json, row.status, row.time_ms) == (values["config_json"], values["status"], values["time_ms"])
+
+
+def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Trial | None:
+    """A trial of the study with the same measurement under another number: the import renumbered it before."""
+    time = Trial.time_ms.is_(None) if values["time_ms"] is None else Trial.time_ms == values["time_ms"]
+    return session.scalars(select(Trial).where(
+        Trial.study_name == key["study_name"], Trial.config_json == values["config_json"],
+        Trial.status == values["status"], time)).first()
 
 
 def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any], replace: bool = False) -> bool:
