@@ -7,8 +7,9 @@ Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` ma
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
 argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
 ``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` is passed as that option.
-Prints one line per compiled config; with ``"ptxas": true`` the line also says whether ptxas
-serialized the kernel's wgmma instructions (its C7514 warning), assembling the PTX once more.
+Prints one line per compiled config; with ``"ptxas": true`` the line also gives the bytes of spill
+stores ptxas reports and says whether it serialized the kernel's wgmma instructions (its C7514
+warning), assembling the PTX once more.
 """
 
 import json
@@ -55,11 +56,14 @@ def main(request: dict) -> None:
                                   options=options)
         line = [spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"])]
         if request.get("ptxas"):
-            line.append("wgmma serialized" if _serialized(compiled.asm["ptx"]) else "wgmma async")
+            serialized, spilled = _ptxas(compiled.asm["ptx"])
+            line += ["spill stores bytes", spilled, "wgmma serialized" if serialized else "wgmma async"]
         print(*line)
 
 
-def _serialized(ptx: str) -> bool:
+def _ptxas(ptx: str) -> tuple[bool, int]:
+    """Whether ptxas serialized the wgmma instructions, and the bytes of spill stores it reports."""
+    import re
     import subprocess
     import tempfile
 
@@ -71,7 +75,8 @@ def _serialized(ptx: str) -> bool:
             f.write(ptx)
         done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".o"],
                               capture_output=True, text=True, check=True)
-    return "C7514" in done.stdout + done.stderr
+    report = done.stdout + done.stderr
+    return "C7514" in report, sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
 
 
 if __name__ == "__main__":
