@@ -160,10 +160,11 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dic
             except Exception as e:
                 row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
                 del times[name]
-    for name, ms in times.items():
-        row[name].update(ms=statistics.median(ms), tflops=flops / statistics.median(ms) * 1e-9)
+    for name, rounds_ms in times.items():
+        ms = statistics.median(rounds_ms)
+        row[name].update(ms=ms, tflops=flops / ms * 1e-9)
         if rounds > 1:
-            row[name]["ms_rounds"] = ms
+            row[name]["ms_rounds"] = rounds_ms
     return row
 
 
