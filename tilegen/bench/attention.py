@@ -127,6 +127,12 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def _error(e: Exception, width: int = 120) -> str:
+    """An exception as one line: its type and the start of its message's first line."""
+    message = str(e).splitlines()
+    return f"{type(e).__name__}: {message[0][:width] if message else ''}"
+
+
 def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dict:
     q, k, v = _inputs(case)
     providers = _providers(case, (q, k, v))
@@ -145,7 +151,7 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dic
             row[name] = {"rel_err": _rel_err(fn(q, k, v), ref)}
             times[name] = []
         except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
-            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            row[name] = {"error": _error(e)}
     # With several rounds the providers take turns, the order rotating each round, so that a drift of the
     # GPU's clocks within a case weighs on all of them alike; a figure is the median of its rounds.
     names = list(times)
@@ -158,7 +164,7 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dic
                 times[name].append(
                     triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median"))
             except Exception as e:
-                row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+                row[name] = {"error": _error(e)}
                 del times[name]
     for name, rounds_ms in times.items():
         ms = statistics.median(rounds_ms)
@@ -183,7 +189,7 @@ def sweep_case(case: Case) -> list[dict]:
             ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
             entry.update(ms=ms, tflops=case.flops(spec) / ms * 1e-9)
         except Exception as e:
-            entry["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            entry["error"] = _error(e, 160)
         results.append(entry)
         print(json.dumps(entry), flush=True)
     return results

@@ -317,8 +317,8 @@ class TuningDB:
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
                               provenance=provenance)
-                row, added = _insert_or_fetch(session, Trial, key, values)
-                if not added and not _same_measurement(row, values) and _twin(session, key, values) is None:
+                added = _insert_or_fetch(session, Trial, key, values)[1]
+                if not added and _twin(session, key, values) is None:
                     # The study was run again elsewhere, numbering from 0 (a re-tune into a fresh file): its
                     # trials go after this study's last instead of being dropped for the numbers they share.
                     last = session.scalar(select(func.max(Trial.trial_number)).where(
@@ -528,12 +528,9 @@ def _insert_or_fetch(
     return row, True
 
 
-def _same_measurement(row: Trial, values: dict[str, Any]) -> bool:
-    return (row.config_json, row.status, row.time_ms) == (values["config_json"], values["status"], values["time_ms"])
-
-
 def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Trial | None:
-    """A trial of the study with the same measurement under another number: the import renumbered it before."""
+    """A trial of the study with the same measurement: the stored one under the key's number, or one the import
+    renumbered before."""
     time = Trial.time_ms.is_(None) if values["time_ms"] is None else Trial.time_ms == values["time_ms"]
     return session.scalars(select(Trial).where(
         Trial.study_name == key["study_name"], Trial.config_json == values["config_json"],
