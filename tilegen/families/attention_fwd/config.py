@@ -201,12 +201,13 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         if _offers_wgmma(spec, device):
             # On the H200 (bf16, 32 heads, 16k tokens, TFLOP/s): three consumers led two from 8k causal
             # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong). Two led
-            # the Triton rows causal at 2k-4k, with ping-pong at 4k (399 against 394 without), and full at
-            # 512-1k without it (1k: 414 against 386 with it, 512: 370 against 334 for the Triton row). Causal
-            # up to 1k the Triton row led (1k: 295 against 278 for the best warp-specialized config).
+            # the Triton rows causal at 2k-4k, with ping-pong (4k: 399 against 394 without; 2k, with block 0
+            # in the loops: 366 against 361), and full at 512-1k without it (1k: 414 against 386 with it, 512:
+            # 370 against 334 for the Triton row). Causal up to 1k the Triton row led (1k: 295 against 283 for
+            # the best warp-specialized config).
             triton_tma = rule[1][1]
             if spec.mask == "causal":
-                rule[1:] = [(1024, triton_tma), (2048, _WARP_SPECIALIZED), (4096, _WS_PINGPONG), (None, _WS_THREE)]
+                rule[1:] = [(1024, triton_tma), (4096, _WS_PINGPONG), (None, _WS_THREE)]
             else:
                 rule[1:] = [(1024, _WARP_SPECIALIZED), (None, _WS_THREE_PINGPONG)]
         return rule
