@@ -111,8 +111,9 @@ def test_feasible_configs_and_default_rule():
     assert d64[1:] == [(1024, WS), (None, Config(192, 128, 12, 2, tma=1, wgmma=3))]
     assert not d64[0][1].wgmma
     d64 = default_rule(AttentionSpec(head_dim=64, mask="causal", dtype="bf16"), HOPPER)
-    assert d64[-2:] == [(4096, Config(128, 128, 8, 2, tma=1, wgmma=3)), (None, Config(192, 128, 12, 2, tma=1, wgmma=2))]
-    assert not any(c.wgmma for _, c in d64[:-2])
+    assert d64[-3:] == [(1024, WS), (4096, Config(128, 128, 8, 2, tma=1, wgmma=3)),
+                        (None, Config(192, 128, 12, 2, tma=1, wgmma=2))]
+    assert not any(c.wgmma for _, c in d64[:-3])
     assert 192 not in search_space(AttentionSpec(head_dim=128, dtype="bf16"), HOPPER)["block_m"]
     assert 192 in search_space(AttentionSpec(head_dim=64, dtype="bf16"), HOPPER)["block_m"]
     # The ragged and paged kernels are Triton's alone: no Gluon tile in their space.
