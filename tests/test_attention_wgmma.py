@@ -167,34 +167,99 @@ class _OnGpu(torch.Tensor):
         return 0
 
 
-@pytest.mark.parametrize("causal,n_q,heads,grid", [
-    (True, 1000, 16, 128),  # 8 query tiles x 16 heads: fewer tiles than programs
-    (True, 4096, 8, 131),  # 256 tiles in turns over an odd count of programs
-    (True, 4097, 8, 33 * 8),  # past 32 query tiles a head: a program per tile
-    (False, 4097, 8, 132),  # full: a program per SM
+@pytest.mark.parametrize("head_dim,causal,n_q,heads,grid,scheduled", [
+    (64, True, 1000, 16, 128, True),  # 8 query tiles x 16 heads: fewer tiles than programs
+    (64, True, 4096, 8, 132, True),  # 256 tiles dealt to 132 programs
+    (128, True, 4096, 8, 131, False),  # d128: in turns over an odd count of programs
+    (64, True, 4097, 8, 33 * 8, False),  # past 32 query tiles a head: a program per tile
+    (128, False, 4097, 8, 132, False),  # full: a program per SM, in turns
 ])
-def test_warp_specialized_launch_grid(causal, n_q, heads, grid, monkeypatch):
-    """The persistent kernel's grid: a program per SM (132 here), an odd count of them for causal, and
-    for causal past 32 query tiles a head one program per tile."""
-    launches = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=128, mask="causal" if causal else "none", dtype="bf16"),
-                                         Config(128, 128, 8, 2, tma=1, wgmma=2), heads, n_q, monkeypatch)
-    assert [g for g, _ in launches] == [(grid, )]
+def test_warp_specialized_launch_grid(head_dim, causal, n_q, heads, grid, scheduled, monkeypatch):
+    """The persistent kernel's grid: a program per SM (132 here); for d64 causal up to 32 query tiles a head,
+    with a schedule of its tiles (its first call builds it, the next reuses it), for d128 causal an odd count
+    of programs; for causal past 32 query tiles a head one program per tile."""
+    spec = AttentionSpec(head_dim=head_dim, mask="causal" if causal else "none", dtype="bf16")
+    config = Config(128, 128, 8, 2, tma=1, wgmma=2)
+    schedules = {}
+    launches = [_launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, schedules=schedules)
+                for _ in range(2)]
+    for (g, kwargs), in launches:
+        assert g == (grid, ) and kwargs["SCHEDULED"] == scheduled and (kwargs["Sched"] is not None) == scheduled
+    if scheduled:
+        first, again = (kwargs["Sched"] for (_, kwargs), in launches)
+        assert again is first
+        table = first.tolist()
+        assert table[0] == grid + 1 and table[grid] == len(table) - 1
+        assert sorted(table[grid + 1:-1]) == list(range(-(-n_q // 128) * heads))
 
 
-def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None):
+def test_warp_specialized_schedule_while_capturing(monkeypatch):
+    """A causal shape first called while a CUDA graph is captured runs without a schedule, its programs taking
+    turns: an odd count of them."""
+
+    class Capturing(_OnGpu):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    (grid, kwargs), = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
+                                                Config(128, 128, 8, 2, tma=1, wgmma=2), 8, 4096, monkeypatch,
+                                                stand_in=Capturing)
+    assert grid == (131, ) and not kwargs["SCHEDULED"] and kwargs["Sched"] is None
+
+
+@pytest.mark.parametrize("n_m,n_bh,n_q,n_k,programs", [
+    (8, 512, 1024, 1024, 132),  # d64 causal 1k, 16 x 32 heads
+    (16, 256, 2048, 2048, 132),
+    (32, 128, 4096, 4096, 132),
+    (8, 64, 1000, 1000, 132),  # fewer tiles than four rounds: all of them heaviest first
+    (5, 300, 600, 600, 132),
+    (3, 5, 300, 100, 7),  # rows that see no key: one block each
+    (8, 16, 1000, 1100, 128),  # one tile a program
+])
+def test_tile_schedule_balances_key_blocks(n_m, n_bh, n_q, n_k, programs):
+    """The causal schedule deals every tile once, as many tiles to each program as to the others give or take
+    one; its busiest program runs no more key blocks than the average and half the heaviest tile, and no more
+    than with the programs taking turns (an odd count of them), where there it ran more."""
+    module = module_for(AttentionSpec(head_dim=64, mask="causal", dtype="bf16"))
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    table = module._tile_schedule(n_m, n_bh, n_q, n_k, 128, 128, programs)
+    offsets = table[:programs + 1]
+    assert offsets[0] == programs + 1 and offsets[-1] == len(table) - 1 and offsets == sorted(offsets)
+    n_tiles = n_m * n_bh
+    assert sorted(table[programs + 1:-1]) == list(range(n_tiles))
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert max(counts) - min(counts) <= 1
+    blocks = [max(-(-min(n_k, (n_m - t % n_m) * 128 + n_k - n_q) // 128), 1) for t in range(n_tiles)]
+    busiest = max(sum(blocks[t] for t in table[a:b]) for a, b in zip(offsets, offsets[1:]))
+    assert busiest <= max(sum(blocks) / programs + max(blocks) / 2, max(blocks), -(-n_tiles // programs) * min(blocks))
+    odd = programs - 1 + programs % 2
+    turns = max(sum(blocks[p::odd]) for p in range(odd))
+    assert busiest <= turns
+    if n_m * n_bh > 4 * programs:
+        assert busiest < turns
+
+
+def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None, schedules=None, stand_in=_OnGpu):
     """Run the launcher on stand-in CUDA tensors of a 132-SM GPU (writing `out`, else Q); return the (grid,
-    keyword arguments) of its warp-specialized kernel's launches, the output argument under "Out"."""
+    keyword arguments) of its warp-specialized kernel's launches, the output and schedule arguments under
+    "Out" and "Sched". Causal schedules are kept in `schedules`, else in a dict of this call's own."""
     module = module_for(spec)
     if module.gluon is None:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    monkeypatch.setattr(module, "_PROGRAMS", {})
+    monkeypatch.setattr(module, "_SMS", {})
+    if hasattr(module, "_SCHEDULES"):
+        monkeypatch.setattr(module, "_SCHEDULES", {} if schedules is None else schedules)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": 132}))
     launches = []
     monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", type("Spy", (), {
-        "__getitem__": lambda self, grid: (lambda *args, **kwargs: launches.append((grid, {**kwargs, "Out": args[3]})))
+        "__getitem__": lambda self, grid: (lambda *args, **kwargs: launches.append(
+            (grid, {**kwargs, "Out": args[3], "Sched": args[5]})))
     })())
-    q, k, v = (torch.empty(1, heads, n_q, spec.head_dim, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(3))
+    q, k, v = (torch.empty(1, heads, n_q, spec.head_dim, dtype=torch.bfloat16).as_subclass(stand_in) for _ in range(3))
     module.launch(q, k, v, q if out is None else out, q, scale=0.1, softcap=0.0, window_left=1 << 30,
                   window_right=1 << 30, **config.to_dict())
     return launches
@@ -254,9 +319,11 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
         configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3, "TMA_STORE": True}),
                     ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3, "TMA_STORE": False})]
     for kernel, q_rows, block_n, stages, warps, constants in configs:
+        if kernel == "kernel_wgmma_ws":  # causal: the tiles as the host's schedule deals them
+            constants = {**constants, "SCHEDULED": spec.mask == "causal"}
         # The warp-specialized kernel stores through a descriptor of Q's block where the output allows one.
         out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
-        pointers = {"Out": out, "Lse": "*fp32", "qk_scale": "fp32",
+        pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32",
                     "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
                     "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
                     "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
