@@ -242,7 +242,8 @@ def test_tile_schedule_balances_key_blocks(n_m, n_bh, n_q, n_k, programs):
         assert busiest < turns
 
 
-def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None, schedules=None, stand_in=_OnGpu):
+def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None, schedules=None,
+                              stand_in=_OnGpu):
     """Run the launcher on stand-in CUDA tensors of a 132-SM GPU (writing `out`, else Q); return the (grid,
     keyword arguments) of its warp-specialized kernel's launches, the output and schedule arguments under
     "Out" and "Sched". Causal schedules are kept in `schedules`, else in a dict of this call's own."""
