@@ -103,3 +103,25 @@ def test_rounds_alternate_the_providers_and_report_each_ones_median(monkeypatch)
     assert row["c"] == {"error": "RuntimeError: out of memory"}
     result = runner.invoke(app, ["bench", "attention", "--rounds", "0"])
     assert result.exit_code == 2 and "--rounds: expected a positive number" in result.output
+
+
+def test_rounds_with_every_provider_failing_its_check_report_the_errors(monkeypatch):
+    """A case whose providers all fail before timing (say, out of memory on its inputs) comes back as a row of
+    errors, whatever the rounds."""
+    import torch
+
+    from tilegen.bench import attention as bench
+
+    q = torch.randn(1, 32, 8, 16)
+
+    def fails(*_):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench, "_inputs", lambda case: (q, q, q))
+    monkeypatch.setattr(bench, "_providers", lambda case, inputs: {n: fails for n in "ab"})
+    monkeypatch.setattr(bench.tilegen, "explain", lambda *a, **k: type("C", (), {"config": "cfg", "source": "default"}))
+    monkeypatch.setattr(bench, "prepare_call", lambda *a: (None, ))
+    monkeypatch.setattr(bench.Case, "flops", lambda self, spec: 1e9)
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **_: pytest.fail("nothing should be timed"))
+    row = bench.bench_case(bench.Case(8, 16, False), rounds=3)
+    assert row["a"] == row["b"] == {"error": "RuntimeError: out of memory"}

@@ -155,7 +155,7 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dic
     # With several rounds the providers take turns, the order rotating each round, so that a drift of the
     # GPU's clocks within a case weighs on all of them alike; a figure is the median of its rounds.
     names = list(times)
-    for r in range(rounds):
+    for r in range(rounds if names else 0):  # none to time when every provider failed its check
         for name in names[r % len(names):] + names[:r % len(names)]:
             if name not in times:
                 continue
