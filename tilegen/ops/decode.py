@@ -78,8 +78,9 @@ class PagedDecode:
         """Fix the step's layout; returns the dispatch choice (config and where it came from).
 
         ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
-        split rule (1 to 64), for tests and experiments. The query sits at its sequence's last
-        key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last ``left + 1``.
+        split rule (1 to ``MAX_SPLITS``, 128), for tests and experiments. The query sits at its
+        sequence's last key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last
+        ``left + 1``.
         """
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
