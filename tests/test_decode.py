@@ -189,8 +189,8 @@ def test_decode_bad_input_names_the_argument(device):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_speculative_rows_split_and_merge_like_a_single_pass(splits):
-    from tilegen.device import CPU_INTERPRETER
+def test_speculative_rows_split_and_merge_like_a_single_pass(splits, device):
+    from tilegen.device import device_info
     from tilegen.families import get
     from tilegen.families.attention_decode import DecodeSpec
     from tilegen.tuning.measure import measure
@@ -199,8 +199,8 @@ def test_speculative_rows_split_and_merge_like_a_single_pass(splits):
     spec = DecodeSpec(head_dim=32, q_per_kv=2, dtype="fp32", kv_layout="dense", mask="causal", q_tokens=5,
                       return_lse=True)
     bucket = family.buckets.of((48, 2))
-    problem = family.problem(spec, bucket, on_gpu=False, num_splits=splits)
-    result = measure(problem, family.default_config(spec, CPU_INTERPRETER, bucket), seed=1)
+    problem = family.problem(spec, bucket, on_gpu=device == "cuda", num_splits=splits)
+    result = measure(problem, family.default_config(spec, device_info(), bucket), seed=1)
     assert result["status"] == "ok", result["reason"]
 
 
