@@ -19,7 +19,8 @@ import torch
 from fake_cuda import JIT_RUNS, LAUNCHES
 
 import tilegen
-from tilegen import dispatch, launch
+from tilegen import dispatch
+from tilegen.triton_internals import launch
 from tilegen.codegen import module_for
 
 _replay_call = launch.Replay.__call__
@@ -56,7 +57,7 @@ def jit_runs(call) -> int:
 def fresh(direct: bool = True) -> None:
     os.environ["TILEGEN_DIRECT_LAUNCH"] = "1" if direct else "0"
     dispatch.reset()
-    launch.launcher_for.cache_clear()
+    dispatch.launcher_for.cache_clear()
 
 
 def bf16(*shape):
@@ -144,7 +145,7 @@ def case_paged_prefill() -> None:
 def case_jit_only() -> None:
     """TILEGEN_DIRECT_LAUNCH=0, and Triton internals not recognised: every launch through the JIT."""
     fresh(direct=False)
-    assert launch.launcher_for(_spec()).direct is launch.launcher_for(_spec()).jit
+    assert dispatch.launcher_for(_spec()).direct is dispatch.launcher_for(_spec()).jit
     for _ in range(3):
         assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))) == 1
     fresh()
@@ -172,7 +173,7 @@ def case_disagreement() -> None:
     finally:
         launch._agrees = saved
     # Every kernel the call launched (the module's Gluon kernels, for the wgmma knob, never ran).
-    kernels = [k for name, k in launch.launcher_for(_spec())._kernels.items() if "_wgmma" not in name]
+    kernels = [k for name, k in dispatch.launcher_for(_spec())._kernels.items() if "_wgmma" not in name]
     assert kernels and all(k.broken for k in kernels), [k.broken for k in kernels]
 
 
@@ -212,7 +213,7 @@ LAUNCH_KWARGS = {"scale": 0.125, "softcap": 0.0, "window_left": 1 << 30, "window
 def case_direct_kernel() -> None:
     """The generated launcher with direct kernels, called as the tuner would: same launches as the JIT's."""
     fresh()
-    launcher = launch.launcher_for(_spec())
+    launcher = dispatch.launcher_for(_spec())
     q, k, v, out = (bf16(1, 8, 16, 64) for _ in range(4))
     kwargs = LAUNCH_KWARGS
     for args, expected in (((q, k, v, out, out), 1), ((bf16(1, 8, 16, 64), k, v, out, out), 0),
@@ -228,7 +229,7 @@ def case_tma() -> None:
     are direct too, and equal to the JIT's; a tensor that allows no descriptor takes the pointer kernel."""
     fresh()
     module_for(_spec()).TMA_MIN_WORK = 0  # these shapes are far below the launcher's floor for descriptors
-    launcher = launch.launcher_for(_spec())
+    launcher = dispatch.launcher_for(_spec())
     q, k, v, out = (bf16(1, 8, 40, 64) for _ in range(4))
     kwargs = {**LAUNCH_KWARGS, "tma": 1}
     wide_k = bf16(1, 8, 40, 128)[..., :64]  # rows 256 bytes apart: still a descriptor of the same kind

@@ -19,7 +19,7 @@ from triton.runtime import jit
 from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilegen import launch
+from tilegen.triton_internals import launch
 
 # Read before JITFunction.run is wrapped below, as the unwrapped Triton is the one to recognise.
 INTERNALS = launch._internals()

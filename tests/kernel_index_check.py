@@ -17,7 +17,8 @@ import direct_launch_check as check  # the fake driver, and launches compared wi
 from fake_cuda import INTERNALS
 
 import tilegen
-from tilegen import launch
+from tilegen import dispatch
+from tilegen.triton_internals import launch
 from tilegen.codegen import module_for
 from tilegen.families.attention_fwd import AttentionSpec
 
@@ -29,7 +30,7 @@ def calls():
     # A spec no other call here uses: the index serves only a kernel the JIT has not compiled in this process.
     spec = AttentionSpec(head_dim=64, dtype="bf16", mask="causal")
     module_for(spec).TMA_MIN_WORK = 0  # these shapes are far below the launcher's floor for descriptors
-    launcher = launch.launcher_for(spec)
+    launcher = dispatch.launcher_for(spec)
     tma = {**check.LAUNCH_KWARGS, "window_right": 0, "tma": 1}  # causal: no key right of the diagonal
     return [
         ("dense", lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))),

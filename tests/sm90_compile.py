@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tilegen.codegen import source_for  # noqa: E402
-from tilegen.ir import spec_from_json  # noqa: E402
+from tilegen.families import spec_from_json  # noqa: E402
 
 
 def main(request: dict) -> None:

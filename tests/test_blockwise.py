@@ -41,13 +41,14 @@ from tilegen.families import family_of, relative_error
 from tilegen.families.blockwise_ffn import BlockwiseFFNSpec, Config
 from tilegen.families.blockwise_ffn.problem import random_weights
 from tilegen.families.blockwise_ffn.reference import ffn_reference
-from tilegen.families.blockwise_layer import BlockwiseLayerSpec
-from tilegen.families.blockwise_layer import Config as LayerBlock
-from tilegen.families.blockwise_layer.problem import random_weights as random_layer_weights
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.layers.family import BlockwiseLayerSpec
+from tilegen.layers.family import Config as LayerBlock
+from tilegen.layers.family.problem import random_weights as random_layer_weights
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
-from tilegen.ops.blockwise import explain_layer, layer_spec, layer_table
+from tilegen.layers.op import explain_layer, layer_spec, layer_table
 from tilegen.tuning import Tuner
 
 DEVICE = device_info()
@@ -301,7 +302,7 @@ def test_the_kernels_compile_for_sm90(tmp_path):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from tilegen.codegen import source_for
-        from tilegen.ir import spec_from_json
+        from tilegen.families import spec_from_json
         spec = spec_from_json(sys.argv[1])
         path = sys.argv[2]
         open(path, "w").write(source_for(spec))
@@ -496,7 +497,7 @@ def test_the_reference_at_chosen_rows_is_the_whole_reference_there(device):
 
 
 def test_the_layer_problem_poisons_checks_and_samples_rows(monkeypatch):
-    from tilegen.families.blockwise_layer import problem as layer_problem
+    from tilegen.layers.family import problem as layer_problem
 
     spec = _layer_spec(causal=False, window=True, softcap=True)
     family = family_of(spec)

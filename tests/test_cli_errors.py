@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import triton
 
 from tilegen.cli import main
 from tilegen.codegen.render import template_hash

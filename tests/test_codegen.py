@@ -22,6 +22,7 @@ from tilegen import env
 from tilegen.codegen import cache, module_for, render, source_for, source_path
 from tilegen.families.attention_fwd import AttentionFwd
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.files import write_atomically
 from tilegen import AttentionSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -234,7 +235,7 @@ def test_module_for_writes_once_and_imports_once(tmp_path, monkeypatch):
 
 def test_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "gen" / "module.py"
-    cache._write_atomically(path, "old = 1\n")
+    write_atomically(path, "old = 1\n")
     assert path.read_text() == "old = 1\n"
 
     replaced = []
@@ -243,9 +244,9 @@ def test_write_is_atomic(tmp_path, monkeypatch):
         replaced.append((Path(src), Path(dst)))
         raise OSError("disk full")
 
-    monkeypatch.setattr(cache.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
-        cache._write_atomically(path, "new = 2\n" * 1000)
+        write_atomically(path, "new = 2\n" * 1000)
     # The temporary file sat beside the target (so the rename is atomic) and is gone.
     (src, dst), = replaced
     assert src.parent == path.parent and dst == path
@@ -267,7 +268,7 @@ def _cli_env():
 #: Command lines run as `python -m tilegen ...` in subprocesses, all at once.
 CLI_RUNS = {
     "flags": ["emit", "--head-dim", "64", "--mask", "causal", "--dtype", "fp16", "--lse"],
-    "paged-kv": ["emit", "--spec", '{"head_dim": 64, "kv_layout": "paged"}'],
+    "paged-kv": ["emit", "--spec", '{"family": "attention_fwd", "head_dim": 64, "kv_layout": "paged"}'],
     "bad-head-dim": ["emit", "--head-dim", "65"],
     "unknown-option": ["emit", "--bogus"],
 }
@@ -357,7 +358,8 @@ def test_emit_preset(invoke):
         pytest.param(["--head-dim", "64", "--dtype", "fp64"], "dtype", id="bad-dtype"),
         pytest.param(["--head-dim", "64", "--mask", "sliding"], "mask", id="bad-mask"),
         pytest.param(["--head-dim", "64", "--q-per-kv", "0"], "q_per_kv", id="bad-q-per-kv"),
-        pytest.param(["--spec", '{"head_dim": 64, "block_m": 64}'], "block_m", id="unknown-field"),
+        pytest.param(["--spec", '{"family": "attention_fwd", "head_dim": 64, "block_m": 64}'], "block_m", id="unknown-field"),
+        pytest.param(["--spec", '{"head_dim": 64}'], "family: missing", id="no-family"),
         pytest.param(["--spec", '{"head_dim": 64, "family": "x"}'], "family", id="unknown-family"),
         pytest.param(["--spec", '{"head_dim": 64'], "--spec", id="malformed-json"),
         pytest.param(["--spec", "/nonexistent/spec.json"], "--spec", id="missing-spec-file"),

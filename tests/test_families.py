@@ -33,7 +33,8 @@ from tilegen.families import (
     registry,
     relative_error,
 )
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.tuning import Tuner
 

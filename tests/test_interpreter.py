@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tilegen.env import interpreting
-from tilegen.interpreter import mend_interpreter, patch_interpreter
+from tilegen.triton_internals.interpreter import mend_interpreter, patch_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no GPU)")

@@ -42,7 +42,7 @@ def test_json_is_canonical(spec):
 
 
 def test_equal_specs_spelled_differently_are_one_spec():
-    spelled = '{ "mask": "causal",\n  "head_dim": 128, "q_per_kv": 4, "dtype": "bf16" }'
+    spelled = '{ "mask": "causal",\n  "head_dim": 128, "q_per_kv": 4, "dtype": "bf16", "family": "attention_fwd" }'
     canonical = AttentionSpec(head_dim=128, q_per_kv=4, mask="causal")
     parsed = spec_from_json(spelled)
     assert parsed == canonical
@@ -50,8 +50,13 @@ def test_equal_specs_spelled_differently_are_one_spec():
     assert parsed.hash == canonical.hash
 
 
+def test_a_spec_without_its_family_is_refused_by_name_not_read_as_the_first_family():
+    with pytest.raises(SpecError, match="family: missing.*'attention_fwd'.*'rope'"):
+        spec_from_json('{"head_dim": 64}')
+
+
 def test_defaults_fill_missing_fields():
-    assert spec_from_json('{"head_dim": 64}') == AttentionSpec(head_dim=64)
+    assert spec_from_json('{"family": "attention_fwd", "head_dim": 64}') == AttentionSpec(head_dim=64)
     spec = AttentionSpec(head_dim=64)
     assert (spec.head_dim_v, spec.q_per_kv, spec.mask, spec.softcap, spec.dtype, spec.kv_layout, spec.return_lse) == (
         None, 1, "none", False, "bf16", "contiguous", False,
@@ -193,7 +198,7 @@ def test_validation_names_the_field(field, value):
     # The same through JSON (where the value has a JSON spelling) and through replace().
     if isinstance(value, (int, str, bool, type(None))):
         with pytest.raises(SpecError) as info:
-            spec_from_json(json.dumps(kwargs))
+            spec_from_json(json.dumps({"family": "attention_fwd", **kwargs}))
         assert info.value.field == field
     with pytest.raises(SpecError) as info:
         AttentionSpec(head_dim=64).replace(**{field: value})
@@ -213,14 +218,14 @@ def test_validation_names_the_field(field, value):
 )
 def test_spec_from_json_errors_name_the_field(data, field):
     with pytest.raises(SpecError) as info:
-        spec_from_json(json.dumps(data))
+        spec_from_json(json.dumps({"family": "attention_fwd", **data}))
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
 
 
 def test_unknown_field_error_lists_the_known_fields():
     with pytest.raises(SpecError) as info:
-        spec_from_json('{"head_dim": 64, "block_m": 64}')
+        spec_from_json('{"family": "attention_fwd", "head_dim": 64, "block_m": 64}')
     for f in dataclasses.fields(AttentionSpec):
         assert f.name in str(info.value)
 

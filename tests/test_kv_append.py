@@ -35,7 +35,8 @@ from tilegen.families.kv_append import KVAppendSpec
 from tilegen.families.kv_append.problem import check_pages
 from tilegen.families.kv_append.reference import target_slots
 from tilegen.families.kv_append.spec import PAGE_SIZES
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.ops.append import explain_append
 from tilegen.ops.kv_cache import PAGE_SIZES as CACHE_PAGE_SIZES

@@ -1,4 +1,4 @@
-"""Direct launches of compiled kernels (``tilegen.launch``).
+"""Direct launches of compiled kernels (``tilegen.triton_internals.launch``).
 
 The launches themselves are checked in a process of their own, compiled for sm90 with no GPU
 (``direct_launch_check.py``): every call of the ops' hot paths against the generated launcher
@@ -23,12 +23,13 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tilegen
-from tilegen import launch
+from tilegen import dispatch
+from tilegen.triton_internals import launch
 from tilegen.codegen import module_for
 from tilegen.families.attention_fwd import AttentionSpec
 
 SPEC = AttentionSpec(head_dim=64, dtype="bf16", mask="none")
-#: The Triton versions whose launch path tilegen.launch was written against.
+#: The Triton versions whose launch path tilegen.triton_internals.launch was written against.
 KNOWN = {"3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0"}
 
 
@@ -80,7 +81,7 @@ def test_a_new_process_finds_checked_kernels_without_the_jit(tmp_path):
 def test_the_interpreter_takes_the_jit_path(device):
     if device != "cpu":
         pytest.skip("the interpreter runs without a GPU only")
-    launcher = launch.launcher_for(SPEC)
+    launcher = dispatch.launcher_for(SPEC)
     assert "interpreter" in launch.support()
     assert launcher.direct is module_for(SPEC).launch
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -159,18 +160,18 @@ def _twice(monkeypatch, make):
     first records, the others replay) and through the JIT."""
     from tilegen import dispatch
 
-    launch.launcher_for.cache_clear()
+    dispatch.launcher_for.cache_clear()
     call = make()
     direct = [call() for _ in range(3)]
     monkeypatch.setenv("TILEGEN_DIRECT_LAUNCH", "0")
     dispatch.reset()
-    launch.launcher_for.cache_clear()
+    dispatch.launcher_for.cache_clear()
     try:
         return direct, make()()
     finally:
         monkeypatch.delenv("TILEGEN_DIRECT_LAUNCH")
         dispatch.reset()
-        launch.launcher_for.cache_clear()
+        dispatch.launcher_for.cache_clear()
 
 
 @pytest.mark.gpu

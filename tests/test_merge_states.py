@@ -30,7 +30,8 @@ from tilegen.families import family_of, get, relative_error
 from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.problem import check_merge, random_lse
 from tilegen.families.merge_states.reference import merge_reference
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.ops.merge import explain_merge
 from tilegen.tuning import Tuner

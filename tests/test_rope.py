@@ -28,7 +28,8 @@ from tilegen.device import device_info
 from tilegen.families import family_of, get, relative_error
 from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.reference import rope_reference, rope_tables
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.ops.rope import explain_rope
 from tilegen.tuning import Tuner

@@ -112,7 +112,7 @@ PAGED_ROWS = [(1024, 256), (4096, 64), (65536, 4), (131072, 1)]
 ], ids=["dense", "paged16"])
 def test_dispatch_on_an_h200_finds_the_shipped_decode_rows_for_the_benchmark_shapes(
         tmp_path, spec_json, spec_hash, shipped, bench):
-    from tilegen.ir import spec_from_json
+    from tilegen.families import spec_from_json
 
     spec = spec_from_json(json.dumps(spec_json))
     family = family_of(spec)

@@ -399,8 +399,9 @@ def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones(tmp_pat
         from tilegen.cli.spec_args import presets
         from tilegen.device import CPU_INTERPRETER
         from tilegen.families.attention_fwd import AttentionFwd
-        from tilegen.interpreter import patch_interpreter
-        from tilegen.tuning.worker import Worker, forkable
+        from tilegen.triton_internals.interpreter import patch_interpreter
+        from tilegen.tuning.process import forkable
+        from tilegen.tuning.worker import Worker
 
         patch_interpreter()
         x = torch.randn(512, 512)
@@ -448,7 +449,7 @@ def test_a_fork_is_refused_once_the_cuda_driver_is_initialized_not_once_it_is_lo
                                                                                         initialized):
     import io
 
-    from tilegen.tuning import worker as worker_module
+    from tilegen.tuning import process as worker_module
 
     asked = []
 
@@ -466,7 +467,7 @@ def test_a_fork_is_refused_once_the_cuda_driver_is_initialized_not_once_it_is_lo
 
 
 def test_no_fork_when_the_driver_state_cannot_be_told(monkeypatch):
-    from tilegen.tuning import worker as worker_module
+    from tilegen.tuning import process as worker_module
 
     def no_library(name, mode=0):
         raise OSError(f"{name}: cannot open shared object file")
@@ -506,7 +507,7 @@ _TWO_VARIANTS = json.dumps([{"head_dim": 16, "dtype": "fp32", "mask": "causal"},
 
 @pytest.mark.parametrize("pool", [[], ["--workers", "2"]])
 def test_one_command_tunes_several_variants_every_config_of_each_once(tmp_path, pool):
-    from tilegen.ir import spec_from_json
+    from tilegen.families import spec_from_json
 
     db = tmp_path / "tuning.sqlite"
     run = subprocess.run([sys.executable, "-m", "tilegen", "tune", "--spec", _TWO_VARIANTS, "--seqlens", "16",

@@ -1,4 +1,4 @@
-"""The background warm-up of Triton's per-process work (tilegen.warmup)."""
+"""The background warm-up of Triton's per-process work (tilegen.triton_internals.warmup)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 import pytest
 from triton.runtime import cache as triton_cache
 
-from tilegen import warmup
+from tilegen.triton_internals import warmup
 
 _PROBE = (
-    "import tilegen, tilegen.warmup as w; t = w._thread; "
+    "import tilegen, tilegen.triton_internals.warmup as w; t = w._thread; "
     "print('none' if t is None else 'started'); w.wait(); "
     "from triton.runtime import cache; "
     "print(cache.triton_key.cache_info().currsize if t is not None else '-')"
@@ -42,7 +42,7 @@ def test_start_is_idempotent_and_fills_tritons_memo():
     warmup.wait()
     assert not first.is_alive()
     if not hasattr(triton_cache.triton_key, "cache_info"):
-        pytest.skip(f"this Triton's triton_key is not memoised with lru_cache")
+        pytest.skip("this Triton's triton_key is not memoised with lru_cache")
     assert triton_cache.triton_key.cache_info().currsize == 1
 
 

@@ -4,21 +4,22 @@
     out = tilegen.attention(q, k, v, causal=True)
 """
 
-__version__ = "0.1.0"
+from tilegen import env as _env
+from tilegen.triton_internals import warmup as _warmup
+from tilegen.version import __version__
 
-from tilegen import env as _env, warmup as _warmup  # noqa: E402
-
-# Triton's per-process start-up work (tilegen.warmup) overlaps the imports below and whatever the
+# Triton's per-process start-up work (tilegen.triton_internals.warmup) overlaps the imports below and whatever the
 # caller does before its first call; first thing, so that the overlap is as long as it can be.
 if not _env.interpreting():
     _warmup.start()
 
 from tilegen.families.attention_fwd import AttentionSpec  # noqa: E402
-from tilegen.ir import SpecError, spec_from_json  # noqa: E402
+from tilegen.families import spec_from_json  # noqa: E402
+from tilegen.ir import SpecError  # noqa: E402
 from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
-from tilegen.ops.blockwise import blockwise_ffn, blockwise_layer  # noqa: E402
-from tilegen.layers import BlockwiseLayer, LayerConfig  # noqa: E402
+from tilegen.ops.blockwise import blockwise_ffn  # noqa: E402
+from tilegen.layers import BlockwiseLayer, LayerConfig, blockwise_layer  # noqa: E402
 from tilegen.ops.decode import PagedDecode  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
 from tilegen.ops.merge import merge_states  # noqa: E402

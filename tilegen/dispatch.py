@@ -20,6 +20,7 @@ default, so one bad row never takes an op down.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ from tilegen.device import DeviceInfo, device_info
 from tilegen.families import Buckets, Config, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
+from tilegen.triton_internals.launch import Launcher
 
-__all__ = ["Choice", "Table", "PlanCache", "plan_cache", "table_for", "reset", "tune_command"]
+__all__ = ["Choice", "Table", "PlanCache", "launcher_for", "plan_cache", "table_for", "reset", "tune_command"]
 
 _warned: set[str] = set()
 
@@ -136,6 +138,12 @@ class PlanCache(dict):
 
 _plan_caches: list[PlanCache] = []
 _tables: dict[tuple[Spec, DeviceInfo], Table] = {}
+
+
+@functools.cache
+def launcher_for(spec: Spec) -> Launcher:
+    """The ``Launcher`` of ``spec``'s generated module (one per process)."""
+    return Launcher(module_for(spec))
 
 
 def table_for(spec: Spec, device: DeviceInfo) -> Table:

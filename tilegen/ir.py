@@ -5,7 +5,8 @@ Each kernel family (``tilegen.families``) declares one frozen dataclass deriving
 not (the softmax scale, a softcap value, window sizes) are launch arguments, so one
 compiled kernel and one tuned config serve every value of them.
 
-The canonical JSON form is a spec's identity: its hash names generated modules,
+The canonical JSON form is a spec's identity (``tilegen.families.spec_from_json`` reads it back,
+through the registry): its hash names generated modules,
 tuning studies and database rows. It leaves out every field that holds its default,
 except the fields a family lists in ``ALWAYS`` (those its specs have always written),
 so adding an optional field later changes the hash of no existing spec.
@@ -20,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["IR_VERSION", "DTYPES", "Spec", "SpecError", "spec_from_json", "check_int", "check_choice", "check_bool"]
+__all__ = ["IR_VERSION", "DTYPES", "Spec", "SpecError", "check_int", "check_choice", "check_bool"]
 
 #: Bumped when a field's meaning changes, so old hashes never alias new semantics.
 IR_VERSION = 1
@@ -100,28 +101,6 @@ class Spec:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in data:
                 raise SpecError(name, "missing")
         return cls(**data)
-
-
-def spec_from_json(text: str | dict[str, Any]) -> Spec:
-    """Parse a canonical form (or any JSON object with a family's fields) into that family's spec type.
-
-    ``"family"`` picks the type; a JSON object without one is a spec of the first registered
-    family (attention forward), as every spec was before there were several.
-    """
-    from tilegen.families import (  # the registry knows the types; the IR base does not
-        families,
-        spec_type,
-    )
-
-    data = json.loads(text) if isinstance(text, str) else dict(text)
-    if not isinstance(data, dict):
-        raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
-    # Specs written before there were several families name none: they are the first family's.
-    cls = spec_type(data.pop("family", families()[0].name))
-    version = data.pop("ir_version", IR_VERSION)
-    if type(version) is not int or version != IR_VERSION:
-        raise SpecError("ir_version", f"this tilegen reads IR version {IR_VERSION}, got {version}")
-    return cls.from_fields(data)
 
 
 def check_int(field: str, value: Any) -> None:

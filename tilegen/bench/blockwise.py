@@ -50,7 +50,8 @@ import tilegen
 from tilegen.bench import pyplot
 from tilegen.env import interpreting
 from tilegen.layers import LayerConfig, reference_layer
-from tilegen.ops.blockwise import explain_layer, ffn_table, layer_spec
+from tilegen.layers.op import explain_layer, layer_spec
+from tilegen.ops.blockwise import ffn_table
 
 __all__ = ["main"]
 
@@ -229,7 +230,7 @@ def _attention_skipped():
     """Attention's outputs allocated as the real kernels allocate them (SDPA's output and its fp32
     log-sum-exp, tilegen's preallocated ``out``), its arithmetic skipped: every other allocation of
     the layer happens as in a real run, in time linear in the length."""
-    from tilegen.ops import blockwise as ops
+    from tilegen.layers import op as ops
 
     sdpa, attention = F.scaled_dot_product_attention, ops.attention
 

@@ -10,7 +10,7 @@ and a short prefill, 1 x 8 x 512 x 64, whose config on Hopper asks for TMA descr
 launcher keeps pointers below its size floor (``TMA_MIN_WORK``), where descriptors' host cost
 would outlast the kernel.
 Each tilegen row is measured twice in the same run: as shipped, compiled kernels launched
-directly (``tilegen.launch``), and ``(JIT launch)``, every launch through Triton's
+directly (``tilegen.triton_internals.launch``), and ``(JIT launch)``, every launch through Triton's
 ``JITFunction.run`` as before direct launches.
 
 Host time per call: after a synchronize, the wall time to issue ``--calls`` back-to-back
@@ -37,7 +37,8 @@ import torch.nn.functional as F
 import tilegen
 import tilegen.ops.attention as attention_op
 import tilegen.ops.decode as decode_op
-from tilegen import dispatch, launch
+from tilegen import dispatch
+from tilegen.triton_internals import launch
 from tilegen.codegen import module_for
 from tilegen.env import interpreting
 

@@ -13,37 +13,16 @@ from typing import NoReturn
 
 import typer
 
-# Typer 0.2x ships its own copy of click's exceptions; earlier releases use click's.
-try:
-    from typer._click import exceptions as _exceptions
-except ImportError:  # pragma: no cover - depends on the installed typer
-    from click import exceptions as _exceptions
-_ClickException = _exceptions.ClickException
-_UsageError = _exceptions.UsageError
-_NoArgsIsHelp = getattr(_exceptions, "NoArgsIsHelpError", ())  # click before 8.2 prints the help itself
-_Exit = typer.Exit
-_Abort = typer.Abort
-
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generated, autotuned attention kernels.")
-
-#: Exit status of every error a user can fix, as click gives for a usage error.
-USAGE_ERROR = 2
-
-
-def fail(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` on one line and exit status 2."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
-    raise typer.Exit(USAGE_ERROR)
-
-
-@app.callback()
-def _root() -> None:
-    """Generated, autotuned attention kernels."""
-
-from tilegen.cli import emit  # noqa: E402,F401  (registers its command)
-from tilegen.cli import tune  # noqa: E402,F401  (registers its command)
-from tilegen.cli import db  # noqa: E402,F401  (registers its commands)
-from tilegen.cli import bench  # noqa: E402,F401  (registers its command)
+from tilegen.cli import bench, db, emit, tune  # noqa: F401  (each registers its commands on app)
+from tilegen.cli.app import (
+    USAGE_ERROR,
+    _Abort,
+    _ClickException,
+    _Exit,
+    _NoArgsIsHelp,
+    _UsageError,
+    app,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +56,7 @@ def run() -> NoReturn:
     cleanup of its children and semaphores); what is skipped is unloading modules, which after
     a tune (torch, Triton, Optuna) took 0.8 s on the 2-CPU machine while the shell waited, and
     0.01 s the handlers. A crash still ends with its traceback."""
-    from tilegen.tuning.worker import exit_now
+    from tilegen.tuning.process import exit_now
 
     try:
         main()

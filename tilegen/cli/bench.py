@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 import tilegen.bench
-from tilegen.cli import app, fail
+from tilegen.cli.app import app, fail
 
 
 def benchmarks() -> dict[str, str]:

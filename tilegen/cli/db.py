@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tilegen import env
-from tilegen.cli import app, fail
+from tilegen.version import __version__
+from tilegen.cli.app import app, fail
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
 from tilegen.db.location import is_url
 from tilegen.families import ConfigError, get
@@ -276,7 +277,6 @@ def pull(
     """
     import triton as triton_module
 
-    import tilegen
     from tilegen.device import device_info
 
     if not is_url(source):
@@ -289,7 +289,7 @@ def pull(
     wanted = {
         "gpu_key": gpu if gpu is not None else device_info().key,
         "triton_version": triton if triton is not None else triton_module.__version__,
-        "tilegen_version": tilegen_version if tilegen_version is not None else tilegen.__version__,
+        "tilegen_version": tilegen_version if tilegen_version is not None else __version__,
     }
     filters = {name: None if value == "any" else value for name, value in wanted.items()}
     with _open(server, option="--from") as source_db:

@@ -13,7 +13,7 @@ from typing import Optional
 import triton
 import typer
 
-from tilegen.cli import app, fail
+from tilegen.cli.app import app, fail
 from tilegen.cli.spec_args import takes_spec
 from tilegen.codegen import source_for
 from tilegen.codegen.render import template_hash

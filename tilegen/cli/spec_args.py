@@ -17,7 +17,8 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from tilegen.families import families
-from tilegen.ir import Spec, SpecError, spec_from_json
+from tilegen.ir import Spec, SpecError
+from tilegen.families import spec_from_json
 
 __all__ = ["presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs"]
 

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from tilegen import env
-from tilegen.cli import app, fail
+from tilegen.cli.app import app, fail
 from tilegen.cli.spec_args import takes_specs
 from tilegen.device import device_info, host_gpu_models
 from tilegen.families import families, family_of
@@ -209,7 +209,7 @@ def _tune(specs, lengths, batch_sizes, *, slots, **options) -> None:
 def _import_tune_modules(db) -> None:
     """Import here what each tune process imports, so that its forked copies find it done. A
     one-process tune imports the same before it forks its worker; meanwhile the background
-    warm-up (``tilegen.warmup``), which a fork waits for, ends."""
+    warm-up (``tilegen.triton_internals.warmup``), which a fork waits for, ends."""
     import optuna  # noqa: F401
 
     import tilegen.tuning.tuner  # noqa: F401

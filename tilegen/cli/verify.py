@@ -18,7 +18,8 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
 from tilegen.device import device_info
 from tilegen.families import ConfigError, family_of
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 
 __all__ = ["verify_rows"]
 

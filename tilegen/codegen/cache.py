@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import triton
 
-import tilegen
 from tilegen import env
+from tilegen.files import write_atomically
+from tilegen.version import __version__
 from tilegen.codegen.render import render_spec, template_hash
 from tilegen.families import family_of
 from tilegen.ir import Spec
@@ -32,34 +31,22 @@ def source_for(spec: Spec) -> str:
 
 
 def source_path(spec: Spec) -> Path:
-    folder = env.cache_dir() / f"tilegen-{tilegen.__version__}_triton-{triton.__version__}"
+    folder = env.cache_dir() / f"tilegen-{__version__}_triton-{triton.__version__}"
     return folder / f"{spec.name}_{spec.hash}_{template_hash(family_of(spec))}.py"
-
-
-def _write_atomically(path: Path, text: str | bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-            f.write(text)
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a torn one
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @functools.cache
 def module_for(spec: Spec) -> ModuleType:
     """Import the generated module for ``spec``, rendering and caching it first if needed."""
     if env.interpreting():
-        from tilegen.interpreter import patch_interpreter
+        from tilegen.triton_internals.interpreter import patch_interpreter
 
         patch_interpreter()
     path = source_path(spec)
     text = source_for(spec)
     # Rewrite when absent or different (a hand-edited or truncated file must not be trusted).
     if not path.exists() or path.read_text() != text:
-        _write_atomically(path, text)
+        write_atomically(path, text)
     name = f"tilegen_generated.{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)

@@ -15,8 +15,8 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-import tilegen
 from tilegen import env
+from tilegen.version import __version__
 from tilegen.families import Family
 from tilegen.ir import Spec
 
@@ -72,7 +72,7 @@ def render(family: Family, context: dict[str, Any]) -> str:
 def context_for(family: Family, spec: Spec) -> dict[str, Any]:
     """The template's values: the family's lowering plus what the header of every module shows."""
     return {
-        "tilegen_version": tilegen.__version__,
+        "tilegen_version": __version__,
         "spec_json": spec.to_json(),
         "spec_json_literal": repr(spec.to_json()),
         "spec_hash": spec.hash,

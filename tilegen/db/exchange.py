@@ -21,7 +21,8 @@ from typing import Any, Callable
 from tilegen.db.models import TRIAL_STATUSES
 from tilegen.db.validate import RowError, check_best, check_trial, device_from_gpu
 from tilegen.families import family_of
-from tilegen.ir import SpecError, spec_from_json
+from tilegen.ir import SpecError
+from tilegen.families import spec_from_json
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
 

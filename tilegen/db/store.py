@@ -33,8 +33,8 @@ from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, t
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-import tilegen
 from tilegen import env
+from tilegen.version import __version__
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
@@ -270,7 +270,7 @@ class TuningDB:
         with self._session(write=True) as session:
             key = dict(**_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version)
             values = dict(
-                torch_version=torch.__version__, tilegen_version=tilegen.__version__,
+                torch_version=torch.__version__, tilegen_version=__version__,
                 config_json=_canonical(config), time_ms=time_ms, tflops=tflops, gbps=gbps,
                 max_error=max_error, trials=trials, created_at=utcnow(), provenance="tuned",
             )

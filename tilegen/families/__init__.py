@@ -15,7 +15,7 @@ from tilegen.families.base import (
     relative_error,
 )
 from tilegen.families.buckets import Buckets, PowerOfTwoBuckets
-from tilegen.families.registry import families, family_of, get, register, spec_type
+from tilegen.families.registry import families, family_of, get, register, spec_from_json, spec_type
 
 __all__ = [
     "TOLERANCE",
@@ -30,6 +30,7 @@ __all__ = [
     "get",
     "register",
     "relative_error",
+    "spec_from_json",
     "spec_type",
 ]
 
@@ -49,7 +50,3 @@ register(AttentionDecode())
 register(BlockwiseFFN())
 register(Rope())
 
-# After its parts' families: the layer's specs build theirs through the registry.
-from tilegen.families.blockwise_layer import BlockwiseLayer  # noqa: E402
-
-register(BlockwiseLayer())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from tilegen.families.base import Family
-from tilegen.ir import Spec, SpecError
+import json
+from typing import Any
 
-__all__ = ["register", "family_of", "get", "families", "spec_type"]
+from tilegen.families.base import Family
+from tilegen.ir import IR_VERSION, Spec, SpecError
+
+__all__ = ["register", "family_of", "get", "families", "spec_type", "spec_from_json"]
 
 _by_name: dict[str, Family] = {}
 
@@ -41,3 +44,21 @@ def spec_type(name: str) -> type[Spec]:
 def families() -> list[Family]:
     """Every registered family, in registration order."""
     return list(_by_name.values())
+
+
+def spec_from_json(text: str | dict[str, Any]) -> Spec:
+    """Parse a canonical form (or any JSON object with a family's fields) into that family's spec type.
+
+    ``"family"`` picks the type and must be there: a spec that names none is refused rather than
+    read as some family's, which would make the answer depend on what was registered first.
+    """
+    data = json.loads(text) if isinstance(text, str) else dict(text)
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
+    if "family" not in data:
+        raise SpecError("family", f"missing; a spec names its kernel family, one of: {', '.join(map(repr, _by_name))}")
+    cls = spec_type(data.pop("family"))
+    version = data.pop("ir_version", IR_VERSION)
+    if type(version) is not int or version != IR_VERSION:
+        raise SpecError("ir_version", f"this tilegen reads IR version {IR_VERSION}, got {version}")
+    return cls.from_fields(data)

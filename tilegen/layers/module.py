@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tilegen.layers.config import LayerConfig
+from tilegen.layers.op import blockwise_layer
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 
 __all__ = ["BlockwiseLayer"]
@@ -70,8 +71,6 @@ class BlockwiseLayer(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        from tilegen.ops.blockwise import blockwise_layer
-
         return blockwise_layer(x, self.weights(), self.config, block=self.block, out=out)
 
     def extra_repr(self) -> str:

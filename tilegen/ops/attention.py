@@ -33,7 +33,8 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
-from tilegen.launch import Launcher, launcher_for
+from tilegen.dispatch import launcher_for
+from tilegen.triton_internals.launch import Launcher
 from tilegen.ops.memo import memoized
 from tilegen.ops.tensors import check_out
 
@@ -123,7 +124,7 @@ def attention(
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.lse_shape is not None else None
     if plan.launches:
         # The plan fixes every shape, dtype and scalar the launcher reads; the strides complete the key
-        # under which its launches are replayed (tilegen.launch.Replay). lse, when made here, is contiguous.
+        # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
     return (out, lse) if return_lse else out
 

@@ -32,7 +32,7 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
-from tilegen.launch import launcher_for
+from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.tensors import check_out
 
@@ -172,7 +172,7 @@ class PagedDecode:
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
             # The plan and the checks above fix every shape and dtype the launcher reads: the strides
-            # complete the key under which its launches are replayed (tilegen.launch.Replay).
+            # complete the key under which its launches are replayed (tilegen.triton_internals.launch.Replay).
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
                         q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
                         cache.indptr, cache.indices, cache.last_page_len)

@@ -33,7 +33,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
-from tilegen.launch import launcher_for
+from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.memo import memoized
 from tilegen.ops.tensors import check_device, check_out
@@ -84,7 +84,7 @@ def varlen_attention(
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
-        # key under which its launches are replayed (tilegen.launch.Replay).
+        # key under which its launches are replayed (tilegen.triton_internals.launch.Replay).
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()),
                     q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     elif lse is not None:

@@ -51,8 +51,7 @@ import signal
 import threading
 import time
 
-import triton
-import triton.language as tl
+from tilegen.tuning.process import first_compile
 
 __all__ = ["ENV", "FIRST_WAIT_S", "CompileAhead", "default_processes"]
 
@@ -132,7 +131,7 @@ class CompileAhead:
         ``fork``: copy this process, where that is safe (see ``tilegen.tuning.worker.forkable``),
         rather than start fresh interpreters."""
         if self.processes and not self._procs:
-            from tilegen.tuning.worker import forkable
+            from tilegen.tuning.process import forkable
 
             self._start(fork=fork and forkable())
 
@@ -358,19 +357,6 @@ class _OnMeta:
         torch.Generator = self._generator
 
 
-@triton.jit
-def _first_compile(x_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1)
-
-
-def first_compile(x) -> None:
-    """Launch (in a compile process: compile) a tiny kernel on ``x``, 16 floats: a process's first
-    compile pays Triton's one-time costs, which this takes off a real kernel's. Its entry in
-    Triton's cache is a few kilobytes."""
-    _first_compile[(1,)](x, N=16)
-
-
 def _warm_up(device: str) -> None:
     """Pay Triton's one-time costs of compiling (its compiler, LLVM and ptxas starting) before the
     first bucket's configs arrive, which the first trials wait for. The tiny kernel is compiled
@@ -433,10 +419,10 @@ class _Bucket:
 
 
 def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, after=None, target=None) -> None:
-    from tilegen.tuning.worker import _leave_with_parent, log_to_stderr
+    from tilegen.tuning.process import leave_with_parent, log_to_stderr
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tune's to handle
-    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=leave_with_parent, args=(parent,), daemon=True).start()
     os.nice(_NICE)
     log_to_stderr(level)
     # tilegen's own ops go through the JIT (which is in warmup here), never a direct launch.

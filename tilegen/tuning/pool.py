@@ -104,7 +104,7 @@ class Pool:
         self._failed = False
 
     def __enter__(self) -> Pool:
-        from tilegen.tuning.worker import forkable
+        from tilegen.tuning.process import forkable
 
         fork = forkable()
         for index in range(len(self.slots)):
@@ -245,7 +245,8 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     for end in inherited:
         end.close()
     from tilegen.tuning.compile_ahead import CompileAhead, default_processes
-    from tilegen.tuning.worker import Worker, WorkerError, exit_now, log_to_stderr
+    from tilegen.tuning.process import exit_now, log_to_stderr
+    from tilegen.tuning.worker import Worker, WorkerError
 
     log_to_stderr(level)
     if slot is not None:

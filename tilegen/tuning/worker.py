@@ -28,19 +28,18 @@ pipe's other end in a way a measuring child notices, and an orphan would keep it
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from multiprocessing.connection import wait
 
-__all__ = ["Worker", "WorkerError", "INJECT_ENV", "forkable"]
+from tilegen.tuning.process import exit_now, first_compile, forkable, leave_with_parent, log_to_stderr
+
+__all__ = ["Worker", "WorkerError", "INJECT_ENV"]
 
 INJECT_ENV = "TILEGEN_TUNE_INJECT"
 log = logging.getLogger(__name__)
@@ -192,18 +191,6 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def log_to_stderr(level: int) -> None:
-    """In a child process: tilegen.tuning's lines at ``level`` (the parent's) go to stderr, stamped
-    with the wall clock and the process, so several processes' lines can be put in one order."""
-    logger = logging.getLogger("tilegen.tuning")
-    if level >= logging.WARNING or logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(created).3f %(process)d %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level)
-
-
 def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cuda_up=None) -> None:
     """The child's loop: one task in, one result dict out, until the parent hangs up."""
     if parents_end is not None:  # a fork
@@ -218,7 +205,7 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cu
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Watching from the start: a child started ahead of its first trial can outlive a parent
     # killed while it still imports.
-    threading.Thread(target=_leave_with_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=leave_with_parent, args=(parent,), daemon=True).start()
     log_to_stderr(level)
     try:
         from tilegen.families import register
@@ -276,45 +263,6 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cu
             return  # this context cannot launch again; the parent starts a new worker
 
 
-def forkable() -> bool:
-    """Whether a fork of this process is a clean start for a child: CUDA's driver API not yet
-    initialized (a child cannot use a CUDA the parent initialized; torch reports only its own
-    start of it), and no other thread, whose locks the child would inherit held."""
-    from tilegen import env, warmup
-    from tilegen.interpreter import InterpreterSetupError, check_interpreter
-
-    warmup.wait()  # its result (Triton's cache key) is worth inheriting, not cutting short
-    if env.interpreting() and "triton.language" in sys.modules:
-        # A copy has Triton as this process imported it; TRITON_INTERPRET set since (the tune
-        # command sets it on a machine without a GPU) needs a fresh interpreter to take effect.
-        try:
-            check_interpreter()
-        except InterpreterSetupError:
-            return False
-    return _driver_initialized() is False and threading.active_count() == 1
-
-
-#: What the driver API answers before ``cuInit``.
-_CUDA_ERROR_NOT_INITIALIZED = 3
-
-
-def _driver_initialized() -> bool | None:
-    """Whether this process initialized CUDA's driver API (``cuInit``); ``None`` when it cannot tell.
-
-    Loading the library is not enough to spoil a fork: CUDA builds of torch load ``libcuda`` at
-    import. Asked for a device count before ``cuInit``, the driver answers that it is not
-    initialized, and initializes nothing."""
-    try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" not in f.read():
-                return False
-        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)  # the copy already loaded, or none
-    except OSError:
-        return None
-    count = ctypes.c_int()
-    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
-
-
 def _answer(conn, message: dict) -> bool:
     """Send ``message``; ``False`` when the parent has hung up (it closed the tune before this child was ready)."""
     try:
@@ -341,7 +289,6 @@ def _warm_up() -> None:
     import torch
 
     from tilegen import env
-    from tilegen.tuning.compile_ahead import first_compile
 
     if env.interpreting() or not torch.cuda.is_available():
         return
@@ -355,21 +302,6 @@ def _warm_up() -> None:
         log.debug("worker warm-up failed: %s: %s", type(e).__name__, e)
         return
     log.debug("worker warmed up in %.2f s", time.perf_counter() - start)
-
-
-def exit_now(code: int = 0) -> None:
-    """Leave with ``code`` once the output is flushed, skipping the interpreter's teardown (torch,
-    Triton, Optuna: about a second) that a waiting parent would otherwise sit through."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
-def _leave_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
 
 
 def _cuda_broken() -> bool:

@@ -16,7 +16,7 @@ from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.buckets import Buckets
-from tilegen.interpreter import mend_interpreter
+from tilegen.triton_internals.interpreter import mend_interpreter
 
 __all__ = ["entry_point"]
 

@@ -6,13 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.blockwise_ffn.spec import FFNS, NORMS, BlockwiseFFNSpec
 from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
 
 __all__ = ["BlockwiseLayerSpec", "NORMS", "FFNS"]
 
-# The FFN family's vocabulary; its spec validates the values again when the parts are built.
-NORMS = ("rmsnorm", "layernorm")
-FFNS = ("swiglu", "gelu_mlp")
 
 
 @dataclass(frozen=True)
@@ -92,13 +91,11 @@ class BlockwiseLayerSpec(Spec):
         return "_".join(parts)
 
     def parts(self) -> tuple[Spec, Spec]:
-        """The specs of the ops the schedule calls, attention's and the FFN's, through the registry;
-        a layer they cannot run raises their ``SpecError``, which names the field (the same name here)."""
-        from tilegen.families import spec_type  # the registry, at call time: it lists this family too
-
-        attention = spec_type("attention_fwd")(head_dim=self.head_dim, q_per_kv=self.q_per_kv,
+        """The specs of the ops the schedule calls, attention's and the FFN's; a layer they cannot run
+        raises their ``SpecError``, which names the field (the same name here)."""
+        attention = AttentionSpec(head_dim=self.head_dim, q_per_kv=self.q_per_kv,
                                                mask=self.attention_mask, softcap=self.softcap, dtype=self.dtype)
-        ffn = spec_type("blockwise_ffn")(d_model=self.d_model, d_ffn=self.d_ffn, norm=self.norm, ffn=self.ffn,
+        ffn = BlockwiseFFNSpec(d_model=self.d_model, d_ffn=self.d_ffn, norm=self.norm, ffn=self.ffn,
                                          dtype=self.dtype)
         return attention, ffn
 

@@ -3,7 +3,7 @@
 A process's first launch of a kernel goes through ``JITFunction.run``, and Triton's cache key
 for the compiled kernel starts with a hash of Triton's own sources and of ``libtriton.so``:
 about 0.4 s on the H200, once per process, before the cached kernel can even be looked up.
-Once a direct launch (``tilegen.launch``) has been checked against the JIT, this index
+Once a direct launch (``tilegen.triton_internals.launch``) has been checked against the JIT, this index
 records where Triton cached that kernel and how to describe its source again; a later
 process with the same launch loads the kernel from Triton's cache directly.
 
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tilegen import env
+from tilegen.files import write_atomically
 
 __all__ = ["load", "store"]
 
@@ -101,8 +102,6 @@ def load(fn, device: int, fingerprint: Any):
 
 def store(fn, device: int, fingerprint: Any, kernel, tail: tuple) -> None:
     """Record a launch the JIT has just confirmed; errors are ignored (the index is a cache)."""
-    from tilegen.codegen.cache import _write_atomically
-
     try:
         path = _path(fn, device, fingerprint)
         if path.exists():
@@ -110,6 +109,6 @@ def store(fn, device: int, fingerprint: Any, kernel, tail: tuple) -> None:
         source = kernel.src
         record = {"layout": _LAYOUT, "hash": kernel.hash, "name": source.name, "signature": dict(source.signature),
                   "constexprs": dict(source.constants), "attrs": dict(source.attrs), "tail": tail}
-        _write_atomically(path, pickle.dumps(record))
+        write_atomically(path, pickle.dumps(record))
     except Exception:  # noqa: BLE001 - an unwritable cache or an unpicklable value: no record, nothing else
         return

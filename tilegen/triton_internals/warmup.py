@@ -13,7 +13,7 @@ in two places that have nothing to do with the kernel (measured on the H200, Tri
 Both are pure functions of the installed Triton, so a daemon thread started at import does
 them while the process goes on importing and setting up (hashing releases the GIL). A launch
 through the JIT waits for the thread first, so the work is never done twice; a launch that
-the kernel index (``tilegen.kernel_index``) serves needs neither, and does not wait. On a
+the kernel index (``tilegen.triton_internals.kernel_index``) serves needs neither, and does not wait. On a
 Triton without these internals the thread does nothing; under the interpreter, which
 compiles nothing, it is not started.
 """

@@ -53,9 +53,10 @@ try:
 except ImportError:  # a Triton without it is not recognised (_internals) and never launches directly
     HookChain = None
 
-from tilegen import env, kernel_index, warmup
+from tilegen import env
+from tilegen.triton_internals import kernel_index, warmup
 
-__all__ = ["DirectKernel", "Launcher", "Replay", "launcher_for", "support"]
+__all__ = ["DirectKernel", "Launcher", "Replay", "support"]
 
 log = logging.getLogger("tilegen.launch")
 
@@ -591,11 +592,3 @@ class Replay:
         # An alias's pointer is its twin's: checked once.
         align = tuple((i, not args[i].data_ptr() & 15) for i in sorted(used - {j for _, j in aliases}))
         return _Recording(align, tuple(aliases), tuple(calls), len(args))
-
-
-@functools.cache
-def launcher_for(spec) -> Launcher:
-    """The ``Launcher`` of ``spec``'s generated module (one per process)."""
-    from tilegen.codegen import module_for
-
-    return Launcher(module_for(spec))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tilegen.device import DeviceInfo
 from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families import base
-from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
+from tilegen.layers.family.spec import BlockwiseLayerSpec
 
 __all__ = ["Config", "search_space", "feasible", "default_rule", "MIN_GPU_BLOCK"]
 

@@ -17,12 +17,14 @@ from typing import ClassVar
 
 import torch
 
-import tilegen
 from tilegen.families import base
-from tilegen.families.blockwise_layer.config import Config
-from tilegen.families.blockwise_layer.reference import layer_reference
-from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
-from tilegen.layers import LayerConfig
+from tilegen.layers.family.config import Config
+from tilegen.layers.family.reference import layer_reference
+from tilegen.layers.family.spec import BlockwiseLayerSpec
+from tilegen.layers.config import LayerConfig
+from tilegen.ops.attention import attention
+from tilegen.ops.blockwise import blockwise_ffn
+from tilegen.ops.rope import apply_rope
 
 __all__ = ["Problem", "layer_config", "random_weights"]
 
@@ -92,8 +94,8 @@ class Problem(base.Problem):
 
     def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
         x, w = inputs
-        ops = {"rope": tilegen.apply_rope} if self.spec.rope else {}
-        module.launch(x, w, outputs[0], attention=tilegen.attention, blockwise_ffn=tilegen.blockwise_ffn, **ops,
+        ops = {"rope": apply_rope} if self.spec.rope else {}
+        module.launch(x, w, outputs[0], attention=attention, blockwise_ffn=blockwise_ffn, **ops,
                       block_q=config.block_q, **self.spec.launch_args(self.layer()))
 
     def check_rows(self) -> torch.Tensor | None:

@@ -12,23 +12,25 @@ to its ``launch``; its own knob is the query block, tuned per token bucket like 
 Files: ``spec`` (the layer's shape: attention, norm, FFN, widths, RoPE, dtype), ``lower``
 (template values), ``config`` (the query block, search space, feasibility, defaults),
 ``reference`` (``tilegen.layers.reference_layer`` in float64), ``problem`` (what a tuning trial
-measures). The op is ``tilegen.blockwise_layer`` (``tilegen.ops.blockwise``).
+measures). The op is ``tilegen.blockwise_layer`` (``tilegen.layers.op``). The family composes tilegen's ops,
+so it lives above them, in ``tilegen.layers``, not among the kernel families.
 """
 
 from __future__ import annotations
 
 from tilegen.families.base import Family
-from tilegen.families.blockwise_layer import config as _config
-from tilegen.families.blockwise_layer.config import Config
-from tilegen.families.blockwise_layer.lower import lower as _lower
-from tilegen.families.blockwise_layer.problem import Problem
-from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
+from tilegen.families.registry import register
+from tilegen.layers.family import config as _config
+from tilegen.layers.family.config import Config
+from tilegen.layers.family.lower import lower as _lower
+from tilegen.layers.family.problem import Problem
+from tilegen.layers.family.spec import BlockwiseLayerSpec
 from tilegen.families.buckets import PowerOfTwoBuckets
 
-__all__ = ["BlockwiseLayer", "BlockwiseLayerSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "BlockwiseLayerFamily", "BlockwiseLayerSpec", "Config", "Problem"]
 
 
-class BlockwiseLayer(Family):
+class BlockwiseLayerFamily(Family):
     name = "blockwise_layer"
     spec_type = BlockwiseLayerSpec
     config_type = Config
@@ -48,3 +50,6 @@ class BlockwiseLayer(Family):
     feasible = staticmethod(_config.feasible)
     default_rule = staticmethod(_config.default_rule)
     problem = staticmethod(Problem.for_bucket)
+
+
+FAMILY = register(BlockwiseLayerFamily())

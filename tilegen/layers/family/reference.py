@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
-from tilegen.layers import LayerConfig, reference_layer
+from tilegen.layers.config import LayerConfig
+from tilegen.layers.reference import reference_layer
 
 __all__ = ["layer_reference"]
 

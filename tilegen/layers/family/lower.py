@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tilegen.families.blockwise_layer.spec import BlockwiseLayerSpec
+from tilegen.layers.family.spec import BlockwiseLayerSpec
 
 __all__ = ["lower"]
 

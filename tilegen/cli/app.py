@@ -1,0 +1,36 @@
+"""The ``tilegen`` Typer app and how a command fails: a module of its own, so the commands
+(``tilegen.cli.emit``, ``tune``, ``db``, ``bench``) register on it without importing the package
+that imports them."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import typer
+
+# Typer 0.2x ships its own copy of click's exceptions; earlier releases use click's.
+try:
+    from typer._click import exceptions as _exceptions
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as _exceptions
+_ClickException = _exceptions.ClickException
+_UsageError = _exceptions.UsageError
+_NoArgsIsHelp = getattr(_exceptions, "NoArgsIsHelpError", ())  # click before 8.2 prints the help itself
+_Exit = typer.Exit
+_Abort = typer.Abort
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Generated, autotuned attention kernels.")
+
+#: Exit status of every error a user can fix, as click gives for a usage error.
+USAGE_ERROR = 2
+
+
+def fail(message: str) -> NoReturn:
+    """End the command with ``error: <message>`` on one line and exit status 2."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(USAGE_ERROR)
+
+
+@app.callback()
+def _root() -> None:
+    """Generated, autotuned attention kernels."""
