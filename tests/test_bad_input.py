@@ -365,7 +365,8 @@ def test_paged_run_refuses_more_rows_than_the_planned_sequences_hold(device):
     cache = tilegen.PagedKVCache(*_cache(device))
     attn = tilegen.PagedAttention()
     attn.plan(_offsets([2, 1], device), cache, heads_q=4, max_seqlen_q=2, max_seqlen_k=8)
-    with raises(ValueError, "q: 5 rows, but the plan's 2 sequences of at most max_seqlen_q=2 tokens hold at most 4"):
+    with raises(ValueError, "q: 2 sequences of at most 2 tokens cannot hold q's 5 rows; expected at most 4 rows, "
+                            "as planned"):
         attn.run(torch.randn(5, 4, 32, device=device), cache)
 
 

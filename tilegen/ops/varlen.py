@@ -181,9 +181,7 @@ class PagedAttention:
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
-        if q.shape[0] > (cu_q.shape[0] - 1) * max_q:
-            raise ValueError(f"q: {q.shape[0]} rows, but the plan's {cu_q.shape[0] - 1} sequences of at most "
-                             f"max_seqlen_q={max_q} tokens hold at most {(cu_q.shape[0] - 1) * max_q}")
+        _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
         out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
@@ -297,13 +295,16 @@ def _check_max(name: str, value: Any) -> None:
         raise ValueError(f"{name}: expected a host int >= 0 (the longest sequence), got {value!r}")
 
 
-def _check_rows(name: str, max_len: int, cu_name: str, batch: int, packed: str, total: int) -> None:
-    """Sequences of at most ``max_len`` tokens must be able to hold the ``total`` packed rows."""
+def _check_rows(name: str, max_len: int, cu_name: str, batch: int, packed: str, total: int,
+                planned: bool = False) -> None:
+    """Sequences of at most ``max_len`` tokens must be able to hold the ``total`` packed rows; the
+    error names ``name``, the max length (or, ``planned``, the packed tensor against a plan's)."""
     if batch == 0 and total:
         raise ValueError(f"{cu_name}: no sequence, but {packed} has {total} rows")
     if batch * max_len < total:
+        expected = f"at most {batch * max_len} rows, as planned" if planned else f"at least {-(-total // batch)}"
         raise ValueError(f"{name}: {batch} sequences of at most {max_len} tokens cannot hold {packed}'s {total} "
-                         f"rows; expected at least {-(-total // batch)}")
+                         f"rows; expected {expected}")
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_len: int) -> None:
