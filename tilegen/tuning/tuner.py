@@ -473,6 +473,7 @@ class Tuner:
                 result = earlier
             if result.status == "infeasible":
                 raise optuna.TrialPruned(result.reason)
+            run.current = None  # finished: an interrupt from here on has nothing of it to queue again
             return result.time_ms if result.status == "ok" else math.inf  # a failed config can never win
 
         def stop_at_goal(study: optuna.Study, _trial) -> None:
@@ -630,7 +631,7 @@ class _Run:
     callbacks: list = field(default_factory=list)
     ahead: list[Config] = field(default_factory=list)  # configs to compile ahead, in order
     confirmed: bool = False
-    current: optuna.Trial | None = None  # the trial this process's objective last started
+    current: optuna.Trial | None = None  # the trial this process's objective runs, until it returns
 
     def __post_init__(self):
         self.feasible = {c.to_json() for c in self.configs}
