@@ -212,6 +212,25 @@ def poisoned_like_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.full((batch, heads, n_q, v.shape[3]), math.nan, dtype=q.dtype, device=q.device)
 
 
+def inside(t: torch.Tensor, pad: int, fill: float | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` copied into the middle of a buffer ``pad`` rows longer on each side (dimension 0)
+    and filled with ``fill`` there: ``(the view, the buffer)``. NaN around an input shows a read
+    outside it in the output; a pattern around an output shows a write outside it
+    (``assert_guard_bands``)."""
+    buffer = torch.full((t.shape[0] + 2 * pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    view = buffer[pad : pad + t.shape[0]]
+    view.copy_(t)
+    return view, buffer
+
+
+def assert_guard_bands(buffer: torch.Tensor, pad: int, fill: float | int) -> None:
+    """The ``pad`` rows each side of ``inside``'s view still hold ``fill``, bit for bit (NaN included)."""
+    for band in (buffer[:pad], buffer[buffer.shape[0] - pad :]):
+        expected = torch.full_like(band, fill)
+        assert torch.equal(band.contiguous().view(torch.uint8), expected.view(torch.uint8)), \
+            "a kernel wrote outside its output tensor"
+
+
 def kernel_globals_are_constexpr(source: str) -> list[str]:
     """Assert no ``@triton.jit`` function of ``source`` reads a plain module-level name (the GPU
     compiler rejects that, the interpreter does not); return the kernels' names."""

@@ -287,3 +287,125 @@ def test_a_checked_call_does_not_let_an_equal_bad_value_through(device, good, ba
     tilegen.attention(q, k, v, **good)
     with pytest.raises((TypeError, ValueError), match="^" + prefix):
         tilegen.attention(q, k, v, **bad)
+
+
+# ------------------------------------------------------------------------------ ragged and paged
+#
+# What the host knows without reading the device: every inconsistency of offsets, max lengths
+# and page tables with the tensors' sizes is one error naming the argument. (Wrong values only
+# the device holds are TILEGEN_DEBUG=1's, and otherwise clamped by the kernels: test_varlen.py,
+# test_decode.py, test_kv_append.py.)
+
+def _offsets(lengths, device):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _ragged(device):
+    q = torch.randn(10, 4, 32, device=device)
+    k = torch.randn(12, 2, 32, device=device)
+    return dict(q=q, k=k, v=k.clone(), cu_seqlens_q=_offsets([4, 6], device), cu_seqlens_k=_offsets([5, 7], device),
+                max_seqlen_q=6, max_seqlen_k=7)
+
+
+def _strided(cu):
+    wide = torch.zeros(2 * cu.numel(), dtype=cu.dtype, device=cu.device)
+    wide[::2] = cu
+    return wide[::2]
+
+
+@pytest.mark.parametrize(
+    "change, exc, prefix",
+    [
+        pytest.param({"max_seqlen_q": 4}, ValueError,
+                     "max_seqlen_q: 2 sequences of at most 4 tokens cannot hold q's 10 rows; expected at least 5",
+                     id="max-q-below-the-rows"),
+        pytest.param({"max_seqlen_k": 5}, ValueError,
+                     "max_seqlen_k: 2 sequences of at most 5 tokens cannot hold k's 12 rows; expected at least 6",
+                     id="max-k-below-the-rows"),
+        pytest.param({"cu_seqlens_q": "empty-batch", "cu_seqlens_k": "empty-batch"}, ValueError,
+                     "cu_seqlens_q: no sequence, but q has 10 rows", id="no-sequence-for-the-rows"),
+        pytest.param({"cu_seqlens_q": "strided"}, ValueError, "cu_seqlens_q: expected a contiguous tensor",
+                     id="strided-offsets"),
+        pytest.param({"cu_seqlens_k": "expanded"}, ValueError, "cu_seqlens_k: expected a contiguous tensor",
+                     id="expanded-offsets"),
+        pytest.param({"cu_seqlens_k": "int64"}, ValueError, "cu_seqlens_k: expected a 1-d int32 tensor",
+                     id="offsets-dtype"),
+        pytest.param({"cu_seqlens_q": "meta"}, ValueError, "cu_seqlens_q: on meta", id="offsets-device"),
+        pytest.param({"cu_seqlens_k": "longer"}, ValueError, "cu_seqlens_k: 4 entries, cu_seqlens_q has 3",
+                     id="offsets-disagree-on-the-batch"),
+    ],
+)
+def test_ragged_offsets_that_contradict_the_tensors(device, change, exc, prefix):
+    args = _ragged(device)
+    for name, what in change.items():
+        cu = args[name]
+        args[name] = {"empty-batch": cu[:1], "strided": _strided(cu), "expanded": cu[:1].expand(3),
+                      "int64": cu.long(), "meta": cu.to("meta"),
+                      "longer": torch.cat([cu, cu[-1:]])}.get(what, what) if isinstance(what, str) else what
+    for _ in range(2):  # the second call, shaped like a checked one, is refused too
+        with raises(exc, prefix):
+            tilegen.varlen_attention(**args)
+
+
+def test_a_strided_offsets_tensor_after_a_checked_contiguous_one(device):
+    args = _ragged(device)
+    tilegen.varlen_attention(**args)
+    args["cu_seqlens_q"] = _strided(args["cu_seqlens_q"])
+    with raises(ValueError, "cu_seqlens_q: expected a contiguous tensor"):
+        tilegen.varlen_attention(**args)
+
+
+def _cache(device, *, pages=4, indptr=(0, 1, 2), indices=(0, 3), last=(8, 1)):
+    k_pages = torch.randn(pages, 8, 2, 32, device=device)
+    return k_pages, k_pages.clone(), *(torch.tensor(x, dtype=torch.int32, device=device)
+                                       for x in (indptr, indices, last))
+
+
+def test_paged_run_refuses_more_rows_than_the_planned_sequences_hold(device):
+    cache = tilegen.PagedKVCache(*_cache(device))
+    attn = tilegen.PagedAttention()
+    attn.plan(_offsets([2, 1], device), cache, heads_q=4, max_seqlen_q=2, max_seqlen_k=8)
+    with raises(ValueError, "q: 2 sequences of at most 2 tokens cannot hold q's 5 rows; expected at most 4 rows, "
+                            "as planned"):
+        attn.run(torch.randn(5, 4, 32, device=device), cache)
+
+
+@pytest.mark.parametrize(
+    "which, make, prefix",
+    [
+        pytest.param("indices", lambda t: t[:1].expand(2), "indices: expected a contiguous tensor", id="expanded"),
+        pytest.param("indptr", _strided, "indptr: expected a contiguous tensor", id="strided"),
+        pytest.param("last_page_len", lambda t: t[:1], "last_page_len: expected 2 entries", id="short"),
+        pytest.param("indptr", lambda t: t[:0], "indptr: expected batch + 1 entries", id="empty"),
+        pytest.param("indices", lambda t: t.long(), "indices: expected a 1-d int32 tensor", id="dtype"),
+        pytest.param("indices", lambda t: t.to("meta"), "indices: on meta", id="device"),
+    ],
+)
+def test_page_tables_that_contradict_the_cache(device, which, make, prefix):
+    parts = dict(zip(("k_pages", "v_pages", "indptr", "indices", "last_page_len"), _cache(device)))
+    parts[which] = make(parts[which])
+    with raises(ValueError, prefix):
+        tilegen.PagedKVCache(**parts)
+
+
+def test_a_page_table_for_a_cache_of_no_page(device):
+    with raises(ValueError, "k_pages: no page, but indices has 2 entries"):
+        tilegen.PagedKVCache(*_cache(device, pages=0))
+
+
+def test_a_page_table_past_the_kernels_int32_positions(device):
+    # On the meta device: the 2**28 entries are never allocated.
+    k_pages, v_pages, indptr, _, last = _cache(device)
+    indices = torch.zeros(1 << 28, dtype=torch.int32, device="meta")
+    assert indices.numel() * 8 > 2**31 - 1
+    with raises(ValueError, "indices: 268435456 pages of 8 tokens exceed"):
+        tilegen.PagedKVCache(k_pages.to("meta"), v_pages.to("meta"), indptr.to("meta"), indices, last.to("meta"))
+
+
+def test_append_refuses_strided_offsets(device):
+    cache = tilegen.PagedKVCache(*_cache(device))
+    k = torch.randn(3, 2, 32, device=device)
+    cu = _offsets([2, 1], device)
+    tilegen.append_kv(cache, k, k.clone(), cu)
+    with raises(ValueError, "cu_seqlens: expected a contiguous tensor"):
+        tilegen.append_kv(cache, k, k.clone(), _strided(cu))

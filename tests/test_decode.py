@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_varlen import make_cache, paged_reference
+from helpers import assert_guard_bands, inside
+from test_varlen import PAGE, PAGE_TABLE_FAULTS, PAGED_K_LENS, guarded_cache, make_cache, paged_reference
 
 import tilegen
 from tilegen.families import relative_error
@@ -186,6 +187,28 @@ def test_decode_bad_input_names_the_argument(device):
                   make_cache([20, 3], 16, 2, 32, torch.float16, device, gen), "pages"):
         with pytest.raises(ValueError, match="cache: expected a tilegen.PagedKVCache shaped as planned"):
             decode.run(q, other)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("fault, spoiled", PAGE_TABLE_FAULTS, ids=[p.values[0] for p in PAGE_TABLE_FAULTS])
+def test_a_wrong_page_table_stays_inside_the_cache(fault, spoiled, splits, device, monkeypatch):
+    """Without TILEGEN_DEBUG the kernel clamps the table into the cache: the well-formed sequences
+    keep their answer, nothing outside the pages, q or the table is read (NaN around each, every
+    output must stay finite) and nothing outside out is written (a pattern around it)."""
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    good_cache = guarded_cache(PAGED_K_LENS, PAGE, 2, 32, device, torch.Generator().manual_seed(1))
+    bad_cache = guarded_cache(PAGED_K_LENS, PAGE, 2, 32, device, torch.Generator().manual_seed(1), fault)
+    q, _ = inside(torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(2)).to(device), 2, math.nan)
+    ref, _ = paged_reference(q, good_cache, torch.arange(5, dtype=torch.int32))
+    out, out_buffer = inside(torch.full_like(q, 1e3), 2, -77.0)
+    decode = tilegen.PagedDecode()
+    decode.plan(bad_cache, heads_q=8, max_seqlen_k=max(PAGED_K_LENS), num_splits=splits)
+    decode.run(q, bad_cache, out=out)
+    assert_guard_bands(out_buffer, 2, -77.0)
+    assert torch.isfinite(out).all(), "a kernel read outside q, the pages or the page table"
+    good = sorted(set(range(4)) - spoiled)
+    error, _ = relative_error(out[good].cpu(), ref[good])
+    assert error < 1e-4, f"a well-formed sequence changed: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("splits", [1, 3])

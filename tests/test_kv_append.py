@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kernel_globals_are_constexpr
+from helpers import assert_guard_bands, inside, kernel_globals_are_constexpr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -281,6 +281,64 @@ def test_without_debug_mode_rows_that_do_not_fit_are_skipped_not_written_elsewhe
     torch.testing.assert_close(cache.k_pages[page0, :3], k[1:4], rtol=0, atol=0)  # rows 1..3 at positions 0..2
     cache.k_pages[page0, :3] = math.nan
     assert torch.isnan(cache.k_pages).all() and torch.isnan(cache.v_pages[:, 3:]).all()
+
+
+APPEND_FAULTS = [
+    # (fault, the sequences it spoils) for a batch of three sequences
+    pytest.param("indptr-past-indices", {2}),
+    pytest.param("indptr-negative", {0}),
+    pytest.param("indptr-decreasing", {0, 1}),
+    pytest.param("last-page-empty", {1}),
+    pytest.param("last-page-too-long", {1}),
+    pytest.param("page-negative", {1}),
+    pytest.param("cu-past-the-rows", {2}),
+    pytest.param("cu-negative", {0}),
+    pytest.param("cu-decreasing", {0, 1}),
+]
+
+
+@pytest.mark.parametrize("fault, spoiled", APPEND_FAULTS, ids=[p.values[0] for p in APPEND_FAULTS])
+def test_without_debug_mode_wrong_values_write_only_inside_the_cache(fault, spoiled, device, monkeypatch):
+    """The page table and cu_seqlens wrong in value, the pages between rows of a pattern, the page
+    table between entries of -1: the pattern stays, and the well-formed sequences' pages hold
+    what a correct append writes."""
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    cache, k, v, cu = make_batch([1, 6, 20], [2, 3, 4], page_size=8, device=device, spare_pages=2)
+    right = PagedKVCache(cache.k_pages.clone(), cache.v_pages.clone(), cache.indptr, cache.indices,
+                         cache.last_page_len)
+    tilegen.append_kv(right, k, v, cu)
+    indptr, indices, last, offsets = (t.tolist() for t in (cache.indptr, cache.indices, cache.last_page_len, cu))
+    if fault == "indptr-past-indices":
+        indptr[-1] = len(indices) + 3
+    elif fault == "indptr-negative":
+        indptr[0] = -2
+    elif fault == "indptr-decreasing":
+        indptr[1] = -1  # sequence 1's page list now starts with sequence 0's pages
+    elif fault == "last-page-empty":
+        last[1] = 0
+    elif fault == "last-page-too-long":
+        last[1] = 8 + 3
+    elif fault == "page-negative":
+        indices[indptr[1]] = -1
+    elif fault == "cu-past-the-rows":
+        offsets[-1] += 5
+    elif fault == "cu-negative":
+        offsets[0] = -3
+    else:
+        assert fault == "cu-decreasing", fault
+        offsets[1] = -1  # sequence 1 now claims sequence 0's rows too
+    k_pages, k_buffer = inside(cache.k_pages, 2, -77.0)
+    v_pages, v_buffer = inside(cache.v_pages, 2, -77.0)
+    table = (inside(torch.tensor(x, dtype=torch.int32, device=device), 4, -1)[0] for x in (indptr, indices, last))
+    bad = PagedKVCache(k_pages, v_pages, *table)
+    tilegen.append_kv(bad, k, v, torch.tensor(offsets, dtype=torch.int32, device=device))
+    for buffer in (k_buffer, v_buffer):
+        assert_guard_bands(buffer, 2, -77.0)
+    right_indptr = cache.indptr.tolist()
+    for b in set(range(3)) - spoiled:
+        pages = cache.indices[right_indptr[b] : right_indptr[b + 1]].long()
+        for got, want in ((k_pages, right.k_pages), (v_pages, right.v_pages)):
+            assert torch.equal(got[pages].nan_to_num(), want[pages].nan_to_num()), f"sequence {b} changed"
 
 
 # ---------------------------------------------------------------------------------- bad input

@@ -8,6 +8,7 @@ start ``python -m tilegen``; the rest drive ``Tuner`` in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -193,6 +194,73 @@ def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
     after = _configs(_trials(db, 32))
     assert after == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
     assert all(after[c] == n for c, n in before.items())
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_on_resume(tmp_path, signum, status):
+    """Ctrl-C (or a kill of the job) mid-trial: one line, the shell's status, no trial left RUNNING,
+    and the config in flight queued in the study, so that the same command measures it first."""
+    db = tmp_path / "tuning.sqlite"
+    studies = studies_url(db)
+    cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3")
+    default = str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 32))
+    # The warm start's default is measured first; whichever config the sampler proposes next is in flight.
+    slow = {str(c): "sleep:600" for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
+    proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (_running_trials(studies) and db.exists() and _trials(db, 32)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the tune ended before it could be interrupted"
+            time.sleep(0.1)
+        time.sleep(0.5)  # into the measurement
+        os.killpg(proc.pid, signum)  # the tune and its worker, as a terminal's Ctrl-C or a kill of the job
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == status, stderr
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [stderr.splitlines()[-1]], stderr
+    assert errors[0].startswith(f"error: interrupted by {signal.Signals(signum).name}")
+    assert _configs(_trials(db, 32)) == Counter([default])  # the interrupted trial recorded nothing
+    (name,) = optuna.get_all_study_names(studies)
+    trials = optuna.load_study(study_name=name, storage=studies).get_trials(deepcopy=False)
+    states = Counter(t.state.name for t in trials)
+    assert states == Counter(COMPLETE=1, FAIL=1, WAITING=1), states  # none RUNNING
+    failed, queued = (next(t for t in trials if t.state.name == state) for state in ("FAIL", "WAITING"))
+    assert queued.params == failed.params
+    interrupted = _config_of(failed.params)
+    assert interrupted != default
+
+    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    after = _configs(_trials(db, 32))
+    assert after[interrupted] == 1 and sum(after.values()) == 4 and max(after.values()) == 1, after
+    assert "4/0/0" in rerun.stdout  # the summary counts it
+
+
+def _config_of(params: dict) -> str:
+    """The label of the config a TPE trial's parameters name."""
+    from tilegen.tuning.tuner import _Knobs
+
+    knobs = _Knobs(Config, AttentionFwd().search_space(SPEC, CPU_INTERPRETER))
+    return str(knobs.config_of(params))
+
+
+def _running_trials(studies: str) -> int:
+    import sqlite3
+
+    path = studies.removeprefix("sqlite:///")
+    if not Path(path).exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as conn:
+        try:
+            return conn.execute("SELECT count(*) FROM trials WHERE state = 'RUNNING'").fetchone()[0]
+        except sqlite3.OperationalError:  # the tables are still being created
+            return 0
 
 
 def test_concurrent_tunes_on_one_database_both_complete(tmp_path):

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_guard_bands, inside
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -298,6 +299,126 @@ def test_debug_plan_refuses_more_queries_than_cached_tokens(device, monkeypatch)
     monkeypatch.setenv("TILEGEN_DEBUG", "1")
     with pytest.raises(ValueError, match="more new tokens than the cache holds"):
         tilegen.PagedAttention().plan(_cu([5, 1], device), cache, heads_q=4)
+
+
+# ------------------------------------------------------------- offsets wrong in value only
+#
+# Values only the device holds, run without TILEGEN_DEBUG: the kernels clamp what they read, so
+# the process survives, the well-formed sequences keep their answer, and nothing outside the
+# tensors is read (inputs sit between NaN rows, and every output row must stay finite) or
+# written (outputs sit between rows of a pattern, which must stay bit for bit). Most wrong
+# offsets point just past a tensor, into those bands, so a kernel without the clamps fails
+# here rather than corrupting the heap.
+
+PAD = 8
+OUT_FILL = -77.0
+UNWRITTEN = 1e3  # finite: a row left unwritten must not pass for a read of NaN
+
+
+def _rows(cu, sequences):
+    return [r for b in sorted(sequences) for r in range(cu[b], cu[b + 1])]
+
+
+WRONG_RAGGED = [
+    # (which offsets, entry, value, max_seqlen_q or None for the true one, sequences it spoils)
+    pytest.param("q", 4, 32 + 5, None, {3}, id="q-ends-past-the-rows"),
+    pytest.param("q", 3, 1000, None, {2, 3}, id="q-far-past-the-rows"),
+    pytest.param("q", 0, -3, None, {0}, id="q-negative-start"),
+    pytest.param("q", 2, 10, None, {0, 1, 2}, id="q-decreasing"),  # sequence 2's rows now overlap 0's
+    pytest.param("k", 4, 37 + 6, None, {3}, id="k-ends-past-the-rows"),
+    pytest.param("k", 1, -4, None, {0, 1}, id="k-negative"),
+    pytest.param("k", 3, 2, None, {2, 3}, id="k-decreasing"),
+    pytest.param("q", 0, 0, 8, {0, 3}, id="max-seqlen-q-too-small"),
+]
+
+
+@pytest.mark.parametrize("which, entry, value, max_q, spoiled", WRONG_RAGGED)
+def test_ragged_offsets_wrong_in_value_stay_inside_the_tensors(which, entry, value, max_q, spoiled, device,
+                                                                monkeypatch):
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    gen = torch.Generator().manual_seed(entry)
+    q_lens, k_lens = [17, 5, 1, 9], [20, 5, 3, 9]
+    q, _ = inside(_randn(gen, sum(q_lens), 4, 32, dtype=torch.float32, device=device), PAD, math.nan)
+    k, _ = inside(_randn(gen, sum(k_lens), 2, 32, dtype=torch.float32, device=device), PAD, math.nan)
+    v, _ = inside(_randn(gen, sum(k_lens), 2, 32, dtype=torch.float32, device=device), PAD, math.nan)
+    cu = {"q": _cu(q_lens, device), "k": _cu(k_lens, device)}
+    ck = cu["k"].tolist()
+    ref, _ = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])], [v[a:b] for a, b in zip(ck, ck[1:])],
+                              cu["q"].cpu(), causal=True)
+    good = _rows(cu["q"].tolist(), set(range(4)) - spoiled)
+    wrong = {name: t.clone() for name, t in cu.items()}
+    wrong[which][entry] = value
+    out, out_buffer = inside(torch.full((q.shape[0], 4, 32), UNWRITTEN, device=device), PAD, OUT_FILL)
+    tilegen.varlen_attention(q, k, v, wrong["q"], wrong["k"], max_q or max(q_lens), max(k_lens), causal=True,
+                             out=out)
+    assert_guard_bands(out_buffer, PAD, OUT_FILL)
+    assert torch.isfinite(out).all(), "a kernel read outside q, k or v"
+    error, _ = relative_error(out[good], ref[good])
+    assert error < 1e-4, f"a well-formed sequence changed: relative error {error:.2e}"
+
+
+# Page-table faults: (name, the sequences spoiled); the batch below has 4 sequences, sequence 1
+# holding 3 pages of 16.
+PAGE_TABLE_FAULTS = [
+    pytest.param("page-past-the-cache", {1}),
+    pytest.param("page-negative", {1}),
+    pytest.param("last-page-empty", {1}),
+    pytest.param("last-page-too-long", {1}),
+    pytest.param("indptr-past-indices", {3}),
+    pytest.param("indptr-decreasing", {1, 2}),
+    pytest.param("indptr-negative", {0}),
+]
+PAGED_K_LENS = [40, 35, 5, 20]
+PAGE = 16
+
+
+def guarded_cache(k_lens, page_size, kv_heads, dim, device, gen, fault=None):
+    """``make_cache``'s cache with finite unused slots, its pages between NaN pages and its page
+    table between entries of -1 (a page id that points into those NaN pages), with ``fault``
+    (one of ``PAGE_TABLE_FAULTS``) written into the table."""
+    cache = make_cache(k_lens, page_size, kv_heads, dim, torch.float32, device, gen)
+    k_pages, _ = inside(cache.k_pages.nan_to_num(0.0), 2, math.nan)
+    v_pages, _ = inside(cache.v_pages.nan_to_num(0.0), 2, math.nan)
+    indptr, indices, last = (t.tolist() for t in (cache.indptr, cache.indices, cache.last_page_len))
+    if fault == "page-past-the-cache":
+        indices[indptr[1]] = cache.num_pages + 1
+    elif fault == "page-negative":
+        indices[indptr[1] + 1] = -1
+    elif fault == "last-page-empty":
+        last[1] = 0
+    elif fault == "last-page-too-long":
+        last[1] = page_size + 3
+    elif fault == "indptr-past-indices":
+        indptr[-1] = len(indices) + 3
+    elif fault == "indptr-decreasing":
+        indptr[2] = indptr[1] - 1
+    elif fault == "indptr-negative":
+        indptr[0] = -2
+    else:
+        assert fault is None, fault
+    table = (inside(torch.tensor(x, dtype=torch.int32, device=device), 4, -1)[0] for x in (indptr, indices, last))
+    return tilegen.PagedKVCache(k_pages, v_pages, *table)
+
+
+@pytest.mark.parametrize("fault, spoiled", PAGE_TABLE_FAULTS, ids=[p.values[0] for p in PAGE_TABLE_FAULTS])
+def test_paged_attention_with_a_wrong_page_table_stays_inside_the_cache(fault, spoiled, device, monkeypatch):
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    good_cache = guarded_cache(PAGED_K_LENS, PAGE, 2, 32, device, torch.Generator().manual_seed(1))
+    bad_cache = guarded_cache(PAGED_K_LENS, PAGE, 2, 32, device, torch.Generator().manual_seed(1), fault)
+    q_lens = [3, 17, 2, 5]
+    cu_q = _cu(q_lens, device)
+    q, _ = inside(_randn(torch.Generator().manual_seed(2), sum(q_lens), 4, 32, dtype=torch.float32, device=device),
+                  PAD, math.nan)
+    ref, _ = paged_reference(q, good_cache, cu_q, causal=True)
+    out, out_buffer = inside(torch.full_like(q, UNWRITTEN), PAD, OUT_FILL)
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, bad_cache, heads_q=4, causal=True, max_seqlen_q=max(q_lens), max_seqlen_k=max(PAGED_K_LENS))
+    attn.run(q, bad_cache, out=out)
+    assert_guard_bands(out_buffer, PAD, OUT_FILL)
+    assert torch.isfinite(out).all(), "a kernel read outside q, the pages or the page table"
+    good = _rows(cu_q.tolist(), set(range(4)) - spoiled)
+    error, _ = relative_error(out[good].cpu(), ref[good])
+    assert error < 1e-4, f"a well-formed sequence changed: relative error {error:.2e}"
 
 
 @pytest.mark.gpu

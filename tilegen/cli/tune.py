@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -116,8 +117,36 @@ def tune(
         # Kernels run only in the worker process, which inherits this and so imports Triton in
         # interpreter mode; this process needs it only for device_info().
         os.environ["TRITON_INTERPRET"] = "1"
-    _tune(specs, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed, slots=slots,
-          heartbeat=heartbeat, compile_ahead=compile_ahead, confirm=confirm)
+    with _interrupts() as received:
+        try:
+            _tune(specs, lengths, batch_sizes, trials=trials, timeout=timeout, sampler=sampler, db=db, seed=seed,
+                  slots=slots, heartbeat=heartbeat, compile_ahead=compile_ahead, confirm=confirm)
+        except KeyboardInterrupt:
+            # Every finished trial is in the database and the one in flight is queued again in its
+            # study, so the same command measures it on resuming: a traceback would say nothing more.
+            signum = received[-1] if received else signal.SIGINT
+            typer.echo(f"error: interrupted by {signal.Signals(signum).name}; every finished trial is stored, "
+                       "and running the same command again resumes the tune", err=True)
+            raise typer.Exit(128 + signum) from None
+
+
+@contextlib.contextmanager
+def _interrupts():
+    """While tuning, SIGTERM (a kill, a stopping service) unwinds like Ctrl-C: the trial in flight is
+    queued again and the tune ends in one line, with the shell's status 128 + the signal's number.
+    Yields the signals received, newest last."""
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_db_option(db: str | None) -> str | Path | None:

@@ -14,13 +14,10 @@ from tilegen.env import interpreting
 from tilegen.families.kv_append import KVAppendSpec
 from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
-from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
 
 __all__ = ["append_kv", "explain_append"]
-
-# Row and token indices are int32 inside the kernel (cu_seqlens is int32).
-_MAX_TOKENS = (1 << 31) - 1
 
 
 def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -49,8 +46,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     synchronization: ``cu_seqlens`` starts at 0, never decreases and ends at ``k``'s token
     count; ``n_new[b] <= seq_len[b]`` for every sequence; and the page table itself
     (``PagedKVCache.validate``), since it may have changed in place after the cache was built.
-    Without it, values that break these rules are not detected, but the kernel still writes
-    only inside the cache's pages: a row whose sequence, page or slot does not fit is skipped.
+    Without it, values that break these rules are not detected, but the kernel still reads and
+    writes only inside its tensors: it reads the page table clamped into them, as the attention
+    kernels do, and skips a row whose sequence, page or slot does not fit.
 
     The launch does not synchronize or allocate, so a CUDA graph can capture it when the
     shapes are fixed. Under ``torch.compile`` the call goes through the custom op
@@ -68,7 +66,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         key = (
             kp.shape, cache.v_pages.shape, kp.dtype, kp.device, cache.indptr.shape,
             k.shape, v.shape, k.dtype, v.dtype, k.device, v.device,
-            cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,
+            cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.device,
         )
         plan = _plans.get(key) if cache.__class__ is PagedKVCache else None
     except AttributeError:  # not a cache or not tensors: the checks say which
@@ -150,6 +148,8 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens: on {cu_seqlens.device} while the cache is on {device}")
+    if not cu_seqlens.is_contiguous():
+        raise ValueError(f"cu_seqlens: expected a contiguous tensor, got strides {cu_seqlens.stride()}")
     if cu_seqlens.numel() != cache.batch + 1:
         raise ValueError(f"cu_seqlens: {cu_seqlens.numel()} entries, expected batch + 1 = {cache.batch + 1} "
                          f"(the cache's page table holds {cache.batch} sequences)")

@@ -7,7 +7,9 @@ count, the batch and the tuned ``ctas_per_sm``); it also allocates the split par
 CUDA graph.
 
 Checks: every call checks shapes, dtypes and devices on the host; ``TILEGEN_DEBUG=1`` (or
-``PagedKVCache.validate()``) checks the page table's values on the device.
+``PagedKVCache.validate()``) checks the page table's values on the device. Without it the
+kernel clamps the page table into the cache (``tilegen.ops.kv_cache``): a wrong value gives a
+wrong answer for its sequence, never an access outside the cache.
 """
 
 from __future__ import annotations
@@ -171,9 +173,10 @@ class PagedDecode:
             check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages}, may_be=("q",))
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
-            # The plan and the checks above fix every shape and dtype the launcher reads: the strides
-            # complete the key under which its launches are replayed (tilegen.triton_internals.launch.Replay).
-            plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
+            # The plan and the checks above fix every shape and dtype the launcher reads but the strides
+            # and the page table's extents (the kernel clamps into them): they complete the key under
+            # which its launches are replayed (tilegen.triton_internals.launch.Replay).
+            plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride(), cache._bounds),
                         q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
                         cache.indptr, cache.indices, cache.last_page_len)
         return (out, lse) if spec.return_lse else out

@@ -13,10 +13,13 @@ So token ``t`` of sequence ``b`` lives at page ``indices[indptr[b] + t // page_s
 ``t % page_size``, and sequence ``b`` holds
 ``(indptr[b + 1] - indptr[b] - 1) * page_size + last_page_len[b]`` tokens.
 
-Checks. Building a cache checks shapes, dtypes, devices and the page size on the host, on
-every construction (cheap). The page table's values (monotone ``indptr``, indices inside the
-cache, ``last_page_len`` in range) live on the device; ``validate()`` checks them there at the
-cost of one synchronization, and ``TILEGEN_DEBUG=1`` makes every construction call it.
+Checks. Building a cache checks shapes, dtypes, devices, contiguity and the page size on the
+host, on every construction (cheap). The page table's values (monotone ``indptr``, indices
+inside the cache, ``last_page_len`` in range) live on the device; ``validate()`` checks them
+there at the cost of one synchronization, and ``TILEGEN_DEBUG=1`` makes every construction call
+it. Without it the kernels clamp what they read into the tensors (``indptr`` into ``indices``,
+page ids into the pages, ``last_page_len`` into ``1..page_size``): a wrong value gives a wrong
+answer for its sequence, never an access outside the cache.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ __all__ = ["PagedKVCache", "PAGE_SIZES"]
 
 #: Page sizes the paged kernels are generated for.
 PAGE_SIZES = (1, 8, 16, 32, 64, 128)
+
+# Token positions are int32 inside the kernels.
+_MAX_TOKENS = (1 << 31) - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,11 +70,23 @@ class PagedKVCache:
                 raise ValueError(f"{name}: expected a 1-d int32 tensor, got {_describe(t)}")
             if t.device != k.device:
                 raise ValueError(f"{name}: on {t.device} while the pages are on {k.device}")
+            if not t.is_contiguous():
+                # The kernels read entry i at address + i: a strided or expanded view would be read
+                # past its storage.
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
         if self.indptr.numel() < 1:
             raise ValueError("indptr: expected batch + 1 entries, got none")
         if self.last_page_len.numel() != self.indptr.numel() - 1:
             raise ValueError(f"last_page_len: expected {self.indptr.numel() - 1} entries (one per sequence of "
                              f"indptr), got {self.last_page_len.numel()}")
+        if self.indices.numel() and not k.shape[0]:
+            raise ValueError(f"k_pages: no page, but indices has {self.indices.numel()} entries; expected at "
+                             "least one page")
+        if self.indices.numel() * k.shape[1] > _MAX_TOKENS:
+            raise ValueError(f"indices: {self.indices.numel()} pages of {k.shape[1]} tokens exceed the "
+                             f"{_MAX_TOKENS} token positions of the kernels' int32 arithmetic")
+        # The extents the kernels clamp the page table into; a replayed launch is keyed by them.
+        object.__setattr__(self, "_bounds", (self.indices.shape[0], k.shape[0]))
         # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
         # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],

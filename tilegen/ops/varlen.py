@@ -5,14 +5,17 @@ op's, bucketed by the longest sequence.
 
 What is checked, and when:
 - every call, on the host (cheap, no synchronization): ranks, shapes, dtypes and devices of
-  every tensor, head counts and dims, ``cu_seqlens`` lengths against each other, the max
-  lengths as non-negative host ints, the cache's page size and heads against the plan;
+  every tensor, head counts and dims, ``cu_seqlens`` lengths against each other and their
+  contiguity, the max lengths as non-negative host ints that can hold the packed token counts
+  (``batch * max_seqlen >= total``), the cache's page size and heads against the plan;
 - with ``TILEGEN_DEBUG=1``, also on the device (one synchronization per call): ``cu_seqlens``
   start at 0, never decrease, end at the packed token count, and no sequence is longer than
   its max length; the page table's indices lie inside the cache (``PagedKVCache.validate``)
   and no sequence has more queries than keys in the paged case.
 Without the debug checks, values that contradict the tensors (a ``cu_seqlens`` past the end,
-a length above ``max_seqlen``) give wrong results, as in FlashAttention and FlashInfer.
+a length above ``max_seqlen``) give wrong results for their sequences, as in FlashAttention and
+FlashInfer, but never an access outside the tensors: the kernel clamps every offset it reads
+into the tensor it indexes.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def varlen_attention(
     key = None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
+               cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.stride(), cu_seqlens_k.stride(),
+               cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
                cu_seqlens_k.device, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
                causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
                window if window is None else (window.__class__, *map(type, window), *window))
@@ -177,14 +181,15 @@ class PagedAttention:
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != pages.dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
         out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
-            # The plan and the checks above fix what the launcher reads but the strides (q's token count
-            # it never reads): they complete the replay key. The page table is the plan's, as run() has
-            # always used it.
+            # The plan and the checks above fix what the launcher reads but the strides, q's token count
+            # and the page count (the kernel clamps into both): they complete the replay key. The page
+            # table is the plan's, as run() has always used it.
             v_pages = cache.v_pages
-            plan.launch((q.stride(), pages.stride(), v_pages.stride(), out.stride()),
+            plan.launch((q.shape[0], pages.shape[0], q.stride(), pages.stride(), v_pages.stride(), out.stride()),
                         q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q)
         elif lse is not None:
             lse.fill_(-math.inf)
@@ -220,6 +225,8 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
         raise ValueError(f"cu_seqlens_k: {cu_k.numel()} entries, cu_seqlens_q has {cu_q.numel()}; both are batch + 1")
     _check_max("max_seqlen_q", max_q)
     _check_max("max_seqlen_k", max_k)
+    _check_rows("max_seqlen_q", max_q, "cu_seqlens_q", cu_q.numel() - 1, "q", q.shape[0])
+    _check_rows("max_seqlen_k", max_k, "cu_seqlens_k", cu_k.numel() - 1, "k", k.shape[0])
     spec, left, right, scale, softcap = _prepare(
         q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], causal, window, softcap, scale, return_lse,
         max_q, max_k, layout="ragged", page_size=None,
@@ -278,11 +285,26 @@ def _check_lengths(name: str, t: Any, device: torch.device) -> None:
         raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got {_shape(t)}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device} while the inputs are on {device}")
+    if not t.is_contiguous():
+        # The kernel reads offset b at address + b: a strided or expanded view would be read past its storage.
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
 def _check_max(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected a host int >= 0 (the longest sequence), got {value!r}")
+
+
+def _check_rows(name: str, max_len: int, cu_name: str, batch: int, packed: str, total: int,
+                planned: bool = False) -> None:
+    """Sequences of at most ``max_len`` tokens must be able to hold the ``total`` packed rows; the
+    error names ``name``, the max length (or, ``planned``, the packed tensor against a plan's)."""
+    if batch == 0 and total:
+        raise ValueError(f"{cu_name}: no sequence, but {packed} has {total} rows")
+    if batch * max_len < total:
+        expected = f"at most {batch * max_len} rows, as planned" if planned else f"at least {-(-total // batch)}"
+        raise ValueError(f"{name}: {batch} sequences of at most {max_len} tokens cannot hold {packed}'s {total} "
+                         f"rows; expected {expected}")
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_len: int) -> None:

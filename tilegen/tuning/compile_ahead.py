@@ -421,7 +421,10 @@ class _Bucket:
 def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, after=None, target=None) -> None:
     from tilegen.tuning.process import leave_with_parent, log_to_stderr
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tune's to handle
+    # Ctrl-C and a kill of the job are the tune's to handle (it kills these processes); a fork would
+    # otherwise also inherit its SIGTERM handler, which unwinds the tune.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=leave_with_parent, args=(parent,), daemon=True).start()
     os.nice(_NICE)
     log_to_stderr(level)

@@ -252,7 +252,10 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     if slot is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[slot] if visible else str(slot)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C and a kill of the job are the parent's to handle: it kills this process (its trial in
+    # flight is queued again when the study is next opened).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The measuring child first, while nothing here has touched CUDA: a fork, so it imports
     # nothing again, and its CUDA start-up overlaps this process's own (Optuna, the database,
     # the studies) instead of following it. Then the compile processes, forked alike.

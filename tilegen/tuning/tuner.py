@@ -439,6 +439,7 @@ class Tuner:
         rng = random.Random(self.seed if self.worker_index == 0 else f"{self.seed}/{self.worker_index}")
 
         def objective(trial: optuna.Trial) -> float:
+            run.current = trial
             trial.set_user_attr(WORKER_ATTR, self._label)
             # One process at a time decides what its trial measures, so two never take one config.
             with self.db.studies_lock(run.key.study_name):
@@ -472,6 +473,7 @@ class Tuner:
                 result = earlier
             if result.status == "infeasible":
                 raise optuna.TrialPruned(result.reason)
+            run.current = None  # finished: an interrupt from here on has nothing of it to queue again
             return result.time_ms if result.status == "ok" else math.inf  # a failed config can never win
 
         def stop_at_goal(study: optuna.Study, _trial) -> None:
@@ -500,6 +502,23 @@ class Tuner:
                 # This process missed its heartbeats (a stalled host) and another one failed its
                 # trial as stale; the result is in the database all the same, so carry on.
                 left -= max(1, len(run.study.get_trials(deepcopy=False)) - before)
+            except KeyboardInterrupt:
+                self._requeue_interrupted(run)
+                raise
+
+    def _requeue_interrupted(self, run: _Run) -> None:
+        """Ctrl-C (or SIGTERM, which ``tilegen tune`` turns into the same) stopped a trial: Optuna
+        failed it, and a failed trial is never proposed again (the grid counts its point as
+        visited). Its result never reached the database, so queue its config again, as for a
+        trial whose process died: the resumed tune measures it first."""
+        trial, run.current = run.current, None
+        if trial is None:
+            return
+        storage = run.study._storage
+        frozen = storage.get_trial(trial._trial_id)
+        if frozen.state == TrialState.FAIL and frozen.params:
+            self._retry(run.study, frozen)
+            log.debug("trial %d: interrupted; its config is queued again", trial.number)
 
     def _finish(self, run: _Run) -> bool:
         """Wait until the trials counted towards the goal have finished, measuring again those whose
@@ -612,6 +631,7 @@ class _Run:
     callbacks: list = field(default_factory=list)
     ahead: list[Config] = field(default_factory=list)  # configs to compile ahead, in order
     confirmed: bool = False
+    current: optuna.Trial | None = None  # the trial this process's objective runs, until it returns
 
     def __post_init__(self):
         self.feasible = {c.to_json() for c in self.configs}

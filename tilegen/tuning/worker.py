@@ -106,17 +106,23 @@ class Worker:
             self._start()
         if not self._ready:
             self._wait_ready()
-        self._conn.send(task)
-        ready = wait([self._conn, self._proc.sentinel], timeout)
-        if self._conn in ready:
-            try:
-                result = self._conn.recv()
-            except EOFError:
-                pass  # the child died before answering
-            else:
-                if result["status"] == "fault":
-                    self._replace()  # it is exiting (its CUDA context broke); the next trial gets a new one
-                return result
+        try:
+            self._conn.send(task)
+            ready = wait([self._conn, self._proc.sentinel], timeout)
+            if self._conn in ready:
+                try:
+                    result = self._conn.recv()
+                except EOFError:
+                    pass  # the child died before answering
+                else:
+                    if result["status"] == "fault":
+                        self._replace()  # it is exiting (its CUDA context broke); the next trial gets a new one
+                    return result
+        except KeyboardInterrupt:
+            # Interrupted mid-measurement (Ctrl-C, or SIGTERM in `tilegen tune`): nobody will read the
+            # child's answer, and an orderly close would wait for it.
+            self._kill()
+            raise
         if not ready:
             self._replace()
             return {"status": "timeout", "reason": f"no result after {timeout:g} s; worker replaced"}
@@ -201,8 +207,10 @@ def _serve(conn, parent: int, level: int = logging.WARNING, parents_end=None, cu
         import torch
 
         torch.set_num_threads(1)
-    # Ctrl-C reaches the whole process group; the parent decides, and closes the pipe.
+    # Ctrl-C, and a kill of the job, reach the whole process group; the parent decides, and closes
+    # the pipe. Dying first, this child would have its trial recorded as a fault, never measured again.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Watching from the start: a child started ahead of its first trial can outlive a parent
     # killed while it still imports.
     threading.Thread(target=leave_with_parent, args=(parent,), daemon=True).start()
