@@ -20,13 +20,12 @@ import triton
 import tilegen
 from tilegen import env
 from tilegen.codegen import cache, module_for, render, source_for, source_path
-from tilegen.families.attention_fwd import AttentionFwd
+from tilegen.families.attention_fwd import FAMILY
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.files import write_atomically
 from tilegen import AttentionSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILY = AttentionFwd()
 TEMPLATE = FAMILY.template
 
 
