@@ -11,7 +11,7 @@ never meets another package's family never imports it.
 from __future__ import annotations
 
 import json
-import warnings
+import logging
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -22,6 +22,8 @@ __all__ = ["ENTRY_POINT_GROUP", "register", "family_of", "get", "families", "spe
 
 #: The entry point group whose entries (``Family`` objects) tilegen registers.
 ENTRY_POINT_GROUP = "tilegen.families"
+
+log = logging.getLogger(__name__)
 
 _by_name: dict[str, Family] = {}
 _entry_points_loaded = False
@@ -40,8 +42,8 @@ def register(family: Family) -> Family:
 
 def load_entry_points() -> None:
     """Register the families of group ``tilegen.families`` once. A bad entry point (it fails to
-    import, names no ``Family``, or takes a registered name) is one warning naming it, never an
-    error: the other families, and commands that do not need it, still work."""
+    import, names no ``Family``, or takes a registered name) is one logged warning naming it, never
+    an error: the other families, and commands that do not need it, still work."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
@@ -51,7 +53,7 @@ def load_entry_points() -> None:
         try:
             register(point.load())
         except Exception as e:  # a broken plugin must not take the rest of tilegen with it
-            warnings.warn(f"tilegen: skipping {where}: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            log.warning("tilegen: skipping %s: %s: %s", where, type(e).__name__, e)
 
 
 def get(name: str) -> Family:
