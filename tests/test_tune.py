@@ -501,8 +501,8 @@ def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypa
 
 
 #: Two small variants for one command: fast under the interpreter, and different kernels.
-_TWO_VARIANTS = json.dumps([{"head_dim": 16, "dtype": "fp32", "mask": "causal"},
-                            {"head_dim": 16, "dtype": "fp32", "mask": "none", "q_per_kv": 2}])
+_TWO_VARIANTS = json.dumps([{"family": "attention_fwd", "head_dim": 16, "dtype": "fp32", "mask": "causal"},
+                            {"family": "attention_fwd", "head_dim": 16, "dtype": "fp32", "mask": "none", "q_per_kv": 2}])
 
 
 @pytest.mark.parametrize("pool", [[], ["--workers", "2"]])
@@ -531,7 +531,8 @@ def test_one_command_tunes_several_variants_every_config_of_each_once(tmp_path, 
     (["--preset", "default,"], "error: Invalid value for --preset: expected comma-separated preset names"),
     (["--spec", "[5]"], "error: Invalid value for --spec: item 0: expected a spec object, got 5"),
     (["--spec", "[]"], "error: Invalid value for --spec: the list of specs is empty"),
-    (["--spec", '[{"head_dim": 64}, {"head_dim": 7}]'], "error: Invalid value for --spec: item 1: head_dim"),
+    (["--spec", '[{"family": "attention_fwd", "head_dim": 64}, {"family": "attention_fwd", "head_dim": 7}]'],
+     "error: Invalid value for --spec: item 1: head_dim"),
     (["--preset", "default,mha-d128", "--head-dim", "64"], "error: Invalid value: give one of --spec, --preset"),
 ])
 def test_a_bad_variant_list_ends_in_one_line_naming_the_item(tmp_path, args, expected):
