@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 import tilegen
 import tilegen.ops.attention as attention_module
 from tilegen import dispatch
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
 from tilegen.device import device_info
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.ops.attention import prepare_call, run_with_config
-
 
 # --------------------------------------------------------------------------- the public op
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.config import feasible, search_space
 from tilegen.ops.attention import prepare_call, run_with_config
 

@@ -24,8 +24,8 @@ from helpers import Case, check_against_reference, param, poisoned_like_out
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, AttentionSpec, Config
-from tilegen.families.base import ConfigError
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec, Config
 from tilegen.families.attention_fwd.config import (
     default_rule,
     feasible,
@@ -33,6 +33,7 @@ from tilegen.families.attention_fwd.config import (
     search_space,
     wgmma_unsupported,
 )
+from tilegen.families.base import ConfigError
 from tilegen.ops.attention import prepare_call, run_with_config
 
 HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)

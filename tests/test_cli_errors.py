@@ -15,7 +15,8 @@ from tilegen.cli import main
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, AttentionSpec, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec, Config
 
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="bf16")
 

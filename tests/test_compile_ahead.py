@@ -21,7 +21,8 @@ import torch
 
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec
 from tilegen.tuning import compile_ahead, tuner
 from tilegen.tuning.tuner import Tuner
 
@@ -393,7 +394,8 @@ def test_random_tensors_on_meta_keep_their_shape_and_dtype():
 def test_paged_prefill_placeholders_have_the_inputs_shapes_dtypes_and_strides(page_size):
     """The ragged and paged prefill family builds its paged buffers as decode does: from the
     lengths alone, so on the meta device too."""
-    from tilegen.families.attention_varlen import FAMILY as ATTENTION_VARLEN, VarlenAttentionSpec
+    from tilegen.families.attention_varlen import FAMILY as ATTENTION_VARLEN
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
 
     spec = VarlenAttentionSpec(head_dim=64, q_per_kv=2, dtype="bf16", mask="causal", kv_layout="paged",
                                page_size=page_size)

@@ -16,15 +16,15 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from tilegen import env
+from tilegen import AttentionSpec, env
 from tilegen.codegen.render import template_hash
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
 from tilegen.db import SCHEMA_REVISION, DatabaseError, TuningDB, studies_url, tuned_rows
 from tilegen.db.migrate import known_revisions
 from tilegen.db.models import Base
 from tilegen.db.validate import RowError
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen import AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")

@@ -16,13 +16,13 @@ import torch
 import triton
 from typer.testing import CliRunner
 
-from tilegen import dispatch
+from tilegen import AttentionSpec, dispatch
 from tilegen.cli import app
 from tilegen.codegen.render import template_hash
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
-from tilegen import AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[1]

@@ -33,7 +33,8 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import SCHEMA_REVISION, TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families import family_of
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.key import TuningKey
 from tilegen.tuning.tuner import WORKER_ATTR
 

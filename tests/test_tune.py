@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -26,10 +26,11 @@ from typer.testing import CliRunner
 
 from tilegen.cli import app
 from tilegen.cli.spec_args import presets
-from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, Config
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB, studies_url
 from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.tuning import INJECT_ENV, Tuner, TuningKey
 
 ROOT = Path(__file__).resolve().parent.parent

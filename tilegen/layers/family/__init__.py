@@ -19,12 +19,12 @@ so it lives above them, in ``tilegen.layers``, not among the kernel families.
 from __future__ import annotations
 
 from tilegen.families.base import Family
+from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.layers.family import config as _config
 from tilegen.layers.family.config import Config
 from tilegen.layers.family.lower import lower as _lower
 from tilegen.layers.family.problem import Problem
 from tilegen.layers.family.spec import BlockwiseLayerSpec
-from tilegen.families.buckets import PowerOfTwoBuckets
 
 __all__ = ["FAMILY", "BlockwiseLayerSpec", "Config", "Problem"]
 
