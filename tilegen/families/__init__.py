@@ -61,3 +61,4 @@ BUILTIN = [
 ]
 for _family in BUILTIN:
     register(_family)
+del _family
