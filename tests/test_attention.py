@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 import tilegen
 import tilegen.ops.attention as attention_module
 from tilegen import dispatch
-from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.device import device_info
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.ops.attention import prepare_call, run_with_config
-
 
 # --------------------------------------------------------------------------- the public op
 
@@ -359,9 +359,9 @@ def test_explain_names_the_config_the_call_runs(device):
     q = torch.randn(1, 4, 100, 64, device=device, dtype=torch.float16)
     k = torch.randn(1, 2, 300, 64, device=device, dtype=torch.float16)
     choice = tilegen.explain(q, k, k, causal=True)
-    assert choice.bucket == AttentionFwd.buckets.of(300) == 512
+    assert choice.bucket == ATTENTION_FWD.buckets.of(300) == 512
     spec, *_ = prepare_call(q, k, k, True, None, None, None, False)
-    assert AttentionFwd().feasible(spec, choice.config, device_info()) is None
+    assert ATTENTION_FWD.feasible(spec, choice.config, device_info()) is None
     assert choice.source == "default" or choice.tuned_bucket is not None
 
 

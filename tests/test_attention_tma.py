@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.families.attention_fwd import AttentionFwd, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.config import feasible, search_space
 from tilegen.ops.attention import prepare_call, run_with_config
 
@@ -128,7 +129,7 @@ def test_tma_misaligned_base_falls_back(device, descriptors):
 
 
 def test_tma_is_a_hopper_knob():
-    spec = AttentionFwd.presets["mha-d128-causal"]
+    spec = ATTENTION_FWD.presets["mha-d128-causal"]
     ampere = DeviceInfo("NVIDIA A100", (8, 0), 108, 80 << 30, 166912)
     hopper = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
     assert search_space(spec, ampere)["tma"] == [0]

@@ -24,8 +24,8 @@ from helpers import Case, check_against_reference, param, poisoned_like_out
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
-from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec, Config
-from tilegen.families.base import ConfigError
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec, Config
 from tilegen.families.attention_fwd.config import (
     default_rule,
     feasible,
@@ -33,6 +33,7 @@ from tilegen.families.attention_fwd.config import (
     search_space,
     wgmma_unsupported,
 )
+from tilegen.families.base import ConfigError
 from tilegen.ops.attention import prepare_call, run_with_config
 
 HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
@@ -45,7 +46,7 @@ WS_PINGPONG = Config(128, 64, 8, 3, tma=1, wgmma=3)
 
 
 def test_offered_on_hopper_with_triton_36_only():
-    spec = AttentionFwd.presets["mha-d128-causal"]
+    spec = ATTENTION_FWD.presets["mha-d128-causal"]
     assert search_space(spec, HOPPER)["wgmma"] == ([0, 1, 2, 3] if TRITON_36 else [0])
     for device in (AMPERE, BLACKWELL, CPU_INTERPRETER):
         assert not has_wgmma(device)

@@ -15,7 +15,8 @@ from tilegen.cli import main
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER
-from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec, Config
 
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="bf16")
 
@@ -71,7 +72,7 @@ def paths(tmp_path):
     db = tmp_path / "tuning.sqlite"
     with TuningDB(db) as database:
         database.record_best(
-            spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()),
+            spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD),
             triton_version="0.0-old", bucket=64, config=Config(32, 32, 4, 1).to_dict(), time_ms=1.0,
             max_error=0.0, trials=1,
         )

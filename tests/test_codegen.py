@@ -18,15 +18,13 @@ import pytest
 import triton
 
 import tilegen
-from tilegen import env
-from tilegen.codegen import cache, module_for, render, source_for, source_path
-from tilegen.families.attention_fwd import AttentionFwd
+from tilegen import AttentionSpec, env
+from tilegen.codegen import module_for, render, source_for, source_path
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
+from tilegen.families.attention_fwd import FAMILY
 from tilegen.files import write_atomically
-from tilegen import AttentionSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-FAMILY = AttentionFwd()
 TEMPLATE = FAMILY.template
 
 

@@ -21,7 +21,8 @@ import torch
 
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import AttentionSpec
 from tilegen.tuning import compile_ahead, tuner
 from tilegen.tuning.tuner import Tuner
 
@@ -99,7 +100,7 @@ def test_a_gpu_bucket_too_large_for_a_compile_process_is_left_to_the_worker(monk
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
-    problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="bf16"), 4096, on_gpu=True)
+    problem = ATTENTION_FWD.problem(AttentionSpec(head_dim=128, dtype="bf16"), 4096, on_gpu=True)
     compile_ahead._check_memory(problem)  # a prefill bucket's inputs: well under the share
     huge = type("Huge", (), {"on_gpu": True, "bytes_moved": lambda self: 10**10})()
     with pytest.raises(compile_ahead._Refused, match="exceed 2% of the GPU's 141 GB"):
@@ -156,7 +157,7 @@ class _Scripted:
 def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypatch, sampler):
     monkeypatch.setattr(tuner, "CompileAhead", _Pool)
     _Pool.made.clear()
-    family = AttentionFwd()
+    family = ATTENTION_FWD
     feasible = family.candidates(SPEC, H200)
     worker = _Scripted()
     with TuningDB(tmp_path / "tuning.sqlite") as db, Tuner(db, H200, sampler=sampler, trials=3, worker=worker,
@@ -184,7 +185,7 @@ def test_the_tuner_hands_the_pool_each_bucket_likeliest_first(tmp_path, monkeypa
 
 @pytest.mark.parametrize("seed", [0, 7])
 def test_the_grid_order_is_the_order_optuna_hands_out(seed):
-    feasible = AttentionFwd().candidates(SPEC, H200)
+    feasible = ATTENTION_FWD.candidates(SPEC, H200)
     space = tuner._Choices(feasible)
     study = optuna.create_study(sampler=space.sampler(seed))
     asked = [space.suggest(study.ask()) for _ in range(len(feasible))]
@@ -228,7 +229,7 @@ def test_default_processes(monkeypatch):
 
 def test_an_empty_pool_does_nothing():
     with compile_ahead.CompileAhead(0) as pool:
-        pool.bucket(AttentionFwd(), AttentionFwd().problem(SPEC, 64, on_gpu=False), AttentionFwd().candidates(SPEC, H200))
+        pool.bucket(ATTENTION_FWD, ATTENTION_FWD.problem(SPEC, 64, on_gpu=False), ATTENTION_FWD.candidates(SPEC, H200))
         pool.end_bucket()
         assert pool.reports() == [] and not pool._procs
 
@@ -291,20 +292,20 @@ def test_processes_sharing_a_study_compile_ahead_from_their_own_share_of_the_con
     half = len(first) // 2
     if sampler == "tpe":
         assert second == first[half:] + first[:half]  # the second process starts halfway down the list
-        assert first[0] == str(AttentionFwd().default_config(SPEC, H200, 64))
+        assert first[0] == str(ATTENTION_FWD.default_config(SPEC, H200, 64))
     else:
         # The grid comes due in turns: each process compiles every other config of its order first.
         merged = [None] * len(first)
         merged[::2], merged[1::2] = first[:len(first) - half], second[:half]
-        feasible = AttentionFwd().candidates(SPEC, H200)
+        feasible = ATTENTION_FWD.candidates(SPEC, H200)
         assert merged == list(map(str, tuner._Choices(feasible).order(0, [], feasible)))
 
 
 def test_a_gpu_bucket_builds_on_meta_tensors_without_cuda_and_a_paged_one_falls_back():
-    from tilegen.families.attention_decode import AttentionDecode
+    from tilegen.families.attention_decode import FAMILY as ATTENTION_DECODE
     from tilegen.families.attention_decode.spec import DecodeSpec
 
-    problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="bf16", mask="causal"), 4096, on_gpu=True)
+    problem = ATTENTION_FWD.problem(AttentionSpec(head_dim=128, dtype="bf16", mask="causal"), 4096, on_gpu=True)
     generator = torch.Generator
     with compile_ahead._OnMeta():
         inputs = problem.inputs(0)
@@ -319,7 +320,7 @@ def test_a_gpu_bucket_builds_on_meta_tensors_without_cuda_and_a_paged_one_falls_
         (problem.batch, problem.heads_kv, 4096, 128)
     assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v, outputs[0]))
     spec = DecodeSpec(head_dim=64, q_per_kv=4, dtype="bf16", page_size=16)
-    paged = AttentionDecode().problem(spec, AttentionDecode().buckets.pack(256, 4), on_gpu=True)
+    paged = ATTENTION_DECODE.problem(spec, ATTENTION_DECODE.buckets.pack(256, 4), on_gpu=True)
     with pytest.raises(RuntimeError, match="meta"), compile_ahead._OnMeta():
         paged.inputs(0)  # its page table is built from values, which meta tensors do not hold
     assert torch.Generator is generator
@@ -335,11 +336,11 @@ def test_decode_placeholders_have_the_inputs_shapes_dtypes_and_strides(k_lens, p
     """A compile specializes on these (and on alignment and the int arguments, which the launch
     computes from the lengths alone), so the kernels compiled from placeholders are the ones a
     launch on real inputs finds."""
-    from tilegen.families.attention_decode import AttentionDecode
+    from tilegen.families.attention_decode import FAMILY as ATTENTION_DECODE
     from tilegen.families.attention_decode.spec import DecodeSpec
 
     spec = DecodeSpec(head_dim=64, q_per_kv=4, dtype="bf16", page_size=page_size)
-    problem = AttentionDecode().problem(spec, AttentionDecode().buckets.pack(1024, 4), on_gpu=False, k_lens=k_lens)
+    problem = ATTENTION_DECODE.problem(spec, ATTENTION_DECODE.buckets.pack(1024, 4), on_gpu=False, k_lens=k_lens)
 
     def shape_of(inputs):
         return {name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
@@ -356,9 +357,9 @@ def test_the_attention_buckets_meta_inputs_import_nothing_more(dtype):
     on meta must import nothing; a fresh interpreter shows it."""
     code = f"""
 import sys, torch, torch.utils._device  # the latter is what _OnMeta itself uses
-from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD, AttentionSpec
 from tilegen.tuning.compile_ahead import _OnMeta
-problem = AttentionFwd().problem(AttentionSpec(head_dim=128, dtype="{dtype}", mask="causal", q_per_kv=4), 8192, on_gpu=True)
+problem = ATTENTION_FWD.problem(AttentionSpec(head_dim=128, dtype="{dtype}", mask="causal", q_per_kv=4), 8192, on_gpu=True)
 before = set(sys.modules)
 with _OnMeta():
     inputs = problem.inputs(0)
@@ -393,11 +394,12 @@ def test_random_tensors_on_meta_keep_their_shape_and_dtype():
 def test_paged_prefill_placeholders_have_the_inputs_shapes_dtypes_and_strides(page_size):
     """The ragged and paged prefill family builds its paged buffers as decode does: from the
     lengths alone, so on the meta device too."""
-    from tilegen.families.attention_varlen import AttentionVarlen, VarlenAttentionSpec
+    from tilegen.families.attention_varlen import FAMILY as ATTENTION_VARLEN
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
 
     spec = VarlenAttentionSpec(head_dim=64, q_per_kv=2, dtype="bf16", mask="causal", kv_layout="paged",
                                page_size=page_size)
-    problem = AttentionVarlen().problem(spec, 64, on_gpu=False, k_lens=(0, 1, 17, 40), q_lens=(0, 1, 9, 40))
+    problem = ATTENTION_VARLEN.problem(spec, 64, on_gpu=False, k_lens=(0, 1, 17, 40), q_lens=(0, 1, 9, 40))
 
     def shape_of(inputs):
         return {name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
@@ -414,11 +416,11 @@ def test_append_placeholders_have_the_inputs_shapes_dtypes_and_strides(page_size
     """kv_append's placeholders are sized from the lengths alone, so its compile-ahead needs no GPU."""
     import dataclasses
 
-    from tilegen.families.kv_append import KVAppend
+    from tilegen.families.kv_append import FAMILY as KV_APPEND
     from tilegen.families.kv_append.spec import KVAppendSpec
 
     spec = KVAppendSpec(head_dim=64, dtype="bf16", page_size=page_size)
-    problem = KVAppend().problem(spec, KVAppend().buckets.of(64), on_gpu=False)
+    problem = KV_APPEND.problem(spec, KV_APPEND.buckets.of(64), on_gpu=False)
 
     def shape_of(inputs):
         return {field.name: (tuple(t.shape), t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t

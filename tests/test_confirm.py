@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from tilegen.cli import app
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
-from tilegen.families.attention_fwd import AttentionFwd, AttentionSpec
+from tilegen.families.attention_fwd import FAMILY, AttentionSpec
 from tilegen.tuning import Tuner, tuner
 from tilegen.tuning.measure import Compare
 from tilegen.tuning.tuner import CONFIRM_ROUNDS
@@ -26,7 +26,6 @@ from tilegen.tuning.worker import Worker
 
 SPEC = AttentionSpec(head_dim=16, dtype="fp32", mask="causal")
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)
-FAMILY = AttentionFwd()
 CONFIGS = FAMILY.candidates(SPEC, CPU_INTERPRETER)[:5]  # the interpreter's small grid: 9 configs
 
 

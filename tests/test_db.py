@@ -16,20 +16,20 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine
 
-from tilegen import env
+from tilegen import AttentionSpec, env
 from tilegen.codegen.render import template_hash
-from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.db import SCHEMA_REVISION, DatabaseError, TuningDB, studies_url, tuned_rows
 from tilegen.db.migrate import known_revisions
 from tilegen.db.models import Base
 from tilegen.db.validate import RowError
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen import AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_000_000_000, 232_448)
-KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD), triton_version=triton.__version__)
 TABLES = {"tg_gpus", "tg_variants", "tg_tuned_configs", "tg_trials", "tg_alembic_version"}
 
 

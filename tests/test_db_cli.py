@@ -16,19 +16,19 @@ import torch
 import triton
 from typer.testing import CliRunner
 
-from tilegen import dispatch
+from tilegen import AttentionSpec, dispatch
 from tilegen.cli import app
 from tilegen.codegen.render import template_hash
-from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
-from tilegen import AttentionSpec
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
-CURRENT = dict(template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
+CURRENT = dict(template_hash=template_hash(ATTENTION_FWD), triton_version=triton.__version__)
 runner = CliRunner()
 H100_DEVICE = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 85_000_000_000, 232_448)
 

@@ -26,12 +26,7 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import RowError, TuningDB
 from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.families import get
-from tilegen.families.attention_decode import (
-    AttentionDecode,
-    DecodeConfig,
-    DecodeProblem,
-    DecodeSpec,
-)
+from tilegen.families.attention_decode import DecodeConfig, DecodeProblem, DecodeSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = get("attention_decode")
@@ -128,7 +123,7 @@ def test_nearest_takes_the_context_then_the_batch_and_is_deterministic(call, row
 
 
 def test_a_context_only_bucket_is_refused_by_every_writer(tmp_path):
-    key = {"spec": SMALL, "device": CPU_INTERPRETER, "template_hash": template_hash(AttentionDecode()),
+    key = {"spec": SMALL, "device": CPU_INTERPRETER, "template_hash": template_hash(FAMILY),
            "triton_version": triton.__version__}
     row = dict(**key, config=DecodeConfig(32, 4, 1, 1).to_dict(), time_ms=1.0, max_error=1e-4, trials=2)
     with TuningDB(tmp_path / "a.sqlite") as db:
@@ -163,13 +158,13 @@ def test_the_problem_measures_the_bucket_s_batch_and_context_and_sizes_the_windo
 @pytest.mark.skipif(not device_info().is_interpreter, reason="tunes under the CPU interpreter")
 def test_a_tune_at_two_batches_writes_two_rows_and_fresh_dispatch_takes_the_row_of_its_batch(tmp_path, monkeypatch):
     made: list[DecodeProblem] = []
-    problem = AttentionDecode.problem
+    problem = DecodeProblem.for_bucket
 
     def recording(*args, **kwargs):
         made.append(problem(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(AttentionDecode, "problem", staticmethod(recording))
+    monkeypatch.setattr(DecodeProblem, "for_bucket", recording)
     db = tmp_path / "tuning.sqlite"
     result = CliRunner().invoke(app, ["tune", "--preset", "decode16-llama", "--sizes", "32", "--batches", "1,3",
                                       "--trials", "1", "--db", str(db)], env={"COLUMNS": "250"})

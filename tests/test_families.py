@@ -1,19 +1,27 @@
-"""The family registry, shown with a second family that lives only in the tests (row softmax).
+"""The family registry, shown with a family kept in its own package: examples/row_softmax_family.
 
 It goes through lower, render, tune, store, dispatch and ``tilegen db list/prune`` with no
-edit to tilegen: its folder (tests/row_softmax_family), the one ``register`` line below,
-and these tests.
+edit to tilegen. Here it is registered at run time (the one ``register`` line below); the
+end-to-end test at the bottom installs it the other way, through its entry point, in fresh
+processes that never call ``register``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
+import os
+import pickle
 import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from row_softmax_family import FAMILY, RowSoftmax, RowSoftmaxConfig
+from row_softmax_family import FAMILY, RowSoftmaxConfig
 from row_softmax_family.op import row_softmax
 from row_softmax_family.reference import softmax_reference
 from row_softmax_family.spec import RowSoftmaxSpec
@@ -32,13 +40,16 @@ from tilegen.families import (
     register,
     registry,
     relative_error,
+    spec_from_json,
 )
 from tilegen.ir import SpecError
-from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.tuning import Tuner
 
-register(FAMILY)  # the one line that adds the family
+register(FAMILY)  # the one line that adds the family at run time
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "row_softmax_family"
 
 SPEC = RowSoftmaxSpec(dtype="fp32")
 DEVICE = device_info()  # the interpreter without a GPU
@@ -55,13 +66,28 @@ def test_the_registry_finds_the_family_by_spec_name_and_json():
 
 
 def test_registering_again_is_a_no_op_and_a_rival_is_refused():
-    assert register(RowSoftmax()) is FAMILY  # e.g. the tuning worker unpickling its copy
+    copy = pickle.loads(pickle.dumps(FAMILY))  # what the tuning worker receives with each trial
+    assert copy is not FAMILY and copy == FAMILY and hash(copy) == hash(FAMILY) and repr(copy) == "<kernel family row_softmax>"
+    assert register(copy) is FAMILY
+    rival = dataclasses.replace(FAMILY, default_rule=lambda spec, device: [(None, RowSoftmaxConfig(1, 1))])
+    with pytest.raises(ValueError, match="'row_softmax' is already registered"):
+        register(rival)
 
-    class Rival(RowSoftmax):
-        pass
 
-    with pytest.raises(ValueError, match="already registered"):
-        register(Rival())
+def test_a_family_refuses_parts_that_do_not_fit_naming_the_field():
+    with pytest.raises(ValueError, match="spec_type: RowSoftmaxSpec.family is 'row_softmax', not .* 'softmax'"):
+        dataclasses.replace(FAMILY, name="softmax")
+    with pytest.raises(TypeError, match="problem_type: expected a subclass of Problem"):
+        dataclasses.replace(FAMILY, problem_type=RowSoftmaxConfig)
+    with pytest.raises(TypeError, match="family: expected a tilegen.families.Family"):
+        register("row_softmax_family:FAMILY")
+
+
+def test_default_tune_sizes_are_the_family_s_own():
+    assert FAMILY.buckets.tune_sizes(on_gpu=True) == (256, 1024, 4096, 16384)
+    assert FAMILY.buckets.tune_sizes(on_gpu=False) == (16, 64) and FAMILY.buckets.tune_batches(on_gpu=False) == ()
+    decode = get("attention_decode").buckets
+    assert decode.tune_sizes(on_gpu=True) == (1024, 4096, 16384, 65536) and decode.tune_batches(on_gpu=True) == (1, 8, 64)
 
 
 def test_unknown_family_names_the_known_ones():
@@ -196,3 +222,75 @@ def test_emit_tuned_says_the_family_has_no_standalone_entry_point():
     result = _invoke("emit", "--tuned", "--spec", SPEC.to_json())
     assert result.exit_code == 2 and "no standalone entry point" in result.stderr
     assert tilegen.__version__ in _invoke("emit", "--spec", SPEC.to_json()).stdout
+
+
+# ------------------------------------------------------------------- through an entry point
+
+def _installed(folder: Path, **points: str) -> Path:
+    """``folder`` as a site-packages that holds the example's metadata (what ``pip install`` of
+    examples/row_softmax_family writes), declaring ``points`` in group ``tilegen.families``."""
+    info = folder / "row_softmax_family-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: row_softmax_family\nVersion: 0.1\n")
+    lines = "".join(f"{name} = {value}\n" for name, value in points.items())
+    (info / "entry_points.txt").write_text(f"[tilegen.families]\n{lines}")
+    return folder
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The registry as a process starts it: tilegen's own families, entry points not yet read."""
+    monkeypatch.setattr(registry, "_by_name", {f.name: f for f in families() if f.name != "row_softmax"})
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+
+
+def test_entry_points_load_once_on_a_miss_and_a_broken_one_is_one_warning(tmp_path, fresh_registry, monkeypatch,
+                                                                         caplog):
+    monkeypatch.syspath_prepend(str(_installed(tmp_path, row_softmax="row_softmax_family:FAMILY",
+                                               broken="row_softmax_family:NOTHING")))
+    assert get("attention_fwd").name == "attention_fwd" and not registry._entry_points_loaded  # a hit reads none
+    with caplog.at_level(logging.WARNING, logger="tilegen.families"):
+        assert family_of(SPEC) is FAMILY
+        assert [f.name for f in families()][-1] == "row_softmax"  # loaded once: no second warning
+        with pytest.raises(SpecError, match="unknown kernel family 'nope'"):
+            get("nope")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "entry point 'broken' (row_softmax_family:NOTHING) of group 'tilegen.families'" in warning
+
+
+def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.slow
+def test_an_installed_family_tunes_lists_shows_verifies_emits_and_dispatches_with_no_register_call(tmp_path):
+    site = _installed(tmp_path / "site", row_softmax="row_softmax_family:FAMILY")
+    db = tmp_path / "tuning.sqlite"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(EXAMPLE), str(ROOT)]), "TILEGEN_DB": str(db)}
+    spec = SPEC.to_json()
+    tuned = _run("-m", "tilegen", "tune", "--spec", spec, "--sizes", "40", "--trials", "2", env=env)
+    assert "stored in" in tuned.stderr
+    # The family's label for its config (a family tilegen did not know would show the raw JSON).
+    listed = _run("-m", "tilegen", "db", "list", env=env).stdout
+    assert "row_softmax_fp32" in listed and "block_rows" in listed and '"block_rows"' not in listed
+    shown = _run("-m", "tilegen", "db", "show", SPEC.hash, env=env).stdout
+    assert "row_softmax_fp32" in shown and "block_rows" in shown
+    verified = _run("-m", "tilegen", "db", "verify", env=env)
+    assert "row_softmax_fp32" in verified.stdout + verified.stderr
+    assert SPEC.to_json() in _run("-m", "tilegen", "emit", "--spec", spec, env=env).stdout
+    script = (
+        "import torch\n"
+        "from row_softmax_family.op import row_softmax\n"
+        "from row_softmax_family.spec import RowSoftmaxSpec\n"
+        "from tilegen import dispatch\n"
+        "from tilegen.device import device_info\n"
+        "choice = dispatch.table_for(RowSoftmaxSpec(dtype='fp32'), device_info()).choose(40)\n"
+        f"assert (choice.bucket, choice.source) == (64, {str(db)!r}), choice\n"
+        "x = torch.randn(3, 40)\n"
+        "torch.testing.assert_close(row_softmax(x), torch.softmax(x, -1))\n"
+        "print('ok')\n"
+    )
+    assert _run("-c", script, env=env).stdout == "ok\n"

@@ -33,7 +33,8 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import SCHEMA_REVISION, TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families import family_of
-from tilegen.families.attention_fwd import AttentionFwd, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.key import TuningKey
 from tilegen.tuning.tuner import WORKER_ATTR
 
@@ -127,7 +128,7 @@ def test_migrations_from_empty_create_the_models_schema_beside_optunas(pg_url):
     from tilegen.db.models import Base
 
     with TuningDB(pg_url) as db:
-        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(AttentionFwd()),
+        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(ATTENTION_FWD),
                        triton_version=triton.__version__, bucket=1024, config=Config(64, 64, 4, 2).to_dict(),
                        time_ms=0.5, max_error=1e-3, trials=3)
         assert [row.gpu_key for row in db.list_tuned()] == [H200.key]
@@ -218,7 +219,7 @@ def test_db_pull_copies_this_machines_rows_into_sqlite_and_dispatch_reads_them(p
     run = _tilegen(*TUNE, "--seqlens", "16,32", "--trials", "2", "--db", pg_url)
     assert run.returncode == 0, run.stderr
     with TuningDB(pg_url) as db:
-        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(AttentionFwd()),
+        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(ATTENTION_FWD),
                        triton_version=triton.__version__, bucket=1024, config=Config(64, 64, 4, 2).to_dict(),
                        time_ms=0.5, max_error=1e-3, trials=3)
         on_server = {row.bucket: row for row in db.list_tuned() if row.gpu_key == CPU_INTERPRETER.key}
@@ -271,7 +272,7 @@ def test_every_db_subcommand_takes_a_server(pg_url, tmp_path):
     from tilegen.cli import app
 
     with TuningDB(pg_url) as db:
-        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(AttentionFwd()),
+        db.record_best(spec=SPEC, device=H200, template_hash=template_hash(ATTENTION_FWD),
                        triton_version=triton.__version__, bucket=1024, config=Config(64, 64, 4, 2).to_dict(),
                        time_ms=0.5, max_error=1e-3, trials=3)
     runner = CliRunner()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -27,15 +27,16 @@ from typer.testing import CliRunner
 
 from tilegen.cli import app
 from tilegen.cli.spec_args import presets
-from tilegen.families.attention_fwd import AttentionFwd, Config
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB, studies_url
 from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.tuning import INJECT_ENV, Tuner, TuningKey
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = presets()["default"]  # bf16, head dim 64, causal
-KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()), triton_version=triton.__version__)
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD), triton_version=triton.__version__)
 
 pytestmark = pytest.mark.skipif(not device_info().is_interpreter, reason="CPU-interpreter tuning tests")
 
@@ -109,7 +110,7 @@ def test_tuned_configs_reach_dispatch_in_a_fresh_process(tmp_path):
 def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     # The grid reaches every injected config. The default config fails too, so the best
     # cannot be the config dispatch would use anyway.
-    failures = {str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+    failures = {str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
                 "BM64-BN32-w4-s1": "crash", "BM32-BN16-w4-s1": "hang"}
     monkeypatch.setenv(INJECT_ENV, json.dumps(failures))
     with (
@@ -123,15 +124,15 @@ def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     status = {str(Config.from_dict(t.config)): t.status for t in trials}
     reason = {str(Config.from_dict(t.config)): t.reason for t in trials}
     assert {c: status[c] for c in failures} == {
-        str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
+        str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 64)): "compile_error", "BM16-BN16-w4-s1": "wrong",
         "BM64-BN32-w4-s1": "fault", "BM32-BN16-w4-s1": "timeout",
     }
-    assert "PassManager::run failed" in reason[str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64))]
+    assert "PassManager::run failed" in reason[str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 64))]
     assert "relative error" in reason["BM16-BN16-w4-s1"]
     assert "exit code 1" in reason["BM64-BN32-w4-s1"]
     # The worker was replaced after the crash and the hang: every other config still ran.
     assert all(s == "ok" for c, s in status.items() if c not in failures)
-    assert len(status) == len(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    assert len(status) == len(ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))
     assert str(result.best.config) not in failures
     assert str(Config.from_dict(best.config)) == str(result.best.config)
     assert best.time_ms == min(t.time_ms for t in trials if t.status == "ok")
@@ -142,7 +143,7 @@ def test_grid_measures_every_feasible_config_once(tmp_path):
         tuner.tune(SPEC, 32)
         again = tuner.tune(SPEC, 32)  # a finished study: nothing left to measure
         trials = _trials(tdb.path, 32)
-    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    assert _configs(trials) == Counter(str(c) for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))
     assert sum(again.statuses.values()) == len(trials)
 
 
@@ -159,7 +160,7 @@ def test_grid_measures_every_config_when_finished_trials_still_look_in_flight(tm
     with TuningDB(tmp_path / "tuning.sqlite") as tdb, Tuner(tdb, CPU_INTERPRETER, sampler="grid") as tuner:
         tuner.tune(SPEC, 16)
         trials = _trials(tdb.path, 16)
-    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    assert _configs(trials) == Counter(str(c) for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))
 
 
 def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
@@ -170,7 +171,7 @@ def test_warm_start_measures_the_default_then_the_neighbours_best(tmp_path):
             tuner.tune(SPEC, 32)
         trials = sorted(_trials(tdb.path, 32), key=lambda t: t.trial_number)
     order = [str(Config.from_dict(t.config)) for t in trials]
-    assert order == [str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 64)), str(neighbour)]
+    assert order == [str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 64)), str(neighbour)]
 
 
 def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
@@ -187,12 +188,12 @@ def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # the tune and its worker, as a kill of the job would
         proc.wait()
     before = _configs(_trials(db, 32))
-    assert 2 <= sum(before.values()) < len(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    assert 2 <= sum(before.values()) < len(ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))
 
     rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     after = _configs(_trials(db, 32))
-    assert after == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
+    assert after == Counter(str(c) for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))  # each config exactly once
     assert all(after[c] == n for c, n in before.items())
 
 
@@ -203,9 +204,9 @@ def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_o
     db = tmp_path / "tuning.sqlite"
     studies = studies_url(db)
     cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3")
-    default = str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 32))
+    default = str(FAMILY.default_config(SPEC, CPU_INTERPRETER, 32))
     # The warm start's default is measured first; whichever config the sampler proposes next is in flight.
-    slow = {str(c): "sleep:600" for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
+    slow = {str(c): "sleep:600" for c in FAMILY.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
     proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -246,7 +247,7 @@ def _config_of(params: dict) -> str:
     """The label of the config a TPE trial's parameters name."""
     from tilegen.tuning.tuner import _Knobs
 
-    knobs = _Knobs(Config, AttentionFwd().search_space(SPEC, CPU_INTERPRETER))
+    knobs = _Knobs(Config, FAMILY.search_space(SPEC, CPU_INTERPRETER))
     return str(knobs.config_of(params))
 
 
@@ -325,7 +326,7 @@ def test_a_study_from_categorical_knobs_resumes(tmp_path):
     """Studies made when TPE's knobs were categorical by value still resume: the names differ."""
     db_path = tmp_path / "tuning.sqlite"
     key = TuningKey.current(SPEC, CPU_INTERPRETER, 16)
-    configs = AttentionFwd().candidates(SPEC, CPU_INTERPRETER)
+    configs = ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER)
     times = {str(c): 1.0 + i for i, c in enumerate(configs)}
     with TuningDB(db_path) as db:
         old = optuna.create_study(storage=studies_url(db_path), study_name=key.study_name)
@@ -345,7 +346,7 @@ def test_the_studies_file_is_written_in_wal_mode(tmp_path):
     import sqlite3
 
     db_path = tmp_path / "tuning.sqlite"
-    times = {str(c): 1.0 + i for i, c in enumerate(AttentionFwd().candidates(SPEC, CPU_INTERPRETER))}
+    times = {str(c): 1.0 + i for i, c in enumerate(ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))}
     with TuningDB(db_path) as db, Tuner(db, CPU_INTERPRETER, trials=2, worker=_ScriptedWorker(times)) as tuner:
         tuner.tune(SPEC, 16)
     studies = sqlite3.connect(studies_url(db_path).removeprefix("sqlite:///"))
@@ -357,8 +358,8 @@ def test_the_studies_file_is_written_in_wal_mode(tmp_path):
 
 
 def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
-    times = {str(c): 1.0 for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER)}
-    default = str(AttentionFwd().default_config(SPEC, CPU_INTERPRETER, 16))
+    times = {str(c): 1.0 for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER)}
+    default = str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 16))
     firsts = []
     for seed, warm_start in [(0, True)] + [(s, False) for s in range(5)]:
         worker = _ScriptedWorker(times)
@@ -373,7 +374,7 @@ def test_warm_start_off_leaves_the_default_to_the_sampler(tmp_path):
 
 def test_a_tune_after_an_import_never_overwrites_the_imported_trials(tmp_path):
     # The imported trials were numbered by a study this machine's studies file does not hold.
-    configs = AttentionFwd().candidates(SPEC, CPU_INTERPRETER)
+    configs = ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER)
     times = {str(c): 1.0 + i for i, c in enumerate(configs)}
     with TuningDB(tmp_path / "elsewhere.sqlite") as db, Tuner(
         db, CPU_INTERPRETER, trials=3, worker=_ScriptedWorker(times)
@@ -466,7 +467,7 @@ def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones(tmp_pat
         import json, torch
         from tilegen.cli.spec_args import presets
         from tilegen.device import CPU_INTERPRETER
-        from tilegen.families.attention_fwd import AttentionFwd
+        from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
         from tilegen.triton_internals.interpreter import patch_interpreter
         from tilegen.tuning.process import forkable
         from tilegen.tuning.worker import Worker
@@ -475,7 +476,7 @@ def test_a_forked_worker_runs_cpu_ops_after_its_parent_ran_parallel_ones(tmp_pat
         x = torch.randn(512, 512)
         (x @ x).sum()  # starts this process's CPU thread pool
         assert forkable()
-        spec, family = presets()["default"], AttentionFwd()
+        spec, family = presets()["default"], ATTENTION_FWD
         with Worker() as worker:
             worker.start(fork=True)
             task = (family, family.problem(spec, 16, on_gpu=False), family.default_config(spec, CPU_INTERPRETER, 16), 0)
@@ -559,7 +560,7 @@ def test_a_forked_worker_that_cannot_start_is_replaced_by_a_spawned_one(monkeypa
     monkeypatch.setattr(worker_module, "forkable", lambda: True)
     monkeypatch.setattr(worker_module, "_start_cuda", no_cuda)
     caplog.set_level(logging.DEBUG, logger="tilegen.tuning.worker")
-    family = AttentionFwd()
+    family = ATTENTION_FWD
     task = (family, family.problem(SPEC, 16, on_gpu=False), family.default_config(SPEC, CPU_INTERPRETER, 16), 0)
     with worker_module.Worker() as worker:
         worker.start(fork=True)
@@ -582,7 +583,7 @@ def test_one_command_tunes_several_variants_every_config_of_each_once(tmp_path, 
                           "--sampler", "grid", "--db", str(db), *pool],
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    family = AttentionFwd()
+    family = ATTENTION_FWD
     with TuningDB(db) as tdb:
         for item in json.loads(_TWO_VARIANTS):
             spec = spec_from_json(item)
@@ -619,7 +620,7 @@ def test_a_pool_replaces_a_crashed_worker_and_measures_every_config_once(tmp_pat
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     trials = _trials(db, 16)
-    assert _configs(trials) == Counter(str(c) for c in AttentionFwd().candidates(SPEC, CPU_INTERPRETER))
+    assert _configs(trials) == Counter(str(c) for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER))
     status = {str(Config.from_dict(t.config)): t.status for t in trials}
     assert status.pop(crash) == "fault"
     assert set(status.values()) == {"ok"}

@@ -22,24 +22,31 @@ from tilegen import env
 from tilegen.cli.app import app, fail
 from tilegen.cli.spec_args import takes_specs
 from tilegen.device import device_info, host_gpu_models
-from tilegen.families import families, family_of
+from tilegen.families import BUILTIN, families, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
+from tilegen.layers import LAYER_FAMILY
 
-_GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-_INTERPRETER_SEQLENS = (16, 32)  # the interpreter is slow: tiny lengths finish in seconds
 _GPU_TRIALS = 30
 _INTERPRETER_TRIALS = 6
-# Decode on a GPU: a context every 4x from 1k to 64k (its configs change slowly with the context,
-# and the nearest-bucket rule serves 2x either side) crossed with a batch in each regime of the
-# split rule (H200, 8 KV heads): 1 (8 programs, the most splits), 8 (64 programs, still under one
-# per SM: a few splits) and 64 (512 programs: no split, as for every larger batch). 12 buckets,
-# 360 trials at the default 30, where all 7 sizes x 5 batches would take three times as long.
-_GPU_DECODE_SIZES = (1024, 4096, 16384, 65536)
-_GPU_BATCHES = (1, 8, 64)
-_INTERPRETER_BATCHES = (1, 4)
 #: A GPU bucket's K and V may take this share of the GPU's memory (inputs, outputs and the reference take the rest).
 _KV_MEMORY_SHARE = 0.5
+
+
+def _defaults_help(method: str) -> str:
+    """tilegen's families' defaults (``Buckets.tune_sizes`` or ``tune_batches``) for a help text, the
+    most common first, then each other default with the families that take it."""
+    groups: dict[str, list[str]] = {}
+    for family in (*BUILTIN, LAYER_FAMILY):
+        defaults = getattr(family.buckets, method)
+        gpu, interpreter = defaults(on_gpu=True), defaults(on_gpu=False)
+        if gpu or interpreter:
+            text = f"{','.join(map(str, gpu))} on a GPU, {','.join(map(str, interpreter))} under the interpreter"
+            groups.setdefault(text, []).append(family.name)
+    ordered = sorted(groups.items(), key=lambda item: -len(item[1]))
+    if len(ordered) == 1:
+        return f"{', '.join(ordered[0][1])}: {ordered[0][0]}"
+    return "; ".join([ordered[0][0], *(f"{', '.join(names)}: {text}" for text, names in ordered[1:])])
 
 
 @app.command()
@@ -49,16 +56,13 @@ def tune(
     seqlens: Optional[str] = typer.Option(
         None, "--seqlens", "--sizes", help="Comma-separated sizes (sequence lengths for attention, the longest "
         "context for decode), each tuned at its family's bucket "
-        f"(default: {','.join(map(str, _GPU_SEQLENS))} on a GPU, "
-        f"{','.join(map(str, _INTERPRETER_SEQLENS))} under the interpreter; attention_decode: "
-        f"{','.join(map(str, _GPU_DECODE_SIZES))} on a GPU).",
+        f"(default: its family's bucket rule's: {_defaults_help('tune_sizes')}).",
     ),
     batches: Optional[str] = typer.Option(
         None, "--batches", help="Comma-separated batch sizes (sequences per call), for a family whose bucket "
         "holds the batch too (attention_decode); every one is tuned with every --sizes value, at its bucket "
         "(the next power of two). Buckets whose K and V would take over half of the GPU's memory are skipped "
-        f"(default: {','.join(map(str, _GPU_BATCHES))} on a GPU, {','.join(map(str, _INTERPRETER_BATCHES))} "
-        "under the interpreter).",
+        f"(default: its family's bucket rule's: {_defaults_help('tune_batches')}).",
     ),
     trials: Optional[int] = typer.Option(
         None, help=f"Configs to measure per bucket (default: {_GPU_TRIALS} on a GPU, "
@@ -354,11 +358,10 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
 def _buckets(spec, family, device, lengths: list[int], batch_sizes: list[int]) -> list[int]:
     """The buckets to tune, in order: each size's, or each (size, batch) pair's for a family with a batch."""
     rule = family.buckets
+    lengths = lengths or rule.tune_sizes(on_gpu=not device.is_interpreter)
     if rule.batch_unit is None:
-        lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_SEQLENS)
         return sorted({rule.of(n) for n in lengths})
-    lengths = lengths or (_INTERPRETER_SEQLENS if device.is_interpreter else _GPU_DECODE_SIZES)
-    batch_sizes = batch_sizes or (_INTERPRETER_BATCHES if device.is_interpreter else _GPU_BATCHES)
+    batch_sizes = batch_sizes or rule.tune_batches(on_gpu=not device.is_interpreter)
     buckets = sorted({rule.of((n, b)) for n in lengths for b in batch_sizes})
     if device.is_interpreter:
         return buckets  # the interpreter's problems are capped small whatever the bucket

@@ -1,9 +1,10 @@
 """Kernel families and their registry.
 
-A family is a folder here (spec, lowering, config space, reference, problem) plus its
-templates; the rest of tilegen finds it through ``family_of(spec)`` and never imports
-it by name. Adding one is a folder and one ``register`` line below (or, for a family
-kept elsewhere, one call to ``tilegen.families.register``). See docs/adding-a-family.md.
+A family is a folder here (spec, lowering, config space, reference, problem) whose
+``__init__`` declares ``FAMILY = Family(...)``, plus its template; the rest of tilegen finds
+it through ``family_of(spec)`` and never imports it by name. Adding one here is a folder and
+a line in ``BUILTIN`` below; a family kept in another package registers through an entry
+point of group ``tilegen.families`` or one call to ``register``. See docs/adding-a-family.md.
 """
 
 from tilegen.families.base import (
@@ -12,19 +13,23 @@ from tilegen.families.base import (
     ConfigError,
     Family,
     Problem,
+    RowsProblem,
     relative_error,
 )
-from tilegen.families.buckets import Buckets, PowerOfTwoBuckets
+from tilegen.families.buckets import Buckets, ContextBatchBuckets, PowerOfTwoBuckets
 from tilegen.families.registry import families, family_of, get, register, spec_from_json, spec_type
 
 __all__ = [
     "TOLERANCE",
+    "BUILTIN",
     "Buckets",
     "Config",
+    "ContextBatchBuckets",
     "ConfigError",
     "Family",
     "PowerOfTwoBuckets",
     "Problem",
+    "RowsProblem",
     "families",
     "family_of",
     "get",
@@ -34,19 +39,26 @@ __all__ = [
     "spec_type",
 ]
 
-from tilegen.families.attention_fwd import AttentionFwd  # noqa: E402
-from tilegen.families.kv_append import KVAppend  # noqa: E402
-from tilegen.families.merge_states import MergeStates  # noqa: E402
-from tilegen.families.attention_varlen import AttentionVarlen  # noqa: E402
-from tilegen.families.attention_decode import AttentionDecode  # noqa: E402
-from tilegen.families.blockwise_ffn import BlockwiseFFN  # noqa: E402
-from tilegen.families.rope import Rope  # noqa: E402
+from tilegen.families import (  # noqa: E402
+    attention_decode,
+    attention_fwd,
+    attention_varlen,
+    blockwise_ffn,
+    kv_append,
+    merge_states,
+    rope,
+)
 
-register(AttentionFwd())
-register(KVAppend())
-register(MergeStates())
-register(AttentionVarlen())
-register(AttentionDecode())
-register(BlockwiseFFN())
-register(Rope())
-
+#: tilegen's own kernel families, registered in this order (``families()`` lists them first).
+BUILTIN = [
+    attention_fwd.FAMILY,
+    kv_append.FAMILY,
+    merge_states.FAMILY,
+    attention_varlen.FAMILY,
+    attention_decode.FAMILY,
+    blockwise_ffn.FAMILY,
+    rope.FAMILY,
+]
+for _family in BUILTIN:
+    register(_family)
+del _family

@@ -13,7 +13,7 @@ import abc
 import dataclasses
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType, ModuleType
@@ -113,6 +113,12 @@ class Problem(abc.ABC):
     #: that a short kernel is not timed with its host-side launch.
     timed_from_graph: ClassVar[bool] = True
 
+    @classmethod
+    def for_bucket(cls, spec: Spec, bucket: int, *, on_gpu: bool, **shape: Any) -> Problem:
+        """The problem a tuning trial at ``bucket`` measures (``Family.problem`` calls this); ``shape``
+        overrides family-specific sizes (a benchmark's batch and head count, say)."""
+        raise NotImplementedError(f"{cls.__qualname__}: a family's Problem makes itself from a bucket (for_bucket)")
+
     @abc.abstractmethod
     def inputs(self, seed: int) -> Any:
         """Fresh random inputs (never zeros, so a kernel that skips work shows)."""
@@ -190,50 +196,77 @@ class RowsProblem(Problem):
         return self.tokens * self.heads
 
 
-class Family(abc.ABC):
-    """One kernel family. Subclasses are stateless singletons, registered once.
+@dataclass(frozen=True, eq=True, repr=False)
+class Family:
+    """One kernel family, declared as values: ``FAMILY = Family(name=..., spec_type=..., ...)``.
 
-    The abstract methods may be given as ``staticmethod``s of the family's module functions
-    (``lower = staticmethod(lower)``); they are called with the arguments shown here.
+    Families are registered once (``tilegen.families.register``) and compared by value, so that
+    the copy a tuning worker unpickles equals the family it came from: the functions and types
+    travel as references to their modules, which the worker imports.
 
-    Class attributes:
+    Fields:
         name: the registry's name, also the spec type's ``family`` and the JSON ``"family"``.
         spec_type, config_type: the family's frozen dataclasses.
         template: the Jinja template that renders the kernel and its ``launch`` function.
+        buckets: what a tuning bucket means for this family, the nearest-bucket rule, and the
+            sizes ``tilegen tune`` tunes by default.
+        lower(spec) -> dict: decides everything about the generated source; the template's values.
+        search_space(spec, device) -> {knob: [values]}: every knob and its values; ``feasible``
+            then removes what the kernel cannot run.
+        feasible(spec, config, device) -> str | None: ``None`` when the kernel can run ``config``,
+            else the reason it cannot.
+        default_rule(spec, device) -> [(largest bucket, config), ...]: heuristic defaults, ending
+            with ``None`` (every larger bucket).
+        problem_type: the ``Problem`` a tuning trial measures; its classmethod
+            ``for_bucket(spec, bucket, *, on_gpu, **shape)`` makes one (see ``problem``).
+        presets: named specs users tune most (``tilegen tune --preset NAME``).
         template_dir: the folder holding ``template``; ``None`` is tilegen's own ``templates/``.
             Shared pieces (``common/...``) always resolve from tilegen's ``templates/``.
-        buckets: what a tuning bucket means for this family, and the nearest-bucket rule.
-        presets: named specs users tune most (``tilegen tune --preset NAME``).
+        standalone: optional ``standalone(family, spec, tuned, device, *, template_hash,
+            triton_version) -> str``, what ``tilegen emit --tuned`` appends (see
+            ``standalone_entry_point``).
     """
 
-    name: ClassVar[str]
-    spec_type: ClassVar[type[Spec]]
-    config_type: ClassVar[type[Config]]
-    template: ClassVar[str]
-    template_dir: ClassVar[Path | None] = None
-    buckets: ClassVar[Buckets]
-    presets: ClassVar[dict[str, Spec]] = {}
+    name: str
+    spec_type: type[Spec]
+    config_type: type[Config]
+    template: str
+    buckets: Buckets
+    lower: Callable[[Spec], dict[str, Any]]
+    search_space: Callable[[Spec, DeviceInfo], dict[str, list[int]]]
+    feasible: Callable[[Spec, Config, DeviceInfo], str | None]
+    default_rule: Callable[[Spec, DeviceInfo], list[tuple[int | None, Config]]]
+    problem_type: type[Problem]
+    presets: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    template_dir: Path | None = None
+    standalone: Callable[..., str] | None = None
 
-    @abc.abstractmethod
-    def lower(self, spec: Spec) -> dict[str, Any]:
-        """Decide everything about the generated source; return the template's values."""
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"name: expected an identifier such as 'row_softmax', got {self.name!r}")
+        for field, base in (("spec_type", Spec), ("config_type", Config), ("problem_type", Problem)):
+            value = getattr(self, field)
+            if not (isinstance(value, type) and issubclass(value, base)):
+                raise TypeError(f"{field}: expected a subclass of {base.__name__}, got {value!r}")
+        if getattr(self.spec_type, "family", None) != self.name:
+            raise ValueError(f"spec_type: {self.spec_type.__name__}.family is {getattr(self.spec_type, 'family', None)!r}, "
+                             f"not the family's name {self.name!r}")
+        if not isinstance(self.buckets, Buckets):
+            raise TypeError(f"buckets: expected a Buckets rule such as PowerOfTwoBuckets('rows'), got {self.buckets!r}")
+        for field in ("lower", "search_space", "feasible", "default_rule"):
+            if not callable(getattr(self, field)):
+                raise TypeError(f"{field}: expected a function, got {getattr(self, field)!r}")
+        if self.standalone is not None and not callable(self.standalone):
+            raise TypeError(f"standalone: expected a function or None, got {self.standalone!r}")
+        if self.template_dir is not None:
+            # A str would be a different value after a round trip through a Path, and so a different family.
+            object.__setattr__(self, "template_dir", Path(self.template_dir))
 
-    @abc.abstractmethod
-    def search_space(self, spec: Spec, device: DeviceInfo) -> dict[str, list[int]]:
-        """Every knob and its values; ``feasible`` then removes what the kernel cannot run."""
-
-    @abc.abstractmethod
-    def feasible(self, spec: Spec, config: Config, device: DeviceInfo) -> str | None:
-        """``None`` when the kernel can run ``config``, else the reason it cannot."""
-
-    @abc.abstractmethod
-    def default_rule(self, spec: Spec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-        """Heuristic defaults as ``[(largest bucket, config), ...]``, ending with ``None`` (every larger bucket)."""
-
-    @abc.abstractmethod
-    def problem(self, spec: Spec, bucket: int, *, on_gpu: bool, **shape: int) -> Problem:
+    def problem(self, spec: Spec, bucket: int, *, on_gpu: bool, **shape: Any) -> Problem:
         """The problem a tuning trial at ``bucket`` measures; ``shape`` overrides family-specific
         sizes (a benchmark's batch and head count, say)."""
+        # Looked up on the type at each call, not stored: a test may replace ``for_bucket`` for a while.
+        return self.problem_type.for_bucket(spec, bucket, on_gpu=on_gpu, **shape)
 
     def candidates(self, spec: Spec, device: DeviceInfo) -> list[Config]:
         """The feasible part of the search space, in a stable order."""
@@ -256,15 +289,13 @@ class Family(abc.ABC):
     ) -> str:
         """Source appended by ``tilegen emit --tuned``: the tuned table (config and source file by
         bucket), the bucket rule and an entry point, so the module runs with torch and triton alone."""
-        raise NotImplementedError(f"family {self.name!r} has no standalone entry point for `emit --tuned`")
+        if self.standalone is None:
+            raise NotImplementedError(f"family {self.name!r} has no standalone entry point for `emit --tuned`")
+        return self.standalone(self, spec, tuned, device, template_hash=template_hash, triton_version=triton_version)
 
     def __repr__(self) -> str:
         return f"<kernel family {self.name}>"
 
-    def __eq__(self, other: object) -> bool:
-        # Stateless: every instance of a family class is the same family (the tuning worker unpickles copies).
-        return type(other) is type(self)
-
     def __hash__(self) -> int:
-        return hash(type(self))
-
+        # Equal families share a name; presets (a dict) keep the fields from hashing as a tuple.
+        return hash(self.name)

@@ -16,7 +16,8 @@ import inspect
 import operator
 from collections.abc import Iterable
 
-__all__ = ["Buckets", "PowerOfTwoBuckets", "ContextBatchBuckets", "bucket_of", "nearest_bucket"]
+__all__ = ["GPU_SIZES", "INTERPRETER_SIZES", "Buckets", "PowerOfTwoBuckets", "ContextBatchBuckets", "bucket_of",
+           "nearest_bucket"]
 
 
 def bucket_of(n, min_bucket=16):
@@ -29,16 +30,38 @@ def nearest_bucket(bucket, tuned):
     return min(tuned, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
 
 
+#: What ``tilegen tune`` tunes when no ``--sizes`` are given: a size every 2x from 512 to 32k on a GPU;
+#: under the interpreter, which is slow, two tiny ones that finish in seconds.
+GPU_SIZES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+INTERPRETER_SIZES = (16, 32)
+
+
 class Buckets:
-    """A family's bucket rule: ``of`` a size, ``nearest`` among tuned buckets, and how the CLI reads one."""
+    """A family's bucket rule: ``of`` a size, ``nearest`` among tuned buckets, how the CLI reads one,
+    and which sizes ``tilegen tune`` tunes by default (``tune_sizes``, and ``tune_batches`` for a
+    rule whose bucket holds a batch too).
+
+    Rules are values: two of one type with equal attributes are equal (a family's copy in the
+    tuning worker must equal the family it came from).
+    """
 
     #: What a bucket counts, for help texts and tables.
     unit = "size"
     #: What the second size counts when the bucket holds one (``tilegen tune --batches``); None: one size.
     batch_unit: str | None = None
+    gpu_sizes: tuple[int, ...] = GPU_SIZES
+    interpreter_sizes: tuple[int, ...] = INTERPRETER_SIZES
 
     def of(self, size: int) -> int:
         raise NotImplementedError
+
+    def tune_sizes(self, on_gpu: bool) -> tuple[int, ...]:
+        """The sizes ``tilegen tune`` tunes when given no ``--sizes``."""
+        return self.gpu_sizes if on_gpu else self.interpreter_sizes
+
+    def tune_batches(self, on_gpu: bool) -> tuple[int, ...]:
+        """The batches ``tilegen tune`` tunes when given no ``--batches``; none for a rule of one size."""
+        return ()
 
     def nearest(self, bucket: int, tuned: Iterable[int]) -> int:
         return nearest_bucket(bucket, list(tuned))
@@ -59,13 +82,31 @@ class Buckets:
         """Python source defining ``bucket_of(n)`` and ``nearest_bucket(bucket, tuned)`` for emitted modules."""
         raise NotImplementedError
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.unit))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+def _sizes(name: str, sizes) -> tuple[int, ...]:
+    sizes = tuple(sizes)
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"{name}: expected positive ints, got {sizes!r}")
+    return sizes
+
 
 class PowerOfTwoBuckets(Buckets):
     """Sizes rounded up to a power of two, at least ``min_bucket``; nearest in log2 distance."""
 
-    def __init__(self, unit: str, min_bucket: int = 16):
+    def __init__(self, unit: str, min_bucket: int = 16, *, gpu_sizes=GPU_SIZES, interpreter_sizes=INTERPRETER_SIZES):
         self.unit = unit
         self.min_bucket = min_bucket
+        self.gpu_sizes = _sizes("gpu_sizes", gpu_sizes)
+        self.interpreter_sizes = _sizes("interpreter_sizes", interpreter_sizes)
 
     def of(self, size: int) -> int:
         return bucket_of(size, self.min_bucket)
@@ -105,12 +146,20 @@ class ContextBatchBuckets(Buckets):
     max_context = 1 << 30
     max_batch = 1 << (_BATCH_MASK - 1)
 
-    def __init__(self, unit: str, batch_unit: str, min_bucket: int = 16):
+    def __init__(self, unit: str, batch_unit: str, min_bucket: int = 16, *, gpu_sizes=GPU_SIZES,
+                 interpreter_sizes=INTERPRETER_SIZES, gpu_batches=(1, 8, 64), interpreter_batches=(1, 4)):
         if min_bucket < 1 << _BATCH_BITS or min_bucket & (min_bucket - 1):
             raise ValueError(f"min_bucket: expected a power of two of at least {1 << _BATCH_BITS}, got {min_bucket}")
         self.unit = unit
         self.batch_unit = batch_unit
         self.min_bucket = min_bucket
+        self.gpu_sizes = _sizes("gpu_sizes", gpu_sizes)
+        self.interpreter_sizes = _sizes("interpreter_sizes", interpreter_sizes)
+        self.gpu_batches = _sizes("gpu_batches", gpu_batches)
+        self.interpreter_batches = _sizes("interpreter_batches", interpreter_batches)
+
+    def tune_batches(self, on_gpu: bool) -> tuple[int, ...]:
+        return self.gpu_batches if on_gpu else self.interpreter_batches
 
     def of(self, size: tuple[int, int]) -> int:
         try:

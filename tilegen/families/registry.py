@@ -1,31 +1,68 @@
-"""The registry of kernel families: the one place that maps specs, names and types to families."""
+"""The registry of kernel families: the one place that maps specs, names and types to families.
+
+Families come from three places: tilegen's own (``tilegen.families`` registers its kernel
+families, ``tilegen.layers`` its layer family), a ``register`` call at run time, and the Python
+entry points of group ``tilegen.families`` that installed packages declare, each naming a
+``Family`` object (``row_softmax_family = "row_softmax_family:FAMILY"``). Entry points are loaded
+once, on the first lookup of a name not registered yet or on ``families()``: a command that
+never meets another package's family never imports it.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+from importlib.metadata import entry_points
 from typing import Any
 
 from tilegen.families.base import Family
 from tilegen.ir import IR_VERSION, Spec, SpecError
 
-__all__ = ["register", "family_of", "get", "families", "spec_type", "spec_from_json"]
+__all__ = ["ENTRY_POINT_GROUP", "register", "family_of", "get", "families", "spec_type", "spec_from_json"]
+
+#: The entry point group whose entries (``Family`` objects) tilegen registers.
+ENTRY_POINT_GROUP = "tilegen.families"
+
+log = logging.getLogger(__name__)
 
 _by_name: dict[str, Family] = {}
+_entry_points_loaded = False
 
 
 def register(family: Family) -> Family:
-    """Make ``family`` known by its name. Registering the same family again is a no-op."""
+    """Make ``family`` known by its name; returns the registered one. Registering an equal family
+    again is a no-op (a tuning worker registers the copy it unpickles); another by that name is refused."""
+    if not isinstance(family, Family):
+        raise TypeError(f"family: expected a tilegen.families.Family, got {family!r}")
     known = _by_name.get(family.name)
     if known is not None and known != family:
-        raise ValueError(f"kernel family {family.name!r} is already registered as {type(known).__qualname__}")
-    if family.spec_type.family != family.name:
-        raise ValueError(f"{family.name}: its spec type says family {family.spec_type.family!r}")
-    _by_name.setdefault(family.name, family)
-    return _by_name[family.name]
+        raise ValueError(f"kernel family {family.name!r} is already registered, with other parts")
+    return _by_name.setdefault(family.name, family)
+
+
+def load_entry_points() -> None:
+    """Register the families of group ``tilegen.families`` once. A bad entry point (it fails to
+    import, names no ``Family``, or takes a registered name) is one logged warning naming it, never
+    an error: the other families, and commands that do not need it, still work."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {point.name!r} ({point.value}) of group {ENTRY_POINT_GROUP!r}"
+        try:
+            register(point.load())
+        except Exception as e:  # a broken plugin must not take the rest of tilegen with it
+            log.warning("tilegen: skipping %s: %s: %s", where, type(e).__name__, e)
 
 
 def get(name: str) -> Family:
     """The family registered as ``name``; a ``SpecError`` on ``family`` lists the known ones."""
+    try:
+        return _by_name[name]
+    except (KeyError, TypeError):
+        pass
+    load_entry_points()
     try:
         return _by_name[name]
     except (KeyError, TypeError):
@@ -42,7 +79,8 @@ def spec_type(name: str) -> type[Spec]:
 
 
 def families() -> list[Family]:
-    """Every registered family, in registration order."""
+    """Every family, installed ones included, in registration order."""
+    load_entry_points()
     return list(_by_name.values())
 
 
@@ -56,7 +94,8 @@ def spec_from_json(text: str | dict[str, Any]) -> Spec:
     if not isinstance(data, dict):
         raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
     if "family" not in data:
-        raise SpecError("family", f"missing; a spec names its kernel family, one of: {', '.join(map(repr, _by_name))}")
+        known = ", ".join(repr(f.name) for f in families())
+        raise SpecError("family", f"missing; a spec names its kernel family, one of: {known}")
     cls = spec_type(data.pop("family"))
     version = data.pop("ir_version", IR_VERSION)
     if type(version) is not int or version != IR_VERSION:

@@ -7,6 +7,7 @@ schedule the ``blockwise_layer`` family (``tilegen.layers.family``) generates, a
 the layers sit above ``tilegen.ops`` and nothing below imports them.
 """
 
+from tilegen.families import register
 from tilegen.layers.config import LayerConfig
 from tilegen.layers.family import FAMILY as LAYER_FAMILY
 from tilegen.layers.module import BlockwiseLayer
@@ -16,3 +17,6 @@ from tilegen.layers.weights import check_weights, config_from_weights
 
 __all__ = ["LAYER_FAMILY", "BlockwiseLayer", "LayerConfig", "blockwise_layer", "check_weights", "config_from_weights",
            "explain_layer", "reference_layer"]
+
+# The layer family composes the ops, so it registers here, above them, not among the kernel families.
+register(LAYER_FAMILY)

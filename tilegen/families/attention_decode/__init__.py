@@ -11,7 +11,6 @@ online-softmax loop and the page addressing are the prefill kernels' shared piec
 
 from __future__ import annotations
 
-
 from tilegen.families.attention_decode import config as _config
 from tilegen.families.attention_decode.config import DecodeConfig
 from tilegen.families.attention_decode.lower import lower as _lower
@@ -19,22 +18,21 @@ from tilegen.families.attention_decode.problem import BUCKETS, DecodeProblem
 from tilegen.families.attention_decode.spec import DecodeSpec
 from tilegen.families.base import Family
 
-__all__ = ["AttentionDecode", "DecodeConfig", "DecodeSpec", "DecodeProblem"]
+__all__ = ["FAMILY", "DecodeConfig", "DecodeSpec", "DecodeProblem"]
 
 
-class AttentionDecode(Family):
-    name = "attention_decode"
-    spec_type = DecodeSpec
-    config_type = DecodeConfig
-    template = "attention_decode.py.jinja"
+FAMILY = Family(
+    name="attention_decode",
+    spec_type=DecodeSpec,
+    config_type=DecodeConfig,
+    template="attention_decode.py.jinja",
     # The longest context sets the key blocks a program streams; the batch sets how many programs the
     # split rule adds, so the knobs it reads (ctas_per_sm above all) are tuned per batch too.
-    buckets = BUCKETS
-    presets = {"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)}
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(DecodeProblem.for_bucket)
+    buckets=BUCKETS,
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=DecodeProblem,
+    presets={"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)},
+)

@@ -9,45 +9,37 @@ torch), ``problem`` (what a tuning trial measures), ``standalone`` (``emit --tun
 
 from __future__ import annotations
 
-
 from tilegen.families.attention_fwd import config as _config
 from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.lower import lower as _lower
 from tilegen.families.attention_fwd.problem import Problem
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.attention_fwd.standalone import entry_point
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 
-__all__ = ["AttentionFwd", "AttentionSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "AttentionSpec", "Config", "Problem"]
 
 
-class AttentionFwd(Family):
-    name = "attention_fwd"
-    spec_type = AttentionSpec
-    config_type = Config
-    template = "attention_fwd.py.jinja"
+FAMILY = Family(
+    name="attention_fwd",
+    spec_type=AttentionSpec,
+    config_type=Config,
+    template="attention_fwd.py.jinja",
     # A call is bucketed by max(n_q, n_k): the longer side sets how many tiles and blocks there are.
-    buckets = PowerOfTwoBuckets("sequence length")
-    presets = {
+    buckets=PowerOfTwoBuckets("sequence length"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={
         "default": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
         "llama-prefill": AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
         "mha-d128-causal": AttentionSpec(head_dim=128, mask="causal", dtype="bf16"),
         "mha-d128": AttentionSpec(head_dim=128, mask="none", dtype="bf16"),
         "mha-d64-causal": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
         "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
-    }
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
-
-    def standalone_entry_point(self, spec, tuned, device, *, template_hash, triton_version) -> str:
-        from tilegen.families.attention_fwd.standalone import entry_point
-
-        return entry_point(
-            spec, tuned, self.default_rule(spec, device), self.buckets,
-            device=device, template_hash=template_hash, triton_version=triton_version,
-        )
+    },
+    standalone=entry_point,
+)

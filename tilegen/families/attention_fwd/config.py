@@ -44,8 +44,8 @@ class Config(TileConfig):
     # allow one (16-byte aligned base and strides, contiguous head dim); else through pointers.
     tma: int = 0
     # A Gluon kernel (Hopper wgmma, its pipeline written out) on TMA descriptors, where the call allows
-    # descriptors and a positive scale; else the Triton kernel. 1: one partition (common/attention_wgmma);
-    # 2: warp-specialized, a loader warp and two consumer warpgroups (common/attention_wgmma_ws), or three
+    # descriptors and a positive scale; else the Triton kernel. 1: one partition (attention_fwd/attention_wgmma);
+    # 2: warp-specialized, a loader warp and two consumer warpgroups (attention_fwd/attention_wgmma_ws), or three
     # at BM192 (d64);
     # 3: as 2, the consumers taking turns at the tensor cores (ping-pong).
     wgmma: int = 0

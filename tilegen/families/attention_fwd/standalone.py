@@ -15,16 +15,18 @@ from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.spec import AttentionSpec
-from tilegen.families.buckets import Buckets
+from tilegen.families.base import Family
 from tilegen.triton_internals.interpreter import mend_interpreter
 
 __all__ = ["entry_point"]
 
 
 def entry_point(
-    spec: AttentionSpec, tuned: dict[int, tuple[Config, str]], defaults: list[tuple[int | None, Config]],
-    buckets: Buckets, *, device: DeviceInfo, template_hash: str, triton_version: str,
+    family: Family, spec: AttentionSpec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,
+    template_hash: str, triton_version: str,
 ) -> str:
+    """The family's ``standalone``: what ``tilegen emit --tuned`` appends to the generated module."""
+    defaults, buckets = family.default_rule(spec, device), family.buckets
     table = "".join(f"\n    {b}: {config.to_dict()!r},  # {source}" for b, (config, source) in sorted(tuned.items()))
     return _STANDALONE.substitute(
         device=device.key,

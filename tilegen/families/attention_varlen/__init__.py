@@ -17,25 +17,24 @@ from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 
-__all__ = ["AttentionVarlen", "VarlenAttentionSpec", "VarlenProblem"]
+__all__ = ["FAMILY", "VarlenAttentionSpec", "VarlenProblem"]
 
 
-class AttentionVarlen(Family):
-    name = "attention_varlen"
-    spec_type = VarlenAttentionSpec
-    config_type = TileConfig
-    template = "attention_varlen.py.jinja"
+FAMILY = Family(
+    name="attention_varlen",
+    spec_type=VarlenAttentionSpec,
+    config_type=TileConfig,
+    template="attention_varlen.py.jinja",
     # The longest sequence sets how many tiles and key blocks the longest programs run.
-    buckets = PowerOfTwoBuckets("longest sequence")
-    presets = {
+    buckets=PowerOfTwoBuckets("longest sequence"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=VarlenProblem,
+    presets={
         "varlen-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
         "paged16-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
                                              kv_layout="paged", page_size=16),
-    }
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(VarlenProblem.for_bucket)
+    },
+)

@@ -21,22 +21,21 @@ from tilegen.families.blockwise_ffn.problem import Problem
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
 from tilegen.families.buckets import PowerOfTwoBuckets
 
-__all__ = ["BlockwiseFFN", "BlockwiseFFNSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "BlockwiseFFNSpec", "Config", "Problem"]
 
 
-class BlockwiseFFN(Family):
-    name = "blockwise_ffn"
-    spec_type = BlockwiseFFNSpec
-    config_type = Config
-    template = "blockwise_ffn.py.jinja"
+FAMILY = Family(
+    name="blockwise_ffn",
+    spec_type=BlockwiseFFNSpec,
+    config_type=Config,
+    template="blockwise_ffn.py.jinja",
     # A call is bucketed by its token rows: the matmuls' M and the number of fusion blocks.
-    buckets = PowerOfTwoBuckets("tokens")
-    presets = {"llama3-8b-ffn": BlockwiseFFNSpec(d_model=4096, d_ffn=14336, norm="rmsnorm", ffn="swiglu",
-                                                 dtype="bf16")}
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
+    buckets=PowerOfTwoBuckets("tokens"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={"llama3-8b-ffn": BlockwiseFFNSpec(d_model=4096, d_ffn=14336, norm="rmsnorm", ffn="swiglu",
+                                               dtype="bf16")},
+)

@@ -10,7 +10,6 @@ the page table, so the launch needs no host-side map and no synchronization. Fil
 
 from __future__ import annotations
 
-
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.families.kv_append import config as _config
@@ -19,23 +18,22 @@ from tilegen.families.kv_append.lower import lower as _lower
 from tilegen.families.kv_append.problem import Problem
 from tilegen.families.kv_append.spec import KVAppendSpec
 
-__all__ = ["KVAppend", "KVAppendSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "KVAppendSpec", "Config", "Problem"]
 
 
-class KVAppend(Family):
-    name = "kv_append"
-    spec_type = KVAppendSpec
-    config_type = Config
-    template = "kv_append.py.jinja"
+FAMILY = Family(
+    name="kv_append",
+    spec_type=KVAppendSpec,
+    config_type=Config,
+    template="kv_append.py.jinja",
     # A call is bucketed by its new tokens (all sequences together): that is the grid's size.
-    buckets = PowerOfTwoBuckets("new tokens")
-    presets = {
+    buckets=PowerOfTwoBuckets("new tokens"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={
         "append-d128-p16": KVAppendSpec(head_dim=128, page_size=16, dtype="bf16"),
-    }
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
+    },
+)

@@ -10,7 +10,6 @@ block of (token, head) rows, each whole in registers. Files: ``spec`` (dtype, he
 
 from __future__ import annotations
 
-
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.families.merge_states import config as _config
@@ -19,21 +18,20 @@ from tilegen.families.merge_states.lower import lower as _lower
 from tilegen.families.merge_states.problem import Problem
 from tilegen.families.merge_states.spec import MergeStatesSpec
 
-__all__ = ["MergeStates", "MergeStatesSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "MergeStatesSpec", "Config", "Problem"]
 
 
-class MergeStates(Family):
-    name = "merge_states"
-    spec_type = MergeStatesSpec
-    config_type = Config
-    template = "merge_states.py.jinja"
+FAMILY = Family(
+    name="merge_states",
+    spec_type=MergeStatesSpec,
+    config_type=Config,
+    template="merge_states.py.jinja",
     # A call is bucketed by its rows (tokens x heads): that is the grid's size.
-    buckets = PowerOfTwoBuckets("rows")
-    presets = {"merge-d128": MergeStatesSpec(head_dim=128, dtype="bf16")}
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
+    buckets=PowerOfTwoBuckets("rows"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={"merge-d128": MergeStatesSpec(head_dim=128, dtype="bf16")},
+)

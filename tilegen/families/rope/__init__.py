@@ -21,20 +21,20 @@ from tilegen.families.rope.lower import lower as _lower
 from tilegen.families.rope.problem import Problem
 from tilegen.families.rope.spec import RopeSpec
 
-__all__ = ["Config", "Problem", "Rope", "RopeSpec"]
+__all__ = ["FAMILY", "Config", "Problem", "RopeSpec"]
 
 
-class Rope(Family):
-    name = "rope"
-    spec_type = RopeSpec
-    config_type = Config
-    template = "rope.py.jinja"
+FAMILY = Family(
+    name="rope",
+    spec_type=RopeSpec,
+    config_type=Config,
+    template="rope.py.jinja",
     # A call is bucketed by its rows (tokens x heads): that is the grid's size.
-    buckets = PowerOfTwoBuckets("rows")
-    presets = {"rope-d128": RopeSpec(head_dim=128, dtype="bf16")}
-
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
+    buckets=PowerOfTwoBuckets("rows"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={"rope-d128": RopeSpec(head_dim=128, dtype="bf16")},
+)

@@ -19,37 +19,32 @@ so it lives above them, in ``tilegen.layers``, not among the kernel families.
 from __future__ import annotations
 
 from tilegen.families.base import Family
-from tilegen.families.registry import register
+from tilegen.families.buckets import PowerOfTwoBuckets
 from tilegen.layers.family import config as _config
 from tilegen.layers.family.config import Config
 from tilegen.layers.family.lower import lower as _lower
 from tilegen.layers.family.problem import Problem
 from tilegen.layers.family.spec import BlockwiseLayerSpec
-from tilegen.families.buckets import PowerOfTwoBuckets
 
-__all__ = ["FAMILY", "BlockwiseLayerFamily", "BlockwiseLayerSpec", "Config", "Problem"]
+__all__ = ["FAMILY", "BlockwiseLayerSpec", "Config", "Problem"]
 
 
-class BlockwiseLayerFamily(Family):
-    name = "blockwise_layer"
-    spec_type = BlockwiseLayerSpec
-    config_type = Config
-    template = "blockwise_layer.py.jinja"
+FAMILY = Family(
+    name="blockwise_layer",
+    spec_type=BlockwiseLayerSpec,
+    config_type=Config,
+    template="blockwise_layer.py.jinja",
     # A call is bucketed by its tokens (per sequence of a batch): they set the number of query blocks.
-    buckets = PowerOfTwoBuckets("tokens")
-    presets = {
+    buckets=PowerOfTwoBuckets("tokens"),
+    lower=_lower,
+    search_space=_config.search_space,
+    feasible=_config.feasible,
+    default_rule=_config.default_rule,
+    problem_type=Problem,
+    presets={
         "llama3-8b-layer": BlockwiseLayerSpec(d_model=4096, d_ffn=14336, heads_q=32, head_dim=128, q_per_kv=4,
                                               dtype="bf16"),
         # Small enough for the interpreter: a tune of a few configs takes seconds without a GPU.
         "tiny-layer": BlockwiseLayerSpec(d_model=32, d_ffn=48, heads_q=4, head_dim=16, q_per_kv=2, dtype="fp32"),
-    }
-
-    # The family's parts are its modules' functions.
-    lower = staticmethod(_lower)
-    search_space = staticmethod(_config.search_space)
-    feasible = staticmethod(_config.feasible)
-    default_rule = staticmethod(_config.default_rule)
-    problem = staticmethod(Problem.for_bucket)
-
-
-FAMILY = register(BlockwiseLayerFamily())
+    },
+)

@@ -1,4 +1,4 @@
-"""The spec of the row-softmax test family."""
+"""The spec of the row-softmax family."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The float64 reference of the row-softmax test family."""
+"""The float64 reference of the row-softmax family."""
 
 from __future__ import annotations
 
