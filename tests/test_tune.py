@@ -204,9 +204,9 @@ def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_o
     db = tmp_path / "tuning.sqlite"
     studies = studies_url(db)
     cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3")
-    default = str(FAMILY.default_config(SPEC, CPU_INTERPRETER, 32))
+    default = str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 32))
     # The warm start's default is measured first; whichever config the sampler proposes next is in flight.
-    slow = {str(c): "sleep:600" for c in FAMILY.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
+    slow = {str(c): "sleep:600" for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
     proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -247,7 +247,7 @@ def _config_of(params: dict) -> str:
     """The label of the config a TPE trial's parameters name."""
     from tilegen.tuning.tuner import _Knobs
 
-    knobs = _Knobs(Config, FAMILY.search_space(SPEC, CPU_INTERPRETER))
+    knobs = _Knobs(Config, ATTENTION_FWD.search_space(SPEC, CPU_INTERPRETER))
     return str(knobs.config_of(params))
 
 
