@@ -329,8 +329,6 @@ class Launcher:
     directly (``direct``, the same signature); ``replay`` makes a plan's recorder."""
 
     def __init__(self, module: types.ModuleType, direct: bool = True):
-        from triton.runtime.jit import JITFunction
-
         self.module = module
         self.jit = module.launch
         self.reason = support() if direct else "asked for launches through the JIT"
@@ -341,6 +339,8 @@ class Launcher:
         if self.reason is not None:
             warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
             return
+        from triton.runtime.jit import JITFunction
+
         variant = gate.internals()
         launch = self.jit
         names = set(launch.__code__.co_names)
