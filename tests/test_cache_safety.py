@@ -199,6 +199,8 @@ def _record(**changes) -> str:
     _record(constexprs=[[[True], 64]]),
     _record(constexprs=[[[-1], 64]]),
     _record(constexprs=[[[2], {"a": 1}]]),
+    _record(constexprs=[[[2], 64], [[2], 32]]),
+    _record(signature=[["q", "*bf16"], ["q", "i32"]]),
     _record(attrs=[[[0], [["tt.divisibility"]]]]),
     _record(attrs=[[[0], [[16, "tt.divisibility"]]]]),
     _record(tail=[[1, "num_warps"]]),

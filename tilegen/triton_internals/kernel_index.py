@@ -153,8 +153,10 @@ def decode(text: str | bytes):
             and _pairs(attrs, lambda k, v: _path(k) and _pairs(v, lambda a, x: type(a) is str and _scalar(x)))
             and _pairs(tail, lambda named, v: type(named) is bool and (type(v) is str if named else _scalar(v)))):
         return None
-    return (hash_, name, dict(signature), {tuple(k): v for k, v in constexprs},
-            {tuple(k): v for k, v in attrs}, tuple(tuple(item) for item in tail))
+    decoded = dict(signature), {tuple(k): v for k, v in constexprs}, {tuple(k): v for k, v in attrs}
+    if any(len(d) != len(pairs) for d, pairs in zip(decoded, (signature, constexprs, attrs))):
+        return None  # a key twice: which one Triton was given cannot be told
+    return (hash_, name, *decoded, tuple(tuple(item) for item in tail))
 
 
 def load(fn, device: int, fingerprint: Any):
@@ -172,9 +174,11 @@ def load(fn, device: int, fingerprint: Any):
         return None
     except OSError:
         return None
-    if found is None or found[1] != fn.__name__:
+    if found is None:
         return None
     hash_, name, signature, constexprs, attrs, tail = found
+    if name != fn.__name__ or list(signature) != [p.name for p in fn.params]:
+        return None  # another kernel's record: its launcher would lay the arguments out otherwise
     from triton.compiler.compiler import ASTSource, CompiledKernel
     from triton.runtime.cache import get_cache_manager
 

@@ -32,12 +32,13 @@ _lock = threading.Lock()
 
 def _work() -> None:
     try:
+        from triton.runtime import cache  # once this returns, Triton is imported whole, whichever thread began it
+
         from tilegen.triton_internals import gate
 
         # Asked here, off the importing thread: the launches ask it again, answered by then.
         if gate.reason() is not None:
             return  # another Triton's cache may key on other things: leave its first launch to it
-        from triton.runtime import cache
 
         key = getattr(cache, "triton_key", None)
         if callable(key):
