@@ -355,3 +355,50 @@ def test_direct_launches_on_the_gpu_give_the_jits_results(monkeypatch):
         for result, result_lse in direct:
             torch.testing.assert_close(result, out, rtol=0, atol=0)
             torch.testing.assert_close(result_lse, lse, rtol=0, atol=0)
+
+
+_GPU_PROCESS = """
+import json, torch
+from triton.runtime import jit
+import tilegen
+from tilegen.triton_internals import gate
+
+gate.internals()  # looked at before the counting wrapper below, as the unwrapped Triton is the one to recognise
+runs, run = [0], jit.JITFunction.run
+
+
+def counting(self, *args, **kwargs):
+    runs[0] += 1
+    return run(self, *args, **kwargs)
+
+
+jit.JITFunction.run = counting
+gen = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+out = tilegen.attention(q, k, v, causal=True)
+print(json.dumps({"runs": runs[0], "out": out.float().sum().item()}))
+"""
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_new_process_launches_from_json_records_and_falls_back_past_spoilt_ones(tmp_path):
+    if not isinstance(gate.internals(), gate.Variant):
+        pytest.skip(f"Triton {triton.__version__}: the index is unused")
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(TILEGEN_CACHE_DIR=str(tmp_path / "cache"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
+                   TILEGEN_DB=str(tmp_path / "tuning.sqlite"))
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", _GPU_PROCESS], env=environ, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["runs"] >= 1
+    records = list((tmp_path / "cache" / "kernels").glob("*.json"))
+    assert records and all(r.stat().st_mode & 0o777 == 0o600 for r in records)
+    assert run() == {**first, "runs": 0}  # from the index: no launch through the JIT, the same result
+    for path in records:
+        path.write_text("[]")
+    assert run() == first  # every record refused: through the JIT as in the first process
