@@ -279,6 +279,8 @@ def test_fingerprint_model_agrees_with_triton(flags):
     """``_agrees`` is what lets an entry be kept: it must accept Triton's own specialization of
     every kind of value the fingerprint classifies, and the fingerprint must separate values
     that Triton specializes differently."""
+    if gate.reason() is not None:
+        pytest.skip(f"the model serves direct launches only, off here: {gate.reason()}")
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
