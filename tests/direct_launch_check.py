@@ -7,6 +7,10 @@ made here is checked twice: its launches must be exactly those that the generate
 makes through ``JITFunction.run`` on the same arguments, and each call must go through the
 JIT only when something that decides the specialization is new (counted, and asserted per
 call). Prints one ``ok <case>`` line per case.
+
+On a Triton whose internals tilegen does not recognise (a real one, or ``fake_cuda``'s
+``FAKE_CUDA_UNKNOWN_TRITON=1``) it runs the ``unrecognised`` case alone: every op, every
+launch through the JIT, and none of the other pieces at work.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import torch
 from fake_cuda import JIT_RUNS, LAUNCHES
 
 import tilegen
-from tilegen import dispatch
-from tilegen.triton_internals import launch
+from tilegen import dispatch, env
 from tilegen.codegen import module_for
+from tilegen.triton_internals import gate, launch
 
 _replay_call = launch.Replay.__call__
 CHECKED = [0]
@@ -143,22 +147,67 @@ def case_paged_prefill() -> None:
 
 
 def case_jit_only() -> None:
-    """TILEGEN_DIRECT_LAUNCH=0, and Triton internals not recognised: every launch through the JIT."""
+    """TILEGEN_DIRECT_LAUNCH=0: every launch through the JIT."""
     fresh(direct=False)
     assert dispatch.launcher_for(_spec()).direct is dispatch.launcher_for(_spec()).jit
     for _ in range(3):
         assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))) == 1
     fresh()
-    saved = launch._internals
-    launch._internals = lambda: "Triton 9.9: JITFunction.run is not one this module knows"
-    try:
-        assert "not one this module knows" in launch.support()
-        for _ in range(3):
-            assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64),
-                                                      bf16(1, 8, 16, 64))) == 1
-    finally:
-        launch._internals = saved
     assert launch.support() is None
+
+
+def unrecognised() -> None:
+    """A Triton whose internals tilegen does not know: every op's every launch goes through
+    ``JITFunction.run``, no kernel is launched directly, the kernel index records nothing, the
+    warm-up does none of its work and compile-ahead starts no process."""
+    from triton.runtime import cache as triton_cache
+
+    from tilegen.triton_internals import compile_only, warmup
+    from tilegen.tuning.compile_ahead import CompileAhead
+
+    reason = gate.reason()
+    assert reason and launch.support() == reason, (reason, launch.support())
+    warmup.wait()
+    if hasattr(triton_cache.triton_key, "cache_info"):  # nothing else has launched yet
+        assert triton_cache.triton_key.cache_info().currsize == 0, "the warm-up ran on an unrecognised Triton"
+    assert CompileAhead(2).processes == 0
+    try:
+        compile_only.enable()
+    except RuntimeError as error:
+        assert reason in str(error)
+    else:
+        raise AssertionError("compile-only mode enabled on an unrecognised Triton")
+
+    launch.Replay.__call__ = _replay_call  # launches counted as made, not compared (and removed) by _checked_call
+    fresh()
+    assert dispatch.launcher_for(_spec()).direct is dispatch.launcher_for(_spec()).jit
+    decode = tilegen.PagedDecode()
+    decode.plan(_cache(), heads_q=8, num_splits=3, return_lse=True)
+    prefill = tilegen.PagedAttention()
+    prefill.plan(torch.tensor([0, 3, 7], dtype=torch.int32), _cache(), heads_q=8, causal=True, max_seqlen_q=4,
+                 max_seqlen_k=48)
+    fp32 = lambda *shape: torch.randn(*shape)  # noqa: E731
+    calls = {
+        "dense": lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64)),
+        "dense causal lse": lambda: tilegen.attention(bf16(1, 8, 40, 64), bf16(1, 8, 40, 64), bf16(1, 8, 40, 64),
+                                                      causal=True, return_lse=True),
+        "decode route": lambda: tilegen.attention(bf16(2, 8, 2, 64), bf16(2, 2, 40, 64), bf16(2, 2, 40, 64),
+                                                  causal=True),
+        "paged decode, split": lambda: decode.run(bf16(2, 8, 64), _cache()),
+        "paged prefill": lambda: prefill.run(bf16(7, 8, 64), _cache()),
+        "rope": lambda: tilegen.apply_rope(bf16(5, 8, 64), fp32(5, 64), fp32(5, 64)),
+        "merge": lambda: tilegen.merge_states(bf16(5, 8, 64), fp32(5, 8), bf16(5, 8, 64), fp32(5, 8)),
+        "kv append": lambda: tilegen.append_kv(_cache(), bf16(3, 2, 64), bf16(3, 2, 64),
+                                               torch.tensor([0, 2, 3], dtype=torch.int32)),
+    }
+    for name, call in calls.items():
+        for time in ("first", "again"):
+            launches = len(LAUNCHES)
+            runs = jit_runs(call)
+            made = len(LAUNCHES) - launches
+            assert made >= 1 and runs == made, f"{name} ({time}): {made} launches, {runs} through the JIT"
+    index = env.cache_dir() / "kernels"
+    assert not index.exists() or not any(index.iterdir()), f"kernel index records: {list(index.iterdir())}"
 
 
 def case_disagreement() -> None:
@@ -190,11 +239,11 @@ def case_state() -> None:
         assert jit_runs(call) == 0  # the checked call compares the hooks and metadata passed
     finally:
         knobs.runtime.launch_enter_hook.remove(seen.append)
-    state = launch._state(launch._internals())
+    state = launch._state(gate.internals())
     old = knobs.runtime.debug
     knobs.runtime.debug = not old
     try:
-        assert launch._state(launch._internals()) != state
+        assert launch._state(gate.internals()) != state
     finally:
         knobs.runtime.debug = old
 
@@ -246,8 +295,10 @@ def case_tma() -> None:
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
-    if not isinstance(fake_cuda.INTERNALS, launch._Variant):
-        print("not recognised:", fake_cuda.INTERNALS)
+    if not isinstance(fake_cuda.INTERNALS, gate.Variant):
+        print("not recognised:", fake_cuda.INTERNALS, flush=True)
+        unrecognised()
+        print("ok unrecognised", flush=True)
         sys.exit(0)
     for name in sys.argv[1:] or CASES:
         CASES[name]()

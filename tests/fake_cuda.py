@@ -6,6 +6,10 @@ recorded in ``LAUNCHES`` instead of reaching a GPU (the arguments as the kernel'
 receives them, tensors as their data pointer and dtype). ``JIT_RUNS`` counts the launches
 that went through ``JITFunction.run``. The ops are let take CPU tensors as under the
 interpreter, so whole calls run, with the configs they would use there.
+
+With ``FAKE_CUDA_UNKNOWN_TRITON=1`` tilegen first sees Triton with ``JITFunction.run`` already
+wrapped (by the counting wrapper below), a method whose source it does not know: what a
+Triton it was not written against looks like to ``tilegen.triton_internals.gate``.
 """
 
 import os
@@ -19,13 +23,25 @@ from triton.runtime import jit
 from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilegen.triton_internals import launch
-
-# Read before JITFunction.run is wrapped below, as the unwrapped Triton is the one to recognise.
-INTERNALS = launch._internals()
-
 LAUNCHES: list[tuple] = []
 JIT_RUNS = [0]
+UNKNOWN_TRITON = os.environ.get("FAKE_CUDA_UNKNOWN_TRITON") == "1"
+
+_jit_run = jit.JITFunction.run
+
+
+def _counting_run(self, *args, **kwargs):
+    JIT_RUNS[0] += 1
+    return _jit_run(self, *args, **kwargs)
+
+
+if UNKNOWN_TRITON:  # before tilegen's import, whose warm-up thread asks the gate at once
+    jit.JITFunction.run = _counting_run
+
+from tilegen.triton_internals import gate  # noqa: E402
+
+# Otherwise read before JITFunction.run is wrapped below, as the unwrapped Triton is the one to recognise.
+INTERNALS = gate.internals()
 
 
 class FakeDriver:
@@ -66,23 +82,16 @@ def _init_handles(self):
     self._run = run
 
 
-_jit_run = jit.JITFunction.run
-
-
-def _counting_run(self, *args, **kwargs):
-    JIT_RUNS[0] += 1
-    return _jit_run(self, *args, **kwargs)
-
-
 compiler.CompiledKernel._init_handles = _init_handles
 jit.JITFunction.run = _counting_run
 driver.set_active(FakeDriver())
 
 # After the patches: the ops check the device as under the interpreter.
-import tilegen.ops.attention
-import tilegen.ops.decode
-import tilegen.ops.tensors
-import tilegen.ops.varlen
+import tilegen.ops.append  # noqa: E402
+import tilegen.ops.attention  # noqa: E402
+import tilegen.ops.decode  # noqa: E402
+import tilegen.ops.tensors  # noqa: E402
+import tilegen.ops.varlen  # noqa: E402
 
-for _op in (tilegen.ops.attention, tilegen.ops.decode, tilegen.ops.tensors, tilegen.ops.varlen):
+for _op in (tilegen.ops.append, tilegen.ops.attention, tilegen.ops.decode, tilegen.ops.tensors, tilegen.ops.varlen):
     _op.interpreting = lambda: True

@@ -1,16 +1,19 @@
 """The kernel index across processes, with kernels compiled for sm90 and no GPU (``fake_cuda``).
 
-    python tests/kernel_index_check.py record|reuse
+    python tests/kernel_index_check.py record|reuse|fallback
 
 Run twice with one TILEGEN_CACHE_DIR and one TRITON_CACHE_DIR (``tests/test_launch.py`` does):
 ``record`` makes each call's first launch through the JIT, ``reuse`` (a new process) must make
-none, loading the kernels the index names from Triton's cache. Every call's launches are
-also compared with the generated launcher's through the JIT on the same arguments
-(``direct_launch_check``). Prints ``ok <phase> <JIT launches>``.
+none, loading the kernels the index names from Triton's cache; ``fallback``, after the records
+were spoilt, must make as many as ``record`` did, every kernel's record refused. Every call's
+launches are also compared with the generated launcher's through the JIT on the same
+arguments (``direct_launch_check``). Prints ``ok <phase> <JIT launches>`` and, for ``record``,
+a JSON line of each call's.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import direct_launch_check as check  # the fake driver, and launches compared with the JIT's
@@ -18,8 +21,8 @@ from fake_cuda import INTERNALS
 
 import tilegen
 from tilegen import dispatch
-from tilegen.triton_internals import launch
 from tilegen.codegen import module_for
+from tilegen.triton_internals import gate
 from tilegen.families.attention_fwd import AttentionSpec
 
 
@@ -45,20 +48,25 @@ def calls():
 
 
 if __name__ == "__main__":
-    if not isinstance(INTERNALS, launch._Variant):
+    if not isinstance(INTERNALS, gate.Variant):
         print("not recognised:", INTERNALS)
         sys.exit(0)
     phase = sys.argv[1]
     check.fresh()
-    total = 0
+    total, per_call = 0, {}
     for name, call in calls():
-        runs = check.jit_runs(call)
+        runs = per_call[name] = check.jit_runs(call)
         total += runs
         if phase == "reuse":
             assert runs == 0, f"{name}: {runs} launches through the JIT in a process that should find them indexed"
+        elif phase == "fallback":
+            want = json.loads(sys.argv[2])[name]
+            assert runs == want, f"{name}: {runs} launches through the JIT where every record is spoilt, not {want}"
         else:
             assert runs >= 1, f"{name}: no launch through the JIT in a fresh cache"
         # A second call replays what the first recorded.
         assert check.jit_runs(call) == 0, f"{name}: the second call went through the JIT"
     assert check.CHECKED[0] >= 8, check.CHECKED[0]
+    if phase == "record":
+        print(json.dumps(per_call))
     print("ok", phase, total, flush=True)

@@ -23,6 +23,7 @@ from tilegen.db import TuningDB
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
 from tilegen.families.attention_fwd import AttentionSpec
+from tilegen.triton_internals import gate
 from tilegen.tuning import compile_ahead, tuner
 from tilegen.tuning.tuner import Tuner
 
@@ -59,6 +60,11 @@ def rounds(tmp_path_factory):
 
 def test_the_worker_launch_finds_every_kernel_the_pool_compiled(rounds):
     ahead, warm, cold, before, after = rounds
+    if gate.reason() is not None:
+        # A Triton whose internals tilegen does not know: no process, and the launch compiles each kernel.
+        assert ahead["started"] == [] and ahead["reports"] == []
+        assert warm["built"] == cold["built"] >= 3 and warm["launches"] == cold["launches"]
+        return
     assert ahead["started"] == ["fork"]
     # The first config of each bucket was waited for and compiled; the third (broken), which no
     # process took up at once, was not waited for; waiting kept every report for ``reports``.
@@ -75,6 +81,9 @@ def test_the_worker_launch_finds_every_kernel_the_pool_compiled(rounds):
 
 def test_a_config_that_fails_to_compile_in_the_pool_is_left_to_the_worker(rounds):
     ahead, warm, cold, _, _ = rounds
+    if gate.reason() is not None:  # no pool on this Triton: the launch meets each error itself
+        assert warm["errors"] == cold["errors"] and [e for _, e in cold["errors"]] == ["AssertionError"] * 2
+        return
     failed = [(config, status) for _, config, status, _ in ahead["reports"] if status != "ok"]
     assert len(failed) == 2 and all("num_warps" in status for _, status in failed)
     # The pool carried on with the next configs, and the launch meets the error it would meet anyway.

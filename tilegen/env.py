@@ -13,7 +13,8 @@ _PACKAGE = Path(__file__).resolve().parent
 
 
 def cache_dir() -> Path:
-    """Where generated kernel sources go (``TILEGEN_CACHE_DIR`` overrides)."""
+    """Where generated kernel sources and the kernel index go (``TILEGEN_CACHE_DIR`` overrides); made
+    private to the user, and not trusted where another user could write to it (``tilegen.files``)."""
     override = os.environ.get("TILEGEN_CACHE_DIR")
     return Path(override) if override else Path(platformdirs.user_cache_dir("tilegen"))
 

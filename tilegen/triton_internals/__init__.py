@@ -1,14 +1,21 @@
 """Everything of tilegen that reads Triton's private internals, behind one gate.
 
-Triton's public surface (``triton.jit``, ``triton.language``, ``triton.testing``) is used
-everywhere; what Triton does not promise to keep is used only here:
+Triton's public surface (``triton.jit``, ``triton.language``, ``triton.testing``,
+``triton.tools.tensor_descriptor``, ``triton.experimental.gluon``) is used everywhere; what
+Triton does not promise to keep is used only here:
 
-- ``launch``: launching compiled kernels without ``JITFunction.run``'s per-call work, on the
-  Triton versions whose launch path it recognises (``launch.support()`` says why not elsewhere);
+- ``gate``: whether the installed Triton's internals are the ones tilegen was written
+  against (recognised by the source of ``JITFunction.run`` and of the members the other
+  pieces touch), asked by every piece below before it reads or patches anything;
+- ``launch``: launching compiled kernels without ``JITFunction.run``'s per-call work
+  (``launch.support()`` says why not, where not);
 - ``kernel_index``: finding a compiled kernel again in a new process without the JIT;
 - ``warmup``: Triton's one-time per-process work, done in the background;
-- ``interpreter``: fixes to Triton's CPU interpreter that the kernels need.
+- ``compile_only``: compile-ahead's processes, which compile kernels without launching them;
+- ``interpreter``: fixes to Triton's CPU interpreter that the kernels need, each applied where
+  a probe shows its bug (on any Triton, recognised or not).
 
-On a Triton whose internals are not recognised, each piece steps aside and every kernel
-launches through the JIT, as plain Triton code would.
+On a Triton whose internals are not recognised, each piece steps aside: every kernel launches
+through the JIT, as plain Triton code would, the index is neither read nor written, the
+warm-up does nothing, and compile-ahead starts no process (saying so once in the log).
 """

@@ -9,7 +9,11 @@ Two interpreter bugs matter to tilegen's kernels; Triton 3.6.0, 3.8.0 and 3.9.0 
 The generated kernels must stay the ones the GPU compiles, so the interpreter is mended
 instead: bf16 dot operands are widened to fp32 (exact) and the cast rounds as the GPU
 does. Each fix is applied only when a probe on the installed Triton shows its bug, so a
-Triton that fixes one keeps its own code.
+Triton that fixes one keeps its own code. The probes, not the version gate
+(``tilegen.triton_internals.gate``), decide: a Triton whose launch path is not recognised
+may still have these bugs, and its interpreter must then be mended as any other's; an
+interpreter laid out otherwise (no ``InterpreterBuilder``, other method signatures) fails
+its probes and is left alone.
 
 ``mend_interpreter`` imports nothing from tilegen: ``tilegen emit --tuned`` copies its
 source into standalone modules, which must run right under the interpreter too.
@@ -34,9 +38,12 @@ def check_interpreter() -> None:
     ones and fails with "Cannot call @triton.jit'd outside of the scope of a kernel".
     """
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tl.standard.sum, InterpretedFunction):
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # an interpreter laid out otherwise: the check cannot tell, so it says nothing
+        return
+    if not isinstance(getattr(getattr(tl, "standard", None), "sum", None), InterpretedFunction):
         raise InterpreterSetupError(
             "TRITON_INTERPRET=1 was set after triton was imported (import tilegen imports it), so Triton "
             "cannot interpret kernels in this process. Set it before the first import: run "
@@ -57,8 +64,10 @@ def mend_interpreter() -> tuple[str, ...]:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    builder = interpreter.InterpreterBuilder
-    handle = interpreter.TensorHandle
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    handle = getattr(interpreter, "TensorHandle", None)
+    if builder is None or handle is None:
+        return ()  # not the interpreter these fixes were written for: no probe can tell, none applies
 
     def widen(t):
         if t.dtype.scalar != tl.bfloat16:

@@ -24,37 +24,34 @@ Two levels:
   of every tensor and the global state.
 
 Only the Triton versions whose ``JITFunction.run`` this module was written against are
-handled (3.6.0, 3.7.0, 3.7.1, 3.8.0, 3.9.0, recognised by the source of that method); on any
-other, under the interpreter, or with ``TILEGEN_DIRECT_LAUNCH=0``, every launch goes through
-the JIT as before.
+handled (3.6.0, 3.7.0, 3.7.1, 3.8.0, 3.9.0, recognised by the source of that method: see
+``tilegen.triton_internals.gate``); on any other, under the interpreter, or with
+``TILEGEN_DIRECT_LAUNCH=0``, every launch goes through the JIT as before.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import logging
 import operator
 import os
-import textwrap
 import threading
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from triton import knobs
-from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-try:
+try:  # read on every direct launch, so bound here; a Triton without them is not recognised (gate)
+    from triton import knobs
     from triton.knobs import HookChain
-except ImportError:  # a Triton without it is not recognised (_internals) and never launches directly
-    HookChain = None
+    from triton.runtime.driver import driver
+except ImportError:
+    knobs = HookChain = driver = None
 
 from tilegen import env
-from tilegen.triton_internals import kernel_index, warmup
+from tilegen.triton_internals import gate, kernel_index, warmup
+from tilegen.triton_internals.gate import Variant
 
 __all__ = ["DirectKernel", "Launcher", "Replay", "support"]
 
@@ -65,67 +62,16 @@ log = logging.getLogger("tilegen.launch")
 _LIMIT = 512
 
 
-@dataclass(frozen=True)
-class _Variant:
-    """What one recognised ``JITFunction.run`` reads besides its arguments."""
-
-    versions: str
-    options: tuple[str, ...]  # knobs.compilation fields it adds to the options (debug is handled apart)
-    stages_hook: bool  # reads knobs.runtime.add_stages_inspection_hook into the specialization
-
-    @property
-    def fpsan(self) -> bool:
-        return "fpsan_homomorphic_casts" in self.options
-
-
-# sha256 (first 16 hex digits) of textwrap.dedent(inspect.getsource(JITFunction.run)). Each of
-# these was read: the launch is `kernel.run(grid_0, grid_1, grid_2, stream, kernel.function,
-# kernel.packed_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, *bound_args.values())`.
-_VARIANTS = {
-    "291d777295f762fb": _Variant("3.6.0", ("instrumentation_mode",), False),
-    "000dbf129d83a37c": _Variant("3.7.0, 3.7.1, 3.8.0", ("instrumentation_mode",), True),
-    "ff04bcaf80c9b456": _Variant("3.9.0", ("instrumentation_mode", "fpsan_homomorphic_casts"), True),
-}
-# CompiledKernel.run (the property) and CompiledKernel.launch_metadata, the same in all of them.
-_KERNEL_PARTS = {"run": "378fdccf32dfd6d3", "launch_metadata": "56d27a3e3e3a9e5b"}
-
-
-def _source_hash(fn) -> str:
-    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
-
-
-@functools.cache
-def _internals() -> _Variant | str:
-    """The recognised variant of the installed Triton's launch path, or why it is not recognised."""
-    try:
-        import triton
-        from triton.compiler.compiler import CompiledKernel
-        from triton.knobs import HookChain  # noqa: F401  (the hooks' type, read per call)
-        from triton.runtime.jit import JITFunction, compute_cache_key  # noqa: F401
-
-        variant = _VARIANTS.get(_source_hash(JITFunction.run))
-        if variant is None:
-            return f"Triton {triton.__version__}: JITFunction.run is not one this module knows"
-        for name, digest in _KERNEL_PARTS.items():
-            member = inspect.getattr_static(CompiledKernel, name)
-            if _source_hash(member.fget if isinstance(member, property) else member) != digest:
-                return f"Triton {triton.__version__}: CompiledKernel.{name} is not one this module knows"
-        return variant
-    except Exception as error:  # noqa: BLE001 - a Triton laid out differently: launch through the JIT
-        return f"Triton internals not recognised ({type(error).__name__}: {error})"
-
-
 def support() -> str | None:
     """``None`` when kernels can be launched directly here, else the reason they cannot."""
     if env.interpreting():
         return "Triton's interpreter runs the kernels"
     if os.environ.get("TILEGEN_DIRECT_LAUNCH", "1") in ("0", ""):
         return "TILEGEN_DIRECT_LAUNCH=0"
-    found = _internals()
-    return found if isinstance(found, str) else None
+    return gate.reason()
 
 
-def _state(variant: _Variant):
+def _state(variant: Variant):
     """What ``JITFunction.run`` reads from the process on each call, as one hashable tuple;
     ``None`` when something it reads takes us off the direct path."""
     active = driver.active
@@ -216,7 +162,7 @@ def _launch(kernel, grid, grid_0, grid_1, grid_2, stream, quiet, enter, exit_, a
 class DirectKernel:
     """A ``JITFunction`` whose repeated launches skip argument binding: ``kernel[grid](*args, **kwargs)``."""
 
-    def __init__(self, fn, variant: _Variant):
+    def __init__(self, fn, variant: Variant):
         self.fn = fn
         self.variant = variant
         self.params = list(fn.params)
@@ -383,8 +329,6 @@ class Launcher:
     directly (``direct``, the same signature); ``replay`` makes a plan's recorder."""
 
     def __init__(self, module: types.ModuleType, direct: bool = True):
-        from triton.runtime.jit import JITFunction
-
         self.module = module
         self.jit = module.launch
         self.reason = support() if direct else "asked for launches through the JIT"
@@ -395,7 +339,9 @@ class Launcher:
         if self.reason is not None:
             warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
             return
-        variant = _internals()
+        from triton.runtime.jit import JITFunction
+
+        variant = gate.internals()
         launch = self.jit
         names = set(launch.__code__.co_names)
         for name, value in vars(module).items():
@@ -525,7 +471,7 @@ class Replay:
         self.launcher = launcher
         self.kwargs = kwargs
         self.views = views
-        self.variant = None if launcher.reason is not None or not launcher._replayable else _internals()
+        self.variant = None if launcher.reason is not None or not launcher._replayable else gate.internals()
         self.recordings: dict[Any, _Recording | None] = {}
 
     def __call__(self, key, *args) -> None:

@@ -14,8 +14,8 @@ Both are pure functions of the installed Triton, so a daemon thread started at i
 them while the process goes on importing and setting up (hashing releases the GIL). A launch
 through the JIT waits for the thread first, so the work is never done twice; a launch that
 the kernel index (``tilegen.triton_internals.kernel_index``) serves needs neither, and does not wait. On a
-Triton without these internals the thread does nothing; under the interpreter, which
-compiles nothing, it is not started.
+Triton whose internals are not recognised (``tilegen.triton_internals.gate``) the thread
+does nothing else; under the interpreter, which compiles nothing, it is not started.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ _lock = threading.Lock()
 
 def _work() -> None:
     try:
-        from triton.runtime import cache
+        from triton.runtime import cache  # once this returns, Triton is imported whole, whichever thread began it
+
+        from tilegen.triton_internals import gate
+
+        # Asked here, off the importing thread: the launches ask it again, answered by then.
+        if gate.reason() is not None:
+            return  # another Triton's cache may key on other things: leave its first launch to it
 
         key = getattr(cache, "triton_key", None)
         if callable(key):

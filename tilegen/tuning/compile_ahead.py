@@ -38,7 +38,10 @@ Triton's one-time costs.
 
 ``TILEGEN_COMPILE_AHEAD=N`` sets the processes per tune process (0: none); by default a tune
 on a GPU uses ``min(8, usable CPUs / 2 / tune processes on the host)``, and the interpreter,
-which compiles nothing, none.
+which compiles nothing, none. What this takes of Triton's internals (compile without
+launching, the driver's questions answered without CUDA) is in
+``tilegen.triton_internals.compile_only``; on a Triton whose internals are not recognised
+there, a pool starts no process, says so once in the log, and the worker compiles each config.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import signal
 import threading
 import time
 
+from tilegen.triton_internals import compile_only
 from tilegen.tuning.process import first_compile
 
 __all__ = ["ENV", "FIRST_WAIT_S", "CompileAhead", "default_processes"]
@@ -69,8 +73,6 @@ _AFTER_S = 10.0
 #: Its worker would compile it itself once warmed up: on the 2-GPU H200 host a compile process
 #: had the first config (BM64-BN128-w4-s3, 1.9-2.1 s to compile) 1.0-1.5 s before the worker.
 FIRST_WAIT_S = 5.0
-#: Kernel calls this process's launches reached (a failure past the first is Triton's, not the inputs').
-_KERNEL_CALLS = [0]
 log = logging.getLogger(__name__)
 
 
@@ -103,6 +105,9 @@ class CompileAhead:
 
     def __init__(self, processes: int, *, after=None):
         self.processes = max(0, int(processes))
+        if self.processes and compile_only.support() is not None:
+            log.warning("%s; each config compiles in the measuring worker", compile_only.support())
+            self.processes = 0
         # A shared flag (the tuning worker's ``cuda_up``) the processes wait for, up to _AFTER_S
         # seconds, before they create a CUDA context (only for a bucket that cannot go on meta
         # tensors): the worker's comes first.
@@ -252,40 +257,6 @@ def _allocate_only():
     return AllocateOnly()
 
 
-def _compile_only() -> None:
-    """Make every ``kernel[grid](...)`` of this process a warmup (compile, launch nothing), and
-    refuse loading a binary, which any real launch needs first."""
-    from triton.compiler import compiler
-    from triton.runtime import jit
-
-    def warmup_item(self, grid):
-        def run(*args, **kwargs):
-            _KERNEL_CALLS[0] += 1
-            return self.run(*args, grid=grid, warmup=True, **kwargs)
-
-        return run
-
-    def refuse(self):
-        raise RuntimeError("a compile-ahead process loads no kernel")
-
-    jit.KernelInterface.__getitem__ = warmup_item
-    compiler.CompiledKernel._init_handles = refuse
-
-
-def _answer_without_cuda(capability: tuple[int, int] | None) -> None:
-    """Answer the questions Triton's JIT asks the driver on every call without starting CUDA:
-    the device is 0 (a tune process sees its one GPU as 0, a one-process tune uses the
-    current one, 0), a warmup launches on no stream, and the capability is the one the tune
-    read from its GPU (left to the driver when not known)."""
-    from triton.runtime.driver import driver
-
-    active = driver.active
-    active.get_current_device = lambda: 0
-    active.get_current_stream = lambda device=None: 0
-    if capability is not None:
-        active.get_device_capability = lambda device=None: capability
-
-
 class _OnMeta:
     """Every tensor built inside lands on torch's meta device: a Problem's inputs and outputs
     with their shapes, dtypes and strides, no memory and no CUDA. Random generators are
@@ -363,18 +334,14 @@ def _warm_up(device: str) -> None:
     even when Triton's cache holds it (the measuring worker compiles it too): a cache hit would
     start none of that."""
     import torch
-    from triton import knobs
 
     start = time.perf_counter()
-    always = knobs.compilation.always_compile
-    knobs.compilation.always_compile = True
     try:
-        first_compile(torch.empty(16, device=device))
+        with compile_only.always_compile():
+            first_compile(torch.empty(16, device=device))
     except Exception as e:  # noqa: BLE001 - only a head start: the first config pays it instead
         log.debug("compile ahead: warm-up failed: %s: %s", type(e).__name__, e)
         return
-    finally:
-        knobs.compilation.always_compile = always
     log.debug("compile ahead: warmed up in %.2f s (%s)", time.perf_counter() - start, device)
 
 
@@ -431,11 +398,15 @@ def _serve(tasks, done, current, parent: int, level: int = logging.WARNING, afte
     # tilegen's own ops go through the JIT (which is in warmup here), never a direct launch.
     os.environ["TILEGEN_DIRECT_LAUNCH"] = "0"
 
-    _compile_only()
+    try:
+        compile_only.enable()
+    except RuntimeError as e:  # a Triton the gate does not know: this process must not launch anything
+        log.warning("%s", e)
+        return
     # The capability comes from the tune once it has read its device; a first task may come first.
     _wait_for(lambda: target is None or target[0] or not tasks.empty())
     try:
-        _answer_without_cuda(tuple(target) if target is not None and target[0] else None)
+        compile_only.answer_without_cuda(tuple(target) if target is not None and target[0] else None)
         on_meta = True
     except Exception as e:  # noqa: BLE001 - a driver of another shape: ask CUDA as the worker does
         log.debug("compile ahead: the driver answers itself (%s: %s)", type(e).__name__, e)
@@ -468,13 +439,13 @@ def _compile(built: _Bucket, config, guard) -> str:
     """Compile one config through the Problem's launch: on meta tensors where the bucket has them,
     else (or where that launch fails) on real ones."""
     if built.meta is not None:
-        _KERNEL_CALLS[0] = 0
+        compile_only.KERNEL_CALLS[0] = 0
         try:
             with guard:
                 built.problem.launch(built.module, config, *built.meta)
             return "ok"
         except Exception as e:
-            if isinstance(e, _Refused) or _KERNEL_CALLS[0]:
+            if isinstance(e, _Refused) or compile_only.KERNEL_CALLS[0]:
                 raise  # the launch computes with torch, or Triton refused the config: the same on any inputs
             log.debug("compile ahead: %s on meta tensors: %s: %s", config, type(e).__name__, e)
     inputs, outputs = built.real_inputs()
