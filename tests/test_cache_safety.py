@@ -18,7 +18,7 @@ import torch
 import triton
 
 import tilegen
-from tilegen import dispatch, env
+from tilegen import dispatch
 from tilegen.codegen import cache, module_for, source_for, source_path
 from tilegen.families.attention_fwd import AttentionSpec
 from tilegen.files import UnsafeError, private_folder, read_private, write_atomically
