@@ -158,7 +158,8 @@ _tables: dict[tuple[Spec, DeviceInfo], Table] = {}
 
 @functools.cache
 def launcher_for(spec: Spec) -> Launcher:
-    """The ``Launcher`` of ``spec``'s generated module (one per process)."""
+    """The ``Launcher`` of ``spec``'s generated module (one per process), made at an op's first plan
+    or a tuning trial: a ``Table`` holds none, so choosing a config renders and imports nothing."""
     return Launcher(module_for(spec))
 
 

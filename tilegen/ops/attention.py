@@ -230,7 +230,8 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
-    """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
+    """Launch the generated kernel for ``spec`` with an explicit config, by the launcher the ops replay
+    (``launch`` replaces it), with no table and so no fallback: the config is the caller's.
 
     The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
     preallocated (poisoned) output. Returns ``(out, lse)``, ``lse`` being ``None`` when the
