@@ -79,10 +79,11 @@ jit.JITFunction.run = _counting_run
 driver.set_active(FakeDriver())
 
 # After the patches: the ops check the device as under the interpreter.
+import tilegen.ops.append
 import tilegen.ops.attention
 import tilegen.ops.decode
 import tilegen.ops.tensors
 import tilegen.ops.varlen
 
-for _op in (tilegen.ops.attention, tilegen.ops.decode, tilegen.ops.tensors, tilegen.ops.varlen):
+for _op in (tilegen.ops.append, tilegen.ops.attention, tilegen.ops.decode, tilegen.ops.tensors, tilegen.ops.varlen):
     _op.interpreting = lambda: True

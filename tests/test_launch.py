@@ -46,8 +46,8 @@ def test_direct_launches_match_the_jit(tmp_path):
         assert triton.__version__ not in KNOWN
         pytest.skip(f"Triton {triton.__version__}: every launch goes through the JIT")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "jit_only", "disagreement", "state",
-                 "direct_kernel", "tma"):
+    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "small_ops", "jit_only", "disagreement",
+                 "state", "direct_kernel", "tma"):
         assert f"ok {case} " in done.stdout
 
 
