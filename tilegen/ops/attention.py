@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tilegen import dispatch
+from tilegen.codegen import module_for
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
@@ -230,8 +231,10 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
-    """Launch the generated kernel for ``spec`` with an explicit config, by the launcher the ops replay
-    (``launch`` replaces it), with no table and so no fallback: the config is the caller's.
+    """Launch the generated kernel for ``spec`` with an explicit config (the tests' entry point), with no
+    table and so no fallback: the config is the caller's. It calls the module's own ``launch``
+    (``launch`` replaces it), which reads the module's globals as they are now: tests patch them
+    (``TMA_MIN_WORK``, say), where a ``Launcher`` launching directly keeps the values it was made with.
 
     The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
     preallocated (poisoned) output. Returns ``(out, lse)``, ``lse`` being ``None`` when the
@@ -244,7 +247,7 @@ def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if out.numel() == 0:
         return out, lse
-    (launch or launcher_for(spec).direct)(
+    (launch or module_for(spec).launch)(
         q, k, v, out, out if lse is None else lse,
         scale=scale, softcap=softcap, window_left=left, window_right=right, **config.to_dict(),
     )
