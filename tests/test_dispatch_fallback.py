@@ -9,6 +9,7 @@ reference's answer, warn once naming the row, and choose the default from then o
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -142,9 +143,8 @@ def varlen(device) -> Poisoned:
 
     def run():
         out = tilegen.varlen_attention(q, k, v, cu_q, cu_k, 17, 17, causal=True)
-        cu = cu_k.tolist()
-        ref, _ = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
-                                  cu_q.cpu(), causal=True)
+        spans = list(itertools.pairwise(cu_k.tolist()))
+        ref, _ = varlen_reference(q, [k[a:b] for a, b in spans], [v[a:b] for a, b in spans], cu_q.cpu(), causal=True)
         return [relative_error(out, ref)[0]]
 
     return Poisoned(spec, 17, TileConfig(48, 16, 4, 1), run, lambda: dispatch.table_on(spec, q.device).choose(17))
@@ -240,7 +240,7 @@ def ffn(device) -> Poisoned:
     spec = BlockwiseFFNSpec(d_model=40, d_ffn=72, dtype="fp32")
     w = random_weights(spec, _gen(), device, torch.float32)
     x = _randn(torch.Generator().manual_seed(1), 17, 40, device=device)
-    weights = dict(w_norm=w.w_norm, w_gate=w.w_gate, w_up=w.w_up, w_down=w.w_down)
+    weights = {"w_norm": w.w_norm, "w_gate": w.w_gate, "w_up": w.w_up, "w_down": w.w_down}
 
     def run():
         ref = ffn_reference(x, w.w_norm, None, w.w_gate, w.w_up, w.w_down, norm="rmsnorm", ffn="swiglu", eps=1e-5)

@@ -47,7 +47,7 @@ from tilegen.ir import Spec
 from tilegen.key import TuningKey
 from tilegen.triton_internals.launch import Launcher
 
-__all__ = ["Choice", "Table", "PlanCache", "launcher_for", "plan_cache", "planned", "table_for", "table_on", "reset",
+__all__ = ["Choice", "PlanCache", "Table", "launcher_for", "plan_cache", "planned", "reset", "table_for", "table_on",
            "tune_command"]
 
 _warned: set[str] = set()

@@ -119,8 +119,9 @@ class PagedDecode:
             cache.validate()
         launcher = launcher_for(spec)
         batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
-        layout = dict(heads_q=heads_q, batch=batch, cache_layout=cache._layout, q_shape=(batch, heads_q, spec.head_dim),
-                      out_shape=(batch, heads_q, spec.dv), out_like_q=spec.dv == spec.head_dim)
+        layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout,
+                  "q_shape": (batch, heads_q, spec.head_dim), "out_shape": (batch, heads_q, spec.dv),
+                  "out_like_q": spec.dv == spec.head_dim}
 
         def make(choice: dispatch.Choice) -> _Plan:
             config = choice.config
