@@ -146,6 +146,30 @@ def case_paged_prefill() -> None:
         assert got == expected, (got, expected)
 
 
+def case_small_ops() -> None:
+    """rope, merge_states and append_kv replay like attention: new strides or alignment go through the JIT once."""
+    fresh()
+    x, cos, sin = bf16(17, 3, 64), torch.randn(17, 64), torch.randn(17, 64)
+    o, lse = bf16(17, 3, 64), torch.randn(17, 3)
+    cache = _cache()
+    k, v, cu = bf16(5, 2, 64), bf16(5, 2, 64), torch.tensor([0, 2, 5], dtype=torch.int32)
+    calls = [
+        ("rope", lambda: tilegen.apply_rope(bf16(17, 3, 64), cos, sin), 1),
+        ("rope again", lambda: tilegen.apply_rope(bf16(17, 3, 64), cos, sin), 0),
+        ("rope in place", lambda: tilegen.apply_rope(x, cos, sin, out=x), 0),
+        ("rope, heads-major x", lambda: tilegen.apply_rope(bf16(3, 17, 64).transpose(0, 1), cos, sin), 0),
+        ("rope, misaligned x", lambda: tilegen.apply_rope(misaligned(17, 3, 64), cos, sin), 1),
+        ("merge", lambda: tilegen.merge_states(bf16(17, 3, 64), lse, o, torch.randn(17, 3)), 1),
+        ("merge again", lambda: tilegen.merge_states(bf16(17, 3, 64), lse, o, torch.randn(17, 3)), 0),
+        ("merge into o_a", lambda: tilegen.merge_states(o, lse, bf16(17, 3, 64), torch.randn(17, 3), out=o), 0),
+        ("append", lambda: tilegen.append_kv(cache, k, v, cu), 1),
+        ("append, other tokens", lambda: tilegen.append_kv(_cache(), bf16(5, 2, 64), bf16(5, 2, 64), cu), 0),
+    ]
+    for name, call, expected in calls:
+        got = jit_runs(call)
+        assert got == expected, f"{name}: {got} launches through the JIT, expected {expected}"
+
+
 def case_jit_only() -> None:
     """TILEGEN_DIRECT_LAUNCH=0: every launch through the JIT."""
     fresh(direct=False)

@@ -48,7 +48,7 @@ from tilegen.ir import SpecError
 from tilegen.families import spec_from_json
 from tilegen.key import TuningKey
 from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
-from tilegen.layers.op import explain_layer, layer_spec, layer_table
+from tilegen.layers.op import explain_layer, layer_spec
 from tilegen.tuning import Tuner
 
 DEVICE = device_info()
@@ -562,10 +562,10 @@ def test_tune_the_tiny_preset_and_the_layer_runs_its_row(tmp_path, monkeypatch, 
     choice = explain_layer(x, weights, config)
     assert (choice.config, choice.source, choice.bucket, choice.tuned_bucket) == (rows[16][0], str(path), 16, 16)
     # The generated schedule is launched with that row's block.
-    table = layer_table(spec, x.device)
+    launcher = dispatch.launcher_for(spec)
     launched = []
-    launch = table.launch
-    monkeypatch.setattr(table, "launch", lambda *args, **kwargs: launched.append(kwargs["block_q"]) or launch(
+    launch = launcher.direct
+    monkeypatch.setattr(launcher, "direct", lambda *args, **kwargs: launched.append(kwargs["block_q"]) or launch(
         *args, **kwargs))
     out = tilegen.blockwise_layer(x, weights, config)
     assert launched == [choice.config.block_q]

@@ -57,8 +57,8 @@ def test_direct_launches_match_the_jit(tmp_path):
         assert triton.__version__ not in KNOWN
         assert "ok unrecognised" in out
         return
-    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "jit_only", "disagreement", "state",
-                 "direct_kernel", "tma"):
+    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "small_ops", "jit_only", "disagreement",
+                 "state", "direct_kernel", "tma"):
         assert f"ok {case} " in out
 
 

@@ -12,19 +12,33 @@ tune this variant.
 Each op keeps its checked per-call plans in a ``plan_cache()``; ``reset`` empties every
 one together with the tables, so a plan never outlives the table it was made from.
 
+Every op launches the same way: choose -> launcher -> replay. ``planned(table, size, make)``
+chooses the config for the call's size and has the op make its plan for that choice
+(``make(choice)``): the checked launch values and ``launch(key, *args)``, a
+``Launcher.replay`` of the spec's generated launcher (``launcher_for``) with those values as
+keywords. ``key`` is what the launcher reads besides the plan (the tensors' strides: the plan
+fixes the shapes, dtypes and scalars), and repeated calls replay the recorded kernel launches.
+
 A tuned row can still fail where its feasibility check passed (a compiler that rejects
-the config, an imported row from another setup): ``Table.run`` launches a tuned config
-and, if it fails, skips that row with one warning and runs the next choice, down to the
-default, so one bad row never takes an op down.
+the config, an imported row from another setup). So while a plan's choice is a tuned row,
+its first launch goes through ``Table.run``: a row that fails to compile or launch is
+skipped for good with one warning, the plan is made again for the next choice (another
+tuned bucket, else the default, whose failure is raised) and that launch runs; then the
+plan launches its replay directly. One bad row never takes an op down, and a plan made for
+the default pays nothing for it. The tuner measures through the same launchers
+(``tilegen.tuning.measure``), so what is tuned is what runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
 
 from tilegen.codegen import module_for
 from tilegen.device import DeviceInfo, device_info
@@ -33,9 +47,12 @@ from tilegen.ir import Spec
 from tilegen.key import TuningKey
 from tilegen.triton_internals.launch import Launcher
 
-__all__ = ["Choice", "Table", "PlanCache", "launcher_for", "plan_cache", "table_for", "reset", "tune_command"]
+__all__ = ["Choice", "PlanCache", "Table", "launcher_for", "plan_cache", "planned", "reset", "table_for", "table_on",
+           "tune_command"]
 
 _warned: set[str] = set()
+
+P = TypeVar("P")
 
 log = logging.getLogger("tilegen.dispatch")
 
@@ -69,7 +86,6 @@ class Table:
         self.family = family_of(spec)
         self.rows = dict(rows)
         self._choices: dict[int, Choice] = {}
-        self.launch = module_for(spec).launch
 
     def choose(self, size: int | tuple[int, int]) -> Choice:
         """The choice for a call of ``size`` (what the family buckets: the longer sequence, say, or
@@ -93,13 +109,13 @@ class Table:
         config, source = self.rows[nearest]
         return Choice(config, source, bucket, nearest, self.family.buckets)
 
-    def run(self, size: int | tuple[int, int], launch: Callable[[Config], Any]) -> tuple[Choice, Any]:
-        """``launch(config)`` with the choice for ``size``; a tuned row that fails is skipped for good
+    def run(self, size: int | tuple[int, int], launch: Callable[[Choice], Any]) -> tuple[Choice, Any]:
+        """``launch(choice)`` with the choice for ``size``; a tuned row that fails is skipped for good
         (one warning) and the next choice runs, down to the default, whose failure is raised."""
         while True:
             choice = self.choose(size)
             try:
-                return choice, launch(choice.config)
+                return choice, launch(choice)
             except Exception as error:  # any failure of a stored row: the default must still run
                 if choice.tuned_bucket is None:
                     raise
@@ -142,7 +158,8 @@ _tables: dict[tuple[Spec, DeviceInfo], Table] = {}
 
 @functools.cache
 def launcher_for(spec: Spec) -> Launcher:
-    """The ``Launcher`` of ``spec``'s generated module (one per process)."""
+    """The ``Launcher`` of ``spec``'s generated module (one per process), made at an op's first plan
+    or a tuning trial: a ``Table`` holds none, so choosing a config renders and imports nothing."""
     return Launcher(module_for(spec))
 
 
@@ -157,6 +174,61 @@ def table_for(spec: Spec, device: DeviceInfo) -> Table:
 def table_on(spec: Spec, device) -> Table:
     """The spec's table for the GPU (or the interpreter) that a ``torch.device`` names."""
     return table_for(spec, device_info(device.index if device.type == "cuda" else None))
+
+
+def planned(table: Table, size: int | tuple[int, int], make: Callable[[Choice], P], *, fallback: bool = True) -> P:
+    """An op's plan for a call of ``size``: ``make(choice)`` with ``table``'s choice for it.
+
+    The plan is a dataclass (frozen or not) with a ``launch(key, *args)`` field, usually
+    ``launcher_for(spec).replay(launch values)``; ``make`` builds every field that depends on
+    the config, so that a plan can be made again for another choice. While the choice is a
+    tuned row, the plan's first launch falls back (``_FirstLaunch``). ``fallback=False`` leaves
+    that out, for a launch that cannot be run again once it has failed part way: the error is
+    raised, as for the default's.
+    """
+    choice = table.choose(size)
+    plan = make(choice)
+    if fallback and choice.tuned_bucket is not None:
+        object.__setattr__(plan, "launch", _FirstLaunch(table, size, make, choice, plan))
+    return plan
+
+
+class _FirstLaunch:
+    """A plan's ``launch`` until its tuned row has launched here once.
+
+    The call goes through ``Table.run``. If the row fails (skipped with one warning), the plan is
+    made again for the next choice and launched with the same arguments, except that the failed
+    plan's own tensors among them (``PagedDecode``'s split partials, sized for its config)
+    become the new plan's. The plan, which caches and planners hold, then takes the new
+    plan's fields in place. Either way its ``launch`` is the replay from then on: later calls
+    pay nothing for the fallback.
+    """
+
+    __slots__ = ("choice", "launch", "make", "plan", "size", "table")
+
+    def __init__(self, table: Table, size, make: Callable[[Choice], Any], choice: Choice, plan: Any):
+        self.table, self.size, self.make, self.choice, self.plan = table, size, make, choice, plan
+        self.launch = plan.launch
+
+    def __call__(self, key, *args) -> None:
+        plan = self.plan
+        owned = {id(value): f.name for f in dataclasses.fields(plan)
+                 if isinstance(value := getattr(plan, f.name), torch.Tensor)}
+
+        def attempt(choice: Choice):
+            if choice == self.choice:
+                self.launch(key, *args)
+                return None
+            made = self.make(choice)
+            made.launch(key, *[getattr(made, owned[id(a)]) if id(a) in owned else a for a in args])
+            return made
+
+        _, made = self.table.run(self.size, attempt)
+        if made is None:
+            object.__setattr__(plan, "launch", self.launch)
+        else:
+            for f in dataclasses.fields(plan):
+                object.__setattr__(plan, f.name, getattr(made, f.name))
 
 
 def plan_cache() -> PlanCache:

@@ -165,8 +165,8 @@ def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 
 
 def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
     """Every feasible config of the paged kernel on the paged part's data, fastest first (to pick defaults)."""
-    from tilegen.codegen import module_for
     from tilegen.device import device_info
+    from tilegen.dispatch import launcher_for
 
     spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
                                    "mask": "causal", "dtype": "bf16", "kv_layout": "paged", "page_size": page_size})
@@ -174,7 +174,7 @@ def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: 
     problem = family.problem(spec, prefix + new, on_gpu=True, q_lens=(new,), k_lens=(prefix + new,), heads_q=HEADS)
     inputs = problem.inputs(seed)
     outputs = problem.outputs(inputs)
-    module = module_for(spec)
+    module = launcher_for(spec)  # as the tuner measures: the launcher the op replays
     rows = []
     for config in family.candidates(spec, device_info()):
         try:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from tilegen.device import DeviceInfo
 from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.buckets import Buckets
 from tilegen.ir import Spec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["TOLERANCE", "Config", "ConfigError", "Family", "Problem", "RowBlockConfig", "RowsProblem", "relative_error"]
 
@@ -136,8 +137,10 @@ class Problem(abc.ABC):
         unwritten fails the check."""
 
     @abc.abstractmethod
-    def launch(self, module: ModuleType, config: Config, inputs: Any, outputs: Any) -> None:
-        """Run the generated kernel once, writing ``outputs``."""
+    def launch(self, launcher: Launcher, config: Config, inputs: Any, outputs: Any) -> None:
+        """Run the generated kernel once, writing ``outputs``, through ``launcher.launch`` (the generated
+        ``launch``'s signature): the tuner passes the ``Launcher`` the ops replay, compile-ahead the
+        generated module itself."""
 
     @abc.abstractmethod
     def check(self, inputs: Any, outputs: Any) -> tuple[float, float]:

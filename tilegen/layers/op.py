@@ -10,11 +10,18 @@ of the output. That schedule is the ``blockwise_layer`` family's generated modul
 (``BlockwiseLayerSpec.for_layer(config, dtype)``); its query block is that family's knob, tuned
 per token bucket (on a GPU by default 4096 rows, so that attention fills the SMs), and the FFN
 runs its own tuned fusion block inside it. It composes ops, so it lives above them.
+
+It launches as the ops do (``tilegen.dispatch.planned``: the block chosen for the token count,
+the launcher, the fallback), made per call since the ops it calls are looked up per call. The
+launcher is host code calling ops, so it is never replayed (``Launcher`` sees its module
+functions): every call runs it. A tuned block that fails is skipped for the next choice
+when ``out`` is a buffer of its own; in place it is raised (see ``blockwise_layer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +40,7 @@ __all__ = ["blockwise_layer", "explain_layer", "layer_spec", "layer_table"]
 
 
 def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
-    """The layer's tuned query blocks on ``device``; its ``launch`` is the generated schedule's."""
+    """The layer's tuned query blocks on ``device`` (its schedule is ``dispatch.launcher_for(spec)``'s)."""
     return dispatch.table_on(spec, device)
 
 
@@ -67,7 +74,9 @@ def blockwise_layer(
             block for this many tokens (``explain_layer`` says which): on a GPU 4096 untuned.
         out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
             (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
-            block writes them); a view that overlaps ``x`` partly, or a weight, is refused.
+            block writes them); a view that overlaps ``x`` partly, or a weight, is refused. A tuned
+            block that fails to run is skipped with one warning and the next choice runs, except
+            when ``out`` shares ``x``'s memory: rows written by then could not be computed again.
 
     Returns the layer's output, ``x``'s shape and dtype; it computes the function of
     ``tilegen.layers.reference_layer``. Weights that do not match the config (missing,
@@ -87,18 +96,33 @@ def blockwise_layer(
         return out
     spec = layer_spec(config, x.dtype)
     table = layer_table(spec, x.device)
-    if block is None:
-        # choose, not run: the schedule writes out block by block (over x, in place), so a launch
-        # that failed part way could not be run again with another block.
-        block = table.choose(n).config.block_q
+    launcher = dispatch.launcher_for(spec)
     # attention is looked up here, per call: the benchmark's memory replay stands in for it.
-    args = dict(attention=attention, blockwise_ffn=blockwise_ffn, block_q=block, **spec.launch_args(config))
+    fixed = dict(attention=attention, blockwise_ffn=blockwise_ffn, **spec.launch_args(config))
     if spec.rope:
-        args["rope"] = apply_rope
+        fixed["rope"] = apply_rope
+
+    def make(choice: dispatch.Choice | None) -> _Plan:
+        # The schedule calls the ops (host code, never recorded: the launcher's own Python runs every call).
+        return _Plan(launcher.replay({**fixed, "block_q": block if choice is None else choice.config.block_q}))
+
+    if block is not None:
+        plan = make(None)
+    else:
+        # The schedule writes out block by block. Into a buffer of its own, a launch that failed part way
+        # leaves x whole, and the next choice runs over every row again; over x (in place), rows of x are
+        # already overwritten, so a tuned row's failure is raised there, as the default's is.
+        in_place = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        plan = dispatch.planned(table, n, make, fallback=not in_place)
     sequences = zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]
     for x_seq, out_seq in sequences:
-        table.launch(x_seq, w, out_seq, **args)
+        plan.launch(None, x_seq, w, out_seq)  # plan.launch each time: the first may fall back and replace it
     return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    launch: Callable[..., Any]  # launch(key, x, w, out): the launcher's replay, not replayable (dispatch.planned)
 
 
 def explain_layer(

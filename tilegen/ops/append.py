@@ -1,4 +1,8 @@
-"""``tilegen.append_kv``: write a ragged batch's new K and V into a paged KV cache, in one launch."""
+"""``tilegen.append_kv``: write a ragged batch's new K and V into a paged KV cache, in one launch.
+
+It launches as every op does (``tilegen.dispatch.planned``): a plan per call signature, the
+config chosen for its token count, the launcher's replay, a tuned row that fails at the first
+launch skipped for the next choice."""
 
 from __future__ import annotations
 
@@ -78,10 +82,10 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if env.debug():
         _check_device_values(cache, k, cu_seqlens)
     if plan.launches:
-        plan.launch(
-            k, v, cu_seqlens, cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len,
-            **plan.config,
-        )
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+        # The plan fixes the shapes and dtypes the launcher reads; the strides it reads complete the replay key.
+        plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride()),
+                    k, v, cu_seqlens, k_pages, v_pages, cache.indptr, cache.indices, cache.last_page_len)
 
 
 def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:
@@ -93,8 +97,8 @@ def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seq
 @dataclass(frozen=True, slots=True)
 class _Plan:
     launches: bool  # False when there is no row to write
-    launch: Callable[..., Any]
-    config: dict[str, int]
+    launch: Callable[..., Any]  # launch(key, *launcher arguments): the launcher's replay (dispatch.planned)
+    choice: dispatch.Choice
 
 
 _plans = dispatch.plan_cache()
@@ -102,12 +106,13 @@ _plans = dispatch.plan_cache()
 
 def _plan(cache, k, v, cu_seqlens) -> _Plan:
     spec = _check(cache, k, v, cu_seqlens)
-    table = dispatch.table_on(spec, k.device)
-    return _Plan(
-        launches=k.shape[0] > 0 and k.shape[1] > 0,
-        launch=table.launch,
-        config=table.choose(k.shape[0]).config.to_dict(),
-    )
+    launcher = dispatch.launcher_for(spec)
+    launches = k.shape[0] > 0 and k.shape[1] > 0
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        return _Plan(launches=launches, launch=launcher.replay(choice.config.to_dict()), choice=choice)
+
+    return dispatch.planned(dispatch.table_on(spec, k.device), k.shape[0], make)
 
 
 def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:

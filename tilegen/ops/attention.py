@@ -1,14 +1,18 @@
 """``tilegen.attention``: a drop-in for ``F.scaled_dot_product_attention`` on [batch, heads, seq, dim].
 
-Eager calls go straight to the launcher; under ``torch.compile`` the call goes through
+Eager calls go straight to their plan's launch; under ``torch.compile`` the call goes through
 the ``tilegen::attention_fwd`` custom op, whose fake implementation lets Dynamo trace
-it with ``fullgraph=True``. The custom-op layer costs microseconds that eager callers
-need not pay.
+it with ``fullgraph=True``, and which launches through the same plans. The custom-op layer
+costs microseconds that eager callers need not pay.
+
+A plan is made as every op's is (``tilegen.dispatch.planned``: choose, launcher, replay): a
+call of at most a few query rows takes the decode family's kernel (decided before the dense
+table is even loaded), any other the dense one; a tuned row that fails to compile or launch
+is skipped at the plan's first launch, with one warning, and the next choice runs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +38,6 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
-from tilegen.triton_internals.launch import Launcher
 from tilegen.ops.memo import memoized
 from tilegen.ops.tensors import check_out
 
@@ -136,7 +139,8 @@ class _Plan:
     out_shape: tuple[int, int, int, int]
     lse_shape: tuple[int, int, int] | None
     launches: bool  # False when the output is empty: nothing to compute
-    launch: Callable[..., Any]  # launch(key, q, k, v, out, lse): a Replay of the launcher with launch_args
+    # launch(key, q, k, v, out, lse): a Replay of the launcher with launch_args (dispatch.planned)
+    launch: Callable[..., Any]
     launch_args: dict[str, Any]
     choice: dispatch.Choice | None = None
     out_like_q: bool = False  # the output has q's shape: allocated as empty_like(q), in q's memory layout
@@ -152,30 +156,23 @@ def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
 
 def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Plan:
     """The plan of checked arguments: eager calls and the compiled custom op both launch through it."""
-    table = dispatch.table_on(spec, q.device)
-    choice = table.choose(max(q.shape[2], k.shape[2]))
     batch, heads, n_q, _ = q.shape
     out_shape = (batch, heads, n_q, spec.dv)
+    # The route first: a decode-sized call never loads the dense table nor renders the dense module.
     if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
-    launch_args = {
-        "scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **choice.config.to_dict(),
-    }
+    lse_shape = (batch, heads, n_q) if spec.return_lse else None
+    launches = math.prod(out_shape) > 0
+    out_like_q = out_shape == tuple(q.shape)
+    fixed = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
     launcher = launcher_for(spec)
-    plan = _Plan(
-        out_shape=out_shape,
-        lse_shape=(batch, heads, n_q) if spec.return_lse else None,
-        launches=math.prod(out_shape) > 0,
-        out_like_q=out_shape == tuple(q.shape),
-        launch=launcher.replay(launch_args),
-        launch_args=launch_args,
-        choice=choice,
-    )
-    if choice.tuned_bucket is not None:
-        # A stored row's first launch goes through the table, which falls back if it fails.
-        object.__setattr__(plan, "launch", functools.partial(
-            _first_launch, plan, table, launcher, max(q.shape[2], k.shape[2])))
-    return plan
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        launch_args = {**fixed, **choice.config.to_dict()}
+        return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=launches, out_like_q=out_like_q,
+                     launch=launcher.replay(launch_args), launch_args=launch_args, choice=choice)
+
+    return dispatch.planned(dispatch.table_on(spec, q.device), max(n_q, k.shape[2]), make)
 
 
 def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
@@ -186,42 +183,35 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
                              mask=spec.mask, softcap=spec.softcap, dtype=spec.dtype, kv_layout="dense",
                              return_lse=spec.return_lse, q_tokens=q.shape[2])
     info = device_info(_device_index(q.device))
-    table = dispatch.table_for(decode_spec, info)
-    n_k = k.shape[2]
-    choice = table.choose((n_k, q.shape[0]))
-    config = choice.config
-    splits = split_count(config, info, q.shape[0], k.shape[1], n_k)
-    launch_args = {"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
-                   "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                   "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
-    replay = launcher_for(decode_spec).replay(launch_args)
+    batch, kv_heads, n_k = q.shape[0], k.shape[1], k.shape[2]
     rows = q.shape[1] * q.shape[2]
+    lse_shape = tuple(q.shape[:3]) if spec.return_lse else None
+    out_like_q = out_shape == tuple(q.shape)
+    device, dv = q.device, spec.dv
+    launcher = launcher_for(decode_spec)
 
-    if splits == 1:  # no partials to write: the empty placeholders serve every call
-        unused = decode_buffers(q.shape[0], rows, spec.dv, 1, q.device)
+    def make(choice: dispatch.Choice) -> _Plan:
+        config = choice.config
+        splits = split_count(config, info, batch, kv_heads, n_k)
+        launch_args = {"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
+                       "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
+                       "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        replay = launcher.replay(launch_args)
+        if splits == 1:  # no partials to write: the empty placeholders serve every call
+            unused = decode_buffers(batch, rows, dv, 1, device)
 
-        def launch(key, q, k, v, out, lse):
-            replay(key, q, k, v, out, lse, *unused)
-    else:
-        def launch(key, q, k, v, out, lse):
-            # Split partials per call, not per plan: two streams may run one plan at once. Their shapes are
-            # the plan's and they are contiguous, so the key holds for them too.
-            replay(key, q, k, v, out, lse, *decode_buffers(q.shape[0], rows, spec.dv, splits, q.device))
+            def launch(key, q, k, v, out, lse):
+                replay(key, q, k, v, out, lse, *unused)
+        else:
+            def launch(key, q, k, v, out, lse):
+                # Split partials per call, not per plan: two streams may run one plan at once. Their shapes are
+                # the plan's and they are contiguous, so the key holds for them too.
+                replay(key, q, k, v, out, lse, *decode_buffers(q.shape[0], rows, dv, splits, q.device))
 
-    return _Plan(
-        out_shape=out_shape, lse_shape=tuple(q.shape[:3]) if spec.return_lse else None, launches=True,
-        launch=launch, choice=choice, launch_args=launch_args, out_like_q=out_shape == tuple(q.shape),
-    )
+        return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=True, launch=launch, choice=choice,
+                     launch_args=launch_args, out_like_q=out_like_q)
 
-
-def _first_launch(plan: _Plan, table: dispatch.Table, launcher: Launcher, size: int, key, *args) -> None:
-    def launch(config):
-        launcher.direct(*args, **{**plan.launch_args, **config.to_dict()})
-
-    choice, _ = table.run(size, launch)
-    # From now on the plan launches directly, with whatever config ran.
-    object.__setattr__(plan, "launch_args", {**plan.launch_args, **choice.config.to_dict()})
-    object.__setattr__(plan, "launch", launcher.replay(plan.launch_args))
+    return dispatch.planned(dispatch.table_for(decode_spec, info), (n_k, batch), make)
 
 
 def _check_out(out, shape, q) -> None:
@@ -241,7 +231,10 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
-    """Launch the generated kernel for ``spec`` with an explicit config (the tuner's entry point).
+    """Launch the generated kernel for ``spec`` with an explicit config (the tests' entry point), with no
+    table and so no fallback: the config is the caller's. It calls the module's own ``launch``
+    (``launch`` replaces it), which reads the module's globals as they are now: tests patch them
+    (``TMA_MIN_WORK``, say), where a ``Launcher`` launching directly keeps the values it was made with.
 
     The arguments after ``v`` are ``prepare_call``'s launch values; ``out`` may be a
     preallocated (poisoned) output. Returns ``(out, lse)``, ``lse`` being ``None`` when the

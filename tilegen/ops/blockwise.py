@@ -6,11 +6,19 @@ norm, the MLP and the residual, the block's hidden activations staying on chip. 
 block is the ``blockwise_ffn`` family's knob, tuned per token bucket. The whole decoder layer
 scheduled over query blocks (``tilegen.blockwise_layer``) composes this op with attention:
 it lives above the ops, in ``tilegen.layers``.
+
+It launches as every op does (``tilegen.dispatch.planned``): the fusion block chosen for the
+token bucket, the launcher (whose block buffers keep its launches from being recorded, so
+every call runs the launcher's Python with direct kernels), a tuned row that fails at the
+first launch skipped for the next choice, except in place (``out`` over ``x``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,8 +104,30 @@ def blockwise_ffn(
                   may_be=("x",))
     if n == 0:
         return out
-    spec = BlockwiseFFNSpec(d_model=d, d_ffn=f, norm=norm, ffn=ffn, dtype=SPEC_DTYPES[x.dtype])
-    table = ffn_table(spec, x.device)
-    table.run(n, lambda config: table.launch(x, w_norm, b_norm, w_gate, w_up, w_down, out, eps=float(eps),
-                                             **config.to_dict()))
+    # In place, the kernels write x's rows block by block: a launch that failed part way could not be
+    # run again with the next config, so a tuned row's failure is raised there (dispatch.planned).
+    in_place = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    key = (x.shape, x.dtype, x.device, f, norm, ffn, eps.__class__, eps, in_place)
+    plan = _plans.get(key)
+    if plan is None:
+        spec = BlockwiseFFNSpec(d_model=d, d_ffn=f, norm=norm, ffn=ffn, dtype=SPEC_DTYPES[x.dtype])
+        launcher = dispatch.launcher_for(spec)
+
+        def make(choice: dispatch.Choice) -> _Plan:
+            return _Plan(launcher.replay({"eps": float(eps), **choice.config.to_dict()}), choice)
+
+        plan = dispatch.planned(ffn_table(spec, x.device), n, make, fallback=not in_place)
+        _plans.put(key, plan)
+    args = (x, w_norm, b_norm, w_gate, w_up, w_down, out)
+    # The launcher makes its block buffers, so its launches are never recorded: the key is the contract's.
+    plan.launch(tuple(None if t is None else t.stride() for t in args), *args)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    launch: Callable[..., Any]  # launch(key, *launcher arguments): the launcher's replay (dispatch.planned)
+    choice: dispatch.Choice
+
+
+_plans = dispatch.plan_cache()

@@ -46,7 +46,7 @@ class _Plan:
     spec: DecodeSpec
     heads_q: int
     batch: int
-    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args
+    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args (dispatch.planned)
     launch_args: dict[str, Any]
     part_o: torch.Tensor
     part_lse: torch.Tensor
@@ -77,7 +77,9 @@ class PagedDecode:
         softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
         max_seqlen_k: int | None = None, num_splits: int | None = None,
     ) -> dispatch.Choice:
-        """Fix the step's layout; returns the dispatch choice (config and where it came from).
+        """Fix the step's layout; returns the dispatch choice (config and where it came from). A tuned
+        row that fails to compile or launch at the first ``run`` is skipped with one warning and the
+        plan is made again for the next choice (``tilegen.dispatch.planned``).
 
         ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
         split rule (1 to ``MAX_SPLITS``, 128), for tests and experiments. The query sits at its
@@ -114,28 +116,31 @@ class PagedDecode:
                              "TRITON_INTERPRET=1")
         info = device_info(device.index if device.type == "cuda" else None)
         table = dispatch.table_for(spec, info)
-        choice = table.choose((max(max_seqlen_k, 1), cache.batch))
-        config = choice.config
-        splits = num_splits or split_count(config, info, cache.batch, cache.kv_heads, max_seqlen_k)
-        chunk = math.ceil(max(max_seqlen_k, 1) / splits / config.block_n) * config.block_n
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)
-        part_o, part_lse = decode_buffers(cache.batch, heads_q * spec.q_tokens, spec.dv, splits, device)
         if env.debug():
             cache.validate()
-        launch_args = {"chunk": chunk, "num_splits": splits, "scale": scale_value, "softcap": softcap_value,
-                       "window_left": left, "window_right": right, "block_n": config.block_n,
-                       "num_warps": config.num_warps, "num_stages": config.num_stages}
-        # The launcher takes q and out as [batch, heads, 1, dim]; replays pass the 3-d tensors themselves,
-        # whose data pointers those views share.
-        launch = launcher_for(spec).replay(launch_args, views={0: _token_dim, 3: _token_dim})
-        self._plan = _Plan(
-            spec=spec, heads_q=heads_q, batch=cache.batch, launch=launch, part_o=part_o, part_lse=part_lse,
-            choice=choice, launch_args=launch_args,
-            cache_layout=cache._layout,
-            q_shape=(cache.batch, heads_q, spec.head_dim), out_shape=(cache.batch, heads_q, spec.dv),
-            out_like_q=spec.dv == spec.head_dim,
-        )
-        return choice
+        launcher = launcher_for(spec)
+        batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
+        layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout,
+                  "q_shape": (batch, heads_q, spec.head_dim), "out_shape": (batch, heads_q, spec.dv),
+                  "out_like_q": spec.dv == spec.head_dim}
+
+        def make(choice: dispatch.Choice) -> _Plan:
+            config = choice.config
+            splits = num_splits or split_count(config, info, batch, kv_heads, max_seqlen_k)
+            part_o, part_lse = decode_buffers(batch, heads_q * spec.q_tokens, spec.dv, splits, device)
+            launch_args = {"chunk": math.ceil(context / splits / config.block_n) * config.block_n,
+                           "num_splits": splits, "scale": scale_value, "softcap": softcap_value, "window_left": left,
+                           "window_right": right, "block_n": config.block_n, "num_warps": config.num_warps,
+                           "num_stages": config.num_stages}
+            # The launcher takes q and out as [batch, heads, 1, dim]; replays pass the 3-d tensors themselves,
+            # whose data pointers those views share.
+            launch = launcher.replay(launch_args, views={0: _token_dim, 3: _token_dim})
+            return _Plan(spec=spec, launch=launch, part_o=part_o, part_lse=part_lse, choice=choice,
+                         launch_args=launch_args, **layout)
+
+        self._plan = dispatch.planned(table, (context, batch), make)
+        return self._plan.choice
 
     @property
     def num_splits(self) -> int:

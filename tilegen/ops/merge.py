@@ -1,4 +1,8 @@
-"""``tilegen.merge_states``: merge two partial attention results by their log-sum-exp."""
+"""``tilegen.merge_states``: merge two partial attention results by their log-sum-exp.
+
+It launches as every op does (``tilegen.dispatch.planned``): a plan per call signature, the
+config chosen for its rows, the launcher's replay, a tuned row that fails at the first launch
+skipped for the next choice."""
 
 from __future__ import annotations
 
@@ -92,10 +96,10 @@ def merge_states(
         # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
         target_o = o_view if o_view is not None else out.new_empty(rows3)
         target_lse = lse_view if lse_view is not None else out_lse.new_empty(rows)
-        plan.launch(
-            o_a.reshape(rows3), lse_a.reshape(rows), o_b.reshape(rows3), lse_b.reshape(rows),
-            target_o, target_lse, **plan.config,
-        )
+        a3, a2, b3, b2 = o_a.reshape(rows3), lse_a.reshape(rows), o_b.reshape(rows3), lse_b.reshape(rows)
+        # The plan fixes the shapes and dtypes the launcher reads; the strides complete the replay key.
+        plan.launch((a3.stride(), a2.stride(), b3.stride(), b2.stride(), target_o.stride(), target_lse.stride()),
+                    a3, a2, b3, b2, target_o, target_lse)
         if o_view is None:
             out.copy_(target_o.reshape(out.shape))
         if lse_view is None:
@@ -114,8 +118,8 @@ class _Plan:
     launches: bool  # False when there is no row
     rows: tuple[int, int]  # [tokens, heads]: the LSEs as the kernel sees them
     rows3: tuple[int, int, int]  # [tokens, heads, head_dim]: the outputs
-    launch: Callable[..., Any]
-    config: dict[str, int]
+    launch: Callable[..., Any]  # launch(key, o_a, lse_a, o_b, lse_b, out, out_lse): the launcher's replay
+    choice: dispatch.Choice
 
 
 _plans = dispatch.plan_cache()
@@ -125,14 +129,13 @@ def _plan(o_a, lse_a, o_b, lse_b, out, out_lse) -> _Plan:
     spec = _check(o_a, lse_a, o_b, lse_b, out, out_lse)
     heads, dim = o_a.shape[-2], o_a.shape[-1]
     tokens = math.prod(o_a.shape[:-2])
-    table = dispatch.table_on(spec, o_a.device)
-    return _Plan(
-        launches=tokens * heads > 0,
-        rows=(tokens, heads),
-        rows3=(tokens, heads, dim),
-        launch=table.launch,
-        config=table.choose(tokens * heads).config.to_dict(),
-    )
+    launcher = dispatch.launcher_for(spec)
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        return _Plan(launches=tokens * heads > 0, rows=(tokens, heads), rows3=(tokens, heads, dim),
+                     launch=launcher.replay(choice.config.to_dict()), choice=choice)
+
+    return dispatch.planned(dispatch.table_on(spec, o_a.device), tokens * heads, make)
 
 
 def _check(o_a, lse_a, o_b, lse_b, out, out_lse) -> MergeStatesSpec:

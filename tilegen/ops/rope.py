@@ -1,4 +1,8 @@
-"""``tilegen.apply_rope``: rotary position embedding (rotate-half form) from the caller's tables."""
+"""``tilegen.apply_rope``: rotary position embedding (rotate-half form) from the caller's tables.
+
+It launches as every op does (``tilegen.dispatch.planned``): a plan per call signature, the
+config chosen for its rows, the launcher's replay, a tuned row that fails at the first launch
+skipped for the next choice."""
 
 from __future__ import annotations
 
@@ -70,7 +74,9 @@ def apply_rope(
         view = writable(out, rows3)
         # An out whose strides do not collapse to [tokens, heads, head_dim] is written through a buffer.
         target = view if view is not None else out.new_empty(rows3)
-        plan.launch(x.reshape(rows3), cos.reshape(rows2), sin.reshape(rows2), target, **plan.config)
+        x3, cos2, sin2 = x.reshape(rows3), cos.reshape(rows2), sin.reshape(rows2)
+        # The plan fixes the shapes and dtypes the launcher reads; the strides complete the replay key.
+        plan.launch((x3.stride(), cos2.stride(), sin2.stride(), target.stride()), x3, cos2, sin2, target)
         if view is None:
             out.copy_(target.reshape(out.shape))
     return out
@@ -87,8 +93,8 @@ class _Plan:
     launches: bool  # False when there is no row
     rows3: tuple[int, int, int]  # [tokens, heads, head_dim]: x and out as the kernel sees them
     rows2: tuple[int, int]  # [tokens, head_dim]: the tables
-    launch: Callable[..., Any]
-    config: dict[str, int]
+    launch: Callable[..., Any]  # launch(key, x, cos, sin, out): the launcher's replay (dispatch.planned)
+    choice: dispatch.Choice
 
 
 _plans = dispatch.plan_cache()
@@ -98,14 +104,13 @@ def _plan(x, cos, sin, out) -> _Plan:
     spec = _check(x, cos, sin, out)
     heads, dim = x.shape[-2], x.shape[-1]
     tokens = math.prod(x.shape[:-2])
-    table = dispatch.table_on(spec, x.device)
-    return _Plan(
-        launches=tokens * heads > 0,
-        rows3=(tokens, heads, dim),
-        rows2=(tokens, dim),
-        launch=table.launch,
-        config=table.choose(tokens * heads).config.to_dict(),
-    )
+    launcher = dispatch.launcher_for(spec)
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        return _Plan(launches=tokens * heads > 0, rows3=(tokens, heads, dim), rows2=(tokens, dim),
+                     launch=launcher.replay(choice.config.to_dict()), choice=choice)
+
+    return dispatch.planned(dispatch.table_on(spec, x.device), tokens * heads, make)
 
 
 def _check(x, cos, sin, out) -> RopeSpec:

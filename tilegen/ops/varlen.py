@@ -1,7 +1,8 @@
 """Ragged and paged attention: ``tilegen.varlen_attention`` and ``tilegen.PagedAttention`` (plan/run).
 
-Both run the ``attention_varlen`` family's kernel; configs come from dispatch like the dense
-op's, bucketed by the longest sequence.
+Both run the ``attention_varlen`` family's kernel and launch as every op does
+(``tilegen.dispatch.planned``: the config chosen for the longest sequence's bucket, the
+launcher's replay, a tuned row that fails at the first launch skipped for the next choice).
 
 What is checked, and when:
 - every call, on the host (cheap, no synchronization): ranks, shapes, dtypes and devices of
@@ -148,13 +149,10 @@ class PagedAttention:
             cache.k_pages.dtype, dim, cache.v_pages.shape[3], heads_q // cache.kv_heads, causal, window, softcap,
             scale, return_lse, max_seqlen_q, max_seqlen_k, layout="paged", page_size=cache.page_size,
         )
-        table = _table(spec, cache.k_pages.device)
-        config = table.choose(max(max_seqlen_q, max_seqlen_k)).config
-        launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
-                       **config.to_dict()}
-        self._plan = _Plan(
-            spec=spec, heads_q=heads_q, launch=launcher_for(spec).replay(launch_args),
-            launches=max_seqlen_q > 0 and cache.batch > 0, launch_args=launch_args,
+        self._plan = _planned(
+            spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
+            {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
+            heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
         )
         if env.debug():
@@ -200,7 +198,7 @@ class PagedAttention:
 class _Plan:
     spec: VarlenAttentionSpec
     heads_q: int
-    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args
+    launch: Any  # launch(key, *launcher arguments): a Replay of the launcher with launch_args (dispatch.planned)
     launches: bool
     launch_args: dict[str, Any]
     extra: tuple = ()
@@ -231,11 +229,22 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
         q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], causal, window, softcap, scale, return_lse,
         max_q, max_k, layout="ragged", page_size=None,
     )
-    table = _table(spec, q.device)
-    config = table.choose(max(max_q, max_k)).config
-    launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right, **config.to_dict()}
-    return _Plan(spec=spec, heads_q=q.shape[1], launch=launcher_for(spec).replay(launch_args),
-                 launches=max_q > 0 and q.shape[0] > 0, launch_args=launch_args)
+    return _planned(spec, q.device, max(max_q, max_k),
+                    {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
+                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0)
+
+
+def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: dict[str, Any], **fields) -> _Plan:
+    """The plan for ``size``'s choice (``tilegen.dispatch.planned``): the launcher's replay with the
+    ``fixed`` launch values and the config's."""
+    table = _table(spec, device)
+    launcher = launcher_for(spec)
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        launch_args = {**fixed, **choice.config.to_dict()}
+        return _Plan(spec=spec, launch=launcher.replay(launch_args), launch_args=launch_args, **fields)
+
+    return dispatch.planned(table, size, make)
 
 
 def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return_lse, max_q, max_k, *, layout,

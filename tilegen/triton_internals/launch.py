@@ -326,7 +326,7 @@ def _agrees(param, arg, spec) -> bool:
 
 class Launcher:
     """A generated module's ``launch``: through the JIT (``jit``), or with its kernels launched
-    directly (``direct``, the same signature); ``replay`` makes a plan's recorder."""
+    directly (``direct``, the same signature, also named ``launch``); ``replay`` makes a plan's recorder."""
 
     def __init__(self, module: types.ModuleType, direct: bool = True):
         self.module = module
@@ -356,6 +356,13 @@ class Launcher:
         self._replayable = not any(
             isinstance(getattr(module, name, None), types.FunctionType) and name != "launch" for name in names
         )
+
+    @property
+    def launch(self):
+        """``direct``, under the generated module's name for its launcher: a ``Launcher`` stands in for
+        the module where ``module.launch(...)`` is called (a family's ``Problem.launch``, which the
+        tuner hands the launcher the ops replay)."""
+        return self.direct
 
     def replay(self, kwargs: dict[str, Any], views: dict[int, Any] | None = None) -> Replay:
         """A recorder of this launcher's calls with keyword arguments ``kwargs`` (see ``Replay``)."""

@@ -1,5 +1,8 @@
 """One trial's measurement, for any family: fresh inputs from its Problem, a correctness gate, then timing.
 
+Trials launch through the spec's ``Launcher`` (``tilegen.dispatch.launcher_for``), the one the
+ops replay, by its direct path: the kernels a tune times are launched as the ops launch them.
+
 This runs inside the tuning worker process (``tilegen.tuning.worker``), which turns
 any exception raised here into a trial status.
 """
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import triton.testing
 
-from tilegen.codegen import module_for
+from tilegen.dispatch import launcher_for
 from tilegen.families import Config, Family, Problem
 
 __all__ = ["Compare", "compare", "measure", "replayable", "time_ms"]
@@ -29,12 +32,13 @@ def measure(problem: Problem, config: Config, seed: int, *, perturb: bool = Fals
     Returns ``{"status": "ok" | "wrong", "time_ms", "max_error", "reason"}``.
     ``perturb`` spoils the output after the kernel (the tests' "wrong" injection).
     """
-    module = module_for(problem.spec)
+    # The launcher the ops replay (its direct path): what is tuned is what runs.
+    launcher = launcher_for(problem.spec)
     inputs = problem.inputs(seed)
     outputs = problem.outputs(inputs)  # NaN poison: an element the kernel fails to write fails the check
 
     def launch():
-        problem.launch(module, config, inputs, outputs)
+        problem.launch(launcher, config, inputs, outputs)
 
     launch()
     if perturb:
@@ -62,10 +66,10 @@ class Compare:
 
 def compare(problem: Problem, configs: tuple[Config, ...], seed: int, rounds: int) -> dict:
     """``{"status": "ok", "times_ms": [...]}``: each config's median over ``rounds`` alternating rounds."""
-    module = module_for(problem.spec)
+    launcher = launcher_for(problem.spec)
     inputs = problem.inputs(seed)
     outputs = problem.outputs(inputs)
-    launches = [functools.partial(problem.launch, module, config, inputs, outputs) for config in configs]
+    launches = [functools.partial(problem.launch, launcher, config, inputs, outputs) for config in configs]
     for launch in launches:
         launch()  # compiled, or loaded, before any timing
     launches = [replayable(launch, problem) for launch in launches]

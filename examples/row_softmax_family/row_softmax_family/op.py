@@ -1,6 +1,10 @@
-"""The family's op, dispatched like tilegen's own: tuned table in memory, plan per call signature."""
+"""The family's op, dispatched like tilegen's own: tuned table in memory, plan per call signature,
+the launcher's replay (``tilegen.dispatch.planned``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -12,14 +16,23 @@ from tilegen.dtypes import SPEC_DTYPES
 _plans = dispatch.plan_cache()
 
 
+@dataclass(frozen=True)
+class _Plan:
+    launch: Callable[..., None]  # launch(key, x, out)
+
+
 def row_softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
     key = (x.shape, x.dtype, x.device, log)
     plan = _plans.get(key)
     if plan is None:
         if x.dim() != 2 or x.dtype not in SPEC_DTYPES or x.stride(-1) != 1:
             raise ValueError(f"x: expected a [rows, cols] float tensor with unit-stride rows, got {tuple(x.shape)}")
-        table = dispatch.table_for(RowSoftmaxSpec(dtype=SPEC_DTYPES[x.dtype], log=log), device_info())
-        plan = (table.launch, table.choose(x.shape[1]).config.to_dict())
+        spec = RowSoftmaxSpec(dtype=SPEC_DTYPES[x.dtype], log=log)
+        launcher = dispatch.launcher_for(spec)
+        plan = dispatch.planned(dispatch.table_for(spec, device_info()), x.shape[1],
+                                lambda choice: _Plan(launcher.replay(choice.config.to_dict())))
         _plans.put(key, plan)
-    launch, config = plan
-    return launch(x, torch.empty_like(x), **config)
+    out = torch.empty_like(x)
+    # The plan fixes the shapes the launcher reads; the strides complete the key its launches replay under.
+    plan.launch((x.stride(), out.stride()), x, out)
+    return out

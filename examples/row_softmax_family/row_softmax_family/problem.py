@@ -34,8 +34,8 @@ class RowSoftmaxProblem(Problem):
     def outputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor]:
         return (torch.full_like(inputs, math.nan),)
 
-    def launch(self, module, config, inputs, outputs) -> None:
-        module.launch(inputs, outputs[0], **config.to_dict())
+    def launch(self, launcher, config, inputs, outputs) -> None:
+        launcher.launch(inputs, outputs[0], **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         return relative_error(outputs[0], softmax_reference(inputs, log=self.spec.log))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -13,6 +12,7 @@ from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
 from tilegen.families.buckets import ContextBatchBuckets
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["BUCKETS", "DecodeProblem", "decode_buffers"]
 
@@ -113,7 +113,7 @@ class DecodeProblem(VarlenProblem):
             return super().key_sequences(inputs)
         return ([k.transpose(0, 1) for k in inputs["k"]], [v.transpose(0, 1) for v in inputs["v"]])
 
-    def launch(self, module: ModuleType, config: DecodeConfig, inputs: dict, outputs) -> None:
+    def launch(self, launcher: Launcher, config: DecodeConfig, inputs: dict, outputs) -> None:
         out, lse = outputs
         batch, tokens = len(self.k_lens), self.spec.q_tokens
         # Packed [batch * tokens, heads, dim] seen as the kernel's [batch, heads, tokens, dim].
@@ -125,7 +125,7 @@ class DecodeProblem(VarlenProblem):
         out = out.view(batch, tokens, self.heads_q, -1).permute(0, 2, 1, 3)
         left, right = launch_window(self.spec.mask, *self.bounds, self.spec.q_tokens, max(self.k_lens))
         table = (inputs["indptr"], inputs["indices"], inputs["last"]) if self.spec.kv_layout == "paged" else ()
-        module.launch(
+        launcher.launch(
             q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, *table,
             chunk=chunk, num_splits=splits,
             scale=1.0 / math.sqrt(self.spec.head_dim), softcap=self.softcap or 0.0, window_left=left,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -13,6 +12,7 @@ from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "attention_flops", "visible_pairs"]
 
@@ -104,11 +104,11 @@ class Problem(base.Problem):
         lse = torch.full(q.shape[:3], math.nan, device=q.device) if self.spec.return_lse else None
         return out, lse
 
-    def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
         q, k, v = inputs
         out, lse = outputs
         left, right = launch_window(self.spec.mask, *self.bounds, self.seq, self.seq)
-        module.launch(
+        launcher.launch(
             q, k, v, out, out if lse is None else lse, scale=self.scale, softcap=self.softcap or 0.0,
             window_left=left, window_right=right, **config.to_dict(),
         )

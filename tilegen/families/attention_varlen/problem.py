@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -14,6 +13,7 @@ from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.problem import visible_pairs
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["VarlenProblem", "ragged_lengths"]
 
@@ -152,14 +152,14 @@ class VarlenProblem(base.Problem):
         lse = torch.full(q.shape[:2], math.nan, device=q.device) if self.spec.return_lse else None
         return out, lse
 
-    def launch(self, module: ModuleType, config: TileConfig, inputs: dict, outputs) -> None:
+    def launch(self, launcher: Launcher, config: TileConfig, inputs: dict, outputs) -> None:
         out, lse = outputs
         left, right = launch_window(self.spec.mask, *self.bounds, max(self.q_lens), max(self.k_lens))
         kv = ((inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["cu_k"])
               if self.spec.kv_layout == "ragged" else
               (inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["indptr"],
                inputs["indices"], inputs["last"]))
-        module.launch(inputs["q"], *kv, inputs["max_q"], scale=1.0 / math.sqrt(self.spec.head_dim),
+        launcher.launch(inputs["q"], *kv, inputs["max_q"], scale=1.0 / math.sqrt(self.spec.head_dim),
                       softcap=self.softcap or 0.0, window_left=left, window_right=right, **config.to_dict())
 
     def key_sequences(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

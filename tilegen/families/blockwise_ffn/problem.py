@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -16,6 +15,7 @@ from tilegen.families import base
 from tilegen.families.blockwise_ffn.config import Config
 from tilegen.families.blockwise_ffn.reference import ffn_reference
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "Weights", "random_weights"]
 
@@ -73,9 +73,9 @@ class Problem(base.Problem):
     def outputs(self, inputs):
         return (torch.full_like(inputs[0], math.nan),)
 
-    def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
         x, w = inputs
-        module.launch(x, w.w_norm, w.b_norm, w.w_gate, w.w_up, w.w_down, outputs[0], eps=_EPS, **config.to_dict())
+        launcher.launch(x, w.w_norm, w.b_norm, w.w_gate, w.w_up, w.w_down, outputs[0], eps=_EPS, **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         x, w = inputs

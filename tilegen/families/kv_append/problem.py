@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -18,6 +17,7 @@ from tilegen.families import base
 from tilegen.families.kv_append.config import Config
 from tilegen.families.kv_append.reference import append_reference
 from tilegen.families.kv_append.spec import KVAppendSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "AppendInputs"]
 
@@ -131,9 +131,9 @@ class Problem(base.Problem):
         v_pages = torch.full((*shape, self.spec.dv), math.nan, dtype=inputs.k.dtype, device=inputs.k.device)
         return k_pages, v_pages
 
-    def launch(self, module: ModuleType, config: Config, inputs: AppendInputs, outputs) -> None:
+    def launch(self, launcher: Launcher, config: Config, inputs: AppendInputs, outputs) -> None:
         k_pages, v_pages = outputs
-        module.launch(
+        launcher.launch(
             inputs.k, inputs.v, inputs.cu_seqlens, k_pages, v_pages, inputs.indptr, inputs.indices,
             inputs.last_page_len, **config.to_dict(),
         )

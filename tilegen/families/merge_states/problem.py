@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -16,6 +15,7 @@ from tilegen.families import base
 from tilegen.families.merge_states.config import Config
 from tilegen.families.merge_states.reference import merge_reference
 from tilegen.families.merge_states.spec import MergeStatesSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "check_merge", "random_lse"]
 
@@ -37,8 +37,8 @@ class Problem(base.RowsProblem):
         o_a, lse_a = inputs[0], inputs[1]
         return torch.full_like(o_a, math.nan), torch.full_like(lse_a, math.nan)
 
-    def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
-        module.launch(*inputs, *outputs, **config.to_dict())
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
+        launcher.launch(*inputs, *outputs, **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         return check_merge(*inputs, *outputs)

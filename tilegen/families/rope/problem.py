@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -16,6 +15,7 @@ from tilegen.families import base
 from tilegen.families.rope.config import Config
 from tilegen.families.rope.reference import rope_reference, rope_tables
 from tilegen.families.rope.spec import RopeSpec
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "check_rope"]
 
@@ -35,8 +35,8 @@ class Problem(base.RowsProblem):
     def outputs(self, inputs):
         return (torch.full_like(inputs[0], math.nan),)
 
-    def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
-        module.launch(*inputs, outputs[0], **config.to_dict())
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
+        launcher.launch(*inputs, outputs[0], **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         return check_rope(*inputs, outputs[0])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -25,6 +24,7 @@ from tilegen.layers.config import LayerConfig
 from tilegen.ops.attention import attention
 from tilegen.ops.blockwise import blockwise_ffn
 from tilegen.ops.rope import apply_rope
+from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "layer_config", "random_weights"]
 
@@ -92,10 +92,10 @@ class Problem(base.Problem):
     def outputs(self, inputs):
         return (torch.full_like(inputs[0], math.nan),)
 
-    def launch(self, module: ModuleType, config: Config, inputs, outputs) -> None:
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
         x, w = inputs
         ops = {"rope": apply_rope} if self.spec.rope else {}
-        module.launch(x, w, outputs[0], attention=attention, blockwise_ffn=blockwise_ffn, **ops,
+        launcher.launch(x, w, outputs[0], attention=attention, blockwise_ffn=blockwise_ffn, **ops,
                       block_q=config.block_q, **self.spec.launch_args(self.layer()))
 
     def check_rows(self) -> torch.Tensor | None:
