@@ -32,7 +32,7 @@ _lock = threading.Lock()
 
 def _work() -> None:
     try:
-        from triton.runtime import cache  # once this returns, Triton is imported whole, whichever thread began it
+        from triton.runtime import cache
 
         from tilegen.triton_internals import gate
 
@@ -40,11 +40,13 @@ def _work() -> None:
         if gate.reason() is not None:
             return  # another Triton's cache may key on other things: leave its first launch to it
 
+        # Gluon first: the importing thread reaches it only at a first call (a generated module
+        # imports it), by which time this import is long done.
+        if importlib.util.find_spec("triton.experimental.gluon") is not None:
+            importlib.import_module("triton.experimental.gluon")
         key = getattr(cache, "triton_key", None)
         if callable(key):
             key()
-        if importlib.util.find_spec("triton.experimental.gluon") is not None:
-            importlib.import_module("triton.experimental.gluon")
     except BaseException:  # noqa: BLE001 - a warm-up must never fail a process; the launch redoes it
         pass
 
@@ -54,6 +56,14 @@ def start() -> None:
     global _thread
     with _lock:
         if _thread is None:
+            # Triton is imported whole here, in the calling thread, before the warm-up starts: a
+            # thread importing Triton's modules while another imports others of them can meet the
+            # package half made (seen on the H200: ``KeyError: 'triton'`` from its C extension's
+            # submodules in ``triton.tools``). ``import triton`` brings every module the warm-up
+            # and the gate read, and the importing thread needs them next anyway.
+            import triton  # noqa: F401
+            import triton.tools.tensor_descriptor  # noqa: F401
+
             _thread = threading.Thread(target=_work, name="tilegen-triton-warmup", daemon=True)
             _thread.start()
 
