@@ -83,9 +83,11 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         _check_device_values(cache, k, cu_seqlens)
     if plan.launches:
         k_pages, v_pages = cache.k_pages, cache.v_pages
-        # The plan fixes the shapes and dtypes the launcher reads; the strides it reads complete the replay key.
-        plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride()),
-                    k, v, cu_seqlens, k_pages, v_pages, cache.indptr, cache.indices, cache.last_page_len)
+        # The plan fixes the shapes and dtypes the launcher reads, but for the page table's length, which
+        # grows with the cache (the kernel clamps page ids into it); that and the strides complete the replay key.
+        indices = cache.indices
+        plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride(), indices.shape[0]),
+                    k, v, cu_seqlens, k_pages, v_pages, cache.indptr, indices, cache.last_page_len)
 
 
 def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:
