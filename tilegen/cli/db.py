@@ -216,8 +216,10 @@ def import_(
         raw = file.read_bytes()
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"FILE.json: {file} is not JSON ({e}); give a file written by `tilegen db export`")
+    except RecursionError:
+        fail(f"FILE.json: {file} is nested too deeply to be a tilegen export")
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
+        fail(f"FILE.json: {file} is not JSON ({safe_text(e)}); give a file written by `tilegen db export`")
     with _open(path, write=True) as database, _errors():
         count = database.import_json(data, skip_bad=skip_bad, replace=replace)
         skipped = database.skipped
