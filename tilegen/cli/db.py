@@ -110,7 +110,6 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption, wide: bool = _WideO
     if path.exists():
         with _open(path) as database:
             rows = database.list_tuned()
-            _report_refused(database)
         if rows:
             reasons = TuningDB.why_stale(rows)
             console.print(_tuned_table(rows, title=str(path), unused=reasons, wide=wide))
@@ -123,7 +122,6 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption, wide: bool = _WideO
     if shipped is not None:
         with _open(shipped) as database:
             rows = database.list_tuned()
-            _report_refused(database)
         console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}",
                                    unused=TuningDB.why_stale(rows), wide=wide))
     if stale:
@@ -160,7 +158,6 @@ def show(
                 continue
             tuned = [row for row in database.list_tuned() if row.spec_hash == hashes[0]]
             trials = database.trials_for(hashes[0])
-            _report_refused(database)
         console = _console()
         console.print(f"[bold]from {_markup(label)}[/bold]" + (f": {_markup(where)}" if label != str(where) else ""))
         for variant in variants:
@@ -187,7 +184,6 @@ def export(
     _need(path)
     with _open(path) as database:
         data = database.export_json()
-        _report_refused(database)
     with _errors(f"FILE.json: cannot write {file}"):
         file.write_text(json.dumps(data, indent=1) + "\n")
     typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to {file}", err=True)
@@ -259,7 +255,6 @@ def prune(
                      f"{', '.join(sorted(present)) or 'none'} (versions match exactly)")
         arguments = dict(keep_triton=triton, keep_tilegen=tilegen, all_families=all_families)
         tuned, trials = database.prune(**arguments, dry_run=True)
-        _report_refused(database)
         if not tuned and not trials:
             typer.echo(f"nothing matched: every row of {path} is one dispatch can use", err=True)
             return
@@ -317,7 +312,6 @@ def pull(
     filters = {name: None if value == "any" else value for name, value in wanted.items()}
     with _open(server, option="--from") as source_db:
         data = source_db.export_json(**filters)
-        _report_refused(source_db)
         if not data["tuned"]:
             rows = source_db.list_tuned()
             there = "; ".join(f"{what} there: {', '.join(sorted({str(getattr(r, field)) for r in rows})) or 'none'}"
@@ -393,6 +387,7 @@ def _open(path: Path | _Server, *, write: bool = False, option: str = "--db") ->
             database = TuningDB(path.url)
         with _errors(option=option), database:
             yield database
+            _report_refused(database)
         return
     with _errors():
         # Reading a file this user cannot write (the shipped one, say) opens it read-only;
@@ -402,10 +397,12 @@ def _open(path: Path | _Server, *, write: bool = False, option: str = "--db") ->
         database = TuningDB(path, readonly=readonly)
     with _errors(), database:
         yield database
+        _report_refused(database)
 
 
 def _report_refused(database: TuningDB) -> None:
-    """One line per stored row the reads left out (``tilegen.db.validate`` refused it)."""
+    """One line per stored row the reads left out (``tilegen.db.validate`` refused it); every command
+    says so as it closes the database."""
     for row in database.take_refused():
         typer.echo(f"skipped {safe_text(row, 400)}", err=True)
 
