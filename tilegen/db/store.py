@@ -623,6 +623,9 @@ def _ids(session: Session, spec: Spec, device: DeviceInfo, template_hash: str) -
         sm_count=device.sm_count, memory_bytes=device.memory_bytes,
     )
     variant = dict(family=spec.family, name=spec.name, spec_json=spec.to_json())
+    # What a reader would refuse is not written: a GPU whose name holds characters outside the safe set, say.
+    check_gpu({"key": device.key, **gpu})
+    check_variant(spec.family, spec.hash, template_hash, spec.name, variant["spec_json"])
     return {
         "variant_id": _variant_id(session, spec_hash=spec.hash, template_hash=template_hash, **variant),
         "gpu_id": _insert_or_fetch(session, Gpu, {"key": device.key}, gpu)[0].id,

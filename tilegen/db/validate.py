@@ -250,11 +250,9 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any]) -> Config:
     # A knob past the search space's largest value (a warp count of 2**80) is no launch the GPU
     # takes. The interpreter's space is a CPU tune's small one, while tests store larger tiles
     # there: it is bounded by a Hopper's. Switches and choices are checked by from_dict already.
-    spaces = [family.search_space(spec, device)]
-    if device.is_interpreter:
-        spaces.append(family.search_space(spec, _BOUNDING_GPU))
+    largest_of = _largest(spec, device)
     for knob, value in parsed.to_dict().items():
-        largest = max((v for space in spaces for v in space.get(knob, ())), default=None)
+        largest = largest_of.get(knob)
         if knob in parsed.switches or knob in parsed.choices or largest is None:
             continue
         if value > largest:
@@ -264,6 +262,17 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any]) -> Config:
     if reason is not None:
         raise RowError(f"{reason} ({spec.name} cannot run config {parsed} on {device.key})")
     return parsed
+
+
+@functools.lru_cache(maxsize=256)
+def _largest(spec: Spec, device: DeviceInfo) -> dict[str, int]:
+    """The largest value of each knob in the search space (a read checks every row: computed once)."""
+    family = family_of(spec)
+    spaces = [family.search_space(spec, device)]
+    if device.is_interpreter:
+        spaces.append(family.search_space(spec, _BOUNDING_GPU))
+    return {knob: max(v for space in spaces for v in space.get(knob, ())) for knob in family.config_type.knobs()
+            if any(space.get(knob) for space in spaces)}
 
 
 def _check_bucket(spec: Spec, bucket: int) -> None:
