@@ -684,6 +684,15 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
             db.studies_url(), engine_kwargs=engine, heartbeat_interval=heartbeat,
             grace_period=_GRACE_BEATS * heartbeat, **{name: retry},
         )
+    beat = storage.record_heartbeat
+
+    def record_heartbeat(trial_id: int) -> None:
+        # A beat the storage cannot take (a lost server, a full disk) is missed, not a traceback from
+        # Optuna's heartbeat thread: the tune's next write meets the same failure and says it in one line.
+        with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            beat(trial_id)
+
+    storage.record_heartbeat = record_heartbeat
     return storage, retry
 
 
