@@ -164,8 +164,8 @@ def check_best(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, An
 
 
 def check_trial(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, Any], status: str,
-                time_ms: float | None, *, max_error: float | None = None, trial_number: int = 0,
-                study_name: str = "study", triton_version: str = "0") -> None:
+                time_ms: float | None, *, max_error: float | None, trial_number: int, study_name: str,
+                triton_version: str) -> None:
     """Raise ``RowError`` unless a trial may be stored or used.
 
     Any trial needs known knobs and a bucket of its family; a trial that says "ok" is one a
