@@ -228,8 +228,10 @@ def config_from_json(text: Any) -> dict[str, Any]:
 
 
 def _check_stored(row: TunedRow | TrialRow) -> None:
-    from tilegen.db.models import PROVENANCES
+    from tilegen.db.models import PROVENANCES, TRIAL_STATUSES
 
+    if isinstance(row, TrialRow) and row.status not in TRIAL_STATUSES:
+        raise RowError(f"status: expected one of {', '.join(TRIAL_STATUSES)}, got {safe_text(repr(row.status), 80)}")
     if row.provenance not in PROVENANCES:
         raise RowError(f"provenance: expected one of {', '.join(PROVENANCES)}, got {safe_text(repr(row.provenance), 80)}")
     if not isinstance(row.created_at, datetime):
