@@ -314,7 +314,7 @@ def pull(
         data = source_db.export_json(**filters)
         if not data["tuned"]:
             rows = source_db.list_tuned()
-            there = "; ".join(f"{what} there: {', '.join(sorted({str(getattr(r, field)) for r in rows})) or 'none'}"
+            there = "; ".join(f"{what} there: {', '.join(sorted({getattr(r, field) for r in rows})) or 'none'}"
                               for what, field in (("GPUs", "gpu_key"), ("Tritons", "triton_version"),
                                                   ("tilegen versions", "tilegen_version")))
             fail(f"--from: no tuned row of {server} has GPU {wanted['gpu_key']}, Triton {wanted['triton_version']} "
