@@ -13,7 +13,6 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import optuna
@@ -28,7 +27,7 @@ import tilegen
 from tilegen import AttentionSpec, dispatch
 from tilegen.cli import app
 from tilegen.codegen.render import template_hash
-from tilegen.db import TuningDB, tuned_rows
+from tilegen.db import TuningDB
 from tilegen.db.validate import RowError, check_gpu
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families.attention_fwd import AttentionFwd, Config
