@@ -153,6 +153,25 @@ def test_a_stored_value_no_writer_would_store_is_refused_by_dispatch_and_named_b
     assert dump(db) == before
 
 
+def test_rows_of_a_family_this_tilegen_does_not_know_are_still_checked(tmp_path):
+    """Its bucket rule and knobs are unknown here, but its numbers, names and types are not."""
+    db = tuned_db(tmp_path / "t.sqlite")
+    set_column(db, "tg_variants", "family", "newer_family")
+    set_column(db, "tg_tuned_configs", "time_ms", "", "bucket = 16")
+    set_column(db, "tg_trials", "config_json", json.dumps({"block_m": "[bold]"}), "trial_number = 0")
+    before = dump(db)
+    result = invoke("db", "list", "--db", db)
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if line.startswith("skipped")] == [
+        f"skipped tuned row 1 of {db}: time_ms: expected a positive, finite number of milliseconds, at least 1e-06 "
+        f"(1 ns), got ''"]
+    assert result.stdout.count("unknown family") == 2
+    result = invoke("db", "show", "--db", db, SPEC.hash)
+    assert result.exit_code == 0, result.output
+    assert "skipped trial row 1" in result.stderr and "config: block_m: expected an integer" in result.stderr
+    assert dump(db) == before
+
+
 def test_a_gpu_entry_claiming_another_capability_for_its_key_is_refused():
     entry = dict(key=H200.key, name=H200.name, capability="8.0", sm_count=132, memory_bytes=1)
     with pytest.raises(RowError, match="key: 'NVIDIA_H200-sm90' is not the key of a NVIDIA H200 of capability 8.0"):
@@ -400,6 +419,8 @@ _COLUMNS = {
     "tg_variants": ["spec_hash", "template_hash", "family", "name", "spec_json"],
     "tg_tuned_configs": ["bucket", "triton_version", "torch_version", "tilegen_version", "config_json", "time_ms",
                          "tflops", "gbps", "max_error", "trials", "created_at", "provenance"],
+    "tg_trials": ["bucket", "triton_version", "study_name", "trial_number", "config_json", "status", "time_ms",
+                  "max_error", "reason", "created_at", "provenance"],
 }
 _VALUES = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**63 - 1),
@@ -436,9 +457,11 @@ def test_random_values_in_any_column_never_crash_a_reader_nor_run(fuzz_base, tmp
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     else:
         one_line_error(result)
-    result = invoke("db", "list", "--db", db)
-    assert result.exit_code in (0, 2) and isinstance(result.exception, (SystemExit, type(None))), result.output
-    if result.exit_code == 2:
-        one_line_error(result)
-    assert "\x1b" not in result.output
+    for command in (("db", "list"), ("db", "show", SPEC.hash)):  # show: the trials too
+        result = invoke(*command, "--db", db)
+        assert result.exit_code in (0, 2) and isinstance(result.exception, (SystemExit, type(None))), result.output
+        if result.exit_code == 2:
+            assert result.stderr.splitlines()[-1].startswith("error: "), result.stderr
+            assert "Traceback" not in result.output
+        assert "\x1b" not in result.output
     assert not (folder / CANARY_FILE).exists()

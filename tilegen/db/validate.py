@@ -146,11 +146,13 @@ def _spec(spec_json: str) -> Spec:
                        ) from None
 
 
-def check_best(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, Any], time_ms: float,
+def check_best(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[str, Any], time_ms: float,
                max_error: float, trials: int, *, tflops: float | None = None, gbps: float | None = None,
-               versions: dict[str, Any] | None = None) -> Config:
+               versions: dict[str, Any] | None = None) -> Config | None:
     """The row's config when a tuned row may be stored or used; else ``RowError`` naming what is wrong.
-    ``versions`` are its version strings by field (``triton_version``, ...), which a server keeps in 64 characters."""
+    ``versions`` are its version strings by field (``triton_version``, ...), which a server keeps in 64 characters.
+    ``spec`` is ``None`` for a stored row of a family this tilegen does not know: all but its family's own
+    rules (bucket, knobs) are checked, and ``None`` returned."""
     _check_bucket(spec, bucket)
     _check_time("time_ms", time_ms)
     _check_error(max_error, finite=True)
@@ -160,10 +162,10 @@ def check_best(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, An
             raise RowError(f"{name}: expected a non-negative, finite number or null, got {safe_text(repr(value), 80)}")
     for name, value in (versions or {}).items():
         check_text(name, value, VERSION_CHARS)
-    return _runnable(spec, device, config)
+    return _runnable(spec, device, config) if spec is not None else _knobs_of_unknown(config)
 
 
-def check_trial(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, Any], status: str,
+def check_trial(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[str, Any], status: str,
                 time_ms: float | None, *, max_error: float | None, trial_number: int, study_name: str,
                 triton_version: str) -> None:
     """Raise ``RowError`` unless a trial may be stored or used.
@@ -176,11 +178,15 @@ def check_trial(spec: Spec, device: DeviceInfo, bucket: int, config: dict[str, A
     check_int("trial_number", trial_number)
     check_text("study_name", study_name)
     check_text("triton_version", triton_version, VERSION_CHARS)
-    _config(spec, config)
+    if spec is None:
+        _knobs_of_unknown(config)
+    else:
+        _config(spec, config)
     if status == "ok":
         _check_time("time_ms", time_ms)
         _check_error(max_error, finite=True, optional=True)
-        _runnable(spec, device, config)
+        if spec is not None:
+            _runnable(spec, device, config)
     else:
         if time_ms is not None and (not _is_number(time_ms) or math.isnan(time_ms) or time_ms < 0):
             raise RowError(f"time_ms: expected a non-negative number or null, got {safe_text(repr(time_ms), 80)}")
@@ -194,10 +200,6 @@ def check_stored_tuned(row: TunedRow, spec_json: str, gpu: dict[str, Any]) -> No
     spec = check_variant(row.family, row.spec_hash, row.template_hash, row.variant_name, spec_json)
     _check_stored(row)
     versions = {name: getattr(row, name) for name in ("triton_version", "torch_version", "tilegen_version")}
-    if spec is None:
-        for name, value in versions.items():
-            check_text(name, value, VERSION_CHARS)
-        return
     check_best(spec, device, row.bucket, row.config, row.time_ms, row.max_error, row.trials,
                tflops=row.tflops, gbps=row.gbps, versions=versions)
 
@@ -209,9 +211,8 @@ def check_stored_trial(row: TrialRow, spec_json: str, gpu: dict[str, Any], name:
     _check_stored(row)
     if row.reason is not None and not isinstance(row.reason, str):
         raise RowError(f"reason: expected a string or null, got {type(row.reason).__name__}")
-    if spec is not None:
-        check_trial(spec, device, row.bucket, row.config, row.status, row.time_ms, max_error=row.max_error,
-                    trial_number=row.trial_number, study_name=row.study_name, triton_version=row.triton_version)
+    check_trial(spec, device, row.bucket, row.config, row.status, row.time_ms, max_error=row.max_error,
+                trial_number=row.trial_number, study_name=row.study_name, triton_version=row.triton_version)
 
 
 def config_from_json(text: Any) -> dict[str, Any]:
@@ -277,12 +278,20 @@ def _largest(spec: Spec, device: DeviceInfo) -> dict[str, int]:
             if any(space.get(knob) for space in spaces)}
 
 
-def _check_bucket(spec: Spec, bucket: int) -> None:
-    buckets = family_of(spec).buckets
+def _knobs_of_unknown(config: dict[str, Any]) -> None:
+    """The knobs of a family this tilegen does not know: named safely, each an int (every family's are)."""
+    for knob, value in config.items():
+        check_text("config", knob, VERSION_CHARS)
+        check_int(f"config: {knob}", value, -INT32_MAX)
+
+
+def _check_bucket(spec: Spec | None, bucket: int) -> None:
     # An int first: the rule's arithmetic on a str or float stored in the column would raise, or pass.
     if isinstance(bucket, bool) or not isinstance(bucket, int) or not 1 <= bucket <= INT32_MAX:
         raise RowError(f"bucket: expected a positive integer of 32 bits, got {safe_text(repr(bucket), 80)}")
-    reason = buckets.check(bucket)  # a packed bucket (decode: context x batch) is checked by its own rule
+    if spec is None:
+        return
+    reason = family_of(spec).buckets.check(bucket)  # a packed bucket (decode: context x batch) is checked by its own rule
     if reason is not None:
         raise RowError(f"bucket: {bucket} is not a bucket of {spec.family} ({reason})")
 
