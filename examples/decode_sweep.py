@@ -16,19 +16,26 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tilegen.codegen.cache import module_for
-from tilegen.device import device_info
-from tilegen.families import relative_error
-from tilegen.families.attention_decode.config import DecodeConfig, split_count
-from tilegen.families.attention_decode.problem import decode_buffers
-from tilegen.families.attention_decode.spec import DecodeSpec
+if not torch.cuda.is_available():
+    # The one tiny case runs under the interpreter, which must be on before Triton loads: without it
+    # every launch of CPU tensors failed, one error line per config.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from tilegen.codegen.cache import module_for  # noqa: E402
+from tilegen.device import device_info  # noqa: E402
+from tilegen.families import relative_error  # noqa: E402
+from tilegen.families.attention_decode.config import DecodeConfig, split_count  # noqa: E402
+from tilegen.families.attention_decode.problem import decode_buffers  # noqa: E402
+from tilegen.families.attention_decode.spec import DecodeSpec  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -135,6 +142,8 @@ def main() -> None:
         if ON_GPU:
             torch.cuda.empty_cache()
     print(f"elapsed {time.time() - start:.0f} s")
+    if not any(case["results"] for case in rows):
+        sys.exit("error: no config ran correctly (see the lines above); nothing to compare")
 
 
 if __name__ == "__main__":

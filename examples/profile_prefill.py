@@ -9,6 +9,8 @@ bf16, 32 heads of dim 128: 16 x 1024 with no mask (tilegen's weakest shape again
 first so that compile time stays out of the profiled process. Each shape's config is printed.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -19,6 +21,10 @@ SHAPES = ((16, 1024, 128, False), (1, 16384, 128, True))
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        # Profiling is of GPU kernels, and these shapes would take hours under the interpreter.
+        sys.exit("error: profile_prefill.py profiles GPU kernels and this machine has no CUDA GPU; "
+                 "examples/compare_sdpa.py runs on a CPU")
     for batch, n, d, causal in SHAPES:
         q, k, v = (torch.randn(batch, 32, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         print(batch, n, d, "causal" if causal else "full", tilegen.explain(q, k, v, causal=causal).config, flush=True)

@@ -212,6 +212,38 @@ def test_a_tune_process_killed_mid_trial_leaves_a_failed_trial_and_the_tune_fini
     assert sorted(_measured(pg_url)) == sorted(_grid())  # the killed one measured again, once
 
 
+def test_a_server_lost_during_a_tune_ends_it_in_one_line_leaving_no_trial_it_cannot_reap(pg_server, pg_url):
+    from sqlalchemy.engine import make_url
+
+    name = make_url(pg_url).database
+    slow = "BM32-BN32-w4-s1"
+    slow_json = next(c.to_json() for c in family_of(SPEC).candidates(SPEC, CPU_INTERPRETER) if str(c) == slow)
+    tune = _start(*TUNE, "--sampler", "grid", "--heartbeat", "1", "--db", pg_url,
+                  TILEGEN_TUNE_INJECT=json.dumps({slow: "sleep:6"}))
+    running, deadline = False, time.monotonic() + 120
+    while not running and time.monotonic() < deadline and tune.poll() is None:
+        time.sleep(0.3)
+        try:
+            trials = _studies(pg_url).get(_key().study_name, [])
+        except Exception:  # the tables are being created
+            continue
+        running = any(t.state.name == "RUNNING" and t.params.get("config_json") == slow_json for t in trials)
+    assert running, "the slow trial never ran"
+    # The server goes away for this database: its connections end and new ones are refused.
+    pg_server.psql(f"ALTER DATABASE {name} ALLOW_CONNECTIONS false;")
+    pg_server.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}';")
+    try:
+        _, err = tune.communicate(timeout=300)
+    finally:
+        pg_server.psql(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true;")
+    assert tune.returncode == 2, err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: "), err
+    assert len([line for line in err.splitlines() if "error" in line.lower()]) == 1, err
+    # A trial it could not fail carries its process's label, so the next tune reaps it.
+    trials = _studies(pg_url)[_key().study_name]
+    assert all(WORKER_ATTR in t.user_attrs for t in trials if t.state.name == "RUNNING")
+
+
 # -- pull, and dispatch from the pulled file -----------------------------------------------------
 
 

@@ -26,8 +26,10 @@ USAGE_ERROR = 2
 
 
 def fail(message: str) -> NoReturn:
-    """End the command with ``error: <message>`` on one line and exit status 2."""
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    """End the command with ``error: <message>`` on one line and exit status 2. Control characters (text
+    from a database or a file may carry terminal escapes) are shown as ``?``."""
+    line = "".join(c if c.isprintable() else "?" for c in " ".join(message.split()))
+    typer.echo(f"error: {line}", err=True)
     raise typer.Exit(USAGE_ERROR)
 
 

@@ -16,18 +16,22 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import triton
 import typer
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tilegen import env
 from tilegen.version import __version__
 from tilegen.cli.app import app, fail
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
 from tilegen.db.location import is_url
+from tilegen.db.validate import safe_text
 from tilegen.families import ConfigError, get
 from tilegen.ir import SpecError
 
@@ -37,6 +41,13 @@ app.add_typer(db_app, name="db")
 _DB_HELP = ("The database: a SQLite file or a server URL such as postgresql+psycopg://user@host/tilegen "
             "(default: $TILEGEN_DB, else tuning.sqlite in the user data folder).")
 _DbOption = typer.Option(None, "--db", help=_DB_HELP, show_default=False)
+#: The console width from which tables show every column unasked.
+_WIDE_FROM = 160
+_WideOption = typer.Option(
+    False, "--wide", help="Every column (Triton, TFLOP/s, max error, date, provenance) however narrow the terminal; "
+    f"by default a terminal under {_WIDE_FROM} columns gets the columns that fit 80, the spec hash `tilegen db show` "
+    "takes always whole.",
+)
 
 
 class _Server(str):
@@ -91,7 +102,7 @@ def _shipped(path: Path | _Server) -> Path | None:
 
 
 @db_app.command("list")
-def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
+def list_(ctx: typer.Context, db: Optional[str] = _DbOption, wide: bool = _WideOption) -> None:
     """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
     path = _path(ctx, db)
     console = _console()
@@ -101,7 +112,7 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
             rows = database.list_tuned()
         if rows:
             reasons = TuningDB.why_stale(rows)
-            console.print(_tuned_table(rows, title=str(path), unused=reasons))
+            console.print(_tuned_table(rows, title=str(path), unused=reasons, wide=wide))
             stale, unknown = sum(r is not None for r in reasons), reasons.count("unknown family")
         else:
             typer.echo(f"no tuned configs in {path}", err=True)
@@ -112,7 +123,7 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
         with _open(shipped) as database:
             rows = database.list_tuned()
         console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}",
-                                   unused=TuningDB.why_stale(rows)))
+                                   unused=TuningDB.why_stale(rows), wide=wide))
     if stale:
         typer.echo(f"{stale} of the tuned configs in {path} are ones dispatch here can never use (the 'unused' "
                    f"column says why: their kernel's template has changed since, or they were tuned with another "
@@ -124,7 +135,7 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
 @db_app.command()
 def show(
     ctx: typer.Context, spec_hash: str = typer.Argument(..., metavar="SPEC_HASH_OR_PREFIX"),
-    db: Optional[str] = _DbOption,
+    db: Optional[str] = _DbOption, wide: bool = _WideOption,
 ) -> None:
     """One variant: its spec, its tuned configs and every trial, fastest first within a study.
 
@@ -142,20 +153,25 @@ def show(
             variants = database.variants(spec_hash)
             hashes = sorted({v.spec_hash for v in variants})
             if len(hashes) > 1:
-                fail(f"{spec_hash!r} matches {len(hashes)} specs ({', '.join(hashes)}); give more of the hash")
+                fail(f"{safe_text(repr(spec_hash))} matches {len(hashes)} specs ({', '.join(hashes)}); give more of the hash")
             if not hashes:
                 continue
             tuned = [row for row in database.list_tuned() if row.spec_hash == hashes[0]]
             trials = database.trials_for(hashes[0])
         console = _console()
-        console.print(f"[bold]from {label}[/bold]" + (f": {where}" if label != str(where) else ""))
+        console.print(f"[bold]from {_markup(label)}[/bold]" + (f": {_markup(where)}" if label != str(where) else ""))
         for variant in variants:
-            console.print(f"[bold]{variant.name}[/bold]  spec {variant.spec_hash}  template {variant.template_hash}")
-            console.print_json(variant.spec_json)
-        console.print(_tuned_table(tuned, title="tuned") if tuned else "no tuned configs")
-        console.print(_trials_table(trials) if trials else "no trials")
+            console.print(f"[bold]{_markup(variant.name)}[/bold]  spec {_markup(variant.spec_hash)}  "
+                          f"template {_markup(variant.template_hash)}")
+            try:
+                # Re-written from the parsed JSON, so no string in it reaches the terminal unescaped.
+                console.print_json(json.dumps(json.loads(variant.spec_json), ensure_ascii=True))
+            except (ValueError, RecursionError):  # a family this tilegen does not know wrote it
+                console.print(_cell(variant.spec_json, 2000))
+        console.print(_tuned_table(tuned, title="tuned", wide=wide) if tuned else "no tuned configs")
+        console.print(_trials_table(trials, wide=wide) if trials else "no trials")
         return
-    fail(f"no variant with spec hash {spec_hash!r} in {' or '.join(str(p) for p, _ in places)}; "
+    fail(f"no variant with spec hash {safe_text(repr(spec_hash))} in {' or '.join(str(p) for p, _ in places)}; "
          f"`tilegen db list` shows them")
 
 
@@ -196,13 +212,15 @@ def import_(
         raw = file.read_bytes()
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"FILE.json: {file} is not JSON ({e}); give a file written by `tilegen db export`")
+    except RecursionError:
+        fail(f"FILE.json: {file} is nested too deeply to be a tilegen export")
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
+        fail(f"FILE.json: {file} is not JSON ({safe_text(e)}); give a file written by `tilegen db export`")
     with _open(path, write=True) as database, _errors():
         count = database.import_json(data, skip_bad=skip_bad, replace=replace)
         skipped = database.skipped
     for line in skipped:
-        typer.echo(f"skipped {line}", err=True)
+        typer.echo(f"skipped {safe_text(line, 400)}", err=True)
     typer.echo(f"imported {count} rows from {file} into {path}", err=True)
 
 
@@ -305,7 +323,7 @@ def pull(
         count = database.import_json(data, skip_bad=skip_bad, provenance="pulled")
         skipped = database.skipped
     for line in skipped:
-        typer.echo(f"skipped {line}", err=True)
+        typer.echo(f"skipped {safe_text(line, 400)}", err=True)
     typer.echo(f"pulled {len(data['tuned'])} tuned configs and {len(data['trials'])} trials from {server} into "
                f"{target} ({count} rows new or faster)", err=True)
 
@@ -369,6 +387,7 @@ def _open(path: Path | _Server, *, write: bool = False, option: str = "--db") ->
             database = TuningDB(path.url)
         with _errors(option=option), database:
             yield database
+            _report_refused(database)
         return
     with _errors():
         # Reading a file this user cannot write (the shipped one, say) opens it read-only;
@@ -378,13 +397,32 @@ def _open(path: Path | _Server, *, write: bool = False, option: str = "--db") ->
         database = TuningDB(path, readonly=readonly)
     with _errors(), database:
         yield database
+        _report_refused(database)
+
+
+def _report_refused(database: TuningDB) -> None:
+    """One line per stored row the reads left out (``tilegen.db.validate`` refused it); every command
+    says so as it closes the database."""
+    for row in database.take_refused():
+        typer.echo(f"skipped {safe_text(row, 400)}", err=True)
 
 
 def _console() -> Console:
     console = Console()
-    if not console.is_terminal:
+    if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 200  # piped or captured: no terminal width to fit, so do not cut hashes short
     return console
+
+
+def _markup(value: object) -> str:
+    """Text from a database or a file, for a console string that holds markup of ours: controls shown
+    escaped, rich's markup escaped."""
+    return escape(safe_text(value))
+
+
+def _cell(value: object, limit: int = 200) -> Text:
+    """A table cell from a database or a file: plain text (never markup), controls shown escaped."""
+    return Text(safe_text(value, limit))
 
 
 def _config_text(row: TunedRow | TrialRow) -> str:
@@ -408,33 +446,53 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _tuned_table(rows: list[TunedRow], *, title: str, unused: list[str | None] | None = None) -> Table:
+#: Columns of the tables, each with what it shows of a row; the wide ones only with --wide. At 80
+#: columns the narrow ones fit with the spec hash (16 digits, never cut) and a config whole.
+_TUNED_COLUMNS = {
+    "variant": (False, lambda row: row.variant_name), "spec hash": (False, lambda row: row.spec_hash),
+    "GPU": (False, lambda row: row.gpu_key), "Triton": (True, lambda row: row.triton_version),
+    "bucket": (False, _bucket_text), "config": (False, _config_text),
+    "time ms": (False, lambda row: _number(row.time_ms, ".4f")), "TFLOP/s": (True, lambda row: _number(row.tflops, ".1f")),
+    "max err": (True, lambda row: _number(row.max_error, ".2e")),
+    "date": (True, lambda row: row.created_at.strftime("%Y-%m-%d %H:%M")), "from": (True, lambda row: row.provenance),
+}
+_TRIAL_COLUMNS = {
+    "study": (True, lambda row: row.study_name), "#": (False, lambda row: str(row.trial_number)),
+    "GPU": (True, lambda row: row.gpu_key), "bucket": (False, _bucket_text), "config": (False, _config_text),
+    "status": (False, lambda row: row.status), "time ms": (False, lambda row: _number(row.time_ms, ".4f")),
+    "max err": (True, lambda row: _number(row.max_error, ".2e")), "reason": (False, lambda row: row.reason or ""),
+}
+#: Widths below which a column's words would break letter by letter.
+_MIN_WIDTH = {"spec hash": 16, "variant": 10, "GPU": 8, "bucket": 6, "config": 10, "status": 6, "reason": 12, "unused": 8}
+_RIGHT = ("bucket", "time ms", "TFLOP/s", "max err", "#")
+
+
+def _table(title: str, columns: dict[str, Any], rows: list[Any], wide: bool, extra: dict[str, list[str]]) -> Table:
+    """``rows`` as a table of ``columns`` (all with ``wide``, else the narrow ones), then ``extra`` columns
+    (name: a value per row). Cells are plain text; only the spec hash and numbers never wrap."""
+    wide = wide or _console().width >= _WIDE_FROM
+    shown = {name: show for name, (is_wide, show) in columns.items() if wide or not is_wide}
+    # No vertical rules unless wide: at 80 columns every character goes to the cells.
+    table = Table(title=_markup(title), box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1) if wide else (0, 0))
+    for name in [*shown, *extra]:
+        keep = name in ("spec hash", "#", "time ms", "TFLOP/s", "max err", "date")
+        table.add_column(name, justify="right" if name in _RIGHT else "left", no_wrap=keep,
+                         min_width=_MIN_WIDTH.get(name), overflow="fold")
+    for i, row in enumerate(rows):
+        table.add_row(*(_cell(show(row)) for show in shown.values()), *(_cell(values[i]) for values in extra.values()))
+    return table
+
+
+def _tuned_table(rows: list[TunedRow], *, title: str, unused: list[str | None] | None = None,
+                 wide: bool = False) -> Table:
     """The rows as a table; with ``unused`` (``TuningDB.why_stale`` of the rows), a last column says
     why dispatch here can never use a row (empty for the rows it can)."""
-    table = Table(title=title)
-    for name in ("variant", "spec hash", "GPU", "Triton", "bucket", "config", "time ms", "TFLOP/s", "max err", "date",
-                 "from", *(("unused",) if unused is not None else ())):
-        table.add_column(name, justify="right" if name in ("bucket", "time ms", "TFLOP/s", "max err") else "left",
-                         no_wrap=name == "bucket")
-    for row, reason in zip(rows, unused if unused is not None else [None] * len(rows)):
-        table.add_row(
-            row.variant_name, row.spec_hash, row.gpu_key, row.triton_version, _bucket_text(row),
-            _config_text(row), _number(row.time_ms, ".4f"), _number(row.tflops, ".1f"),
-            _number(row.max_error, ".2e"), row.created_at.strftime("%Y-%m-%d %H:%M"), row.provenance,
-            *((reason or "",) if unused is not None else ()),
-        )
-    return table
+    extra = {"unused": [reason or "" for reason in unused]} if unused is not None else {}
+    return _table(title, _TUNED_COLUMNS, rows, wide, extra)
 
 
-def _trials_table(rows: list[TrialRow]) -> Table:
-    table = Table(title="trials")
-    for name in ("study", "#", "GPU", "bucket", "config", "status", "time ms", "max err", "reason"):
-        table.add_column(name, justify="right" if name in ("#", "bucket", "time ms", "max err") else "left",
-                         no_wrap=name == "bucket")
+def _trials_table(rows: list[TrialRow], *, wide: bool = False) -> Table:
     # Within a study, fastest first and failures last: the top rows say why the winner won.
-    for row in sorted(rows, key=lambda r: (r.study_name, r.time_ms is None, r.time_ms or 0.0, r.trial_number)):
-        table.add_row(
-            row.study_name, str(row.trial_number), row.gpu_key, _bucket_text(row), _config_text(row),
-            row.status, _number(row.time_ms, ".4f"), _number(row.max_error, ".2e"), row.reason or "",
-        )
-    return table
+    ordered = sorted(rows, key=lambda r: (r.study_name, r.time_ms is None, r.time_ms or 0.0, r.trial_number))
+    return _table("trials", _TRIAL_COLUMNS, ordered, wide, {})

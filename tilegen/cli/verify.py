@@ -12,10 +12,13 @@ import os
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
+from tilegen.db.validate import safe_text
 from tilegen.device import device_info
 from tilegen.families import ConfigError, family_of
 from tilegen.ir import SpecError
@@ -37,6 +40,10 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
     device = device_info()
     specs = {(v.spec_hash, v.template_hash): v.spec_json for v in database.variants(prefix)}
     rows = [r for r in database.list_tuned() if (r.spec_hash, r.template_hash) in specs]
+    # Rows no reader uses (a config or bucket no writer would store, edited in behind the checks) fail on
+    # every machine: listed as failed, dropped with --drop-failed.
+    refused = [r for r in database.take_refused()
+               if r.kind == "tuned" and str(r.raw["variant_spec_hash"]).startswith(prefix)]
     runnable, elsewhere = [], 0
     for row in rows:
         try:
@@ -50,15 +57,22 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
         else:
             elsewhere += 1
     if elsewhere:
-        console.print(f"{elsewhere} row(s) belong to another GPU, Triton or template than this machine's "
-                      f"({device.key}, Triton {triton.__version__}): not run here")
-    if not runnable:
-        console.print(f"no row of {database.path} can run on this machine")
+        console.print(escape(f"{elsewhere} row(s) belong to another GPU, Triton or template than this machine's "
+                             f"({device.key}, Triton {triton.__version__}): not run here"))
+    if not runnable and not refused:
+        console.print(escape(f"no row of {database.path} can run on this machine"))
         return 0
-    table = Table(title=f"{database.path} on {device.key}")
+    table = Table(title=escape(f"{database.path} on {device.key}"))
     for name in ("variant", "bucket", "config", "from", "stored ms", "measured ms", "max err", "result"):
         table.add_column(name, justify="right" if name in ("bucket", "stored ms", "measured ms", "max err") else "left")
-    failed = 0
+    failed = len(refused)
+    for row in refused:
+        if drop_failed:
+            database.delete_refused(row)
+        raw = row.raw
+        table.add_row(*(Text(safe_text(v)) for v in (
+            raw["variant_name"], raw["bucket"], raw["config_json"], raw["provenance"], raw["time_ms"], "-", "-",
+            f"infeasible: {row.reason}" + (" (deleted)" if drop_failed else ""))))
     worker = Worker()
     try:
         for row, spec, family in runnable:
@@ -80,12 +94,12 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
             failed += not ok
             if not ok and drop_failed:
                 database.delete_tuned(row)
-            table.add_row(
-                row.variant_name, family.buckets.label(row.bucket), str(config or row.config), row.provenance, f"{row.time_ms:.4f}",
-                "-" if result["time_ms"] is None else f"{result['time_ms']:.4f}",
+            table.add_row(*(Text(safe_text(v)) for v in (
+                row.variant_name, family.buckets.label(row.bucket), str(config or row.config), row.provenance,
+                f"{row.time_ms:.4f}", "-" if result["time_ms"] is None else f"{result['time_ms']:.4f}",
                 "-" if result["max_error"] is None else f"{result['max_error']:.2e}",
                 "ok" if ok else f"{result['status']}: {result['reason']}" + (" (deleted)" if drop_failed else ""),
-            )
+            )))
     finally:
         worker.close()
     console.print(table)

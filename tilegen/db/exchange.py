@@ -19,10 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from tilegen.db.models import TRIAL_STATUSES
-from tilegen.db.validate import RowError, check_best, check_trial, device_from_gpu
-from tilegen.families import family_of
-from tilegen.ir import SpecError
-from tilegen.families import spec_from_json
+from tilegen.db.validate import INT32_MAX, INT64_MAX, RowError, check_best, check_gpu, check_trial, check_variant, safe_text
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
 
@@ -31,7 +28,10 @@ FORMAT_VERSION = 1
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),
-    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    # Integer columns are 32 bits on a server, memory_bytes 64 (the "int64" kind): a larger value is refused
+    # here, not by the database mid-import.
+    "int": ("an integer of 32 bits", lambda v: isinstance(v, int) and not isinstance(v, bool) and -INT32_MAX <= v <= INT32_MAX),
+    "int64": ("an integer of 64 bits", lambda v: isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX <= v <= INT64_MAX),
     # Infinity passes (a trial may record an infinite error); NaN cannot be stored in SQLite.
     "num": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)),
     "dict": ("an object", lambda v: isinstance(v, dict)),
@@ -40,7 +40,7 @@ _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 # Field -> kind; a trailing "?" allows null.
 _VARIANT_KEY = {"spec_hash": "str", "template_hash": "str", "gpu_key": "str", "bucket": "int"}
 SECTIONS: dict[str, dict[str, str]] = {
-    "gpus": {"key": "str", "name": "str", "capability": "str", "sm_count": "int", "memory_bytes": "int"},
+    "gpus": {"key": "str", "name": "str", "capability": "str", "sm_count": "int", "memory_bytes": "int64"},
     "variants": {"spec_hash": "str", "template_hash": "str", "family": "str", "name": "str", "spec_json": "str"},
     "tuned": {
         **_VARIANT_KEY, "triton_version": "str", "torch_version": "str", "tilegen_version": "str",
@@ -69,46 +69,36 @@ def check(data: Any, *, skip_bad: bool = False) -> dict[str, list[Any]]:
         raise _malformed("", f"expected a JSON object with \"format\": \"{FORMAT}\"")
     if data.get("format_version") != FORMAT_VERSION:
         raise _malformed(
-            "format_version", f"this tilegen reads version {FORMAT_VERSION}, got {data.get('format_version')!r}"
+            "format_version", f"this tilegen reads version {FORMAT_VERSION}, got {safe_text(repr(data.get('format_version')), 80)}"
         )
     sections = {name: [_entry(data, name, i, fields) for i in range(_length(data, name))]
                 for name, fields in SECTIONS.items()}
-    gpus = {g["key"] for g in sections["gpus"]}
+    devices = {}
+    for i, gpu in enumerate(sections["gpus"]):
+        try:
+            devices[gpu["key"]] = check_gpu(gpu)
+        except RowError as e:
+            raise ValueError(f"malformed tilegen export: gpus[{i}].{e}") from None
     variants = {}  # (spec hash, template hash) -> spec
     for i, variant in enumerate(sections["variants"]):
-        where = f"variants[{i}]"
         try:
-            spec = spec_from_json(variant["spec_json"])
-        except (SpecError, ValueError, TypeError) as e:
-            raise _malformed(f"{where}.spec_json", str(e)) from None
-        if spec.hash != variant["spec_hash"]:
-            raise _malformed(f"{where}.spec_hash", f"{variant['spec_hash']} is not the hash of its spec ({spec.hash})")
-        if spec.family != variant["family"]:
-            raise _malformed(f"{where}.family", f"{variant['family']!r} is not its spec's family ({spec.family!r})")
+            spec = check_variant(variant["family"], variant["spec_hash"], variant["template_hash"], variant["name"],
+                                 variant["spec_json"])
+        except RowError as e:
+            raise ValueError(f"malformed tilegen export: variants[{i}].{e}") from None
+        if spec is None:
+            raise _malformed(f"variants[{i}].family", f"{safe_text(repr(variant['family']), 80)} is not a family this tilegen knows")
         variants[variant["spec_hash"], variant["template_hash"]] = spec
     for name in ("tuned", "trials"):
         for i, row in enumerate(sections[name]):
             where = f"{name}[{i}]"
             if (row["spec_hash"], row["template_hash"]) not in variants:
-                raise _malformed(where, f"variant {row['spec_hash']}/{row['template_hash']} is not in \"variants\"")
-            if row["gpu_key"] not in gpus:
-                raise _malformed(f"{where}.gpu_key", f"{row['gpu_key']!r} is not in \"gpus\"")
-            if row["bucket"] < 1:
-                raise _malformed(f"{where}.bucket", f"expected a positive integer, got {row['bucket']}")
-    for i, row in enumerate(sections["tuned"]):
-        try:
-            family_of(variants[row["spec_hash"], row["template_hash"]]).config_type.from_dict(row["config"])
-        except ValueError as e:
-            raise _malformed(f"tuned[{i}].config", str(e)) from None
+                raise _malformed(where, f"variant {safe_text(repr(row['spec_hash']), 80)}/{safe_text(repr(row['template_hash']), 80)} is not in \"variants\"")
+            if row["gpu_key"] not in devices:
+                raise _malformed(f"{where}.gpu_key", f"{safe_text(repr(row['gpu_key']), 80)} is not in \"gpus\"")
     for i, row in enumerate(sections["trials"]):
         if row["status"] not in TRIAL_STATUSES:
-            raise _malformed(f"trials[{i}].status", f"expected one of {', '.join(TRIAL_STATUSES)}, got {row['status']!r}")
-    devices = {}
-    for i, gpu in enumerate(sections["gpus"]):
-        try:
-            devices[gpu["key"]] = device_from_gpu(gpu)
-        except RowError as e:
-            raise ValueError(f"malformed tilegen export: gpus[{i}].{e}") from None
+            raise _malformed(f"trials[{i}].status", f"expected one of {', '.join(TRIAL_STATUSES)}, got {safe_text(repr(row['status']), 80)}")
     skipped = []
     for name in ("tuned", "trials"):
         kept = []
@@ -117,10 +107,13 @@ def check(data: Any, *, skip_bad: bool = False) -> dict[str, list[Any]]:
             device = devices[row["gpu_key"]]
             try:
                 if name == "tuned":
+                    versions = {v: row[v] for v in ("triton_version", "torch_version", "tilegen_version")}
                     check_best(spec, device, row["bucket"], row["config"], row["time_ms"], row["max_error"],
-                               row["trials"])
+                               row["trials"], tflops=row["tflops"], gbps=row["gbps"], versions=versions)
                 else:
-                    check_trial(spec, device, row["bucket"], row["config"], row["status"], row["time_ms"])
+                    check_trial(spec, device, row["bucket"], row["config"], row["status"], row["time_ms"],
+                                max_error=row["max_error"], trial_number=row["trial_number"],
+                                study_name=row["study_name"], triton_version=row["triton_version"])
             except RowError as e:
                 where = f"{name}[{i}] ({spec.name}, bucket {row['bucket']}, {row['gpu_key']}): {e}"
                 if not skip_bad:
@@ -154,15 +147,15 @@ def _entry(data: dict[str, Any], name: str, index: int, fields: dict[str, str]) 
             raise _malformed(f"{where}.{field}", "missing")
         value = entry[field]
         if not (accepts(value) or (optional and value is None)):
-            raise _malformed(f"{where}.{field}", f"expected {what}{' or null' if optional else ''}, got {value!r}")
+            raise _malformed(f"{where}.{field}", f"expected {what}{' or null' if optional else ''}, got {safe_text(repr(value), 80)}")
         out[field] = value
     if "created_at" in out:
         try:
             created = datetime.fromisoformat(out["created_at"])
-        except ValueError:
-            raise _malformed(f"{where}.created_at", f"expected an ISO date, got {out['created_at']!r}") from None
-        # Stored times are naive UTC (see models.utcnow).
-        out["created_at"] = created.astimezone(timezone.utc).replace(tzinfo=None) if created.tzinfo else created
+            # Stored times are naive UTC (see models.utcnow); a zone can carry a date past the last one.
+            out["created_at"] = created.astimezone(timezone.utc).replace(tzinfo=None) if created.tzinfo else created
+        except (ValueError, OverflowError):
+            raise _malformed(f"{where}.created_at", f"expected an ISO date, got {safe_text(repr(out['created_at']), 80)}") from None
     return out
 
 

@@ -10,15 +10,15 @@ an older shipped file (inside a read-only wheel) needs no upgrade.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from tilegen import env
 from tilegen.db.errors import DatabaseError
 from tilegen.db.sqlite import read_tuned
+from tilegen.db.validate import RowError, check_best, config_from_json, safe_text
 from tilegen.device import DeviceInfo
-from tilegen.families import Config, ConfigError, family_of
+from tilegen.families import Config
 from tilegen.ir import Spec
 
 __all__ = ["tuned_rows"]
@@ -34,11 +34,11 @@ def tuned_rows(
     """Tuned configs by bucket, each with the database file it came from; the user's rows win per bucket.
 
     ``user_db`` defaults to ``tilegen.env.db_path()``; a file that does not exist is skipped
-    (and not created), as is a missing shipped database. A row whose config the family
-    cannot run on ``device`` (an edited import, say) is skipped with a warning, so one bad
-    row never breaks the op.
+    (and not created), as is a missing shipped database. A row that fails the writers' checks
+    (``tilegen.db.validate.check_best``: a config the family cannot run on ``device``, a bucket
+    its rule never gives, a value of the wrong type, as an edited or forged file holds) is
+    skipped with a warning, so one bad row never breaks the op.
     """
-    family = family_of(spec)
     rows: dict[int, tuple[Config, str]] = {}
     # Shipped first, so the user's rows overwrite it bucket by bucket.
     for path in (env.shipped_db_path(), user_db if user_db is not None else env.db_path()):
@@ -49,19 +49,17 @@ def tuned_rows(
         except DatabaseError as e:
             _warn_once(f"tilegen: ignoring the tuning database: {e}")
             continue
-        for bucket, config_json in found.items():
+        for row in found:
             try:
-                try:
-                    knobs = json.loads(config_json)
-                except ValueError:
-                    raise ConfigError(f"config: not JSON: {config_json!r}") from None
-                config = family.config_type.from_dict(knobs)
-                reason = family.feasible(spec, config, device)
-                if reason is not None:
-                    raise ConfigError(f"{config}: {reason}")
-            except ConfigError as e:
-                _warn_once(f"tilegen: ignoring a tuned row of {spec.name} (bucket {bucket}) in {path}: {e}")
+                versions = {name: row[name] for name in ("triton_version", "torch_version", "tilegen_version")}
+                config = check_best(spec, device, row["bucket"], config_from_json(row["config_json"]), row["time_ms"],
+                                    row["max_error"], row["trials"], tflops=row["tflops"], gbps=row["gbps"],
+                                    versions=versions)
+            except RowError as e:
+                _warn_once(f"tilegen: ignoring a tuned row of {spec.name} (bucket {safe_text(repr(row['bucket']), 40)}) "
+                           f"in {safe_text(path)}: {e}")
                 continue
+            bucket = row["bucket"]
             rows[bucket] = (config, str(path))
     return rows
 

@@ -82,6 +82,8 @@ def open_engine(path: Path, *, readonly: bool) -> Engine:
     Raises ``DatabaseError`` for a corrupt or foreign file, a newer schema, or a path that
     cannot be opened.
     """
+    if not readonly:
+        _refuse_corrupt(path)
     engine = create_engine("sqlite://", creator=_connector(path, readonly), poolclass=QueuePool)
     event.listen(engine, "connect", functools.partial(_configure_connection, readonly=readonly))
     event.listen(engine, "begin", _begin)
@@ -179,6 +181,27 @@ def _upgraded_copy(path: Path) -> Engine:
         engine.dispose()
         raise explain_error(e, path, True) from e
     return engine
+
+
+def _refuse_corrupt(path: Path) -> None:
+    """``DatabaseError`` for an existing file that is corrupt or not SQLite's, found read-only:
+    a writable open sets WAL mode (a write to the file's header) and a tune creates the studies file
+    beside it, so a file refused only later would have been changed first. ``quick_check`` reads the
+    whole file once, which a writable open (a tune, an import) can afford."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return  # a new file: SQLite creates it
+    try:
+        connection = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error as e:
+        raise explain_error(e, path, True) from e
+    try:
+        problems = [row[0] for row in connection.execute("PRAGMA quick_check(1)")]
+        if problems != ["ok"]:
+            raise DatabaseError(f"not a tilegen database / corrupt: {path}")
+    except sqlite3.Error as e:
+        raise explain_error(e, path, True) from e
+    finally:
+        connection.close()
 
 
 def _connector(path: Path, readonly: bool):

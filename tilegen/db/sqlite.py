@@ -68,23 +68,30 @@ def stored_revisions(conn: sqlite3.Connection, path: Path) -> tuple[str, ...]:
     return current
 
 
-#: The rows dispatch reads, with the columns every revision since 0001 has.
+#: What ``read_tuned`` gives per row: the columns every revision since 0001 has that the row's check reads.
+TUNED_FIELDS = ("bucket", "config_json", "time_ms", "max_error", "trials", "tflops", "gbps", "triton_version",
+                "torch_version", "tilegen_version")
 _TUNED = (
-    "SELECT t.bucket, t.config_json FROM tg_tuned_configs t"
+    f"SELECT {', '.join('t.' + name for name in TUNED_FIELDS)} FROM tg_tuned_configs t"
     " JOIN tg_variants v ON v.id = t.variant_id JOIN tg_gpus g ON g.id = t.gpu_id"
     " WHERE v.spec_hash = ? AND v.template_hash = ? AND g.key = ? AND t.triton_version = ?"
 )
 
 
-def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str, triton_version: str) -> dict[int, str]:
-    """Config JSON by bucket of one variant on one GPU and Triton, read-only; any known revision."""
+def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str, triton_version: str) -> list[dict]:
+    """The tuned rows of one variant on one GPU and Triton, read-only, any known revision: ``TUNED_FIELDS``
+    of each as stored, unchecked (SQLite lets a column hold any type)."""
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e
+    # Text that is not UTF-8 (a forged file) reads as replacement characters, for the row's check to refuse,
+    # instead of failing the whole read.
+    conn.text_factory = lambda data: data.decode("utf-8", "replace")
     try:
         stored_revisions(conn, path)
-        return dict(conn.execute(_TUNED, (spec_hash, template_hash, gpu_key, triton_version)).fetchall())
+        rows = conn.execute(_TUNED, (spec_hash, template_hash, gpu_key, triton_version)).fetchall()
+        return [dict(zip(TUNED_FIELDS, row)) for row in rows]
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e
     finally:

@@ -23,15 +23,17 @@ import functools
 import json
 import math
 import os
+from datetime import datetime
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import triton
-from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text, true
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select, text, true, type_coerce
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
+from sqlalchemy.types import NullType
 
 from tilegen import env
 from tilegen.version import __version__
@@ -39,7 +41,10 @@ from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
 from tilegen.db.location import is_url, server_url, shown
-from tilegen.db.validate import check_best, check_trial
+from tilegen.db.validate import (
+    RowError, check_best, check_gpu, check_stored_trial, check_stored_tuned, check_trial, check_variant,
+    config_from_json,
+)
 from tilegen.db.migrate import (
     ADVISORY_CLASS, CONNECT_TIMEOUT_S, WRITE, advisory_key, explain_error, explain_server_error, open_engine,
     open_server_engine, studies_connection,
@@ -59,12 +64,11 @@ from tilegen.device import DeviceInfo
 from tilegen.families import families
 from tilegen.ir import Spec
 
-__all__ = ["TuningDB", "studies_url"]
+__all__ = ["Refused", "TuningDB", "studies_url"]
 
 _M = TypeVar("_M", bound=Base)
 #: How long a write to the studies file waits while another tune process writes.
 _STUDIES_TIMEOUT_S = 60
-_GPUS_BY_KEY = select(Gpu).order_by(Gpu.key)
 
 
 def studies_url(db_path: str | os.PathLike[str]) -> str:
@@ -75,6 +79,22 @@ def studies_url(db_path: str | os.PathLike[str]) -> str:
     """
     path = Path(db_path).expanduser().absolute()
     return f"sqlite:///{path.with_name(path.stem + '.optuna.sqlite')}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A stored row a read left out: its kind ("tuned", "trial", "variant", "gpu"), id, why (``reason``;
+    ``line``, which ``str`` gives, names the row and the file too) and its values as read (unchecked:
+    print them through ``safe_text`` only)."""
+
+    kind: str
+    id: Any
+    reason: str
+    line: str
+    raw: dict[str, Any]
+
+    def __str__(self) -> str:
+        return self.line
 
 
 class TuningDB:
@@ -92,6 +112,8 @@ class TuningDB:
         target = path if path is not None else env.db_target()
         self.readonly = readonly
         self.skipped: list[str] = []  # rows the last import_json(skip_bad=True) left out, each named
+        # Stored rows the readers left out, each named with why (``tilegen.db.validate``); see ``take_refused``.
+        self._refused: dict[tuple[str, Any], Refused] = {}
         if is_url(target):
             self.path = None
             self.url = server_url(target)
@@ -118,6 +140,18 @@ class TuningDB:
     @property
     def is_server(self) -> bool:
         return self.url is not None
+
+    def take_refused(self) -> list[Refused]:
+        """The stored rows that reads since the last call left out, each saying why (``str``, one line); a
+        shared or edited file can hold rows no writer would store, and no reader uses them."""
+        refused, self._refused = list(self._refused.values()), {}
+        return refused
+
+    def delete_refused(self, refused: Refused) -> int:
+        """Delete a row a read refused (``take_refused``); returns 1, or 0 if gone."""
+        model = {"tuned": TunedConfig, "trial": Trial, "variant": Variant, "gpu": Gpu}[refused.kind]
+        with self._session(write=True) as session:
+            return _delete(session, model, model.id == refused.id)
 
     def studies_url(self) -> str:
         """Optuna's storage URL for the studies: the file beside a SQLite database, the same server database."""
@@ -218,7 +252,8 @@ class TuningDB:
         """
         if status not in TRIAL_STATUSES:
             raise ValueError(f"status: expected one of {', '.join(TRIAL_STATUSES)}, got {status!r}")
-        check_trial(spec, device, bucket, config, status, time_ms)
+        check_trial(spec, device, bucket, config, status, time_ms, max_error=max_error, trial_number=trial_number,
+                    study_name=study_name, triton_version=triton_version)
         # SQLite stores NaN as NULL; a server would keep it, and exports (JSON) refuse it.
         time_ms, max_error = (None if isinstance(v, float) and math.isnan(v) else v for v in (time_ms, max_error))
         with self._session(write=True) as session:
@@ -241,7 +276,7 @@ class TuningDB:
     def trials_in_studies(self, study_prefix: str) -> list[TrialRow]:
         """Every trial filed under a study whose name is ``study_prefix`` or starts with it."""
         with self._session() as session:
-            return _trials(session, Trial.study_name.startswith(study_prefix, autoescape=True))
+            return self._trials(session, Trial.study_name.startswith(study_prefix, autoescape=True))
 
     def trial_numbers(self, study_prefix: str) -> dict[str, int]:
         """The largest trial number stored per study whose name is ``study_prefix`` or starts with it."""
@@ -266,7 +301,8 @@ class TuningDB:
         family's kernel cannot run on ``device``, or with a time that is not positive and
         finite, or a bucket its family's rule never gives, raises ``RowError``.
         """
-        check_best(spec, device, bucket, config, time_ms, max_error, trials)
+        versions = dict(triton_version=triton_version, torch_version=torch.__version__, tilegen_version=__version__)
+        check_best(spec, device, bucket, config, time_ms, max_error, trials, tflops=tflops, gbps=gbps, versions=versions)
         with self._session(write=True) as session:
             key = dict(**_ids(session, spec, device, template_hash), bucket=bucket, triton_version=triton_version)
             values = dict(
@@ -296,7 +332,7 @@ class TuningDB:
         self.skipped = sections.pop("skipped")
         changed = 0
         with self._session(write=True) as session:
-            gpu_ids = {g["key"]: _insert_or_fetch(session, Gpu, {"key": g["key"]}, g)[0].id for g in sections["gpus"]}
+            gpu_ids = {g["key"]: _gpu_id(session, g) for g in sections["gpus"]}
             variant_ids = {
                 (v["spec_hash"], v["template_hash"]): _variant_id(session, **v) for v in sections["variants"]
             }
@@ -349,7 +385,7 @@ class TuningDB:
         with self._session(write=not dry_run) as session:
             tuned, trials = self._stale(keep_triton, keep_templates, keep_tilegen, all_families)
             if dry_run:
-                rows = [_tuned_row(row) for row in session.execute(_tuned_query().where(tuned))]
+                rows = self._tuned_rows(session, tuned)
                 return rows, _count(session, Trial, trials)
             removed = _delete(session, TunedConfig, tuned) + _delete(session, Trial, trials)
             for model, column in ((Variant, "variant_id"), (Gpu, "gpu_id")):
@@ -421,27 +457,25 @@ class TuningDB:
         self, *, spec: Spec, device: DeviceInfo, template_hash: str, triton_version: str
     ) -> dict[int, TunedRow]:
         """The tuned rows of one variant on one GPU and Triton, by bucket."""
-        query = _tuned_query().where(
-            Variant.spec_hash == spec.hash, Variant.template_hash == template_hash,
-            Gpu.key == device.key, TunedConfig.triton_version == triton_version,
-        )
+        where = and_(Variant.spec_hash == spec.hash, Variant.template_hash == template_hash,
+                     Gpu.key == device.key, TunedConfig.triton_version == triton_version)
         with self._session() as session:
-            return {row.bucket: row for row in map(_tuned_row, session.execute(query))}
+            return {row.bucket: row for row in self._tuned_rows(session, where)}
 
     def list_tuned(self) -> list[TunedRow]:
         """Every tuned row, by variant name, spec, GPU, Triton version and bucket."""
         with self._session() as session:
-            return _list_tuned(session)
+            return self._tuned_rows(session)
 
     def variants(self, prefix: str = "") -> list[VariantRow]:
         """Variants whose spec hash starts with ``prefix``, by spec hash and template hash."""
         with self._session() as session:
-            return _variants(session, prefix)
+            return self._variants(session, prefix)
 
     def trials_for(self, spec_hash: str) -> list[TrialRow]:
         """Every trial of a spec (all template versions, GPUs and Tritons), by study and trial number."""
         with self._session() as session:
-            return _trials(session, Variant.spec_hash == spec_hash)
+            return self._trials(session, Variant.spec_hash == spec_hash)
 
     def export_json(
         self, *, gpu_key: str | None = None, triton_version: str | None = None, tilegen_version: str | None = None,
@@ -464,15 +498,15 @@ class TuningDB:
             tuned_where.append(TunedConfig.tilegen_version == tilegen_version)
         whole = not tuned_where
         with self._session() as session:  # one transaction: a consistent snapshot under concurrent writers
-            tuned = _list_tuned(session, and_(true(), *tuned_where))
+            tuned = self._tuned_rows(session, and_(true(), *tuned_where))
             if whole:
-                trials = _trials(session, true())
+                trials = self._trials(session, true())
             else:
                 pulled = {(row.spec_hash, row.template_hash) for row in tuned}
-                trials = [row for row in _trials(session, and_(true(), *trial_where))
+                trials = [row for row in self._trials(session, and_(true(), *trial_where))
                           if (row.spec_hash, row.template_hash) in pulled]
-            gpus = [{n: getattr(g, n) for n in SECTIONS["gpus"]} for g in session.scalars(_GPUS_BY_KEY)]
-            variants = [dataclasses.asdict(v) for v in _variants(session, "")]
+            gpus = self._read(session, _raw_query(_GPU_COLUMNS).order_by(Gpu.key), _gpu_entry)
+            variants = [dataclasses.asdict(v) for v in self._variants(session, "")]
         if not whole:
             named = {row.gpu_key for row in [*tuned, *trials]}
             gpus = [g for g in gpus if g["key"] in named]
@@ -488,6 +522,34 @@ class TuningDB:
         }
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _read(self, session: Session, query: Select, make: Any) -> list[Any]:
+        """``make`` of each row ``query`` reads (raw values, see ``_raw_query``); a row it refuses
+        (``RowError``) is left out and kept for ``take_refused``."""
+        kept = []
+        for raw in session.execute(query).mappings():
+            try:
+                kept.append(make(raw))
+            except RowError as e:
+                kind = raw.get("what", "gpu")
+                line = f"{kind} row {raw['id']} of {self.location}: {e}"
+                self._refused[kind, raw["id"]] = Refused(kind, raw["id"], str(e), line, dict(raw))
+        return kept
+
+    def _tuned_rows(self, session: Session, where: ColumnElement[bool] | None = None) -> list[TunedRow]:
+        query = _raw_query(_TUNED_COLUMNS, "tuned").where(true() if where is None else where).order_by(
+            Variant.name, Variant.spec_hash, Gpu.key, TunedConfig.triton_version, TunedConfig.bucket)
+        return self._read(session, query, _tuned_row)
+
+    def _trials(self, session: Session, where: ColumnElement[bool]) -> list[TrialRow]:
+        query = _raw_query(_TRIAL_COLUMNS, "trial").where(where).order_by(Trial.study_name, Trial.trial_number)
+        return self._read(session, query, _trial_row)
+
+    def _variants(self, session: Session, prefix: str) -> list[VariantRow]:
+        query = (_raw_query(_VARIANT_COLUMNS, "variant")
+                 .where(Variant.spec_hash.startswith(prefix, autoescape=True))
+                 .order_by(Variant.spec_hash, Variant.template_hash))
+        return self._read(session, query, _variant_row)
 
     @contextlib.contextmanager
     def _session(self, *, write: bool = False) -> Iterator[Session]:
@@ -561,10 +623,24 @@ def _ids(session: Session, spec: Spec, device: DeviceInfo, template_hash: str) -
         sm_count=device.sm_count, memory_bytes=device.memory_bytes,
     )
     variant = dict(family=spec.family, name=spec.name, spec_json=spec.to_json())
+    # What a reader would refuse is not written: a GPU whose name holds characters outside the safe set, say.
+    check_gpu({"key": device.key, **gpu})
+    check_variant(spec.family, spec.hash, template_hash, spec.name, variant["spec_json"])
     return {
         "variant_id": _variant_id(session, spec_hash=spec.hash, template_hash=template_hash, **variant),
         "gpu_id": _insert_or_fetch(session, Gpu, {"key": device.key}, gpu)[0].id,
     }
+
+
+def _gpu_id(session: Session, gpu: dict[str, Any]) -> int:
+    """The id of an imported GPU entry, added when its key is new; a key stored with another capability or
+    SM count is refused, so an entry cannot change what a GPU's rows were checked against."""
+    row = _insert_or_fetch(session, Gpu, {"key": gpu["key"]}, gpu)[0]
+    for field in ("capability", "sm_count"):
+        if getattr(row, field) != gpu[field]:
+            raise ValueError(f"refused tilegen export: gpus: {gpu['key']} has {field} {getattr(row, field)!r} here, "
+                             f"the file claims {gpu[field]!r}")
+    return row.id
 
 
 def _entry_ids(
@@ -589,60 +665,89 @@ def _current_templates() -> dict[str, str]:
     return {family.name: current_template_hash(family) for family in families()}
 
 
-def _tuned_query() -> Select:
-    return (
-        select(TunedConfig, Variant, Gpu)
-        .join(Variant, TunedConfig.variant_id == Variant.id)
-        .join(Gpu, TunedConfig.gpu_id == Gpu.id)
+#: The columns a reader takes, by the names the row views use. Each is read raw (``_raw_query``):
+#: SQLite lets a column hold any type, so the values are checked here (``tilegen.db.validate``),
+#: not converted by SQLAlchemy, whose conversion of a bad date raises in the middle of a read.
+_GPU_COLUMNS = {"id": Gpu.id, "key": Gpu.key, "name": Gpu.name, "capability": Gpu.capability,
+                "sm_count": Gpu.sm_count, "memory_bytes": Gpu.memory_bytes}
+_VARIANT_COLUMNS = {"id": Variant.id, "spec_hash": Variant.spec_hash, "template_hash": Variant.template_hash,
+                    "family": Variant.family, "name": Variant.name, "spec_json": Variant.spec_json}
+_JOINED = {**{f"gpu_{n}": c for n, c in _GPU_COLUMNS.items() if n != "id"},
+           **{f"variant_{n}": c for n, c in _VARIANT_COLUMNS.items() if n != "id"}}
+_TUNED_COLUMNS = {**_JOINED, **{n: getattr(TunedConfig, n) for n in (
+    "id", "bucket", "triton_version", "torch_version", "tilegen_version", "config_json", "time_ms", "tflops", "gbps",
+    "max_error", "trials", "created_at", "provenance")}}
+_TRIAL_COLUMNS = {**_JOINED, **{n: getattr(Trial, n) for n in (
+    "id", "bucket", "triton_version", "study_name", "trial_number", "config_json", "status", "time_ms", "max_error",
+    "reason", "created_at", "provenance")}}
+
+
+def _raw_query(columns: dict[str, Any], what: str | None = None) -> Select:
+    """The columns, unconverted, labelled by name (and ``what``: the kind of row, for messages), joined
+    to their variant and GPU."""
+    selected = [type_coerce(column, NullType()).label(name) for name, column in columns.items()]
+    if what is not None:
+        selected.append(type_coerce(text(f"'{what}'"), NullType()).label("what"))
+    query = select(*selected)
+    if what == "tuned":
+        query = query.select_from(TunedConfig).join(Variant, TunedConfig.variant_id == Variant.id).join(
+            Gpu, TunedConfig.gpu_id == Gpu.id)
+    elif what == "trial":
+        query = query.select_from(Trial).join(Variant, Trial.variant_id == Variant.id).join(Gpu, Trial.gpu_id == Gpu.id)
+    return query
+
+
+def _gpu_entry(raw: Any) -> dict[str, Any]:
+    entry = {n: raw[n] for n in SECTIONS["gpus"]}
+    check_gpu(entry)
+    return entry
+
+
+def _variant_row(raw: Any) -> VariantRow:
+    check_variant(raw["family"], raw["spec_hash"], raw["template_hash"], raw["name"], raw["spec_json"])
+    return VariantRow(raw["spec_hash"], raw["template_hash"], raw["family"], raw["name"], raw["spec_json"])
+
+
+def _joined(raw: Any) -> tuple[dict[str, Any], str]:
+    """The row's GPU entry and its variant's spec JSON."""
+    return {n: raw[f"gpu_{n}"] for n in SECTIONS["gpus"]}, raw["variant_spec_json"]
+
+
+def _date(value: Any) -> Any:
+    """A stored date: SQLite keeps text, a server a datetime; anything else stays as it is, for the check to refuse."""
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _tuned_row(raw: Any) -> TunedRow:
+    row = TunedRow(
+        spec_hash=raw["variant_spec_hash"], template_hash=raw["variant_template_hash"], family=raw["variant_family"],
+        variant_name=raw["variant_name"], gpu_key=raw["gpu_key"], bucket=raw["bucket"],
+        triton_version=raw["triton_version"], torch_version=raw["torch_version"],
+        tilegen_version=raw["tilegen_version"], config=config_from_json(raw["config_json"]), time_ms=raw["time_ms"],
+        tflops=raw["tflops"], gbps=raw["gbps"], max_error=raw["max_error"], trials=raw["trials"],
+        created_at=_date(raw["created_at"]), provenance=raw["provenance"],
     )
+    gpu, spec_json = _joined(raw)
+    check_stored_tuned(row, spec_json, gpu)
+    return row
 
 
-def _trial_query() -> Select:
-    return select(Trial, Variant, Gpu).join(Variant, Trial.variant_id == Variant.id).join(Gpu, Trial.gpu_id == Gpu.id)
-
-
-def _list_tuned(session: Session, where: ColumnElement[bool] | None = None) -> list[TunedRow]:
-    query = _tuned_query().where(true() if where is None else where).order_by(
-        Variant.name, Variant.spec_hash, Gpu.key, TunedConfig.triton_version, TunedConfig.bucket
+def _trial_row(raw: Any) -> TrialRow:
+    row = TrialRow(
+        spec_hash=raw["variant_spec_hash"], template_hash=raw["variant_template_hash"], family=raw["variant_family"],
+        gpu_key=raw["gpu_key"], bucket=raw["bucket"], triton_version=raw["triton_version"],
+        study_name=raw["study_name"], trial_number=raw["trial_number"], config=config_from_json(raw["config_json"]),
+        status=raw["status"], time_ms=raw["time_ms"], max_error=raw["max_error"], reason=raw["reason"],
+        created_at=_date(raw["created_at"]), provenance=raw["provenance"],
     )
-    return [_tuned_row(row) for row in session.execute(query)]
-
-
-def _variants(session: Session, prefix: str) -> list[VariantRow]:
-    query = (
-        select(Variant)
-        .where(Variant.spec_hash.startswith(prefix, autoescape=True))
-        .order_by(Variant.spec_hash, Variant.template_hash)
-    )
-    return [VariantRow(v.spec_hash, v.template_hash, v.family, v.name, v.spec_json) for v in session.scalars(query)]
-
-
-def _trials(session: Session, where: ColumnElement[bool]) -> list[TrialRow]:
-    query = _trial_query().where(where).order_by(Trial.study_name, Trial.trial_number)
-    return [_trial_row(row) for row in session.execute(query)]
-
-
-def _tuned_row(row: Any) -> TunedRow:
-    tuned, variant, gpu = row
-    return TunedRow(
-        spec_hash=variant.spec_hash, template_hash=variant.template_hash, family=variant.family,
-        variant_name=variant.name, gpu_key=gpu.key,
-        bucket=tuned.bucket, triton_version=tuned.triton_version, torch_version=tuned.torch_version,
-        tilegen_version=tuned.tilegen_version, config=json.loads(tuned.config_json), time_ms=tuned.time_ms,
-        tflops=tuned.tflops, gbps=tuned.gbps, max_error=tuned.max_error, trials=tuned.trials,
-        created_at=tuned.created_at, provenance=tuned.provenance,
-    )
-
-
-def _trial_row(row: Any) -> TrialRow:
-    trial, variant, gpu = row
-    return TrialRow(
-        spec_hash=variant.spec_hash, template_hash=variant.template_hash, family=variant.family, gpu_key=gpu.key,
-        bucket=trial.bucket,
-        triton_version=trial.triton_version, study_name=trial.study_name, trial_number=trial.trial_number,
-        config=json.loads(trial.config_json), status=trial.status, time_ms=trial.time_ms,
-        max_error=trial.max_error, reason=trial.reason, created_at=trial.created_at, provenance=trial.provenance,
-    )
+    gpu, spec_json = _joined(raw)
+    check_stored_trial(row, spec_json, gpu, raw["variant_name"])
+    return row
 
 
 def _jsonable(row: TunedRow | TrialRow) -> dict[str, Any]:

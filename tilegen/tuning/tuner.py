@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import inspect
 import logging
 import math
 import os
 import random
+import sqlite3
 import socket
 import time
 import warnings
@@ -416,9 +418,12 @@ class Tuner:
         try:
             yield
         except SQLAlchemyError as e:
-            text = " ".join(str(getattr(e, "orig", None) or e).split())
-            where = self.db.location if self.db.is_server else self.db.studies_url().removeprefix("sqlite:///")
-            raise DatabaseError(f"Optuna studies {'in' if self.db.is_server else 'file'} {where}: {text}") from e
+            raise self._studies_error(e) from e
+
+    def _studies_error(self, error: BaseException) -> DatabaseError:
+        text = " ".join(str(getattr(error, "orig", None) or error).split())
+        where = self.db.location if self.db.is_server else self.db.studies_url().removeprefix("sqlite:///")
+        return DatabaseError(f"Optuna studies {'in' if self.db.is_server else 'file'} {where}: {text}")
 
     def _warm_start(self, key: TuningKey, family: Family, untried: list[Config]) -> list[Config]:
         """Untried configs worth measuring first: the heuristic default, then neighbouring buckets' best."""
@@ -439,7 +444,7 @@ class Tuner:
         rng = random.Random(self.seed if self.worker_index == 0 else f"{self.seed}/{self.worker_index}")
 
         def objective(trial: optuna.Trial) -> float:
-            run.current = trial
+            run.current = trial  # before the label: a write that fails may be the label's
             trial.set_user_attr(WORKER_ATTR, self._label)
             # One process at a time decides what its trial measures, so two never take one config.
             with self.db.studies_lock(run.key.study_name):
@@ -505,6 +510,14 @@ class Tuner:
             except KeyboardInterrupt:
                 self._requeue_interrupted(run)
                 raise
+            except Exception as e:
+                # A full disk or a lost server, met by Optuna's bookkeeping or ours: one line, and no
+                # trial of this process left RUNNING (unlabelled, no later tune could reap it).
+                failure = self._storage_failure(e)
+                if failure is None:
+                    raise
+                self._abandon(run)
+                raise failure from e
 
     def _requeue_interrupted(self, run: _Run) -> None:
         """Ctrl-C (or SIGTERM, which ``tilegen tune`` turns into the same) stopped a trial: Optuna
@@ -519,6 +532,32 @@ class Tuner:
         if frozen.state == TrialState.FAIL and frozen.params:
             self._retry(run.study, frozen)
             log.debug("trial %d: interrupted; its config is queued again", trial.number)
+
+    def _storage_failure(self, error: BaseException) -> DatabaseError | None:
+        """The database problem behind ``error`` (wrapped by Optuna, SQLAlchemy or both) as one line;
+        ``None`` when there is none."""
+        seen = 0
+        while error is not None and seen < 16:
+            if isinstance(error, DatabaseError):
+                return error
+            if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+                return DatabaseError(f"no space left on the device{f' for {error.filename}' if error.filename else ''}"
+                                     f" (writing {self.db.location} or its studies)")
+            if isinstance(error, (SQLAlchemyError, sqlite3.Error)):
+                return self._studies_error(error)
+            error, seen = error.__cause__ or error.__context__, seen + 1
+        return None
+
+    def _abandon(self, run: _Run) -> None:
+        """Fail this process's RUNNING trials of the study (the one being created included), as far as
+        the storage still takes writes; a labelled one it does not take, a later tune reaps."""
+        with contextlib.suppress(Exception):
+            storage = run.study._storage
+            current = None if run.current is None else run.current._trial_id
+            for trial in run.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if trial._trial_id == current or trial.user_attrs.get(WORKER_ATTR) == self._label:
+                    with contextlib.suppress(Exception):
+                        storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
 
     def _finish(self, run: _Run) -> bool:
         """Wait until the trials counted towards the goal have finished, measuring again those whose
@@ -664,6 +703,15 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
             db.studies_url(), engine_kwargs=engine, heartbeat_interval=heartbeat,
             grace_period=_GRACE_BEATS * heartbeat, **{name: retry},
         )
+    beat = storage.record_heartbeat
+
+    def record_heartbeat(trial_id: int) -> None:
+        # A beat the storage cannot take (a lost server, a full disk) is missed, not a traceback from
+        # Optuna's heartbeat thread: the tune's next write meets the same failure and says it in one line.
+        with contextlib.suppress(SQLAlchemyError, optuna.exceptions.StorageInternalError):
+            beat(trial_id)
+
+    storage.record_heartbeat = record_heartbeat
     return storage, retry
 
 

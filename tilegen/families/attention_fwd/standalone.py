@@ -27,13 +27,16 @@ def entry_point(
 ) -> str:
     """The family's ``standalone``: what ``tilegen emit --tuned`` appends to the generated module."""
     defaults, buckets = family.default_rule(spec, device), family.buckets
-    table = "".join(f"\n    {b}: {config.to_dict()!r},  # {source}" for b, (config, source) in sorted(tuned.items()))
+    # Everything below that comes from a database or the machine is rendered from a checked Python value:
+    # ints through int(), configs through the family's type, text as a repr or a comment with no line break.
+    table = "".join(f"\n    {int(b)}: {_knobs(config)!r},  # {_comment(source)}"
+                    for b, (config, source) in sorted(tuned.items()))
     return _STANDALONE.substitute(
-        device=device.key,
-        template_hash=template_hash,
-        triton_version=triton_version,
+        device=_comment(device.key),
+        template_hash=_comment(template_hash),
+        triton_version=_comment(triton_version),
         tuned="{" + table + ("\n}" if tuned else "}"),
-        defaults=repr([(largest, config.to_dict()) for largest, config in defaults]),
+        defaults=repr([(None if largest is None else int(largest), _knobs(config)) for largest, config in defaults]),
         bucket_rule=buckets.source(),
         launch_window=inspect.getsource(launch_window),
         mend_interpreter=inspect.getsource(mend_interpreter),
@@ -47,6 +50,18 @@ def entry_point(
         lse_arg="lse" if spec.return_lse else "out",  # the kernel ignores the pointer when it writes no LSE
         returns="(out, lse)" if spec.return_lse else "out",
     )
+
+
+def _knobs(config: Config) -> dict[str, int]:
+    """The knobs of a config of this family, as plain ints (what ``Config.from_dict`` accepted)."""
+    if not isinstance(config, Config):
+        raise TypeError(f"tuned: expected {Config.__name__} values, got {type(config).__name__}")
+    return {str(name): int(value) for name, value in Config.from_dict(config.to_dict()).to_dict().items()}
+
+
+def _comment(text: object) -> str:
+    """Text for the rest of a comment line: printable ASCII only, so no line break ends the comment."""
+    return "".join(c if " " <= c <= "~" else "?" for c in str(text))[:200]
 
 
 _LSE_ALLOC = "    lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)\n"
