@@ -30,13 +30,14 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB
 from tilegen.db.validate import RowError, check_gpu
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
-from tilegen.families.attention_fwd import AttentionFwd, Config
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[1]
 #: What tilegen.attention builds for the tiny fp32 call below, and the key dispatch reads it under.
 SPEC = AttentionSpec(head_dim=16, dtype="fp32")
-KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(AttentionFwd()),
+KEY = dict(spec=SPEC, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD),
            triton_version=triton.__version__)
 GOOD = Config(16, 16, 4, 1)
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)
