@@ -297,8 +297,16 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
         code = _tune(slot, index, events, plans, level, share, compile_ahead)
     except KeyboardInterrupt:
         stopped, code = True, STOPPED
+    except Exception:
+        if not _asked_to_stop:
+            raise
+        # Asked to stop, it met an error on the way out (queuing its trial again on a lost server):
+        # the parent ends the tune in one line, and the next tune reaps a trial left RUNNING.
+        log.debug("stopping", exc_info=True)
+        stopped, code = True, STOPPED
     try:
         signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # asked when it is done: it is leaving anyway
+        stopped = stopped or _asked_to_stop  # an error on the way out was said, and is not waited on
         if stopped:
             events.cancel_join_thread()  # the parent reads no more; a full pipe must not keep this process
         events.close()
@@ -311,9 +319,14 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     exit_now(code)
 
 
+_asked_to_stop = False
+
+
 def _stop(signum, _frame) -> None:
     """The parent asks this tune process to stop: once, as Ctrl-C would (the tuner queues its trial
     in flight again on ``KeyboardInterrupt``)."""
+    global _asked_to_stop
+    _asked_to_stop = True
     signal.signal(signum, signal.SIG_IGN)
     raise KeyboardInterrupt
 
