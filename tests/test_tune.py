@@ -243,6 +243,56 @@ def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_o
     assert "4/0/0" in rerun.stdout  # the summary counts it
 
 
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_pool_leaves_no_trial_running_and_measures_its_trials_in_flight_on_resume(
+        tmp_path, signum, status):
+    """Ctrl-C (or a kill of the job) while two tune processes of --workers measure: one line soon after,
+    the shell's status, no trial left RUNNING, and each config in flight queued again, as with one process."""
+    db = tmp_path / "tuning.sqlite"
+    studies = studies_url(db)
+    cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3", "--workers", "2")
+    default = str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 32))
+    # The default is measured first, by one process; the next config of each process is in flight.
+    slow = {str(c): "sleep:600" for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
+    proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (_running_trials(studies) >= 2 and db.exists() and _trials(db, 32)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the tune ended before it could be interrupted"
+            time.sleep(0.1)
+        time.sleep(0.5)  # into the measurements
+        os.killpg(proc.pid, signum)  # the tune, its tune processes and their workers, as a Ctrl-C would
+        signalled = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == status, stderr
+    assert took < 30, took  # the tune processes are asked to stop, and killed after a bounded wait
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [stderr.splitlines()[-1]], stderr
+    assert errors[0].startswith(f"error: interrupted by {signal.Signals(signum).name}")
+    assert _configs(_trials(db, 32)) == Counter([default])  # the interrupted trials recorded nothing
+    (name,) = optuna.get_all_study_names(studies)
+    trials = optuna.load_study(study_name=name, storage=studies).get_trials(deepcopy=False)
+    states = Counter(t.state.name for t in trials)
+    assert states["RUNNING"] == 0 and states["COMPLETE"] == 1 and states["FAIL"] == 2, states
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    queued = [t for t in trials if t.state.name == "WAITING"]
+    interrupted = sorted(_config_of(t.params) for t in failed)
+    assert sorted(_config_of(t.params) for t in queued) == interrupted
+    assert default not in interrupted and len(set(interrupted)) == 2
+
+    rerun = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    after = _configs(_trials(db, 32))
+    assert all(after[c] == 1 for c in interrupted) and max(after.values()) == 1, after
+
+
 def _config_of(params: dict) -> str:
     """The label of the config a TPE trial's parameters name."""
     from tilegen.tuning.tuner import _Knobs

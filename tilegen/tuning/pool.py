@@ -19,6 +19,11 @@ opens its database and the studies' storage while the parent works out the ``Pla
 process that is done says so and leaves at once, rather than tearing its modules down while
 the command waits.
 
+A tune that stops early (Ctrl-C, SIGTERM, or an error of another process) leaves no trial
+RUNNING: the parent asks each tune process still measuring to stop (``STOP_SIGNAL``), which it
+does as a one-process tune does on Ctrl-C, failing its trial in flight and queuing its config
+again, and kills only those that have not left within ``STOP_S`` seconds.
+
 Under the interpreter a slot is ``None``: a CPU process, so tests and the benchmark's smoke
 run exercise the same machinery without a GPU.
 """
@@ -31,6 +36,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +53,16 @@ log = logging.getLogger(__name__)
 
 #: How often one slot's process may die before the tune gives up on that slot.
 RESTARTS = 3
+#: The signal by which the parent asks a tune process to stop: its trial in flight is queued again.
+#: Not SIGINT or SIGTERM, which a terminal's Ctrl-C and a kill of the job send the whole process
+#: group: the tune processes ignore those, so that the parent decides, and asks once.
+STOP_SIGNAL = signal.SIGUSR1
+#: How long the parent waits, in all, for its tune processes to stop when asked, before it kills
+#: them. Queuing a trial again takes a few writes to the studies; a process killed before it has
+#: done so leaves its trial RUNNING, to be reaped and queued again by the next tune of the bucket.
+STOP_S = 3.0
+#: A tune process's exit status once it stopped when asked.
+STOPPED = 128 + STOP_SIGNAL
 
 
 class PoolError(RuntimeError):
@@ -209,11 +225,36 @@ class Pool:
             raise PoolError(errors[0])
 
     def close(self) -> None:
-        for index, proc in self.procs.items():
-            # A process that is done has every trial written and only shuts down; the caller
-            # need not wait for that (this process joins it when it exits).
-            if index not in self.done or self._failed:
-                proc.kill()
+        """Stop every process that is not done, in a bounded time: an interrupted tune, or one that
+        failed, leaves no trial RUNNING.
+
+        Each is asked to stop (``STOP_SIGNAL``) and stops as a one-process tune does on Ctrl-C:
+        its trial in flight is failed, its config queued again in the study, and it leaves. The
+        parent itself could fail and queue the trials again once it has killed the processes
+        (they carry their worker labels), but it holds no studies' storage (opening one takes
+        the studies lock, and the stop would wait on whatever holds it), and it does not know
+        which study each process is in: the process does, and does it as the one-process tune
+        does. One that has not left after ``STOP_S`` seconds (stuck in a write, a lost server)
+        is killed, and the next tune of its bucket reaps its trial.
+        """
+        # A process that is done has every trial written and only shuts down; the caller need
+        # not wait for that (this process joins it when it exits).
+        stopping = [proc for index, proc in self.procs.items() if index not in self.done or self._failed]
+        # Without a plan a process has started no trial: it is killed at once.
+        asked = [proc for proc in stopping if proc.exitcode is None] if self._plan is not None else []
+        try:
+            for proc in asked:
+                with contextlib.suppress(OSError):  # it left meanwhile
+                    os.kill(proc.pid, STOP_SIGNAL)
+            deadline = time.monotonic() + STOP_S
+            for proc in asked:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            # Reached also when a second Ctrl-C cuts the wait short: nothing is left running.
+            for proc in stopping:
+                if proc.exitcode is None:
+                    log.debug("tune process %d did not stop within %g s; killing it", proc.pid, STOP_S)
+                    proc.kill()
                 proc.join()
         self.procs.clear()
         for sender in self._plans.values():
@@ -244,65 +285,111 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
     """One tune process: its GPU made the only visible one, then every bucket of the plan it is sent."""
     for end in inherited:
         end.close()
+    # Ctrl-C and a kill of the job reach the whole process group; they are the parent's to handle.
+    # It asks this process to stop (STOP_SIGNAL: see _tune), which unwinds it as Ctrl-C unwinds a
+    # one-process tune: its trial in flight is failed and queued again, and it leaves.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from tilegen.tuning.process import exit_now
+
+    stopped = False
+    try:
+        code = _tune(slot, index, events, plans, level, share, compile_ahead)
+    except KeyboardInterrupt:
+        stopped, code = True, STOPPED
+    except Exception:
+        if not _asked_to_stop:
+            raise
+        # Asked to stop, it met an error on the way out (queuing its trial again on a lost server):
+        # the parent ends the tune in one line, and the next tune reaps a trial left RUNNING.
+        log.debug("stopping", exc_info=True)
+        stopped, code = True, STOPPED
+    try:
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # asked when it is done: it is leaving anyway
+        stopped = stopped or _asked_to_stop  # an error on the way out was said, and is not waited on
+        if stopped:
+            events.cancel_join_thread()  # the parent reads no more; a full pipe must not keep this process
+        events.close()
+        if not stopped:
+            events.join_thread()
+    except KeyboardInterrupt:
+        code = STOPPED
+    # Everything is written and closed; an orderly interpreter exit would spend about a second
+    # tearing down torch, Triton and Optuna, which the command's own exit waits for.
+    exit_now(code)
+
+
+_asked_to_stop = False
+
+
+def _stop(signum, _frame) -> None:
+    """The parent asks this tune process to stop: once, as Ctrl-C would (the tuner queues its trial
+    in flight again on ``KeyboardInterrupt``)."""
+    global _asked_to_stop
+    _asked_to_stop = True
+    signal.signal(signum, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _tune(slot: int | None, index: int, events, plans, level: int, share: int, compile_ahead: int | None) -> int:
+    """The tune process's work, up to its exit status; ``KeyboardInterrupt`` when asked to stop."""
     from tilegen.tuning.compile_ahead import CompileAhead, default_processes
-    from tilegen.tuning.process import exit_now, log_to_stderr
+    from tilegen.tuning.process import log_to_stderr
     from tilegen.tuning.worker import Worker, WorkerError
 
     log_to_stderr(level)
     if slot is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[slot] if visible else str(slot)
-    # Ctrl-C and a kill of the job are the parent's to handle: it kills this process (its trial in
-    # flight is queued again when the study is next opened).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The measuring child first, while nothing here has touched CUDA: a fork, so it imports
-    # nothing again, and its CUDA start-up overlaps this process's own (Optuna, the database,
-    # the studies) instead of following it. Then the compile processes, forked alike.
-    worker = Worker()
-    worker.start(fork=True)
-    # The host's CPUs are shared by every tune process of the pool, and by their compiles.
-    ahead = CompileAhead(0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead,
-                         after=worker.cuda_up)
-    ahead.start(fork=True)
-    import optuna  # the parent imported it before forking this process, where it could
-
-    from tilegen.db import DatabaseError, TuningDB
-    from tilegen.device import device_info
-    from tilegen.tuning.tuner import Tuner
-
-    optuna.logging.set_verbosity(optuna.logging.CRITICAL)
     opened = contextlib.ExitStack()
-    opened.enter_context(worker)
-    opened.enter_context(ahead)
-    failure = None
-    try:
-        # The CUDA runtime starts while the parent still checks its options (it takes a while
-        # on a host of several GPUs); the forks above had to come first.
-        device = device_info()
-        log.debug("CUDA up")
-        setup = plans.recv()
-        log.debug("setup received")
-        # The database and the studies' storage open while the parent plans. An error here is
-        # the tune's only once a plan comes: a parent that stops first has met its own.
+    with opened:  # the worker, the compile processes, the database and the tuner, however this ends
+        # The measuring child first, while nothing here has touched CUDA: a fork, so it imports
+        # nothing again, and its CUDA start-up overlaps this process's own (Optuna, the database,
+        # the studies) instead of following it. Then the compile processes, forked alike.
+        worker = opened.enter_context(Worker())
+        worker.start(fork=True)
+        # The host's CPUs are shared by every tune process of the pool, and by their compiles.
+        ahead = opened.enter_context(CompileAhead(
+            0 if slot is None else default_processes(share) if compile_ahead is None else compile_ahead,
+            after=worker.cuda_up))
+        ahead.start(fork=True)
+        # Asked to stop from here on, this process unwinds; before, the signal's default ends it
+        # (no trial has started). Not during the forks: an exception raised in their hooks (logging's
+        # locks) is printed and dropped, and the forked children would inherit the handler.
+        signal.signal(STOP_SIGNAL, _stop)
+        import optuna  # the parent imported it before forking this process, where it could
+
+        from tilegen.db import DatabaseError, TuningDB
+        from tilegen.device import device_info
+        from tilegen.tuning.tuner import Tuner
+
+        optuna.logging.set_verbosity(optuna.logging.CRITICAL)
+        failure = None
         try:
-            db = opened.enter_context(TuningDB(setup.db))
-            tuner = opened.enter_context(Tuner(
-                db, device, sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
-                trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, confirm=setup.confirm,
-                reporter=_Forward(events),
-                worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead))
-        except (DatabaseError, WorkerError) as e:
-            failure = e
-        plan = plans.recv()
-        log.debug("plan received")
-    except (EOFError, OSError):
-        # The parent stopped before it had a plan (a bad option, an unreachable database): no
-        # trial was started, so there is nothing to report or write.
-        opened.close()
-        exit_now(0)
-    try:
-        with opened:
+            # The CUDA runtime starts while the parent still checks its options (it takes a while
+            # on a host of several GPUs); the forks above had to come first.
+            device = device_info()
+            log.debug("CUDA up")
+            setup = plans.recv()
+            log.debug("setup received")
+            # The database and the studies' storage open while the parent plans. An error here is
+            # the tune's only once a plan comes: a parent that stops first has met its own.
+            try:
+                db = opened.enter_context(TuningDB(setup.db))
+                tuner = opened.enter_context(Tuner(
+                    db, device, sampler=setup.sampler, seed=setup.seed, timeout=setup.timeout,
+                    trial_timeout=setup.trial_timeout, heartbeat=setup.heartbeat, confirm=setup.confirm,
+                    reporter=_Forward(events),
+                    worker=worker, worker_index=index, worker_count=share, compile_ahead=ahead))
+            except (DatabaseError, WorkerError) as e:
+                failure = e
+            plan = plans.recv()
+            log.debug("plan received")
+        except (EOFError, OSError):
+            # The parent stopped before it had a plan (a bad option, an unreachable database): no
+            # trial was started, so there is nothing to report or write.
+            return 0
+        try:
             if failure is not None:
                 raise failure
             log.debug("tuner open")
@@ -310,13 +397,8 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
             # Said before the worker, the database and this process shut down, which takes a
             # while and concerns no trial.
             events.put(("done", index))
-    except (DatabaseError, WorkerError) as e:
-        events.put(("error", f"{slot_name(slot, index)}: {e}"))
-        code = 3
-    else:
-        code = 0
-    events.close()
-    events.join_thread()
-    # Everything is written and closed; an orderly interpreter exit would spend about a second
-    # tearing down torch, Triton and Optuna, which the command's own exit waits for.
-    exit_now(code)
+        except (DatabaseError, WorkerError) as e:
+            opened.close()
+            events.put(("error", f"{slot_name(slot, index)}: {e}"))
+            return 3
+    return 0

@@ -520,9 +520,9 @@ class Tuner:
                 raise failure from e
 
     def _requeue_interrupted(self, run: _Run) -> None:
-        """Ctrl-C (or SIGTERM, which ``tilegen tune`` turns into the same) stopped a trial: Optuna
-        failed it, and a failed trial is never proposed again (the grid counts its point as
-        visited). Its result never reached the database, so queue its config again, as for a
+        """Ctrl-C (or SIGTERM, which ``tilegen tune`` turns into the same, or the parent of a pool
+        asking its tune processes to stop: ``tilegen.tuning.pool``) stopped a trial: Optuna failed
+        it, and a failed trial is never proposed again (the grid counts its point as visited). Its result never reached the database, so queue its config again, as for a
         trial whose process died: the resumed tune measures it first."""
         trial, run.current = run.current, None
         if trial is None:
