@@ -212,6 +212,34 @@ def test_list_and_show_include_the_shipped_database_marked_as_such(tmp_path):
     assert not missing.exists()  # reading never creates the user's database
 
 
+@pytest.mark.parametrize("running", [triton.__version__, "3.7.1", "3.9.0"])
+def test_the_shipped_rows_list_whole_under_any_triton(tmp_path, monkeypatch, running):
+    """The shipped rows are Triton 3.6's: under another Triton they are another Triton's rows, listed
+    as they are, not refused by what this Triton's kernels can run (the Gluon tiles need 3.6)."""
+    monkeypatch.setattr(triton, "__version__", running)
+    result = invoke("db", "list", "--db", tmp_path / "nothing-here.sqlite", "--wide")
+    assert result.exit_code == 0, result.output
+    assert "skipped" not in result.stderr, result.stderr
+    assert "47dbe900c9030f94" in result.stdout  # a Gluon-tiled preset's rows (hashes are never cut)
+
+
+def test_a_row_of_another_triton_is_still_bounded(tmp_path):
+    """A row of a Triton this process does not run cannot be judged by its kernels, but a knob no
+    launch could take is refused all the same."""
+    path = tmp_path / "t.sqlite"
+    spec = AttentionSpec(head_dim=32, dtype="fp32")
+    with TuningDB(path) as db:
+        db.record_best(spec=spec, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD),
+                       triton_version="3.0.0", bucket=64, config=Config(32, 32, 4, 1).to_dict(), time_ms=1.0,
+                       max_error=1e-5, trials=1)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE tg_tuned_configs SET config_json = ?", ('{"block_m": 32, "block_n": 32, "num_warps": '
+                                                                      f'{2**80}, "num_stages": 1}}',))
+    result = invoke("db", "list", "--db", path)
+    assert result.exit_code == 0, result.output
+    assert "skipped tuned row" in result.stderr and "num_warps" in result.stderr and str(2**80) in result.stderr
+
+
 def _newer_schema(path: Path) -> None:
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE tg_alembic_version SET version_num = '9999_future'")

@@ -19,6 +19,8 @@ import re
 from datetime import datetime
 from typing import Any
 
+import triton
+
 from tilegen.db.rows import TrialRow, TunedRow
 from tilegen.device import DeviceInfo
 from tilegen.families import Config, ConfigError, family_of, get, spec_from_json
@@ -39,6 +41,9 @@ SMEM_BY_CAPABILITY = {
 
 #: The GPU whose search space bounds the knobs of rows filed under the interpreter.
 _BOUNDING_GPU = DeviceInfo("NVIDIA H100", (9, 0), 132, 80 * 2**30, SMEM_BY_CAPABILITY[9, 0])
+
+#: No knob of any family comes near this; it bounds a row this process cannot judge (see ``_runnable``).
+_KNOB_CEILING = 1 << 16
 
 #: The shortest time a row may claim: 1 ns. A kernel launch alone takes microseconds, so a
 #: smaller time is a typo or forged, and (tunes keep the faster row) would beat every later tune.
@@ -162,7 +167,8 @@ def check_best(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[
             raise RowError(f"{name}: expected a non-negative, finite number or null, got {safe_text(repr(value), 80)}")
     for name, value in (versions or {}).items():
         check_text(name, value, VERSION_CHARS)
-    return _runnable(spec, device, config) if spec is not None else _knobs_of_unknown(config)
+    triton_version = (versions or {}).get("triton_version")
+    return _runnable(spec, device, config, triton_version) if spec is not None else _knobs_of_unknown(config)
 
 
 def check_trial(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[str, Any], status: str,
@@ -186,7 +192,7 @@ def check_trial(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict
         _check_time("time_ms", time_ms)
         _check_error(max_error, finite=True, optional=True)
         if spec is not None:
-            _runnable(spec, device, config)
+            _runnable(spec, device, config, triton_version)
     else:
         if time_ms is not None and (not _is_number(time_ms) or math.isnan(time_ms) or time_ms < 0):
             raise RowError(f"time_ms: expected a non-negative number or null, got {safe_text(repr(time_ms), 80)}")
@@ -247,13 +253,21 @@ def _config(spec: Spec, config: dict[str, Any]) -> Config:
         raise RowError(f"config: {safe_text(e)}") from None
 
 
-def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any]) -> Config:
+def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any], triton_version: str | None = None) -> Config:
     family = family_of(spec)
     parsed = _config(spec, config)
+    if triton_version is not None and triton_version != triton.__version__:
+        # A row of another Triton (a shipped 3.6 row listed under 3.7): what it can run, and its search
+        # space, depend on the Triton it was tuned with, not this one. Dispatch never reads such a row;
+        # the commands that list or move it check its knobs against a bound no family's knob nears.
+        for knob, value in parsed.to_dict().items():
+            if value > _KNOB_CEILING:
+                raise RowError(f"config: {knob}: {value} is past any {knob} tilegen launches ({_KNOB_CEILING})")
+        return parsed
     # A knob past the search space's largest value (a warp count of 2**80) is no launch the GPU
     # takes. The interpreter's space is a CPU tune's small one, while tests store larger tiles
     # there: it is bounded by a Hopper's. Switches and choices are checked by from_dict already.
-    largest_of = _largest(spec, device)
+    largest_of = _largest(spec, device, triton.__version__)
     for knob, value in parsed.to_dict().items():
         largest = largest_of.get(knob)
         if knob in parsed.switches or knob in parsed.choices or largest is None:
@@ -268,8 +282,9 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any]) -> Config:
 
 
 @functools.lru_cache(maxsize=256)
-def _largest(spec: Spec, device: DeviceInfo) -> dict[str, int]:
-    """The largest value of each knob in the search space (a read checks every row: computed once)."""
+def _largest(spec: Spec, device: DeviceInfo, triton_version: str) -> dict[str, int]:
+    """The largest value of each knob in the search space (a read checks every row: computed once per
+    Triton too, since a space may depend on it: the Gluon kernel's tiles are Triton 3.6's)."""
     family = family_of(spec)
     spaces = [family.search_space(spec, device)]
     if device.is_interpreter:
