@@ -153,11 +153,12 @@ def _spec(spec_json: str) -> Spec:
 
 def check_best(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[str, Any], time_ms: float,
                max_error: float, trials: int, *, tflops: float | None = None, gbps: float | None = None,
-               versions: dict[str, Any] | None = None) -> Config | None:
+               versions: dict[str, Any] | None = None, stored: bool = False) -> Config | None:
     """The row's config when a tuned row may be stored or used; else ``RowError`` naming what is wrong.
     ``versions`` are its version strings by field (``triton_version``, ...), which a server keeps in 64 characters.
     ``spec`` is ``None`` for a stored row of a family this tilegen does not know: all but its family's own
-    rules (bucket, knobs) are checked, and ``None`` returned."""
+    rules (bucket, knobs) are checked, and ``None`` returned. ``stored``: a row read back from a
+    database, which may be another Triton's (see ``_runnable``); a row to be written is this one's."""
     _check_bucket(spec, bucket)
     _check_time("time_ms", time_ms)
     _check_error(max_error, finite=True)
@@ -167,13 +168,13 @@ def check_best(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[
             raise RowError(f"{name}: expected a non-negative, finite number or null, got {safe_text(repr(value), 80)}")
     for name, value in (versions or {}).items():
         check_text(name, value, VERSION_CHARS)
-    triton_version = (versions or {}).get("triton_version")
+    triton_version = (versions or {}).get("triton_version") if stored else None
     return _runnable(spec, device, config, triton_version) if spec is not None else _knobs_of_unknown(config)
 
 
 def check_trial(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict[str, Any], status: str,
                 time_ms: float | None, *, max_error: float | None, trial_number: int, study_name: str,
-                triton_version: str) -> None:
+                triton_version: str, stored: bool = False) -> None:
     """Raise ``RowError`` unless a trial may be stored or used.
 
     Any trial needs known knobs and a bucket of its family; a trial that says "ok" is one a
@@ -192,7 +193,7 @@ def check_trial(spec: Spec | None, device: DeviceInfo, bucket: int, config: dict
         _check_time("time_ms", time_ms)
         _check_error(max_error, finite=True, optional=True)
         if spec is not None:
-            _runnable(spec, device, config, triton_version)
+            _runnable(spec, device, config, triton_version if stored else None)
     else:
         if time_ms is not None and (not _is_number(time_ms) or math.isnan(time_ms) or time_ms < 0):
             raise RowError(f"time_ms: expected a non-negative number or null, got {safe_text(repr(time_ms), 80)}")
@@ -207,7 +208,7 @@ def check_stored_tuned(row: TunedRow, spec_json: str, gpu: dict[str, Any]) -> No
     _check_stored(row)
     versions = {name: getattr(row, name) for name in ("triton_version", "torch_version", "tilegen_version")}
     check_best(spec, device, row.bucket, row.config, row.time_ms, row.max_error, row.trials,
-               tflops=row.tflops, gbps=row.gbps, versions=versions)
+               tflops=row.tflops, gbps=row.gbps, versions=versions, stored=True)
 
 
 def check_stored_trial(row: TrialRow, spec_json: str, gpu: dict[str, Any], name: str) -> None:
@@ -218,7 +219,8 @@ def check_stored_trial(row: TrialRow, spec_json: str, gpu: dict[str, Any], name:
     if row.reason is not None and not isinstance(row.reason, str):
         raise RowError(f"reason: expected a string or null, got {type(row.reason).__name__}")
     check_trial(spec, device, row.bucket, row.config, row.status, row.time_ms, max_error=row.max_error,
-                trial_number=row.trial_number, study_name=row.study_name, triton_version=row.triton_version)
+                trial_number=row.trial_number, study_name=row.study_name, triton_version=row.triton_version,
+                stored=True)
 
 
 def config_from_json(text: Any) -> dict[str, Any]:
@@ -257,9 +259,10 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any], triton_ver
     family = family_of(spec)
     parsed = _config(spec, config)
     if triton_version is not None and triton_version != triton.__version__:
-        # A row of another Triton (a shipped 3.6 row listed under 3.7): what it can run, and its search
-        # space, depend on the Triton it was tuned with, not this one. Dispatch never reads such a row;
-        # the commands that list or move it check its knobs against a bound no family's knob nears.
+        # A stored row of another Triton (a shipped 3.6 row listed under 3.7): what it can run, and its
+        # search space, depend on the Triton it was tuned with, not this one. Dispatch never reads such a
+        # row; the commands that list it check its knobs against a bound no family's knob nears. A row
+        # to be written (tune, import, pull) is judged by this Triton, as before.
         for knob, value in parsed.to_dict().items():
             if value > _KNOB_CEILING:
                 raise RowError(f"config: {knob}: {value} is past any {knob} tilegen launches ({_KNOB_CEILING})")
