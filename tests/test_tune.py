@@ -197,26 +197,26 @@ def test_killed_tune_resumes_without_losing_or_repeating_trials(tmp_path):
     assert all(after[c] == n for c, n in before.items())
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_on_resume(tmp_path, signum, status):
-    """Ctrl-C (or a kill of the job) mid-trial: one line, the shell's status, no trial left RUNNING,
-    and the config in flight queued in the study, so that the same command measures it first."""
-    db = tmp_path / "tuning.sqlite"
+def _interrupt_mid_trial(cmd, db, signum, status, *, running, deadline_s):
+    """Run ``cmd`` with every config but the default slowed to 600 s, signal its process group once
+    ``running`` trials are in flight, and check it ended in one line with ``status``; the default's
+    label and the seconds from the signal to the end."""
     studies = studies_url(db)
-    cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3")
     default = str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 32))
-    # The warm start's default is measured first; whichever config the sampler proposes next is in flight.
+    # The warm start's default is measured first; whichever config a process proposes next is in flight.
     slow = {str(c): "sleep:600" for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
     proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (_running_trials(studies) and db.exists() and _trials(db, 32)):
+        deadline = time.monotonic() + deadline_s
+        while not (_running_trials(studies) >= running and db.exists() and _trials(db, 32)):
             assert proc.poll() is None and time.monotonic() < deadline, "the tune ended before it could be interrupted"
             time.sleep(0.1)
-        time.sleep(0.5)  # into the measurement
-        os.killpg(proc.pid, signum)  # the tune and its worker, as a terminal's Ctrl-C or a kill of the job
+        time.sleep(0.5)  # into the measurements
+        os.killpg(proc.pid, signum)  # the tune and its processes, as a terminal's Ctrl-C or a kill of the job
+        signalled = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -226,6 +226,17 @@ def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_o
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [stderr.splitlines()[-1]], stderr
     assert errors[0].startswith(f"error: interrupted by {signal.Signals(signum).name}")
+    return default, took
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_tune_ends_in_one_line_and_measures_its_trial_in_flight_on_resume(tmp_path, signum, status):
+    """Ctrl-C (or a kill of the job) mid-trial: one line, the shell's status, no trial left RUNNING,
+    and the config in flight queued in the study, so that the same command measures it first."""
+    db = tmp_path / "tuning.sqlite"
+    studies = studies_url(db)
+    cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3")
+    default, _ = _interrupt_mid_trial(cmd, db, signum, status, running=1, deadline_s=120)
     assert _configs(_trials(db, 32)) == Counter([default])  # the interrupted trial recorded nothing
     (name,) = optuna.get_all_study_names(studies)
     trials = optuna.load_study(study_name=name, storage=studies).get_trials(deepcopy=False)
@@ -251,31 +262,8 @@ def test_an_interrupted_pool_leaves_no_trial_running_and_measures_its_trials_in_
     db = tmp_path / "tuning.sqlite"
     studies = studies_url(db)
     cmd = _tune_cmd(db, "--seqlens", "32", "--trials", "3", "--workers", "2")
-    default = str(ATTENTION_FWD.default_config(SPEC, CPU_INTERPRETER, 32))
-    # The default is measured first, by one process; the next config of each process is in flight.
-    slow = {str(c): "sleep:600" for c in ATTENTION_FWD.candidates(SPEC, CPU_INTERPRETER) if str(c) != default}
-    proc = subprocess.Popen(cmd, env=_env(**{INJECT_ENV: json.dumps(slow)}), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not (_running_trials(studies) >= 2 and db.exists() and _trials(db, 32)):
-            assert proc.poll() is None and time.monotonic() < deadline, "the tune ended before it could be interrupted"
-            time.sleep(0.1)
-        time.sleep(0.5)  # into the measurements
-        os.killpg(proc.pid, signum)  # the tune, its tune processes and their workers, as a Ctrl-C would
-        signalled = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
-        took = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == status, stderr
+    default, took = _interrupt_mid_trial(cmd, db, signum, status, running=2, deadline_s=180)
     assert took < 30, took  # the tune processes are asked to stop, and killed after a bounded wait
-    assert "Traceback" not in stderr, stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert errors == [stderr.splitlines()[-1]], stderr
-    assert errors[0].startswith(f"error: interrupted by {signal.Signals(signum).name}")
     assert _configs(_trials(db, 32)) == Counter([default])  # the interrupted trials recorded nothing
     (name,) = optuna.get_all_study_names(studies)
     trials = optuna.load_study(study_name=name, storage=studies).get_trials(deepcopy=False)
