@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 from tilegen.families import (  # noqa: E402
+    attention_bwd,
     attention_decode,
     attention_fwd,
     attention_varlen,
@@ -58,6 +59,7 @@ BUILTIN = [
     attention_decode.FAMILY,
     blockwise_ffn.FAMILY,
     rope.FAMILY,
+    attention_bwd.FAMILY,
 ]
 for _family in BUILTIN:
     register(_family)

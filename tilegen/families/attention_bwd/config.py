@@ -1,0 +1,119 @@
+"""The attention-backward config, its search space, what the kernels can run, and the heuristic default.
+
+Two kernels with their own tiles: ``_dkdv`` (BLOCK_N1 keys on chip, BLOCK_M1 query rows streamed)
+and ``_dq`` (BLOCK_M2 query rows on chip, BLOCK_N2 keys streamed), or, with ``atomic_dq``, no
+``_dq`` at all: the dK/dV kernel adds each block's dQ into an fp32 buffer with atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from tilegen.device import DeviceInfo
+from tilegen.families import base
+from tilegen.families.attention_bwd.spec import AttentionBwdSpec
+
+__all__ = ["Config", "search_space", "feasible", "default_rule", "deterministic"]
+
+# Per-thread fp32 registers past which a kernel spills for sure (accumulators plus two score-sized tiles).
+_MAX_FP32_REGS_PER_THREAD = 192
+
+
+@dataclass(frozen=True, order=True)
+class Config(base.Config):
+    """Launch parameters of the attention backward's kernels."""
+
+    block_m1: int
+    block_n1: int
+    num_warps1: int
+    num_stages1: int
+    block_m2: int
+    block_n2: int
+    num_warps2: int
+    num_stages2: int
+    # 1: dQ accumulated by atomics in the dK/dV kernel (one pass over the scores, not two; the order of
+    # the adds varies, so dQ is not bit-reproducible); 0: a separate dQ kernel.
+    atomic_dq: int = 0
+
+    switches = frozenset({"atomic_dq"})
+
+    def __str__(self) -> str:
+        dkdv = f"M{self.block_m1}-N{self.block_n1}-w{self.num_warps1}-s{self.num_stages1}"
+        if self.atomic_dq:
+            return dkdv + "-atomic"
+        return dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}"
+
+
+def deterministic(config: Config) -> Config:
+    """``config`` with a separate dQ kernel (no atomics): the same bits on every run."""
+    if not config.atomic_dq:
+        return config
+    dq = _DQ_FOR_ATOMIC.get((config.block_m1, config.block_n1), (64, 32, 4, 2))
+    return Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0)
+
+
+# The dQ kernel's tiles a deterministic call takes in place of atomics: its query tile as the dK/dV
+# kernel's key tile, the keys it streams as that kernel's query blocks.
+_DQ_FOR_ATOMIC = {(m, n): (n, m, 4 if n * m <= 64 * 64 else 8, 2) for m in (16, 32, 64, 128) for n in (16, 32, 64, 128)}
+
+
+def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[int]]:
+    if device.is_interpreter:
+        # The interpreter ignores warps and stages; small tiles keep a CPU tune quick.
+        tiles = {"block_m1": [16, 32], "block_n1": [16, 32], "num_warps1": [4], "num_stages1": [1],
+                 "block_m2": [16, 32], "block_n2": [16, 32], "num_warps2": [4], "num_stages2": [1]}
+        return {**tiles, "atomic_dq": [0, 1]}
+    return {"block_m1": [32, 64, 128], "block_n1": [32, 64, 128], "num_warps1": [4, 8], "num_stages1": [1, 2, 3, 4],
+            "block_m2": [32, 64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [1, 2, 3, 4],
+            "atomic_dq": [0, 1]}
+
+
+def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str | None:
+    for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
+        value = getattr(config, name)
+        if value % 16 or value & (value - 1):
+            return f"{name}={value}: the template asserts a power of two and a multiple of 16"
+    if config.atomic_dq not in (0, 1):
+        return f"atomic_dq={config.atomic_dq}: expected 0 or 1"
+    if config.atomic_dq and (config.block_m2, config.block_n2, config.num_warps2, config.num_stages2) != (
+            config.block_m1, config.block_n1, config.num_warps1, config.num_stages1):
+        # One row per kernel: the dQ kernel does not run, so its knobs repeat the dK/dV kernel's.
+        return "atomic_dq=1 runs no dQ kernel: its knobs (block_m2 ...) repeat the dK/dV kernel's"
+    if device.is_interpreter:
+        return None
+    dim_pad = triton.next_power_of_2(spec.head_dim)
+    dim_v_pad = triton.next_power_of_2(spec.dv)
+    elt = 4 if spec.dtype == "fp32" else 2
+    threads1 = 32 * config.num_warps1
+    regs1 = (config.block_n1 * (dim_pad + dim_v_pad) + 2 * config.block_n1 * config.block_m1) / threads1
+    if regs1 > _MAX_FP32_REGS_PER_THREAD:
+        return f"~{regs1:.0f} fp32 registers per thread in the dK/dV kernel: spills"
+    smem1 = (config.block_n1 * (dim_pad + dim_v_pad)
+             + max(config.num_stages1 - 1, 1) * config.block_m1 * (dim_pad + dim_v_pad)) * elt
+    if smem1 > device.smem_bytes:
+        return f"~{smem1} bytes of shared memory in the dK/dV kernel against the device's {device.smem_bytes}"
+    if not config.atomic_dq:
+        threads2 = 32 * config.num_warps2
+        regs2 = (config.block_m2 * (dim_pad + dim_v_pad) + 2 * config.block_m2 * config.block_n2) / threads2
+        if regs2 > _MAX_FP32_REGS_PER_THREAD:
+            return f"~{regs2:.0f} fp32 registers per thread in the dQ kernel: spills"
+        smem2 = (config.block_m2 * (dim_pad + dim_v_pad)
+                 + max(config.num_stages2 - 1, 1) * config.block_n2 * (dim_pad + dim_v_pad)) * elt
+        if smem2 > device.smem_bytes:
+            return f"~{smem2} bytes of shared memory in the dQ kernel against the device's {device.smem_bytes}"
+    return None
+
+
+def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+    """Tiles after FlashAttention-2's Triton backward: a wide key tile with narrow query blocks for dK/dV,
+    the transpose for dQ, narrower as the head dim grows."""
+    if device.is_interpreter:
+        return [(None, Config(16, 32, 4, 1, 32, 16, 4, 1))]
+    dim = max(spec.head_dim, spec.dv)
+    if spec.dtype == "fp32" or dim > 128:
+        return [(None, Config(32, 64, 4, 1, 64, 32, 4, 1))]
+    if dim <= 64:
+        return [(None, Config(32, 128, 4, 3, 128, 32, 4, 3))]
+    return [(None, Config(64, 128, 8, 2, 128, 64, 8, 2))]

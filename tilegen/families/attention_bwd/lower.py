@@ -1,0 +1,14 @@
+"""Lowering of the attention-backward family: the template's values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilegen.families.attention_bwd.spec import AttentionBwdSpec
+from tilegen.families.attention_fwd.lower import attention_values
+
+__all__ = ["lower"]
+
+
+def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
+    return {**attention_values(spec), "layout": spec.layout}

@@ -1,0 +1,143 @@
+"""What a tuning trial of the attention backward measures: shapes for a bucket, inputs, launch, check, cost."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tilegen.families import base
+from tilegen.families.attention_bwd.config import Config
+from tilegen.families.attention_bwd.reference import attention_backward_reference
+from tilegen.families.attention_bwd.spec import AttentionBwdSpec
+from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.problem import attention_flops
+from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.triton_internals.launch import Launcher
+
+__all__ = ["Problem", "BACKWARD_FLOPS"]
+
+#: A backward does 2.5 times the forward's matmul FLOPs (five products against two), the convention
+#: FlashAttention's papers and benchmarks count by.
+BACKWARD_FLOPS = 2.5
+_GPU_TOKENS = 16384
+_GPU_HEADS = 16
+_CPU_HEADS = 2
+_CPU_MAX_SEQ = 48
+_SOFTCAP = 10.0
+
+
+@dataclass(frozen=True)
+class Problem(base.Problem):
+    """The backward of self-attention over ``batch`` sequences of ``seq`` tokens, with the spec's mask.
+
+    Inputs are Q, K, V, the output gradient and the forward's O and LSE (computed by the reference, so
+    the backward is checked against the attention it differentiates); dense layout."""
+
+    spec: AttentionBwdSpec
+    batch: int
+    heads_kv: int
+    seq: int
+    on_gpu: bool
+
+    @classmethod
+    def for_bucket(cls, spec: AttentionBwdSpec, bucket: int, *, on_gpu: bool, batch: int | None = None,
+                   heads_q: int | None = None) -> Problem:
+        if spec.layout != "dense":
+            raise NotImplementedError(f"layout={spec.layout!r}: the tuner measures the dense backward; a ragged "
+                                      "call takes the dense spec's tuned rows")
+        heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
+        seq = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ) - 1  # odd under the interpreter: no block divides it
+        if batch is None:
+            batch = max(1, _GPU_TOKENS // seq) if on_gpu else 1
+        return cls(spec, batch, max(1, heads // spec.q_per_kv), max(seq, 1), on_gpu)
+
+    @property
+    def heads_q(self) -> int:
+        return self.heads_kv * self.spec.q_per_kv
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None]:
+        return {"none": (None, None), "causal": (None, 0), "window": (self.seq // 4, self.seq // 16)}[self.spec.mask]
+
+    @property
+    def softcap(self) -> float | None:
+        return _SOFTCAP if self.spec.softcap else None
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.spec.head_dim)
+
+    def _mask_args(self) -> dict:
+        left, right = self.bounds
+        return {"causal": self.spec.mask == "causal", "window": None if self.spec.mask != "window" else (left, right),
+                "softcap": self.softcap, "scale": self.scale}
+
+    def inputs(self, seed: int):
+        device = "cuda" if self.on_gpu else "cpu"
+        gen = torch.Generator(device).manual_seed(seed)
+        dtype = self.torch_dtype()
+        d, dv = self.spec.head_dim, self.spec.dv
+        q = torch.randn((self.batch, self.heads_q, self.seq, d), generator=gen, device=device, dtype=dtype)
+        k = torch.randn((self.batch, self.heads_kv, self.seq, d), generator=gen, device=device, dtype=dtype)
+        v = torch.randn((self.batch, self.heads_kv, self.seq, dv), generator=gen, device=device, dtype=dtype)
+        dout = torch.randn((self.batch, self.heads_q, self.seq, dv), generator=gen, device=device, dtype=dtype)
+        out = torch.empty_like(dout)
+        lse = torch.empty((self.batch, self.heads_q, self.seq), device=device)
+        g = self.spec.q_per_kv
+        compute = torch.float32 if self.on_gpu else torch.float64
+        # One KV group at a time: the reference holds that group's scores.
+        for b in range(self.batch):
+            for h in range(self.heads_kv):
+                o, l = attention_reference(q[b:b + 1, h * g:(h + 1) * g], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1],
+                                           compute_dtype=compute, **self._mask_args())
+                out[b, h * g:(h + 1) * g] = o[0].to(dtype)
+                lse[b, h * g:(h + 1) * g] = l[0].float()
+        return q, k, v, out, dout, lse
+
+    def placeholder_inputs(self):
+        device = "cuda" if self.on_gpu else "cpu"
+        dtype = self.torch_dtype()
+        d, dv = self.spec.head_dim, self.spec.dv
+        shapes = ((self.heads_q, d), (self.heads_kv, d), (self.heads_kv, dv), (self.heads_q, dv), (self.heads_q, dv))
+        q, k, v, out, dout = (torch.empty((self.batch, h, self.seq, x), device=device, dtype=dtype) for h, x in shapes)
+        return q, k, v, out, dout, torch.empty((self.batch, self.heads_q, self.seq), device=device)
+
+    def outputs(self, inputs):
+        q, k, v, _, _, lse = inputs
+        poison = [torch.full_like(t, math.nan) for t in (q, k, v)]
+        scratch = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(q, dtype=torch.float32)
+        return (*poison, *scratch)
+
+    def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
+        q, k, v, out, dout, lse = inputs
+        dq, dk, dv, delta, lse2, dq_acc = outputs
+        left, right = launch_window(self.spec.mask, *self.bounds, self.seq, self.seq)
+        launcher.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, dq_acc, None, None, self.seq, self.seq,
+                        scale=self.scale, softcap=self.softcap or 0.0, window_left=left, window_right=right,
+                        **config.to_dict())
+
+    def check(self, inputs, outputs) -> tuple[float, float]:
+        """Every gradient element must be written (no NaN anywhere); the values of batch 0's first KV group
+        against the reference."""
+        q, k, v, _, dout, _ = inputs
+        got = outputs[:3]
+        if any(torch.isnan(t).any() for t in got):
+            return math.inf, math.inf
+        g = self.spec.q_per_kv
+        compute = torch.float32 if q.is_cuda else torch.float64
+        refs = attention_backward_reference(q[:1, :g], k[:1, :1], v[:1, :1], dout[:1, :g], compute_dtype=compute,
+                                            **self._mask_args())
+        errors = [base.relative_error(t[:1, : r.shape[1]], r) for t, r in zip(got, refs)]
+        return max(e[0] for e in errors), max(e[1] for e in errors)
+
+    def flops(self) -> float:
+        return BACKWARD_FLOPS * attention_flops(self.spec, self.batch, self.heads_q, self.seq, self.seq, *self.bounds)
+
+    def bytes_moved(self) -> float:
+        """Q, K, V, O and dO read once, dQ, dK and dV written once."""
+        elt = self.torch_dtype().itemsize
+        d, dv = self.spec.head_dim, self.spec.dv
+        rows_q, rows_kv = self.batch * self.seq * self.heads_q, self.batch * self.seq * self.heads_kv
+        return float((rows_q * (2 * d + 2 * dv) + rows_kv * 2 * (d + dv)) * elt)

@@ -1,0 +1,51 @@
+"""The spec of the attention-backward family: the gradients of an attention forward variant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.ir import Spec, SpecError, check_choice
+
+__all__ = ["AttentionBwdSpec", "LAYOUTS"]
+
+LAYOUTS = ("dense", "ragged")
+
+
+@dataclass(frozen=True)
+class AttentionBwdSpec(AttentionFields):
+    """The backward of one attention variant: dQ, dK and dV from dO, Q, K, V, O and the forward's LSE.
+
+    Attributes:
+        head_dim, head_dim_v, q_per_kv, mask, softcap, dtype: the forward's (``AttentionSpec``);
+            GQA's dK and dV are summed over each group's query heads inside the kernel.
+        layout: ``"dense"`` ([batch, heads, seq, dim], ``tilegen.attention``) or ``"ragged"``
+            (packed sequences, ``tilegen.varlen_attention``).
+        return_lse: always False: the backward reads the LSE and takes its gradient at launch.
+    """
+
+    family: ClassVar[str] = "attention_bwd"
+
+    layout: str = "dense"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("layout", self.layout, LAYOUTS)
+        if self.return_lse:
+            raise SpecError("return_lse", "the backward returns gradients; the LSE's own gradient is a launch argument")
+
+    __hash__ = Spec.__hash__
+
+    @property
+    def name(self) -> str:
+        parts = [
+            self.family, self.dtype,
+            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
+            f"g{self.q_per_kv}", self.mask,
+        ]
+        if self.softcap:
+            parts.append("softcap")
+        if self.layout != "dense":
+            parts.append(self.layout)
+        return "_".join(parts)
