@@ -38,6 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
+from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized
 from tilegen.ops.tensors import check_out
 
@@ -57,8 +58,9 @@ def attention(
     scale: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention forward.
+    """Fused attention; differentiable when an input requires grad.
 
     Args:
         q: ``[batch, heads_q, n_q, head_dim]``.
@@ -75,7 +77,13 @@ def attention(
             (``-inf`` for rows that see no key).
         out: write the output here instead of a new tensor: ``[batch, heads_q, n_q, head_dim_v]``
             in the input dtype, on the input device, any strides; ``q`` itself (in place), but
-            nothing else that shares memory with itself, ``q``, ``k`` or ``v``.
+            nothing else that shares memory with itself, ``q``, ``k`` or ``v``. Not when an input
+            requires grad (a result written in place cannot be differentiated).
+        deterministic: the backward gives the same bits on every run (no atomic adds), at some speed.
+
+    When ``q``, ``k`` or ``v`` requires grad (and grad mode is on), the result backpropagates through
+    the ``attention_bwd`` family's kernels, to the LSE too when it is returned; the forward keeps
+    Q, K, V, the output and the fp32 LSE for it, nothing of size n_q x n_k.
 
     Returns:
         ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype (laid out as
@@ -85,6 +93,14 @@ def attention(
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
+    try:
+        trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    except AttributeError:  # not tensors: the checks say which
+        trains = False
+    if trains:
+        return _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic)
+    if deterministic.__class__ is not bool:
+        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     if torch.compiler.is_compiling():
         spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
         # The spec travels as plain fields: Dynamo traces these, not JSON encoding.
@@ -225,9 +241,27 @@ def _check_out(out, shape, q) -> None:
         raise ValueError(f"out: on {out.device} while the inputs are on {q.device}")
 
 
-def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False) -> dispatch.Choice:
-    """Which config a call with these arguments runs, and where it comes from (tuned row or default)."""
+def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
+            backward=False) -> dispatch.Choice:
+    """Which config a call with these arguments runs, and where it comes from (tuned row or default);
+    ``backward=True``: the config its backward runs."""
+    if backward:
+        spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
+        bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
+                                           "dense")
+        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]))
     return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
+
+
+def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic):
+    """A call that trains: through the custom op, whose autograd runs the backward; every argument is
+    checked before the forward runs."""
+    attention_grad.check_training_args(out, deterministic)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, True)
+    attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "dense")
+    result, lse = torch.ops.tilegen.attention_fwd(
+        q, k, v, spec.dv, spec.mask, spec.softcap, True, scale, softcap, left, right, deterministic)
+    return (result, lse) if return_lse else result
 
 
 def run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=None, launch=None):
@@ -261,8 +295,9 @@ def _device_index(device: torch.device) -> int | None:
 @torch.library.custom_op("tilegen::attention_fwd", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim_v: int, mask: str, has_softcap: bool,
-    return_lse: bool, scale: float, softcap: float, window_left: int, window_right: int,
+    return_lse: bool, scale: float, softcap: float, window_left: int, window_right: int, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic is the backward's (the forward has no atomics): autograd's context reads it here.
     spec = _spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, return_lse)
     # The eager path's plans, so a compiled graph runs the same kernels (short queries: the decode family's).
     key = (q.shape, k.shape, v.shape, q.device, spec, window_left, window_right, scale, softcap)
@@ -280,10 +315,14 @@ def _attention_op(
 
 
 @_attention_op.register_fake
-def _(q, k, v, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left, window_right):
+def _(q, k, v, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left, window_right,
+      deterministic=False):
     batch, heads, n_q, _ = q.shape
     out = q.new_empty(batch, heads, n_q, head_dim_v)
     return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
+
+
+attention_grad.attach_dense(_attention_op)
 
 
 def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):

@@ -1,0 +1,210 @@
+"""Training: the backward of ``tilegen.attention`` and ``tilegen.varlen_attention``.
+
+Each forward is a ``torch.library`` custom op, and ``register_autograd`` attaches a backward op
+from here to it (``attach_dense``, ``attach_ragged``), so eager autograd,
+``torch.compile(fullgraph=True)`` and ``torch.library.opcheck`` see one op pair. A forward
+that trains saves Q, K, V, O and the fp32 LSE, nothing of size n_q x n_k. The backward ops,
+``tilegen::attention_bwd`` and ``tilegen::varlen_attention_bwd``, plan and launch as every op
+does (``tilegen.dispatch.planned``) with the ``attention_bwd`` family's own tuned rows;
+``deterministic=True`` takes the row's config without atomics. A second derivative raises
+``NotImplementedError`` naming the op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tilegen import dispatch
+from tilegen.dispatch import launcher_for
+from tilegen.dtypes import SPEC_DTYPES
+from tilegen.families.attention_bwd import AttentionBwdSpec
+from tilegen.families.attention_bwd.config import deterministic as deterministic_config
+from tilegen.ops.memo import memoized
+
+__all__ = ["attach_dense", "attach_ragged", "backward_spec", "check_training_args", "explain_backward"]
+
+
+@memoized
+def backward_spec(dtype: torch.dtype, head_dim: int, head_dim_v: int, q_per_kv: int, mask: str, softcap: bool,
+                  layout: str) -> AttentionBwdSpec:
+    return AttentionBwdSpec(head_dim=head_dim, head_dim_v=None if head_dim_v == head_dim else head_dim_v,
+                            q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=SPEC_DTYPES[dtype], layout=layout)
+
+
+def check_training_args(out, deterministic) -> None:
+    """What a forward that will be differentiated must not take: raised before anything runs."""
+    if out is not None:
+        raise TypeError("out: an input requires grad, and a result written into `out` cannot be differentiated; "
+                        "drop `out`, or call under torch.no_grad()")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A backward call's checked decisions: its launch, and whether dQ sums in an fp32 buffer by atomics."""
+
+    launch: Callable[..., Any]
+    atomic: bool
+    choice: dispatch.Choice
+    launch_args: dict[str, Any]
+
+
+_plans = dispatch.plan_cache()
+
+
+def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[str, Any], deterministic: bool) -> _Plan:
+    launcher = launcher_for(spec)
+    # A ragged call takes the dense spec's rows: the same kernels, batch offsets aside.
+    table = dispatch.table_on(spec if spec.layout == "dense" else _dense(spec), device)
+
+    def make(choice: dispatch.Choice) -> _Plan:
+        config = deterministic_config(choice.config) if deterministic else choice.config
+        launch_args = {**fixed, **config.to_dict()}
+        return _Plan(launch=launcher.replay(launch_args), atomic=bool(config.atomic_dq), choice=choice,
+                     launch_args=launch_args)
+
+    return dispatch.planned(table, size, make)
+
+
+def _dense(spec: AttentionBwdSpec) -> AttentionBwdSpec:
+    return AttentionBwdSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, q_per_kv=spec.q_per_kv,
+                            mask=spec.mask, softcap=spec.softcap, dtype=spec.dtype)
+
+
+def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, softcap, left, right, deterministic):
+    """``(dq, dk, dv)`` in the inputs' dtypes and memory layouts."""
+    ragged = cu_q is not None
+    # Ragged rows that no sequence owns (past the last offset) get no program: zeros, as their gradient is.
+    new = torch.zeros_like if ragged else torch.empty_like
+    dq, dk, dv = new(q), new(k), new(v)
+    if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
+        # No score anywhere: every gradient is zero (an output that sees no key is the constant 0).
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, spec, None if cu_q is None else cu_q.shape, max_q, max_k,
+           scale, softcap, left, right, deterministic)
+    plan = _plans.get(key)
+    if plan is None:
+        fixed = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
+        plan = _plan(spec, q.device, max(max_q, max_k), fixed, deterministic)
+        _plans.put(key, plan)
+    if dlse is not None and dlse.stride() != lse.stride():
+        dlse = dlse.contiguous()  # the kernels read it with the LSE's strides
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if plan.atomic else dq
+    strides = tuple(None if t is None else t.stride() for t in (q, k, v, out, dout, lse, dlse, dq, dk, dv, acc))
+    plan.launch(strides, q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, acc, cu_q, cu_k, max_q, max_k)
+    return dq, dk, dv
+
+
+def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int) -> dispatch.Choice:
+    """The backward's choice for a call of ``size`` (the longer sequence)."""
+    table = dispatch.table_on(spec if spec.layout == "dense" else _dense(spec), device)
+    return table.choose(size)
+
+
+@torch.library.custom_op("tilegen::attention_bwd", mutates_args=())
+def _attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, mask: str, has_softcap: bool, scale: float, softcap: float, window_left: int,
+    window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = backward_spec(q.dtype, q.shape[3], v.shape[3], q.shape[1] // k.shape[1], mask, has_softcap, "dense")
+    return _run(spec, dout, q, k, v, out, lse, dlse, None, None, q.shape[2], k.shape[2], scale, softcap,
+                window_left, window_right, deterministic)
+
+
+@torch.library.custom_op("tilegen::varlen_attention_bwd", mutates_args=())
+def _varlen_attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, mask: str, has_softcap: bool, scale: float, softcap: float, window_left: int,
+    window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = backward_spec(q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], mask, has_softcap, "ragged")
+    return _run(spec, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                softcap, window_left, window_right, deterministic)
+
+
+@_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@_varlen_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _refuse_double_backward(name: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{name}: the second derivative (double backward) of attention is not implemented; "
+                                  "differentiate once (create_graph=False)")
+    return backward
+
+
+torch.library.register_autograd("tilegen::attention_bwd", _refuse_double_backward("tilegen.attention"))
+torch.library.register_autograd("tilegen::varlen_attention_bwd", _refuse_double_backward("tilegen.varlen_attention"))
+
+
+def _grads(ctx, dout, dlse, out, lse):
+    """The output gradients as the backward ops take them; ``None`` when neither output got one."""
+    if dout is None and dlse is None:
+        return None
+    if lse.numel() != out.shape[:-1].numel():
+        raise RuntimeError(f"{ctx.name}: the forward ran without its LSE (return_lse=False through the raw op), "
+                           "which the backward needs; call the public function, which keeps it")
+    return (torch.zeros_like(out) if dout is None else dout), dlse
+
+
+def attach_dense(forward_op) -> None:
+    """Make ``tilegen::attention_fwd`` differentiable. Its arguments: ``(q, k, v, head_dim_v, mask,
+    has_softcap, return_lse, scale, softcap, window_left, window_right, deterministic)``."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, _, mask, has_softcap, _, scale, softcap, left, right, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (mask, has_softcap, scale, softcap, left, right, deterministic)
+        ctx.name = "tilegen.attention"
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _grads(ctx, dout, dlse, out, lse)
+        if grads is None:
+            return (None,) * 12
+        dout, dlse = grads
+        dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, dlse, *ctx.args)
+        return (dq, dk, dv) + (None,) * 9
+
+    torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
+
+
+def attach_ragged(forward_op) -> None:
+    """Make ``tilegen::varlen_attention_fwd`` differentiable. Its arguments: ``(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim_v, mask, has_softcap, scale, softcap, window_left,
+    window_right, deterministic)``."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, _, mask, has_softcap, scale, softcap, left, right, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, mask, has_softcap, scale, softcap, left, right, deterministic)
+        ctx.name = "tilegen.varlen_attention"
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        grads = _grads(ctx, dout, dlse, out, lse)
+        if grads is None:
+            return (None,) * 15
+        dout, dlse = grads
+        dq, dk, dv = _varlen_attention_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.args)
+        return (dq, dk, dv) + (None,) * 12
+
+    torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
