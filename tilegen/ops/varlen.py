@@ -38,6 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
+from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.memo import memoized
 from tilegen.ops.tensors import check_device, check_out
@@ -51,9 +52,10 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API).
+    """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API);
+    differentiable when an input requires grad, as ``tilegen.attention`` is.
 
     Args:
         q: ``[total_q, heads_q, head_dim]``, the batch's queries packed sequence after sequence.
@@ -65,7 +67,17 @@ def varlen_attention(
         causal, window, softcap, scale, return_lse, out: as in ``tilegen.attention``, per
             sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
             to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
+        deterministic: the backward gives the same bits on every run (no atomic adds).
     """
+    try:
+        trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    except AttributeError:  # not tensors: the checks say which
+        trains = False
+    if trains:
+        return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                               softcap, scale, return_lse, out, deterministic)
+    if deterministic.__class__ is not bool:
+        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     key = None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
@@ -95,6 +107,61 @@ def varlen_attention(
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out
+
+
+def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out,
+                    deterministic):
+    """A call that trains: through the custom op, whose autograd runs the backward; every argument is
+    checked before the forward runs."""
+    attention_grad.check_training_args(out, deterministic)
+    plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, True)
+    spec, args = plan.spec, plan.launch_args
+    attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "ragged")
+    if env.debug():
+        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+    result, lse = torch.ops.tilegen.varlen_attention_fwd(
+        q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, args["scale"], args["softcap"],
+        args["window_left"], args["window_right"], deterministic)
+    return (result, lse) if return_lse else result
+
+
+_op_plans = dispatch.plan_cache()
+
+
+@torch.library.custom_op("tilegen::varlen_attention_fwd", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, head_dim_v: int, mask: str, has_softcap: bool, scale: float,
+    softcap: float, window_left: int, window_right: int, deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Always with the LSE: the op exists for training, whose backward reads it.
+    spec = _spec_for(SPEC_DTYPES[q.dtype], q.shape[2], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, True,
+                     "ragged", None)
+    key = (q.shape, k.shape, q.device, cu_seqlens_q.shape, spec, max_seqlen_q, max_seqlen_k, scale, softcap,
+           window_left, window_right)
+    plan = _op_plans.get(key)
+    if plan is None:
+        fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
+        plan = _planned(spec, q.device, max(max_seqlen_q, max_seqlen_k), fixed, heads_q=q.shape[1],
+                        launches=max_seqlen_q > 0 and q.shape[0] > 0)
+        _op_plans.put(key, plan)
+    out = q.new_empty((q.shape[0], q.shape[1], head_dim_v))
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    if plan.launches:
+        plan.launch((q.stride(), k.stride(), v.stride(), out.stride()),
+                    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    else:
+        lse.fill_(-math.inf)
+    return out, lse
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim_v, *args):
+    return q.new_empty((q.shape[0], q.shape[1], head_dim_v)), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+attention_grad.attach_ragged(_varlen_op)
 
 
 class PagedAttention:
