@@ -210,7 +210,7 @@ def test_validation_names_the_field(field, value):
     [
         pytest.param({"head_dim": 64, "block_m": 64}, "block_m", id="unknown-field"),
         pytest.param({"head_dim": 64, "zzz": 1, "aaa": 2}, "aaa", id="two-unknown-fields"),
-        pytest.param({"head_dim": 64, "family": "attention_bwd"}, "family", id="unknown-family"),
+        pytest.param({"head_dim": 64, "family": "attention_sideways"}, "family", id="unknown-family"),
         pytest.param({"head_dim": 64, "ir_version": ir.IR_VERSION + 1}, "ir_version", id="newer-ir-version"),
         pytest.param({"head_dim": 64, "ir_version": 0}, "ir_version", id="older-ir-version"),
         pytest.param({"mask": "causal"}, "head_dim", id="missing-head-dim"),
