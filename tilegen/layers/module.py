@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.op import blockwise_layer
+from tilegen.layers.op import NO_BACKWARD, blockwise_layer
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
+from tilegen.ops.tensors import refuse_grad
 
 __all__ = ["BlockwiseLayer"]
 
@@ -69,9 +70,17 @@ class BlockwiseLayer(torch.nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: param for name, param in self.named_parameters()}
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return blockwise_layer(x, self.weights(), self.config, block=self.block, out=out)
+        """The layer's output; it has no backward, so with grad mode on an ``x``, ``out`` or parameter
+        that requires grad (after ``requires_grad_()``) raises ``NotImplementedError``."""
+        weights = self.weights()
+        if torch.is_grad_enabled():
+            refuse_grad("tilegen.BlockwiseLayer", missing=NO_BACKWARD,
+                        fix="call it under torch.no_grad() or torch.inference_mode(), or detach x and turn the "
+                            "parameters' grad off (layer.requires_grad_(False))",
+                        x=x, out=out, **weights)
+        with torch.no_grad():
+            return blockwise_layer(x, weights, self.config, block=self.block, out=out)
 
     def extra_repr(self) -> str:
         return repr(self.config)

@@ -34,9 +34,12 @@ from tilegen.layers.weights import as_state_dict, check_weights, config_from_wei
 from tilegen.ops.attention import attention
 from tilegen.ops.blockwise import blockwise_ffn
 from tilegen.ops.rope import apply_rope
-from tilegen.ops.tensors import check_device, check_out
+from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["blockwise_layer", "explain_layer", "layer_spec", "layer_table"]
+
+#: What the layer's refusal of tensors that require grad says is missing.
+NO_BACKWARD = "training (backward) of the blockwise layer is not implemented yet"
 
 
 def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
@@ -79,7 +82,8 @@ def blockwise_layer(
             when ``out`` shares ``x``'s memory: rows written by then could not be computed again.
 
     Returns the layer's output, ``x``'s shape and dtype; it computes the function of
-    ``tilegen.layers.reference_layer``. Weights that do not match the config (missing,
+    ``tilegen.layers.reference_layer``. It has no backward: with grad mode on, an ``x``, ``out`` or
+    weight that requires grad raises ``NotImplementedError``. Weights that do not match the config (missing,
     unexpected, wrong shape, dtype or device) raise an error naming the weight.
     """
     w, config = _resolve(x, weights, config, config_kwargs)
@@ -89,6 +93,11 @@ def blockwise_layer(
         raise ValueError(f"out: expected a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
     else:
         check_out("out", out, {"x": x, **w}, may_be=("x",))
+    if torch.is_grad_enabled():
+        # A module's state_dict() is detached: its parameters say whether they require grad.
+        held = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else w
+        if x.requires_grad or out.requires_grad or any(t.requires_grad for t in held.values()):
+            refuse_grad("tilegen.blockwise_layer", missing=NO_BACKWARD, x=x, out=out, **held)
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block: expected a positive int, got {block!r}")
     n = x.shape[-2]

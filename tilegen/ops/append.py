@@ -20,6 +20,7 @@ from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
+from tilegen.ops.tensors import refuse_grad
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -61,6 +62,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     """
     if torch.compiler.is_compiling():
         _check(cache, k, v, cu_seqlens)
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or cache.k_pages.requires_grad
+                                        or cache.v_pages.requires_grad):
+            _refuse_grad(cache, k, v)
         torch.ops.tilegen.append_kv(
             cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu_seqlens
         )
@@ -79,6 +83,11 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         plan = _plan(cache, k, v, cu_seqlens)
         if key is not None:
             _plans.put(key, plan)
+    # No backward: pages written through raw pointers would silently hold values outside the graph.
+    # Inline, as it runs every call.
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or cache.k_pages.requires_grad
+                                    or cache.v_pages.requires_grad):
+        _refuse_grad(cache, k, v)
     if env.debug():
         _check_device_values(cache, k, cu_seqlens)
     if plan.launches:
@@ -88,6 +97,10 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         indices = cache.indices
         plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride(), indices.shape[0]),
                     k, v, cu_seqlens, k_pages, v_pages, cache.indptr, indices, cache.last_page_len)
+
+
+def _refuse_grad(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    refuse_grad("tilegen.append_kv", k=k, v=v, **{"cache.k_pages": cache.k_pages, "cache.v_pages": cache.v_pages})
 
 
 def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:

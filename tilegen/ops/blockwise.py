@@ -25,7 +25,7 @@ import torch
 from tilegen import dispatch
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
-from tilegen.ops.tensors import check_device, check_out
+from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["blockwise_ffn", "ffn_table"]
 
@@ -102,6 +102,13 @@ def blockwise_ffn(
     else:
         check_out("out", out, {"x": x, **{name: t for name, (t, _) in expected.items() if name != "out"}},
                   may_be=("x",))
+    # No backward: an output without a grad_fn would silently cut the graph.
+    if torch.is_grad_enabled() and (x.requires_grad or w_norm.requires_grad or w_up.requires_grad
+                                    or w_down.requires_grad or out.requires_grad
+                                    or (w_gate is not None and w_gate.requires_grad)
+                                    or (b_norm is not None and b_norm.requires_grad)):
+        refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                    b_norm=b_norm, out=out)
     if n == 0:
         return out
     # In place, the kernels write x's rows block by block: a launch that failed part way could not be

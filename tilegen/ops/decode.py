@@ -36,7 +36,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.tensors import check_out
+from tilegen.ops.tensors import check_out, refuse_grad
 
 __all__ = ["PagedDecode"]
 
@@ -176,6 +176,11 @@ class PagedDecode:
                 raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
             # A program reads its query rows before anything writes their output: out may be q itself.
             check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages}, may_be=("q",))
+        # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
+        if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
+                                        or v_pages.requires_grad):
+            refuse_grad("tilegen.PagedDecode.run", q=q, out=out,
+                        **{"cache.k_pages": pages, "cache.v_pages": v_pages})
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
             # The plan and the checks above fix every shape and dtype the launcher reads but the strides

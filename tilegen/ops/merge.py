@@ -19,7 +19,7 @@ from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, check_out, writable
+from tilegen.ops.tensors import check_device, check_out, refuse_grad, writable
 
 __all__ = ["explain_merge", "merge_states"]
 
@@ -61,6 +61,10 @@ def merge_states(
     """
     if torch.compiler.is_compiling():
         _check(o_a, lse_a, o_b, lse_b, out, out_lse)
+        if torch.is_grad_enabled() and (o_a.requires_grad or lse_a.requires_grad or o_b.requires_grad
+                                        or lse_b.requires_grad or (out is not None and out.requires_grad)
+                                        or (out_lse is not None and out_lse.requires_grad)):
+            refuse_grad("tilegen.merge_states", o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out, out_lse=out_lse)
         o, lse = torch.ops.tilegen.merge_states(o_a, lse_a, o_b, lse_b)
         return (o if out is None else out.copy_(o)), (lse if out_lse is None else out_lse.copy_(lse))
     try:
@@ -90,6 +94,10 @@ def merge_states(
         out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
     if out_lse is None:
         out_lse = torch.empty_like(lse_a, memory_format=torch.contiguous_format)
+    # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
+    if torch.is_grad_enabled() and (o_a.requires_grad or lse_a.requires_grad or o_b.requires_grad
+                                    or lse_b.requires_grad or out.requires_grad or out_lse.requires_grad):
+        refuse_grad("tilegen.merge_states", o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out, out_lse=out_lse)
     if plan.launches:
         rows, rows3 = plan.rows, plan.rows3
         o_view, lse_view = writable(out, rows3), writable(out_lse, rows)

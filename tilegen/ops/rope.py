@@ -19,7 +19,7 @@ from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, check_out, writable
+from tilegen.ops.tensors import check_device, check_out, refuse_grad, writable
 
 __all__ = ["apply_rope", "explain_rope"]
 
@@ -53,6 +53,9 @@ def apply_rope(
     """
     if torch.compiler.is_compiling():
         _check(x, cos, sin, out)
+        if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad
+                                        or (out is not None and out.requires_grad)):
+            refuse_grad("tilegen.apply_rope", x=x, cos=cos, sin=sin, out=out)
         rotated = torch.ops.tilegen.apply_rope(x, cos, sin)
         return rotated if out is None else out.copy_(rotated)
     try:
@@ -69,6 +72,9 @@ def apply_rope(
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     else:  # addresses change from call to call, so this is not part of the plan
         check_out("out", out, {"x": x, "cos": cos, "sin": sin}, may_be=("x",))
+    # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad or out.requires_grad):
+        refuse_grad("tilegen.apply_rope", x=x, cos=cos, sin=sin, out=out)
     if plan.launches:
         rows3, rows2 = plan.rows3, plan.rows2
         view = writable(out, rows3)

@@ -1,5 +1,5 @@
 """What several ops do with the tensors they are handed: check that the kernels can run on
-their device, and write through a view of them."""
+their device, refuse inputs that require grad, and write through a view of them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["check_device", "check_out", "writable"]
+__all__ = ["check_device", "check_out", "refuse_grad", "writable"]
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -17,6 +17,21 @@ def check_device(name: str, device: torch.device) -> None:
                          "TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: device {device} is not supported; expected cuda")
+
+
+def refuse_grad(op: str, /, *, missing: str | None = None, fix: str = "call it under torch.no_grad() or detach "
+                "the input", **tensors: object) -> None:
+    """Raise ``NotImplementedError`` naming ``op`` and the first of ``tensors`` (None and non-tensors
+    skipped) that requires grad, when grad mode is on; else return. The kernels write through raw
+    pointers, so without this an output would silently have no ``grad_fn``. Callers on a hot path
+    test ``torch.is_grad_enabled() and (a.requires_grad or ...)`` inline first and call this only
+    then, to build the message; ``missing`` replaces "<op> has no backward"."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            why = missing or f"{op.removeprefix('tilegen.')} has no backward"
+            raise NotImplementedError(f"{op}: {name} requires grad, but {why}; {fix}")
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:

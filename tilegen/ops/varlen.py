@@ -41,7 +41,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, check_out
+from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -248,6 +248,11 @@ class PagedAttention:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
         out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
+        # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
+        if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
+                                        or cache.v_pages.requires_grad):
+            refuse_grad("tilegen.PagedAttention.run", q=q, out=out,
+                        **{"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides, q's token count

@@ -1,0 +1,202 @@
+"""Ops without a backward refuse inputs that require grad instead of returning outputs that silently
+have no ``grad_fn``.
+
+With grad mode on and any tensor input (an ``out`` buffer and a cache's pages included) requiring
+grad, each op raises ``NotImplementedError`` naming the op and the argument, before it launches
+anything: a given ``out`` or cache is left as it was. Under ``torch.no_grad()`` (or
+``torch.inference_mode()``) the same call runs as before. Each op is first called once without
+grad, so that the refused call takes the planned fast path, where the check must run too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from test_kv_append import make_batch
+from test_varlen import _cu, make_cache
+
+import tilegen
+from tilegen.families.blockwise_ffn import BlockwiseFFNSpec
+from tilegen.families.blockwise_ffn.problem import random_weights
+from tilegen.layers import BlockwiseLayer, LayerConfig
+from tilegen.layers.family.problem import random_weights as random_layer_weights
+
+
+def refused(op: str, arg: str, missing: str | None = None):
+    """``pytest.raises`` for the refusal: ``<op>: <arg> requires grad, but <missing>; ...``."""
+    missing = missing or f"{op.removeprefix('tilegen.')} has no backward"
+    message = f"{op}: {arg} requires grad, but {missing}; call it under torch.no_grad()"
+    return pytest.raises(NotImplementedError, match="^" + re.escape(message))
+
+
+def _randn(*shape, device, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device=device, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ apply_rope
+
+@pytest.mark.parametrize("arg", ["x", "cos", "sin", "out"])
+def test_apply_rope(arg, device):
+    args = {"x": _randn(3, 2, 8, device=device), "cos": _randn(3, 8, device=device, seed=1),
+            "sin": _randn(3, 8, device=device, seed=2), "out": torch.full((3, 2, 8), math.nan, device=device)}
+    expected = tilegen.apply_rope(args["x"], args["cos"], args["sin"])  # planned without grad
+    args[arg].requires_grad_()
+    with refused("tilegen.apply_rope", arg):
+        tilegen.apply_rope(args["x"], args["cos"], args["sin"], out=args["out"])
+    assert args["out"].isnan().all()
+    with torch.no_grad():
+        assert torch.equal(tilegen.apply_rope(args["x"], args["cos"], args["sin"], out=args["out"]), expected)
+    with torch.inference_mode():
+        assert torch.equal(tilegen.apply_rope(args["x"], args["cos"], args["sin"]), expected)
+
+
+# ---------------------------------------------------------------------------- merge_states
+
+@pytest.mark.parametrize("arg", ["o_a", "lse_a", "o_b", "lse_b", "out", "out_lse"])
+def test_merge_states(arg, device):
+    args = {"o_a": _randn(3, 2, 8, device=device), "lse_a": _randn(3, 2, device=device, seed=1),
+            "o_b": _randn(3, 2, 8, device=device, seed=2), "lse_b": _randn(3, 2, device=device, seed=3),
+            "out": torch.full((3, 2, 8), math.nan, device=device),
+            "out_lse": torch.full((3, 2), math.nan, device=device)}
+    parts = ("o_a", "lse_a", "o_b", "lse_b")
+    o, lse = tilegen.merge_states(*(args[p] for p in parts))
+    args[arg].requires_grad_()
+    with refused("tilegen.merge_states", arg):
+        tilegen.merge_states(*(args[p] for p in parts), out=args["out"], out_lse=args["out_lse"])
+    assert args["out"].isnan().all() and args["out_lse"].isnan().all()
+    with torch.no_grad():
+        merged = tilegen.merge_states(*(args[p] for p in parts), out=args["out"], out_lse=args["out_lse"])
+    assert torch.equal(merged[0], o) and torch.equal(merged[1], lse)
+
+
+# -------------------------------------------------------------------------------- append_kv
+
+@pytest.mark.parametrize("arg", ["k", "v", "cache.k_pages", "cache.v_pages"])
+def test_append_kv(arg, device):
+    cache, k, v, cu = make_batch([0, 3], [2, 1], page_size=8, kv_heads=1, dim=8, device=device)
+    tensors = {"k": k, "v": v, "cache.k_pages": cache.k_pages, "cache.v_pages": cache.v_pages}
+    tilegen.append_kv(cache, k, v, cu)  # planned without grad; pages written
+    cache.k_pages.fill_(math.nan)
+    cache.v_pages.fill_(math.nan)
+    tensors[arg].requires_grad_()
+    with refused("tilegen.append_kv", arg):
+        tilegen.append_kv(cache, k, v, cu)
+    assert cache.k_pages.isnan().all() and cache.v_pages.isnan().all()
+    with torch.no_grad():
+        tilegen.append_kv(cache, k, v, cu)
+    assert not cache.k_pages.isnan().all() and not cache.v_pages.isnan().all()
+
+
+# -------------------------------------------------------------------------------- the paged runs
+
+def _paged(device):
+    gen = torch.Generator().manual_seed(0)
+    return make_cache([5, 9], 8, 1, 16, torch.float32, device, gen)
+
+
+@pytest.mark.parametrize("arg", ["q", "out", "cache.k_pages", "cache.v_pages"])
+def test_paged_decode_run(arg, device):
+    cache = _paged(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=2, num_splits=1)
+    q = _randn(cache.batch, 2, 16, device=device)
+    expected = decode.run(q, cache)
+    out = torch.full_like(q, math.nan)
+    {"q": q, "out": out, "cache.k_pages": cache.k_pages, "cache.v_pages": cache.v_pages}[arg].requires_grad_()
+    with refused("tilegen.PagedDecode.run", arg):
+        decode.run(q, cache, out=out)
+    assert out.isnan().all()
+    with torch.no_grad():
+        assert torch.equal(decode.run(q, cache, out=out), expected)
+
+
+@pytest.mark.parametrize("arg", ["q", "out", "cache.k_pages", "cache.v_pages"])
+def test_paged_attention_run(arg, device):
+    cache = _paged(device)
+    attn = tilegen.PagedAttention()
+    attn.plan(_cu([2, 1], device), cache, heads_q=2, causal=True, max_seqlen_q=2, max_seqlen_k=9)
+    q = _randn(3, 2, 16, device=device)
+    expected = attn.run(q, cache)
+    out = torch.full_like(q, math.nan)
+    {"q": q, "out": out, "cache.k_pages": cache.k_pages, "cache.v_pages": cache.v_pages}[arg].requires_grad_()
+    with refused("tilegen.PagedAttention.run", arg):
+        attn.run(q, cache, out=out)
+    assert out.isnan().all()
+    with torch.no_grad():
+        assert torch.equal(attn.run(q, cache, out=out), expected)
+
+
+# ---------------------------------------------------------------------------- blockwise_ffn
+
+@pytest.mark.parametrize("arg", ["x", "w_norm", "b_norm", "w_gate", "w_up", "w_down", "out"])
+def test_blockwise_ffn(arg, device):
+    spec = BlockwiseFFNSpec(d_model=16, d_ffn=24, norm="layernorm", ffn="swiglu", dtype="fp32")
+    w = random_weights(spec, torch.Generator().manual_seed(0), device, torch.float32)
+    args = {"x": _randn(3, 16, device=device), "w_norm": w.w_norm, "b_norm": w.b_norm, "w_gate": w.w_gate,
+            "w_up": w.w_up, "w_down": w.w_down}
+    expected = tilegen.blockwise_ffn(**args, norm="layernorm")
+    args["out"] = torch.full((3, 16), math.nan, device=device)
+    args[arg].requires_grad_()
+    with refused("tilegen.blockwise_ffn", arg):
+        tilegen.blockwise_ffn(**args, norm="layernorm")
+    assert args["out"].isnan().all()
+    with torch.no_grad():
+        assert torch.equal(tilegen.blockwise_ffn(**args, norm="layernorm"), expected)
+
+
+# ---------------------------------------------------------------------------- the blockwise layer
+
+LAYER = LayerConfig(d_model=32, heads_q=2, heads_kv=1, head_dim=16, d_ffn=24)
+NO_BACKWARD = "training (backward) of the blockwise layer is not implemented yet"
+
+
+def _layer(device) -> BlockwiseLayer:
+    layer = BlockwiseLayer(LAYER, dtype=torch.float32, device=device, block=4)
+    return layer.load_weights(random_layer_weights(LAYER, torch.Generator().manual_seed(0), device, torch.float32))
+
+
+@pytest.mark.parametrize("arg", ["x", "out", "mlp.up_proj.weight"])
+def test_blockwise_layer(arg, device):
+    weights = random_layer_weights(LAYER, torch.Generator().manual_seed(0), device, torch.float32)
+    x = _randn(5, 32, device=device)
+    expected = tilegen.blockwise_layer(x, weights, LAYER, block=4)
+    out = torch.full_like(x, math.nan)
+    {"x": x, "out": out, **weights}[arg].requires_grad_()
+    with refused("tilegen.blockwise_layer", arg, NO_BACKWARD):
+        tilegen.blockwise_layer(x, weights, LAYER, block=4, out=out)
+    assert out.isnan().all()
+    with torch.no_grad():
+        assert torch.equal(tilegen.blockwise_layer(x, weights, LAYER, block=4, out=out), expected)
+
+
+def test_blockwise_layer_reads_a_module_s_parameters(device):
+    """A module's state_dict() is detached: the refusal looks at its parameters."""
+    layer = _layer(device).requires_grad_()
+    x = _randn(5, 32, device=device)
+    with refused("tilegen.blockwise_layer", next(iter(LAYER.weight_shapes())), NO_BACKWARD):
+        tilegen.blockwise_layer(x, layer, LAYER, block=4)
+    with torch.no_grad():
+        tilegen.blockwise_layer(x, layer, LAYER, block=4)
+
+
+def test_blockwise_layer_module(device):
+    layer = _layer(device)
+    x = _randn(5, 32, device=device)
+    expected = layer(x)  # parameters do not require grad by default
+    out = torch.full_like(x, math.nan)
+    with refused("tilegen.BlockwiseLayer", "x", NO_BACKWARD):
+        layer(x.requires_grad_(), out=out)
+    x.requires_grad_(False)
+    layer.requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"^tilegen\.BlockwiseLayer: .*weight requires grad, but "
+                                                  + re.escape(NO_BACKWARD) + ".*requires_grad_\\(False\\)"):
+        layer(x, out=out)
+    assert out.isnan().all()
+    with torch.no_grad():
+        assert torch.equal(layer(x, out=out), expected)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+    assert torch.equal(layer.requires_grad_(False)(x), expected)
