@@ -47,6 +47,7 @@ def attention_backward_reference(
     ds = ds * scale
     dq = ds @ kf
     dk = ds.transpose(-1, -2) @ qf
-    dk = dk.view(batch, heads_kv, group, n_k, -1).sum(2)
-    dv = dv.view(batch, heads_kv, group, n_k, -1).sum(2)
+    # Dims spelled out: with n_k == 0 a -1 would be ambiguous.
+    dk = dk.view(batch, heads_kv, group, n_k, k.shape[-1]).sum(2)
+    dv = dv.view(batch, heads_kv, group, n_k, v.shape[-1]).sum(2)
     return dq, dk, dv

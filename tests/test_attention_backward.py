@@ -1,0 +1,454 @@
+"""Gradients of ``tilegen.attention`` and ``tilegen.varlen_attention`` against the float64 reference.
+
+Errors are relative Frobenius norms ``||g - ref|| / ||ref||`` of each of dQ, dK and dV against
+``attention_backward_reference`` run on the same rounded inputs: below 1e-4 for fp32 and 1e-2 for
+bf16/fp16 (P and dS are rounded to the input dtype before their products). Under Triton's CPU
+interpreter every launch is slow, so shapes are small and only a couple reach 257 rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import DTYPES, Case
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tilegen
+from tilegen.codegen import module_for
+from tilegen.device import device_info
+from tilegen.families.attention_bwd import AttentionBwdSpec, Config
+from tilegen.families.attention_bwd.config import deterministic as deterministic_config
+from tilegen.families.attention_bwd.config import feasible
+from tilegen.families.attention_bwd.reference import attention_backward_reference
+from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.reference import attention_reference
+
+GRAD_REL_TOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error. NaN never passes. A zero reference (dQ with one key: the softmax is
+    constant) is compared absolutely: rounding leaves ~1e-8 there."""
+    assert got.shape == ref.shape
+    assert not torch.isnan(got).any(), f"{torch.isnan(got).sum().item()} NaN gradient elements"
+    diff = (got.double() - ref).norm().item()
+    norm = ref.norm().item()
+    if norm == 0.0:
+        return got.abs().max().item() if got.numel() else 0.0
+    return diff / norm
+
+
+def check_grads(grads, refs, dtype, what=""):
+    tol = GRAD_REL_TOL[dtype]
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert g is not None, f"{what}{name} is None"
+        assert g.dtype == dtype
+        err = rel_error(g, r)
+        assert err < tol, f"{what}{name}: relative error {err:.3e} >= {tol:.0e}"
+
+
+def leaf_inputs(case: Case, device):
+    return tuple(t.detach().requires_grad_() for t in case.inputs(device))
+
+
+def lse_cotangent(lse: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random LSE gradient, zero on rows that see no key (their LSE is -inf and drops out of the loss)."""
+    dlse = torch.randn(lse.shape, generator=gen).to(lse.device)
+    return torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+
+
+def run_and_backward(case: Case, device, *, with_lse: bool, deterministic: bool = False):
+    """Grads of ``sum(out * dout) + sum(lse * dlse)`` (LSE's -inf rows masked out), and the reference's."""
+    q, k, v = leaf_inputs(case, device)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    out, lse = tilegen.attention(q, k, v, return_lse=True, deterministic=deterministic, **case.mask_kwargs())
+    assert out.grad_fn is not None
+    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
+    loss = (out * dout).float().sum()
+    dlse = None
+    if with_lse:
+        dlse = lse_cotangent(lse, gen)
+        finite = torch.isfinite(lse)
+        loss = loss + (torch.where(finite, lse, torch.zeros_like(lse)) * dlse).sum()
+    loss.backward()
+    refs = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, dlse=dlse, **case.mask_kwargs())
+    return (q.grad, k.grad, v.grad), refs
+
+
+# --------------------------------------------------------------------------- the oracle itself
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in [
+    Case(7, 5, dtype="fp32", head_dim=8, heads_q=4, heads_kv=2, causal=True),
+    Case(6, 9, dtype="fp32", head_dim=8, head_dim_v=4, window=(2, 1), softcap=2.0, scale=1.0),
+    Case(5, 0, dtype="fp32", head_dim=8, heads_q=4, heads_kv=1),
+]])
+def test_reference_matches_autograd_of_forward_reference(case):
+    """The hand-derived reference gradients equal float64 autograd through the forward reference."""
+    q, k, v = (t.double().requires_grad_() for t in case.inputs("cpu"))
+    out, lse = attention_reference(q, k, v, **case.mask_kwargs())
+    gen = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.where(torch.isfinite(lse), dlse, torch.zeros_like(dlse))
+    loss = (out * dout).sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).mul(dlse).sum()
+    expected = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
+    got = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, dlse=dlse, **case.mask_kwargs())
+    for g, e, t in zip(got, expected, (q, k, v)):
+        torch.testing.assert_close(g, torch.zeros_like(t) if e is None else e, rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- the public op's gradients
+
+GRAD_CASES = [
+    # sizes: one row, a block and a bit, and a few blocks (the interpreter is slow: 257 once per dtype)
+    Case(1, dtype="fp32", head_dim=16),
+    Case(17, dtype="fp32", head_dim=16, causal=True),
+    Case(17, dtype="bf16", head_dim=16),
+    Case(257, dtype="fp32", head_dim=16, causal=True, heads_q=1, heads_kv=1),
+    Case(257, dtype="bf16", head_dim=16, window=(40, 8), heads_q=1, heads_kv=1),
+    # n_q != n_k both ways; with n_q > n_k causal's first rows see no key
+    Case(17, 40, dtype="fp32", head_dim=16, causal=True),
+    Case(40, 17, dtype="fp32", head_dim=16, causal=True),
+    Case(40, 17, dtype="bf16", head_dim=16),
+    # GQA 4 and MQA: dK and dV sum over each group's query heads
+    Case(33, dtype="fp32", head_dim=16, heads_q=8, heads_kv=2, causal=True),
+    Case(33, 20, dtype="bf16", head_dim=16, heads_q=4, heads_kv=1, tags=("mqa",)),
+    # windows; (5, 0) with n_q > n_k leaves the first rows keyless
+    Case(37, dtype="fp32", head_dim=16, window=(3, 2)),
+    Case(37, 29, dtype="fp32", head_dim=16, window=(None, 4)),
+    Case(40, 17, dtype="fp32", head_dim=16, window=(5, 0)),
+    Case(40, 17, dtype="bf16", head_dim=16, window=(5, 0)),
+    # softcap: 5 binds (scale 1 makes logits large), 1e8 is the identity to fp32 precision
+    Case(33, dtype="fp32", head_dim=16, softcap=5.0, scale=1.0),
+    Case(33, dtype="bf16", head_dim=16, softcap=5.0, scale=1.0, causal=True),
+    Case(33, dtype="fp32", head_dim=16, softcap=1e8),
+    # head dims: 72 pads to 128; V's head dim of its own
+    Case(33, dtype="fp32", head_dim=72, causal=True),
+    Case(33, dtype="bf16", head_dim=72),
+    Case(33, 21, dtype="fp32", head_dim=16, head_dim_v=32, window=(6, 1)),
+    Case(21, dtype="bf16", head_dim=16, head_dim_v=32, causal=True),
+    # batch > 1, non-contiguous inputs
+    Case(19, batch=2, dtype="fp32", head_dim=16, layout="bnhd", causal=True),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in GRAD_CASES])
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out-only", "out+lse"])
+def test_gradients_match_reference(case, with_lse, device):
+    grads, refs = run_and_backward(case, device, with_lse=with_lse)
+    check_grads(grads, refs, case.torch_dtype)
+
+
+def test_lse_gradient_alone(device):
+    """A loss of the LSE only: dout is None in the backward, and dQ/dK still follow from dLSE."""
+    case = Case(40, 17, dtype="fp32", head_dim=16, causal=True)
+    q, k, v = leaf_inputs(case, device)
+    out, lse = tilegen.attention(q, k, v, causal=True, return_lse=True)
+    dlse = lse_cotangent(lse, torch.Generator().manual_seed(3))
+    (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse).sum().backward()
+    refs = attention_backward_reference(q.detach(), k.detach(), v.detach(), torch.zeros_like(out), causal=True,
+                                        dlse=dlse)
+    check_grads((q.grad, k.grad, v.grad), refs, torch.float32)
+    assert (v.grad == 0).all()  # dV = P^T dO, and dO is zero
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_q=st.integers(1, 40), n_k=st.integers(1, 40), heads_kv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([16, 24, 32]), mask=st.sampled_from(["none", "causal", "window"]),
+    left=st.one_of(st.none(), st.integers(0, 20)), right=st.one_of(st.none(), st.integers(0, 20)),
+    softcap=st.sampled_from([None, 3.0, 50.0]), seed=st.integers(0, 2**16),
+)
+def test_gradients_property(n_q, n_k, heads_kv, group, head_dim, mask, left, right, softcap, seed, device):
+    case = Case(n_q, n_k, head_dim=head_dim, heads_kv=heads_kv, heads_q=heads_kv * group, dtype="fp32",
+                causal=mask == "causal", window=(left, right) if mask == "window" else None, softcap=softcap,
+                scale=1.0 if softcap == 3.0 else None, seed=seed)
+    grads, refs = run_and_backward(case, device, with_lse=True)
+    check_grads(grads, refs, torch.float32, what=f"{case.id}: ")
+
+
+# --------------------------------------------------------------------------- both dQ modes, launched directly
+
+def _direct_inputs(spec_case: Case, device):
+    q, k, v = spec_case.inputs(device)
+    gen = torch.Generator().manual_seed(7)
+    out, lse = attention_reference(q, k, v, **spec_case.mask_kwargs())
+    out, lse = out.to(q.dtype), lse.float()
+    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=q.dtype)
+    dlse = lse_cotangent(lse, gen)
+    return q, k, v, out, dout, lse, dlse
+
+
+def _launch(spec, config, case, q, k, v, out, dout, lse, dlse):
+    """One direct launch into NaN-poisoned gradients (an element left unwritten stays NaN)."""
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
+    dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=q.device)
+    n_q, n_k = q.shape[2], k.shape[2]
+    left, right = case.window if case.window is not None else (None, 0 if case.causal else None)
+    wl, wr = launch_window(spec.mask, left, right, n_q, n_k)
+    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(q.shape[3])
+    module_for(spec).launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, dq_acc, None, None, n_q, n_k,
+                            scale=scale, softcap=case.softcap or 0.0, window_left=wl, window_right=wr,
+                            **config.to_dict())
+    return dq, dk, dv
+
+
+DIRECT_CASES = [
+    (Case(45, 30, dtype="fp32", head_dim=16, heads_q=4, heads_kv=2, causal=True), "causal"),
+    (Case(30, 45, dtype="bf16", head_dim=16, head_dim_v=32, window=(4, 2), softcap=5.0, scale=1.0), "window"),
+]
+CONFIGS = {
+    "separate-dq": Config(16, 32, 4, 1, 32, 16, 4, 1, atomic_dq=0),
+    "atomic-dq": Config(32, 16, 4, 1, 32, 16, 4, 1, atomic_dq=1),
+}
+
+
+@pytest.mark.parametrize("case,mask", [pytest.param(c, m, id=c.id) for c, m in DIRECT_CASES])
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_direct_launch_both_dq_modes(case, mask, config, device):
+    spec = AttentionBwdSpec(head_dim=case.head_dim, head_dim_v=case.head_dim_v, q_per_kv=case.heads_q // case.heads_kv,
+                            mask=mask, softcap=case.softcap is not None, dtype=case.dtype)
+    assert feasible(spec, config, device_info(torch.device(device))) is None
+    q, k, v, out, dout, lse, dlse = _direct_inputs(case, device)
+    grads = _launch(spec, config, case, q, k, v, out, dout, lse, dlse)
+    refs = attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs())
+    check_grads(grads, refs, case.torch_dtype)
+
+
+def test_deterministic_config_drops_atomics():
+    atomic = CONFIGS["atomic-dq"]
+    det = deterministic_config(atomic)
+    assert det.atomic_dq == 0
+    # The dK/dV kernel keeps its tiles; a dQ kernel of its own takes the atomics' place.
+    assert (det.block_m1, det.block_n1, det.num_warps1, det.num_stages1) == (
+        atomic.block_m1, atomic.block_n1, atomic.num_warps1, atomic.num_stages1)
+    assert feasible(AttentionBwdSpec(head_dim=16), det, device_info(torch.device("cpu"))) is None
+    assert deterministic_config(CONFIGS["separate-dq"]) == CONFIGS["separate-dq"]
+
+
+def test_deterministic_gives_identical_bits(device, monkeypatch):
+    # Hand deterministic() an atomic config, as a tuned row may be, so that it has atomics to remove.
+    import tilegen.ops.attention_grad as grad_module
+
+    seen = []
+    real = grad_module.deterministic_config
+
+    def spy(config):
+        atomic = dataclasses.replace(config, block_m2=config.block_m1, block_n2=config.block_n1,
+                                     num_warps2=config.num_warps1, num_stages2=config.num_stages1, atomic_dq=1)
+        result = real(atomic)
+        seen.append(result)
+        return result
+
+    monkeypatch.setattr(grad_module, "deterministic_config", spy)
+    case = Case(40, 33, dtype="fp32", head_dim=16, heads_q=4, heads_kv=1, causal=True)
+    runs = [run_and_backward(case, device, with_lse=True, deterministic=True)[0] for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert seen and all(result.atomic_dq == 0 for result in seen)
+
+
+# --------------------------------------------------------------------------- autograd behaviour
+
+def test_output_plus_input_gradient(device):
+    case = Case(20, dtype="fp32", head_dim=16, causal=True)
+    q, k, v = leaf_inputs(case, device)
+    (tilegen.attention(q, k, v, causal=True) + q).sum().backward()
+    ones = torch.ones(q.shape[:3] + (v.shape[3],), dtype=torch.float64)
+    dq_ref, dk_ref, dv_ref = attention_backward_reference(q.detach(), k.detach(), v.detach(), ones, causal=True)
+    check_grads((q.grad, k.grad, v.grad), (dq_ref + 1, dk_ref, dv_ref), torch.float32)
+
+
+def test_non_contiguous_grad_output(device):
+    case = Case(24, 18, dtype="fp32", head_dim=16, head_dim_v=16, window=(4, 3))
+    q, k, v = leaf_inputs(case, device)
+    out = tilegen.attention(q, k, v, window=(4, 3))
+    gen = torch.Generator().manual_seed(5)
+    # [b, h, d, n] transposed: the head dim is not unit-stride.
+    dout = torch.randn(out.shape[0], out.shape[1], out.shape[3], out.shape[2], generator=gen).transpose(2, 3)
+    assert not dout.is_contiguous()
+    out.backward(dout.to(device))
+    refs = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, window=(4, 3))
+    check_grads((q.grad, k.grad, v.grad), refs, torch.float32)
+
+
+def test_nan_input_gives_nan_gradients(device):
+    q, k, v = leaf_inputs(Case(17, dtype="fp32", head_dim=16), device)
+    with torch.no_grad():
+        q[0, 0, 3, 2] = math.nan
+    tilegen.attention(q, k, v).sum().backward()
+    # Row 3 of head 0 is NaN and every key sees it through dK/dV.
+    assert torch.isnan(q.grad[0, 0, 3]).all()
+    assert torch.isnan(k.grad[0, 0]).any() and torch.isnan(v.grad[0, 0]).any()
+
+
+def test_double_backward_is_refused(device):
+    q, k, v = leaf_inputs(Case(17, dtype="fp32", head_dim=16), device)
+    out = tilegen.attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.sum().backward()
+
+
+@pytest.mark.parametrize("api", ["dense", "varlen"])
+def test_out_with_requires_grad_is_refused_before_launch(api, device):
+    q, k, v = leaf_inputs(Case(8, dtype="fp32", head_dim=16), device)
+    if api == "dense":
+        buf = torch.full((1, 2, 8, 16), 7.0, device=device)
+        call = lambda: tilegen.attention(q, k, v, out=buf)  # noqa: E731
+    else:
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+        buf = torch.full((8, 2, 16), 7.0, device=device)
+        call = lambda: tilegen.varlen_attention(q, k, v, cu, cu, 8, 8, out=buf)  # noqa: E731
+    with pytest.raises(TypeError, match="out"):
+        call()
+    assert (buf == 7.0).all(), "the out buffer was written before the refusal"
+
+
+def test_deterministic_must_be_a_bool(device):
+    q, k, v = leaf_inputs(Case(8, dtype="fp32", head_dim=16), device)
+    with pytest.raises(TypeError, match="deterministic"):
+        tilegen.attention(q, k, v, deterministic="yes")
+    with torch.no_grad(), pytest.raises(TypeError, match="deterministic"):
+        tilegen.attention(q, k, v, deterministic="yes")
+
+
+def test_no_grad_output_has_no_grad_fn(device):
+    q, k, v = leaf_inputs(Case(8, dtype="fp32", head_dim=16), device)
+    with torch.no_grad():
+        out, lse = tilegen.attention(q, k, v, return_lse=True)
+    assert out.grad_fn is None and not out.requires_grad and lse.grad_fn is None
+    assert tilegen.attention(q, k, v).grad_fn is not None
+
+
+@pytest.mark.parametrize("n_q", [1, 4])
+def test_decode_route_gradients(n_q, device):
+    """Short queries take the decode family forward; the backward must still see the same LSE."""
+    case = Case(n_q, 300, dtype="fp32", head_dim=16, heads_q=4, heads_kv=1, causal=True)
+    q, k, v = case.inputs(device)
+    assert type(tilegen.explain(q, k, v, causal=True).config).__name__ == "DecodeConfig"
+    grads, refs = run_and_backward(case, device, with_lse=True)
+    check_grads(grads, refs, torch.float32)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(12, 0), (0, 12)], ids=["nk0", "nq0"])
+def test_zero_size_gradients(n_q, n_k, device):
+    q, k, v = leaf_inputs(Case(n_q, n_k, dtype="fp32", head_dim=16), device)
+    out, lse = tilegen.attention(q, k, v, return_lse=True)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()).backward()
+    for g, t in zip((q.grad, k.grad, v.grad), (q, k, v)):
+        assert g is not None and g.shape == t.shape and (g == 0).all()
+
+
+def test_explain_backward(device):
+    q, k, v = Case(40, dtype="bf16", head_dim=16).inputs(device)
+    choice = tilegen.explain(q, k, v, causal=True, backward=True)
+    assert isinstance(choice.config, Config)
+    assert choice.config != tilegen.explain(q, k, v, causal=True).config
+
+
+# --------------------------------------------------------------------------- opcheck and torch.compile
+
+def test_opcheck_dense(device):
+    q, k, v = leaf_inputs(Case(19, 11, dtype="fp32", head_dim=16, heads_q=4, heads_kv=2), device)
+    left, right = launch_window("causal", None, 0, 19, 11)
+    args = (q, k, v, 16, "causal", False, True, 0.25, 0.0, left, right, False)
+    torch.library.opcheck(torch.ops.tilegen.attention_fwd, args)
+
+
+def test_opcheck_varlen(device):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 16, generator=gen).to(device).requires_grad_() for n, h in ((9, 4), (13, 2), (13, 2)))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 6, 13], dtype=torch.int32, device=device)
+    left, right = launch_window("window", 3, 1, 5, 7)
+    args = (q, k, v, cu_q, cu_k, 5, 7, 16, "window", True, 0.25, 5.0, left, right, False)
+    torch.library.opcheck(torch.ops.tilegen.varlen_attention_fwd, args)
+
+
+def test_compiled_training_step_matches_eager(device):
+    """The loss compiled whole (no graph break); AOTAutograd compiles its backward, which calls ours."""
+    case = Case(20, 13, dtype="fp32", head_dim=16, heads_q=4, heads_kv=2)
+
+    def loss_of(q, k, v):
+        out, lse = tilegen.attention(q, k, v, causal=True, softcap=5.0, return_lse=True)
+        return (out * out).sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()
+
+    def step(fn):
+        leaves = leaf_inputs(case, device)
+        loss = fn(*leaves)
+        loss.backward()
+        return loss.detach(), [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    eager_loss, eager = step(loss_of)
+    compiled_loss, compiled = step(torch.compile(loss_of, fullgraph=True, backend="aot_eager"))
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6)
+    for e, c in zip(eager, compiled):
+        assert c is not None
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+    assert any(t.abs().max() > 0 for t in eager)
+
+
+# --------------------------------------------------------------------------- varlen
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_varlen_gradients_match_reference(mask, device):
+    lens_q, lens_k, extra_k = [5, 0, 1, 17], [9, 4, 0, 17], 3  # 3 trailing K rows no sequence owns
+    heads_q, heads_kv, d, dv = 4, 2, 16, 16
+    gen = torch.Generator().manual_seed(11)
+    total_q, total_k = sum(lens_q), sum(lens_k) + extra_k
+    q = torch.randn(total_q, heads_q, d, generator=gen).to(device).requires_grad_()
+    k = torch.randn(total_k, heads_kv, d, generator=gen).to(device).requires_grad_()
+    v = torch.randn(total_k, heads_kv, dv, generator=gen).to(device).requires_grad_()
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    causal = mask == "causal"
+    out, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                        return_lse=True)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    dlse = lse_cotangent(lse, gen)
+    ((out * dout).sum() + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * dlse).sum()).backward()
+    assert (k.grad[total_k - extra_k:] == 0).all() and (v.grad[total_k - extra_k:] == 0).all()
+    for b in range(len(lens_q)):
+        qs, qe, ks, ke = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        as_dense = lambda t, s, e: t.detach()[s:e].transpose(0, 1).unsqueeze(0)  # noqa: E731
+        refs = attention_backward_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke),
+                                            as_dense(dout, qs, qe), dlse=dlse[qs:qe].T.unsqueeze(0), causal=causal)
+        grads = (as_dense(q.grad, qs, qe), as_dense(k.grad, ks, ke), as_dense(v.grad, ks, ke))
+        check_grads(grads, refs, torch.float32, what=f"sequence {b}: ")
+
+
+# --------------------------------------------------------------------------- against SDPA on a GPU
+
+@pytest.mark.gpu
+def test_bf16_error_within_sdpa_on_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape_q, shape_kv = (2, 8, 1000, 128), (2, 2, 1000, 128)
+    q = torch.randn(shape_q, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(shape_kv, generator=gen, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape_kv, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(shape_q, generator=gen, device="cuda", dtype=torch.bfloat16)
+    refs = attention_backward_reference(q, k, v, dout, causal=True)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward(dout)
+        return [t.grad for t in leaves]
+
+    ours = grads(lambda q, k, v: tilegen.attention(q, k, v, causal=True))
+    sdpa = grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    for name, o, s, r in zip(("dq", "dk", "dv"), ours, sdpa, refs):
+        ours_err, sdpa_err = rel_error(o, r), rel_error(s, r)
+        assert ours_err < 1e-2
+        assert ours_err <= 1.25 * sdpa_err, f"{name}: {ours_err:.3e} against SDPA's {sdpa_err:.3e}"
+
+
+assert set(GRAD_REL_TOL) == set(DTYPES.values())
