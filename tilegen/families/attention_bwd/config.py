@@ -65,8 +65,10 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
         tiles = {"block_m1": [16, 32], "block_n1": [16, 32], "num_warps1": [4], "num_stages1": [1],
                  "block_m2": [16, 32], "block_n2": [16, 32], "num_warps2": [4], "num_stages2": [1]}
         return {**tiles, "atomic_dq": [0, 1]}
-    return {"block_m1": [32, 64, 128], "block_n1": [32, 64, 128], "num_warps1": [4, 8], "num_stages1": [1, 2, 3, 4],
-            "block_m2": [32, 64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [1, 2, 3, 4],
+    # Narrowed by a sweep on the H200 (bf16, 16k tokens, d64/d128, causal and full, BENCHMARKS.md): a key tile of
+    # 128 rows for dK/dV or query blocks of 128 rows for it lost by 1.3-3x, as did one stage.
+    return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3],
+            "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3],
             "atomic_dq": [0, 1]}
 
 
@@ -107,13 +109,17 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
 
 
 def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
-    """Tiles after FlashAttention-2's Triton backward: a wide key tile with narrow query blocks for dK/dV,
-    the transpose for dQ, narrower as the head dim grows."""
+    """From a sweep on the H200 (bf16, 32 query heads, 4k, BENCHMARKS.md), TFLOP/s of the backward alone: at d128
+    dK/dV over M64-N128 with 8 warps and 3 stages, dQ over M128-N64 (causal 346, GQA full 391); at d64 M64-N64
+    with 4 warps for dK/dV, and dQ M64-N64 causal (307) or M128-N64 with 8 warps full (352). Larger head dims and
+    fp32 take small tiles that fit in registers."""
     if device.is_interpreter:
         return [(None, Config(16, 32, 4, 1, 32, 16, 4, 1))]
     dim = max(spec.head_dim, spec.dv)
     if spec.dtype == "fp32" or dim > 128:
-        return [(None, Config(32, 64, 4, 1, 64, 32, 4, 1))]
+        return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2))]
     if dim <= 64:
-        return [(None, Config(32, 128, 4, 3, 128, 32, 4, 3))]
-    return [(None, Config(64, 128, 8, 2, 128, 64, 8, 2))]
+        if spec.mask == "none":
+            return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3))]
+        return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3))]
+    return [(None, Config(64, 128, 8, 3, 128, 64, 8, 3))]
