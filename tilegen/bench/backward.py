@@ -109,6 +109,11 @@ def _peers(cell: Cell, names, deterministic: bool) -> dict:
     fns = {"tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=cell.causal, **kwargs),
            "math": _math(cell.causal, gqa)}
     if set(names) & {"fa2", "cudnn", "flex"}:
+        if "flex" in names:
+            # A compiled backward that donates its saved buffers runs once per graph; backward alone is timed
+            # by running it again on one forward (retain_graph), as for every peer.
+            import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
         sdpa = peers(cell.causal, gqa, cell.seqlen)
         fns.update(fa2=sdpa["sdpa-flash"], cudnn=sdpa["sdpa-cudnn"], flex=sdpa["flex"])
     return {name: fns[name] for name in names}

@@ -11,4 +11,5 @@ __all__ = ["lower"]
 
 
 def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
-    return {**attention_values(spec), "layout": spec.layout}
+    # TMA descriptors address [batch, heads, seq, dim]: the dense layout's only.
+    return {**attention_values(spec), "layout": spec.layout, "tma": spec.layout == "dense"}
