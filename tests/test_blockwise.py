@@ -250,7 +250,7 @@ def test_a_llama_layer_loads_into_the_module(device):
     x = _x((TOKENS, D_MODEL), torch.bfloat16, device)
     ref = reference_layer(x, llama.state_dict(), layer.config, compute_dtype=torch.float64)
     for module in (layer, fresh):
-        out = module(x)
+        out = module(x).detach()  # parameters require grad: this forward trains, as it would in a model
         assert relative_error(out, ref)[0] < 1e-2 and relative_error(out - x, ref - x.double())[0] < 1e-2
 
 

@@ -150,7 +150,7 @@ def test_blockwise_ffn(arg, device):
 # ---------------------------------------------------------------------------- the blockwise layer
 
 LAYER = LayerConfig(d_model=32, heads_q=2, heads_kv=1, head_dim=16, d_ffn=24)
-NO_BACKWARD = "training (backward) of the blockwise layer is not implemented yet"
+from tilegen.layers.op import NO_BACKWARD  # noqa: E402
 
 
 def _layer(device) -> BlockwiseLayer:
@@ -158,45 +158,59 @@ def _layer(device) -> BlockwiseLayer:
     return layer.load_weights(random_layer_weights(LAYER, torch.Generator().manual_seed(0), device, torch.float32))
 
 
-@pytest.mark.parametrize("arg", ["x", "out", "mlp.up_proj.weight"])
-def test_blockwise_layer(arg, device):
+@pytest.mark.parametrize("arg", ["x", "mlp.up_proj.weight"])
+def test_blockwise_layer_trains_and_refuses_out(arg, device):
+    """The layer differentiates (tilegen.layers.train); a result written into `out` could not, so `out` is
+    refused before anything runs."""
     weights = random_layer_weights(LAYER, torch.Generator().manual_seed(0), device, torch.float32)
     x = _randn(5, 32, device=device)
     expected = tilegen.blockwise_layer(x, weights, LAYER, block=4)
     out = torch.full_like(x, math.nan)
-    {"x": x, "out": out, **weights}[arg].requires_grad_()
-    with refused("tilegen.blockwise_layer", arg, NO_BACKWARD):
+    {"x": x, **weights}[arg].requires_grad_()
+    with pytest.raises(TypeError, match=r"^out: x or a weight requires grad"):
         tilegen.blockwise_layer(x, weights, LAYER, block=4, out=out)
     assert out.isnan().all()
+    y = tilegen.blockwise_layer(x, weights, LAYER, block=4)
+    assert y.grad_fn is not None
+    torch.testing.assert_close(y.detach(), expected)
     with torch.no_grad():
         assert torch.equal(tilegen.blockwise_layer(x, weights, LAYER, block=4, out=out), expected)
 
 
+def test_blockwise_layer_refuses_an_out_that_requires_grad(device):
+    weights = random_layer_weights(LAYER, torch.Generator().manual_seed(0), device, torch.float32)
+    x = _randn(5, 32, device=device)
+    out = torch.full_like(x, math.nan).requires_grad_()
+    with refused("tilegen.blockwise_layer", "out", NO_BACKWARD):
+        tilegen.blockwise_layer(x, weights, LAYER, block=4, out=out)
+    assert out.isnan().all()
+
+
 def test_blockwise_layer_reads_a_module_s_parameters(device):
-    """A module's state_dict() is detached: the refusal looks at its parameters."""
+    """A module's state_dict() is detached: whether the layer trains is read from its parameters."""
     layer = _layer(device).requires_grad_()
     x = _randn(5, 32, device=device)
-    with refused("tilegen.blockwise_layer", next(iter(LAYER.weight_shapes())), NO_BACKWARD):
-        tilegen.blockwise_layer(x, layer, LAYER, block=4)
+    y = tilegen.blockwise_layer(x, layer, LAYER, block=4)
+    y.sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in layer.parameters())
     with torch.no_grad():
-        tilegen.blockwise_layer(x, layer, LAYER, block=4)
+        assert tilegen.blockwise_layer(x, layer, LAYER, block=4).grad_fn is None
 
 
 def test_blockwise_layer_module(device):
     layer = _layer(device)
     x = _randn(5, 32, device=device)
-    expected = layer(x)  # parameters do not require grad by default
+    with torch.no_grad():
+        expected = layer(x)
+    y = layer(x)  # parameters require grad, as torch.nn.Linear's do
+    assert y.grad_fn is not None
+    torch.testing.assert_close(y.detach(), expected)
     out = torch.full_like(x, math.nan)
-    with refused("tilegen.BlockwiseLayer", "x", NO_BACKWARD):
-        layer(x.requires_grad_(), out=out)
-    x.requires_grad_(False)
-    layer.requires_grad_()
-    with pytest.raises(NotImplementedError, match=r"^tilegen\.BlockwiseLayer: .*weight requires grad, but "
-                                                  + re.escape(NO_BACKWARD) + ".*requires_grad_\\(False\\)"):
+    with pytest.raises(TypeError, match=r"^out: "):
         layer(x, out=out)
     assert out.isnan().all()
     with torch.no_grad():
         assert torch.equal(layer(x, out=out), expected)
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
-    assert torch.equal(layer.requires_grad_(False)(x), expected)
+    assert layer.requires_grad_(False)(x).grad_fn is None

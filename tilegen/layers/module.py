@@ -8,15 +8,19 @@ from typing import Any
 import torch
 
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.op import NO_BACKWARD, blockwise_layer
+from tilegen.layers.op import blockwise_layer
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
-from tilegen.ops.tensors import refuse_grad
 
 __all__ = ["BlockwiseLayer"]
 
 
 class BlockwiseLayer(torch.nn.Module):
-    """Inference forward of a pre-norm decoder layer through ``tilegen.blockwise_layer``.
+    """A pre-norm decoder layer through ``tilegen.blockwise_layer``, for inference and training.
+
+    Its weights are ``torch.nn.Parameter``s that take gradients, as ``torch.nn.Linear``'s do: with
+    grad mode on, ``layer(x)`` backpropagates, block by block (BPT's schedule, ``tilegen.layers.train``).
+    For inference call it under ``torch.no_grad()`` or ``torch.inference_mode()`` (or turn the
+    parameters' grad off): the forward then keeps nothing for a backward.
 
     Its parameters carry Llama's names (``self_attn.q_proj.weight``, ``mlp.gate_proj.weight``, ...),
     so ``load_state_dict`` takes a ``LlamaDecoderLayer``'s state dict as it is, and
@@ -40,8 +44,7 @@ class BlockwiseLayer(torch.nn.Module):
                 if not hasattr(module, part):
                     module.add_module(part, torch.nn.Module())
                 module = getattr(module, part)
-            module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
-                                                               requires_grad=False))
+            module.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
     @classmethod
     def from_llama(cls, source: Mapping[str, torch.Tensor] | torch.nn.Module, *, heads_q: int,
@@ -71,16 +74,9 @@ class BlockwiseLayer(torch.nn.Module):
         return {name: param for name, param in self.named_parameters()}
 
     def forward(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output; it has no backward, so with grad mode on an ``x``, ``out`` or parameter
-        that requires grad (after ``requires_grad_()``) raises ``NotImplementedError``."""
-        weights = self.weights()
-        if torch.is_grad_enabled():
-            refuse_grad("tilegen.BlockwiseLayer", missing=NO_BACKWARD,
-                        fix="call it under torch.no_grad() or torch.inference_mode(), or detach x and turn the "
-                            "parameters' grad off (layer.requires_grad_(False))",
-                        x=x, out=out, **weights)
-        with torch.no_grad():
-            return blockwise_layer(x, weights, self.config, block=self.block, out=out)
+        """The layer's output; differentiable (to ``x`` and the parameters) when grad mode is on and
+        either requires grad, in which case ``out`` is refused."""
+        return blockwise_layer(x, self.weights(), self.config, block=self.block, out=out)
 
     def extra_repr(self) -> str:
         return repr(self.config)

@@ -30,6 +30,7 @@ from tilegen import dispatch
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.layers.config import LayerConfig
 from tilegen.layers.family.spec import BlockwiseLayerSpec
+from tilegen.layers.train import LayerFunction
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 from tilegen.ops.blockwise import blockwise_ffn
@@ -38,8 +39,8 @@ from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["blockwise_layer", "explain_layer", "layer_spec", "layer_table"]
 
-#: What the layer's refusal of tensors that require grad says is missing.
-NO_BACKWARD = "training (backward) of the blockwise layer is not implemented yet"
+#: What the layer's refusal of an ``out`` that requires grad says is missing.
+NO_BACKWARD = "a result written into `out` cannot be differentiated"
 
 
 def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
@@ -82,22 +83,27 @@ def blockwise_layer(
             when ``out`` shares ``x``'s memory: rows written by then could not be computed again.
 
     Returns the layer's output, ``x``'s shape and dtype; it computes the function of
-    ``tilegen.layers.reference_layer``. It has no backward: with grad mode on, an ``x``, ``out`` or
-    weight that requires grad raises ``NotImplementedError``. Weights that do not match the config (missing,
-    unexpected, wrong shape, dtype or device) raise an error naming the weight.
+    ``tilegen.layers.reference_layer``. With grad mode on and ``x`` or a weight requiring grad, the
+    output backpropagates, block by block (``tilegen.layers.train``): the forward keeps ``x``, the
+    weights and attention's output and LSE, nothing of the FFN's width; ``out`` is then refused
+    (a result written in place cannot be differentiated). Weights that do not match the config
+    (missing, unexpected, wrong shape, dtype or device) raise an error naming the weight.
     """
     w, config = _resolve(x, weights, config, config_kwargs)
+    # A module's state_dict() is detached: its parameters say whether they require grad.
+    held = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else w
+    trains = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in held.values()))
+    if trains and out is not None:
+        raise TypeError("out: x or a weight requires grad, and a result written into `out` cannot be differentiated; "
+                        "drop `out`, or call under torch.no_grad()")
     if out is None:
         out = torch.empty_like(x)
     elif not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"out: expected a {tuple(x.shape)} {x.dtype} tensor on {x.device}")
     else:
         check_out("out", out, {"x": x, **w}, may_be=("x",))
-    if torch.is_grad_enabled():
-        # A module's state_dict() is detached: its parameters say whether they require grad.
-        held = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else w
-        if x.requires_grad or out.requires_grad or any(t.requires_grad for t in held.values()):
-            refuse_grad("tilegen.blockwise_layer", missing=NO_BACKWARD, x=x, out=out, **held)
+    if torch.is_grad_enabled() and out.requires_grad and not trains:
+        refuse_grad("tilegen.blockwise_layer", missing=NO_BACKWARD, out=out)
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block: expected a positive int, got {block!r}")
     n = x.shape[-2]
@@ -123,6 +129,16 @@ def blockwise_layer(
         # already overwritten, so a tuned row's failure is raised there, as the default's is.
         in_place = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         plan = dispatch.planned(table, n, make, fallback=not in_place)
+    if trains:
+        # The training forward runs the chosen block's schedule with attention recorded (no fallback: the
+        # backward replays the blocks it ran).
+        chosen = block if block is not None else table.choose(n).config.block_q
+
+        def run(x_seq, w_seq, out_seq, recorder):
+            launcher.launch(x_seq, w_seq, out_seq, **{**fixed, "attention": recorder, "block_q": chosen})
+
+        names = tuple(held)
+        return LayerFunction.apply(x, config, run, names, *(held[name] for name in names))
     sequences = zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]
     for x_seq, out_seq in sequences:
         plan.launch(None, x_seq, w, out_seq)  # plan.launch each time: the first may fall back and replace it

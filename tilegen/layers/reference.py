@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.layers.config import LayerConfig
 
-__all__ = ["reference_layer", "rope_tables", "apply_rope", "norm"]
+__all__ = ["reference_layer", "rope_tables", "apply_rope", "norm", "ffn_residual"]
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -54,7 +54,8 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind:
     return y.to(x.dtype)
 
 
-def _mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig) -> torch.Tensor:
+def ffn_residual(h: torch.Tensor, w: Mapping[str, torch.Tensor], config: LayerConfig) -> torch.Tensor:
+    """``h + mlp(norm(h))``: the layer's second half (its weights by Llama name in ``w``)."""
     hn = norm(h, w["post_attention_layernorm.weight"], w.get("post_attention_layernorm.bias"), config.norm, config.eps)
     up = hn @ w["mlp.up_proj.weight"].T
     if config.ffn == "swiglu":
@@ -103,11 +104,11 @@ def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config
     h = x[:, at] + attn.transpose(1, 2).reshape(batch, m, hq * hd) @ w["self_attn.o_proj.weight"].T
     del attn
     if ffn_chunk is None:
-        out = _mlp(h, w, config)
+        out = ffn_residual(h, w, config)
     else:
         out = torch.empty_like(h)
         for start in range(0, m, ffn_chunk):
-            out[:, start:start + ffn_chunk] = _mlp(h[:, start:start + ffn_chunk], w, config)
+            out[:, start:start + ffn_chunk] = ffn_residual(h[:, start:start + ffn_chunk], w, config)
     return out[0] if squeeze else out
 
 

@@ -92,6 +92,8 @@ def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, s
         fixed = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
         plan = _plan(spec, q.device, max(max_q, max_k), fixed, deterministic)
         _plans.put(key, plan)
+    if not lse.is_contiguous():
+        lse = lse.contiguous()  # the scratch below is allocated contiguous, and the kernels read all with one stride set
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()  # the kernels read it with the LSE's strides
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)

@@ -1,0 +1,118 @@
+"""The blockwise layer trains: BPT's block-by-block backward (tilegen.layers.train) against autograd of
+the float64 reference layer, for loss and every gradient (input and weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegen
+from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
+from tilegen.layers.family.problem import random_weights
+
+TINY = LayerConfig(d_model=64, heads_q=4, heads_kv=2, head_dim=16, d_ffn=160)
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error; a gradient that is zero in exact arithmetic (q's and k's with one key) is held to 1e-3
+    absolute, where rounding leaves ~1e-8."""
+    assert not torch.isnan(got).any()
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-3))
+
+
+def _layer(config: LayerConfig, device, dtype=torch.float32, block=16, seed=0) -> BlockwiseLayer:
+    weights = random_weights(config, torch.Generator().manual_seed(seed), device, dtype)
+    return BlockwiseLayer(config, dtype=dtype, device=device, block=block).load_weights(weights)
+
+
+def _against_reference(layer: BlockwiseLayer, x: torch.Tensor, tolerance: float) -> None:
+    y = layer(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+    (y * dy).sum().backward()
+    w64 = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference_layer(x64, w64, layer.config)
+    (y64 * dy.double()).sum().backward()
+    errors = {"out": _rel(y.detach(), y64.detach()), "x": _rel(x.grad, x64.grad)}
+    errors.update({name: _rel(p.grad, w64[name].grad) for name, p in layer.named_parameters()})
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize("options, tokens, block", [
+    pytest.param({}, 33, 16, id="causal-rope-33-tokens-block16"),
+    pytest.param({"causal": False}, 21, 8, id="full"),
+    pytest.param({"window": (5, 0)}, 33, 8, id="causal-window"),
+    pytest.param({"causal": False, "window": (4, 3), "softcap": 5.0, "rope_theta": None}, 19, 8,
+                 id="two-sided-window-softcap-no-rope"),
+    pytest.param({"norm": "layernorm", "ffn": "gelu_mlp"}, 17, 16, id="layernorm-gelu"),
+    pytest.param({}, 1, 16, id="one-token"),
+])
+def test_gradients_match_the_float64_reference(options, tokens, block, device):
+    layer = _layer(TINY.replace(**options), device, block=block)
+    x = torch.randn(tokens, TINY.d_model, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+    _against_reference(layer, x, 1e-4)
+
+
+def test_a_batch_of_sequences(device):
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(2, 19, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    _against_reference(layer, x, 1e-4)
+
+
+def test_bf16_gradients_at_the_bf16_noise_floor(device):
+    """bf16 against the float64 reference, no further off than the same reference layer run in bf16."""
+    layer = _layer(TINY, device, dtype=torch.bfloat16, block=16)
+    x = torch.randn(33, TINY.d_model, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    x.requires_grad_()
+    y = layer(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
+    (y * dy).sum().backward()
+    w64 = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+    (reference_layer(x64, w64, TINY) * dy.double()).sum().backward()
+    w16 = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+    x16 = x.detach().clone().requires_grad_()
+    (reference_layer(x16, w16, TINY) * dy).sum().backward()
+    for name, p in layer.named_parameters():
+        floor = _rel(w16[name].grad, w64[name].grad)
+        assert _rel(p.grad, w64[name].grad) <= max(2 * floor, 1e-2), name
+    assert _rel(x.grad, x64.grad) <= max(2 * _rel(x16.grad, x64.grad), 1e-2)
+
+
+def test_the_functional_layer_differentiates_a_weight_dict(device):
+    weights = random_weights(TINY, torch.Generator().manual_seed(0), device, torch.float32)
+    weights["mlp.down_proj.weight"].requires_grad_()
+    x = torch.randn(9, TINY.d_model, generator=torch.Generator().manual_seed(6)).to(device)
+    y = tilegen.blockwise_layer(x, weights, TINY, block=4)
+    (grad,) = torch.autograd.grad(y.square().sum(), weights["mlp.down_proj.weight"])
+    w64 = {name: t.detach().double().requires_grad_(name == "mlp.down_proj.weight") for name, t in weights.items()}
+    (ref,) = torch.autograd.grad(reference_layer(x.double(), w64, TINY).square().sum(), w64["mlp.down_proj.weight"])
+    assert _rel(grad, ref) < 1e-4
+
+
+def test_the_forward_keeps_nothing_of_the_ffn_width(device):
+    """What autograd saves is the input and the weights; the attention output and LSE the backward replays are
+    [tokens, heads_q * head_dim] and [heads_q, tokens]: no tensor as wide as the FFN."""
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(33, TINY.d_model, generator=torch.Generator().manual_seed(7)).to(device).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        y = layer(x)
+    assert all(TINY.d_ffn not in shape or shape in {(TINY.d_ffn, TINY.d_model), (TINY.d_model, TINY.d_ffn)}
+               for shape in saved), saved
+    recorder = y.grad_fn.recorders[0]
+    assert recorder.out.shape == (33, TINY.heads_q * TINY.head_dim) and recorder.lse.shape == (TINY.heads_q, 33)
+
+
+def test_double_backward_is_refused(device):
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(9, TINY.d_model, generator=torch.Generator().manual_seed(8)).to(device).requires_grad_()
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+
+
+def test_mixed_dtypes_are_refused_by_name(device):
+    layer = _layer(TINY, device)
+    x = torch.randn(9, TINY.d_model, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with pytest.raises((TypeError, ValueError), match="input_layernorm.weight|dtype"):
+        layer(x)

@@ -1,0 +1,203 @@
+"""Training the blockwise layer: BPT's backward, one block of query tokens at a time.
+
+The forward is the inference schedule (the ``blockwise_layer`` family's generated module) with
+one change: its attention calls go through a ``_Recorder``, which also keeps each block's
+attention output and LSE. That, the layer's input and the weights are all a training forward
+keeps: nothing of the FFN's ``[tokens, d_ffn]`` width, no K, V or q.
+
+The backward, per block, recomputes what it needs and differentiates it:
+  1. ``h = x + attn @ o_proj^T`` from the kept attention output, then the FFN block
+     (norm, MLP, residual) under autograd: dh, and the FFN weights' gradients;
+  2. attention's backward over the keys the block saw (``tilegen::attention_bwd``, from the
+     kept output and LSE, q and K/V recomputed as the forward made them), dQ into q_proj and the
+     input norm, dK and dV summed over the blocks into sequence-sized fp32 buffers;
+  3. once every block is done, K and V's projections and the input norm, block by block.
+So the widest things alive are K, V, their gradients and one block's FFN intermediates.
+Weight gradients are summed in fp32 and handed back in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tilegen.layers.config import LayerConfig
+from tilegen.layers.reference import ffn_residual, norm, rope_tables
+from tilegen.ops.attention import attention, prepare_call
+from tilegen.ops.rope import apply_rope
+
+__all__ = ["LayerFunction", "Recorder"]
+
+
+class Recorder:
+    """Stands in for ``tilegen.attention`` in the layer's schedule during a training forward: it runs
+    attention with the LSE and keeps, per block in call order, its rows, its key range, its mask
+    arguments, and attention's output rows and LSE."""
+
+    def __init__(self, n: int, config: LayerConfig, like: torch.Tensor):
+        self.out = like.new_empty(n, config.heads_q * config.head_dim)
+        self.lse = torch.empty(config.heads_q, n, dtype=torch.float32, device=like.device)
+        self.blocks: list[tuple[int, int, int, int, dict]] = []
+        self._next = 0
+
+    def __call__(self, q, k, v, *, out, **kwargs):
+        rows = q.shape[2]
+        # k is a view k_all[k0:k1] of the schedule's [n_tokens, heads_kv * head_dim] keys.
+        k0 = k.storage_offset() // k.stride(2)
+        _, lse = attention(q, k, v, out=out, return_lse=True, **kwargs)
+        start = self._next
+        self._next += rows
+        self.out[start:start + rows] = out[0].transpose(0, 1).reshape(rows, -1)
+        self.lse[:, start:start + rows] = lse[0]
+        self.blocks.append((start, start + rows, k0, k0 + k.shape[2], kwargs))
+        return out
+
+
+class LayerFunction(torch.autograd.Function):
+    """``out = layer(x)`` with BPT's block-by-block backward. ``run(x_seq, w, out_seq, attention)`` runs the
+    layer's schedule on one sequence with ``attention`` standing in for ``tilegen.attention``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, config: LayerConfig, run: Callable, names: tuple[str, ...], *weights):
+        w = dict(zip(names, weights))
+        out = torch.empty_like(x)
+        recorders = []
+        for x_seq, out_seq in (zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]):
+            recorder = Recorder(x_seq.shape[0], config, x_seq)
+            if x_seq.shape[0]:
+                run(x_seq, w, out_seq, recorder)
+            recorders.append(recorder)
+        ctx.save_for_backward(x, *weights)
+        ctx.config, ctx.names, ctx.recorders = config, names, recorders
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("tilegen.blockwise_layer: the second derivative (double backward) is not "
+                                      "implemented; differentiate once (create_graph=False)")
+        x, *weights = ctx.saved_tensors
+        w = dict(zip(ctx.names, weights))
+        grads = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in w.items()}
+        dx = torch.empty_like(x)
+        sequences = zip(x.unbind(0), dout.unbind(0), dx.unbind(0)) if x.dim() == 3 else [(x, dout, dx)]
+        for (x_seq, dout_seq, dx_seq), recorder in zip(sequences, ctx.recorders):
+            _sequence_backward(x_seq, dout_seq, dx_seq, w, ctx.config, recorder, grads)
+        dw = [grads[name].to(t.dtype) if ctx.needs_input_grad[4 + i] else None
+              for i, (name, t) in enumerate(w.items())]
+        return (dx if ctx.needs_input_grad[0] else None), None, None, None, *dw
+
+
+def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, grads) -> None:
+    n = x.shape[0]
+    if n == 0:
+        return
+    hq, hkv, hd = config.heads_q, config.heads_kv, config.head_dim
+    blocks = recorder.blocks
+    tables = _RopeTables(config, x.device)
+
+    # K and V of the whole sequence, made as the schedule made them, a block at a time.
+    k_all = x.new_empty(n, hkv * hd)
+    v_all = x.new_empty(n, hkv * hd)
+    for start, end, *_ in blocks:
+        xn = _input_norm(x[start:end], w, config)
+        torch.matmul(xn, w["self_attn.k_proj.weight"].T, out=k_all[start:end])
+        tables.rotate(k_all[start:end], hkv, start, end)
+        torch.matmul(xn, w["self_attn.v_proj.weight"].T, out=v_all[start:end])
+    dk_all = torch.zeros(n, hkv * hd, dtype=torch.float32, device=x.device)
+    dv_all = torch.zeros_like(dk_all)
+
+    ffn_names = [name for name in w if name.startswith(("post_attention_layernorm.", "mlp."))]
+    w_o = w["self_attn.o_proj.weight"]
+    for start, end, k0, k1, kwargs in blocks:
+        rows = end - start
+        attn = recorder.out[start:end]
+        # 1. The FFN block, recomputed from h under autograd.
+        with torch.enable_grad():
+            h = torch.addmm(x[start:end], attn, w_o.T).detach().requires_grad_()
+            leaves = {name: w[name].detach().requires_grad_() for name in ffn_names}
+            y = ffn_residual(h, leaves, config)
+            dh, *dffn = torch.autograd.grad(y, [h, *leaves.values()], dout[start:end])
+        for name, g in zip(leaves, dffn):
+            grads[name] += g
+        grads["self_attn.o_proj.weight"] += dh.T.float() @ attn.float()
+        d_attn = dh @ w_o
+        # 2. Attention's backward over the keys this block saw.
+        xn = _input_norm(x[start:end], w, config)
+        q = xn @ w["self_attn.q_proj.weight"].T
+        tables.rotate(q, hq, start, end)
+        as_heads = lambda t, heads: t.view(t.shape[0], heads, hd).transpose(0, 1)[None]  # noqa: E731
+        k, v = as_heads(k_all[k0:k1], hkv), as_heads(v_all[k0:k1], hkv)
+        spec, left, right, scale, softcap = prepare_call(as_heads(q, hq), k, v, kwargs.get("causal", False),
+                                                         kwargs.get("window"), kwargs.get("softcap"),
+                                                         kwargs.get("scale"), True)
+        dq, dk, dv = torch.ops.tilegen.attention_bwd(
+            as_heads(d_attn, hq), as_heads(q, hq), k, v, as_heads(attn, hq), recorder.lse[None, :, start:end], None,
+            spec.mask, spec.softcap, scale, softcap, left, right, False)
+        dk_all[k0:k1] += dk[0].transpose(0, 1).reshape(k1 - k0, -1)
+        dv_all[k0:k1] += dv[0].transpose(0, 1).reshape(k1 - k0, -1)
+        dq = tables.unrotate(dq[0].transpose(0, 1).reshape(rows, -1), hq, start, end)
+        grads["self_attn.q_proj.weight"] += dq.T.float() @ xn.float()
+        # The residual, and q's path back through the input norm.
+        dxn = dq @ w["self_attn.q_proj.weight"].float()
+        dx[start:end] = (dh.float() + _norm_backward(x[start:end], w, config, dxn, grads)).to(dx.dtype)
+
+    # 3. K and V's projections and the input norm, now that every block has added to dK and dV.
+    w_k, w_v = w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
+    for start, end, *_ in blocks:
+        xn = _input_norm(x[start:end], w, config).float()
+        dk = tables.unrotate(dk_all[start:end], hkv, start, end)
+        dv = dv_all[start:end]
+        grads["self_attn.k_proj.weight"] += dk.T @ xn
+        grads["self_attn.v_proj.weight"] += dv.T @ xn
+        dxn = dk @ w_k.float() + dv @ w_v.float()
+        dx[start:end] = (dx[start:end].float() + _norm_backward(x[start:end], w, config, dxn, grads)).to(dx.dtype)
+
+
+def _input_norm(x, w, config: LayerConfig) -> torch.Tensor:
+    return norm(x, w["input_layernorm.weight"], w.get("input_layernorm.bias"), config.norm, config.eps)
+
+
+def _norm_backward(x, w, config: LayerConfig, dxn, grads) -> torch.Tensor:
+    """The input norm's backward for one block: d(input) in fp32; its weight's (and bias's) gradient added."""
+    names = [name for name in ("input_layernorm.weight", "input_layernorm.bias") if name in w]
+    with torch.enable_grad():
+        xl = x.detach().requires_grad_()
+        leaves = [w[name].detach().requires_grad_() for name in names]
+        xn = norm(xl, leaves[0], leaves[1] if len(leaves) > 1 else None, config.norm, config.eps)
+        dxl, *dnorm = torch.autograd.grad(xn, [xl, *leaves], dxn.to(xn.dtype))
+    for name, g in zip(names, dnorm):
+        grads[name] += g
+    return dxl.float()
+
+
+class _RopeTables:
+    """The schedule's rotary embedding (``tilegen.apply_rope`` with fp32 tables from fp64 angles) and
+    its transpose, for rows ``start..end`` of the sequence; nothing when the layer has none."""
+
+    def __init__(self, config: LayerConfig, device):
+        self.theta, self.head_dim, self.device = config.rope_theta, config.head_dim, device
+
+    def _tables(self, start, end):
+        return rope_tables(torch.arange(start, end, device=self.device), self.head_dim, self.theta, torch.float32)
+
+    def rotate(self, t, heads, start, end) -> None:
+        """Rotate ``t`` [rows, heads * head_dim] in place, as the forward did."""
+        if self.theta is None:
+            return
+        view = t.view(t.shape[0], heads, self.head_dim)
+        apply_rope(view, *self._tables(start, end), out=view)
+
+    def unrotate(self, g, heads, start, end) -> torch.Tensor:
+        """The gradient before the rotation, fp32: the rotation's transpose applied to ``g``."""
+        g = g.float()
+        if self.theta is None:
+            return g
+        cos, sin = self._tables(start, end)
+        view = g.view(g.shape[0], heads, self.head_dim)
+        half = self.head_dim // 2
+        u = view * sin[:, None, :]
+        # y = t cos + rot(t) sin with rot(t) = (-t2, t1); its transpose takes u to (u2, -u1).
+        back = view * cos[:, None, :] + torch.cat((u[..., half:], -u[..., :half]), dim=-1)
+        return back.reshape(g.shape[0], -1)
