@@ -14,10 +14,11 @@ TINY = LayerConfig(d_model=64, heads_q=4, heads_kv=2, head_dim=16, d_ffn=160)
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative error; a gradient that is zero in exact arithmetic (q's and k's with one key) is held to 1e-3
-    absolute, where rounding leaves ~1e-8."""
+    """Relative error; a gradient that is zero in exact arithmetic (q_proj's and k_proj's with one key: the
+    softmax of one score is 1 whatever it is) is held to the tolerance in absolute terms (the other gradients
+    here are 10-80 in norm), where fp32 rounding leaves ~1e-5."""
     assert not torch.isnan(got).any()
-    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-3))
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1.0))
 
 
 def _layer(config: LayerConfig, device, dtype=torch.float32, block=16, seed=0) -> BlockwiseLayer:
