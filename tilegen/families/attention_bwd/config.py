@@ -96,26 +96,19 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
         return "atomic_dq=1 runs no dQ kernel: its knobs (block_m2 ...) repeat the dK/dV kernel's"
     if device.is_interpreter:
         return None
-    dim_pad = triton.next_power_of_2(spec.head_dim)
-    dim_v_pad = triton.next_power_of_2(spec.dv)
+    dims = triton.next_power_of_2(spec.head_dim) + triton.next_power_of_2(spec.dv)
     elt = 4 if spec.dtype == "fp32" else 2
-    threads1 = 32 * config.num_warps1
-    regs1 = (config.block_n1 * (dim_pad + dim_v_pad) + 2 * config.block_n1 * config.block_m1) / threads1
-    if regs1 > _MAX_FP32_REGS_PER_THREAD:
-        return f"~{regs1:.0f} fp32 registers per thread in the dK/dV kernel: spills"
-    smem1 = (config.block_n1 * (dim_pad + dim_v_pad)
-             + max(config.num_stages1 - 1, 1) * config.block_m1 * (dim_pad + dim_v_pad)) * elt
-    if smem1 > device.smem_bytes:
-        return f"~{smem1} bytes of shared memory in the dK/dV kernel against the device's {device.smem_bytes}"
+    # dK/dV holds BLOCK_N1 keys and streams BLOCK_M1 query rows; dQ the transpose.
+    kernels = [("dK/dV", config.block_n1, config.block_m1, config.num_warps1, config.num_stages1)]
     if not config.atomic_dq:
-        threads2 = 32 * config.num_warps2
-        regs2 = (config.block_m2 * (dim_pad + dim_v_pad) + 2 * config.block_m2 * config.block_n2) / threads2
-        if regs2 > _MAX_FP32_REGS_PER_THREAD:
-            return f"~{regs2:.0f} fp32 registers per thread in the dQ kernel: spills"
-        smem2 = (config.block_m2 * (dim_pad + dim_v_pad)
-                 + max(config.num_stages2 - 1, 1) * config.block_n2 * (dim_pad + dim_v_pad)) * elt
-        if smem2 > device.smem_bytes:
-            return f"~{smem2} bytes of shared memory in the dQ kernel against the device's {device.smem_bytes}"
+        kernels.append(("dQ", config.block_m2, config.block_n2, config.num_warps2, config.num_stages2))
+    for kernel, held, streamed, warps, stages in kernels:
+        regs = (held * dims + 2 * held * streamed) / (32 * warps)
+        if regs > _MAX_FP32_REGS_PER_THREAD:
+            return f"~{regs:.0f} fp32 registers per thread in the {kernel} kernel: spills"
+        smem = (held * dims + max(stages - 1, 1) * streamed * dims) * elt
+        if smem > device.smem_bytes:
+            return f"~{smem} bytes of shared memory in the {kernel} kernel against the device's {device.smem_bytes}"
     return None
 
 

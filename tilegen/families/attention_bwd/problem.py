@@ -12,6 +12,7 @@ from tilegen.families.attention_bwd.config import Config
 from tilegen.families.attention_bwd.reference import attention_backward_reference
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
 from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd import problem as forward
 from tilegen.families.attention_fwd.problem import attention_flops
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.triton_internals.launch import Launcher
@@ -21,25 +22,16 @@ __all__ = ["Problem", "BACKWARD_FLOPS"]
 #: A backward does 2.5 times the forward's matmul FLOPs (five products against two), the convention
 #: FlashAttention's papers and benchmarks count by.
 BACKWARD_FLOPS = 2.5
-_GPU_TOKENS = 16384
-_GPU_HEADS = 16
-_CPU_HEADS = 2
 _CPU_MAX_SEQ = 48
-_SOFTCAP = 10.0
 
 
 @dataclass(frozen=True)
-class Problem(base.Problem):
-    """The backward of self-attention over ``batch`` sequences of ``seq`` tokens, with the spec's mask.
-
-    Inputs are Q, K, V, the output gradient and the forward's O and LSE (computed by the reference, so
-    the backward is checked against the attention it differentiates); dense layout."""
+class Problem(forward.Problem):
+    """The backward of the forward family's self-attention problem (its shapes, mask bounds, softcap and
+    scale). Inputs are Q, K, V, the output gradient and the forward's O and LSE (computed by the
+    reference, so the backward is checked against the attention it differentiates); dense layout."""
 
     spec: AttentionBwdSpec
-    batch: int
-    heads_kv: int
-    seq: int
-    on_gpu: bool
 
     @classmethod
     def for_bucket(cls, spec: AttentionBwdSpec, bucket: int, *, on_gpu: bool, batch: int | None = None,
@@ -47,27 +39,10 @@ class Problem(base.Problem):
         if spec.layout != "dense":
             raise NotImplementedError(f"layout={spec.layout!r}: the tuner measures the dense backward; a ragged "
                                       "call takes the dense spec's tuned rows")
-        heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
-        seq = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ) - 1  # odd under the interpreter: no block divides it
-        if batch is None:
-            batch = max(1, _GPU_TOKENS // seq) if on_gpu else 1
-        return cls(spec, batch, max(1, heads // spec.q_per_kv), max(seq, 1), on_gpu)
-
-    @property
-    def heads_q(self) -> int:
-        return self.heads_kv * self.spec.q_per_kv
-
-    @property
-    def bounds(self) -> tuple[int | None, int | None]:
-        return {"none": (None, None), "causal": (None, 0), "window": (self.seq // 4, self.seq // 16)}[self.spec.mask]
-
-    @property
-    def softcap(self) -> float | None:
-        return _SOFTCAP if self.spec.softcap else None
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.spec.head_dim)
+        shape = super().for_bucket(spec, bucket, on_gpu=on_gpu, batch=batch, heads_q=heads_q)
+        # Odd under the interpreter: no block divides it.
+        seq = shape.seq if on_gpu else max(1, min(bucket, _CPU_MAX_SEQ) - 1)
+        return cls(spec, shape.batch, shape.heads_kv, seq, on_gpu)
 
     def _mask_args(self) -> dict:
         left, right = self.bounds

@@ -39,13 +39,7 @@ class AttentionBwdSpec(AttentionFields):
 
     @property
     def name(self) -> str:
-        parts = [
-            self.family, self.dtype,
-            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
-            f"g{self.q_per_kv}", self.mask,
-        ]
-        if self.softcap:
-            parts.append("softcap")
+        parts = self.name_parts()
         if self.layout != "dense":
             parts.append(self.layout)
         return "_".join(parts)

@@ -57,6 +57,13 @@ class AttentionFields(Spec):
     def dv(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
+    def name_parts(self) -> list[str]:
+        """The start of a spec's name: family, dtype, head dims, grouping, mask and softcap."""
+        parts = [self.family, self.dtype,
+                 f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
+                 f"g{self.q_per_kv}", self.mask]
+        return parts + ["softcap"] if self.softcap else parts
+
 
 @dataclass(frozen=True)
 class AttentionSpec(AttentionFields):

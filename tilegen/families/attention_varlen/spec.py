@@ -43,13 +43,7 @@ class VarlenAttentionSpec(AttentionFields):
 
     @property
     def name(self) -> str:
-        parts = [
-            self.family, self.dtype,
-            f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else ""),
-            f"g{self.q_per_kv}", self.mask,
-        ]
-        if self.softcap:
-            parts.append("softcap")
+        parts = self.name_parts()
         parts.append(self.kv_layout + (str(self.page_size) if self.page_size else ""))
         if self.return_lse:
             parts.append("lse")
