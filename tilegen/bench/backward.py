@@ -193,6 +193,47 @@ def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bo
     return row
 
 
+def ragged_lengths(cell: Cell, seed: int = 0) -> list[int]:
+    """Sequence lengths drawn in [N/4, 7N/4] (seeded) that pack the cell's B x N tokens."""
+    g = torch.Generator().manual_seed(seed)
+    total, lengths = cell.b * cell.seqlen, []
+    while total > 0:
+        n = int(torch.randint(max(1, cell.seqlen // 4), max(2, 7 * cell.seqlen // 4), (), generator=g))
+        lengths.append(min(n, total))
+        total -= lengths[-1]
+    return lengths
+
+
+def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = False) -> dict:
+    """tilegen's backward over a packed batch of mixed lengths (``varlen_attention``) against its dense
+    backward at the same tokens (``attention``, B x N), in one run; TFLOP/s count the pairs each computes."""
+    lengths = ragged_lengths(cell)
+    kwargs = {"deterministic": True} if deterministic else {}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k, v, dout = _inputs(cell, device)
+    # The dense inputs' tokens, packed: [B * N, heads, dim].
+    packed = [t.detach().transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (q, k, v, dout)]
+    pq, pk, pv = (t.clone().requires_grad_() for t in packed[:3])
+    row = {"cell": str(cell), "batch": cell.b, "lengths": lengths}
+    # A check: the first sequence's gradients against SDPA's math backend in fp32.
+    first = slice(0, lengths[0])
+    out = tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal, **kwargs)
+    got = torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True)
+    as_dense = lambda t: t[first].transpose(0, 1)[None]  # noqa: E731
+    ref = reference(*(as_dense(t).detach().requires_grad_() for t in (pq, pk, pv)), as_dense(packed[3]), cell.causal)
+    errors = {name: _rel_err(as_dense(g), r) for name, g, r in zip(("dq", "dk", "dv"), got, ref[1:])}
+    row["check"] = {"errors": errors, "passed": max(errors.values()) < TOLERANCE}
+    pairs = sum(n * (n + 1) // 2 if cell.causal else n * n for n in lengths)
+    bwd_ragged = 2.5 * 4 * cell.heads_q * pairs * cell.head_dim
+    ms = _ms(lambda: torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True), smoke)
+    row["ragged"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9}
+    dense_out = tilegen.attention(q, k, v, causal=cell.causal, **kwargs)
+    ms = _ms(lambda: torch.autograd.grad(dense_out, (q, k, v), dout, retain_graph=True), smoke)
+    row["dense"] = {"bwd_ms": ms, "bwd_tflops": 2.5 * cell.forward_flops / ms * 1e-9}
+    row["ratio"] = row["ragged"]["bwd_tflops"] / row["dense"]["bwd_tflops"]
+    return row
+
+
 def memory_cell(cell: Cell, names, deterministic: bool = False) -> dict:
     """Each peer's peak allocation of one forward+backward above its inputs (and dout), in GB."""
     q, k, v, dout = _inputs(cell, "cuda")
@@ -336,8 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory", action="store_true", help="peak memory of one forward+backward instead of time")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter (the default without "
                         "a GPU): checks that the script runs")
+    parser.add_argument("--ragged", action="store_true", help="tilegen's backward over packed sequences of mixed "
+                        "lengths (N/4 to 7N/4, B x N tokens) against its dense backward at B x N, instead of the peers")
     parser.add_argument("--out", metavar="DIR", help="write backward.md, backward.json and backward.png here")
     args = parser.parse_args(argv)
+    if args.ragged and args.memory:
+        parser.error("--ragged: times the backward; leave out --memory")
     on_gpu = torch.cuda.is_available()
     smoke = args.smoke or not on_gpu
     if args.memory and smoke:
@@ -366,11 +411,25 @@ def main(argv: list[str] | None = None) -> int:
           + (", tilegen deterministic" if args.deterministic else ""), flush=True)
     rows = []
     for cell in cells:
-        rows.append(memory_cell(cell, names, args.deterministic) if args.memory
-                    else bench_cell(cell, names, device, smoke, args.deterministic))
+        if args.ragged:
+            rows.append(ragged_cell(cell, device, smoke, args.deterministic))
+        else:
+            rows.append(memory_cell(cell, names, args.deterministic) if args.memory
+                        else bench_cell(cell, names, device, smoke, args.deterministic))
         print(json.dumps(rows[-1]), flush=True)
         if on_gpu:
             torch.cuda.empty_cache()
+    if args.ragged:
+        print("\nbackward-alone TFLOP/s, ragged against dense at the same tokens")
+        for row in rows:
+            print(f"{row['cell']:28} ragged {row['ragged']['bwd_tflops']:8.3g} ({row['ragged']['bwd_ms']:.3g} ms)  "
+                  f"dense {row['dense']['bwd_tflops']:8.3g} ({row['dense']['bwd_ms']:.3g} ms)  ratio {row['ratio']:.2f}"
+                  f"  check {'ok' if row['check']['passed'] else 'FAILED'}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "backward_ragged.json"), "w") as f:
+                json.dump({"device": where, "dtype": dtype, "rows": rows}, f, indent=1)
+        return 1 if any(not r["check"]["passed"] for r in rows) else 0
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, "backward_memory" if args.memory else "backward")
