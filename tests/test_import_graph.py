@@ -27,7 +27,7 @@ LAYERS = [
     ("ops", ["tilegen.ops"]),
     ("layers", ["tilegen.layers"]),
     ("tuning", ["tilegen.tuning"]),
-    ("top", ["tilegen.cli", "tilegen.bench", "tilegen.__main__", "tilegen"]),
+    ("top", ["tilegen.cli", "tilegen.bench", "tilegen.integrations", "tilegen.__main__", "tilegen"]),
 ]
 
 
