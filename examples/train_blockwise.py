@@ -1,7 +1,7 @@
 """Train a small Llama-architecture model whose decoder layers are ``tilegen.BlockwiseLayer``s, beside the same
 model in plain torch (``tilegen.layers.reference_layer``, autograd), from identical weights on identical data.
 
-    python examples/train_blockwise.py                      # CPU: Triton's interpreter, tiny model, a few minutes
+    python examples/train_blockwise.py                      # CPU: Triton's interpreter, tiny model (~10 min on 2 cores)
     python examples/train_blockwise.py --d-model 1024 --layers 8 --heads 16/8 --head-dim 64 --d-ffn 2816 \\
         --seq 4096 --batch 4 --vocab 256 --steps 500 --dtype bf16      # a GPU
 

@@ -368,8 +368,9 @@ def _train_step(name: str, config: LayerConfig, w: dict[str, torch.Tensor], devi
         def forward(x):
             positions = torch.arange(x.shape[0], device=x.device)[None]
             # No mask: sdpa is then causal (is_causal) over the whole sequence, as a prefill.
-            out = layer(x[None], attention_mask=None, position_ids=positions,
-                        position_embeddings=rotary(x[None], positions))
+            with _sdpa_without_math():
+                out = layer(x[None], attention_mask=None, position_ids=positions,
+                            position_embeddings=rotary(x[None], positions))
             return (out[0] if isinstance(out, tuple) else out)[0]
 
         params = dict(layer.named_parameters())
