@@ -2,6 +2,7 @@
 
     python -m tilegen.bench.blockwise --out blockwise.json     # on a GPU (about 3 minutes on an H200)
     python -m tilegen.bench.blockwise --smoke                  # tiny shapes; the interpreter without a GPU
+    python -m tilegen.bench.blockwise --train --out train.json # one training step (forward and backward)
 
 The layer: Llama-3-8B's (d_model 4096, 32 query / 8 KV heads of dim 128, SwiGLU of width 14336,
 RMSNorm, RoPE), bf16, causal, one sequence. Providers, each run on the same input and weights:
@@ -27,6 +28,18 @@ the real run's at the sweep's longest length); ``projected_max_tokens`` is a str
 peak memory against length, for comparison. Results go to
 ``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default: ``--out`` with
 ``.png``). Exit status 1 when an output disagrees.
+
+``--train`` measures one training step instead: forward, then backward of ``loss = (out * dout).sum()``
+(``out.backward(dout)``, ``dout`` fixed and random) to the input and every weight, at 16k, 32k and 64k
+tokens by default. Providers: ``unfused`` (``reference_layer`` in bf16 under autograd), ``transformers``
+(its ``LlamaDecoderLayer`` with sdpa attention, RoPE from ``LlamaRotaryEmbedding``; n/a when
+``import transformers`` fails) and ``tilegen`` (``tilegen.BlockwiseLayer``: BPT's block-by-block
+backward), all on the same weights. A warm-up step creates the ``.grad`` buffers and is checked against
+the unfused layer at the sweep's shortest length (output, input gradient and each weight gradient
+within 1e-2 relative; the loss reported, not gated: a random-signed sum can be near zero); the
+measured steps accumulate into those buffers, so the peak is above the input, ``dout``, the weights and
+their gradients. The longest trainable sequence doubles from twice the longest length until out of
+memory or ``--fit-budget-s`` (real steps: the allocation replay does not cover the backward).
 """
 
 from __future__ import annotations
@@ -66,6 +79,8 @@ SMOKE_LAYER = LayerConfig(d_model=64, heads_q=4, heads_kv=2, head_dim=16, d_ffn=
 SMOKE_LENGTHS = [24, 40]
 SMOKE_CHUNK = 16
 PROVIDERS = ("unfused", "chunked", "tilegen")
+TRAIN_LENGTHS = [16384, 32768, 65536]
+TRAIN_PROVIDERS = ("unfused", "transformers", "tilegen")
 
 
 def _weights(config: LayerConfig, device, seed=0) -> dict[str, torch.Tensor]:
@@ -111,14 +126,15 @@ def _provider(name: str, config: LayerConfig, chunk: int):
     return run
 
 
-def _errors(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, rows: int = 4096) -> tuple[float, float]:
-    """Relative Frobenius errors of ``out`` against ``ref`` and of ``out - x`` against ``ref - x``, in
-    fp32 a block of rows at a time (a 64k-token fp32 copy would itself be gigabytes)."""
+def _errors(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor | None, rows: int = 4096) -> tuple[float, float]:
+    """Relative Frobenius errors of ``out`` against ``ref`` and of ``out - x`` against ``ref - x`` (``x`` None:
+    both are the first), in fp32 a block of rows at a time (a 64k-token fp32 copy would itself be gigabytes)."""
     if torch.isnan(out).any():
         return math.inf, math.inf
     e = r = rd = 0.0
     for s in range(0, out.shape[0], rows):
-        o, f, xi = out[s:s + rows].float(), ref[s:s + rows].float(), x[s:s + rows].float()
+        o, f = out[s:s + rows].float(), ref[s:s + rows].float()
+        xi = 0.0 if x is None else x[s:s + rows].float()
         e += float((o - f).pow(2).sum())
         r += float(f.pow(2).sum())
         rd += float((f - xi).pow(2).sum())
@@ -249,18 +265,22 @@ def _attention_skipped():
         F.scaled_dot_product_attention, ops.attention = sdpa, attention
 
 
-def _try(run, config, n, w, device) -> tuple[float | None, float] | None:
-    """``(peak bytes, seconds)`` of a run at ``n`` tokens, ``None`` when it runs out of memory."""
+def _try(run, config, n, w, device, train=False) -> tuple[float | None, float] | None:
+    """``(peak bytes, seconds)`` of a run at ``n`` tokens, ``None`` when it runs out of memory; with ``train``
+    ``run(x, dout)`` (``w`` unused: the step holds its weights)."""
     failed = False
     try:
         x = _input(config, n, device)
-        _, peak, seconds = _peak_run(run, x, w)  # the output is dropped at once
+        if train:
+            x.requires_grad_()
+            dout = _input(config, n, device, seed=2)
+        _, peak, seconds = _peak_run(run, x, dout if train else w)  # the output is dropped at once
     except Exception as error:
         if not _is_oom(error):
             raise
         failed = True
     # Outside the except block, so the traceback's frames (and their tensors) are gone.
-    x = None
+    x = dout = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -320,13 +340,158 @@ def fit(config, start, chunk, budget_s, measured, device) -> list[dict]:
             results.append(result)
     return results
 
+def _train_step(name: str, config: LayerConfig, w: dict[str, torch.Tensor], device):
+    """``(step, params)``: ``step(x, dout)`` runs one training step of provider ``name`` (``x`` requires grad),
+    returning the output with ``keep``; ``params`` are its weights by Llama name, leaves that take gradients. ``None`` when
+    the provider is not installed."""
+    if name == "tilegen":
+        layer = tilegen.BlockwiseLayer(config, dtype=DTYPE, device=device).load_weights(w)
+        forward, params = layer, dict(layer.named_parameters())
+    elif name == "transformers":
+        try:
+            from transformers import LlamaConfig
+            from transformers.models.llama.modeling_llama import (
+                LlamaDecoderLayer,
+                LlamaRotaryEmbedding,
+            )
+        except ImportError:
+            return None
+        cfg = LlamaConfig(hidden_size=config.d_model, intermediate_size=config.d_ffn,
+                          num_attention_heads=config.heads_q, num_key_value_heads=config.heads_kv,
+                          head_dim=config.head_dim, rms_norm_eps=config.eps, rope_theta=config.rope_theta,
+                          max_position_embeddings=1 << 22, attention_bias=False, mlp_bias=False,
+                          attn_implementation="sdpa")
+        layer = LlamaDecoderLayer(cfg, layer_idx=0).to(device=device, dtype=DTYPE)
+        layer.load_state_dict(w)
+        rotary = LlamaRotaryEmbedding(config=cfg, device=device)
 
-def plot(rows, fits, path) -> str | None:
+        def forward(x):
+            positions = torch.arange(x.shape[0], device=x.device)[None]
+            # No mask: sdpa is then causal (is_causal) over the whole sequence, as a prefill.
+            with _sdpa_without_math():
+                out = layer(x[None], attention_mask=None, position_ids=positions,
+                            position_embeddings=rotary(x[None], positions))
+            return (out[0] if isinstance(out, tuple) else out)[0]
+
+        params = dict(layer.named_parameters())
+    else:
+        params = {n: t.detach().clone().requires_grad_() for n, t in w.items()}
+
+        def forward(x):
+            with _sdpa_without_math():
+                return reference_layer(x, params, config)
+
+    def step(x, dout, keep=False):
+        out = forward(x)
+        out.backward(dout)
+        return out.detach() if keep else None
+
+    return step, params
+
+
+def _loss(out: torch.Tensor, dout: torch.Tensor, rows: int = 4096) -> float:
+    """``(out * dout).sum()`` in fp32, a block of rows at a time."""
+    return sum(float((out[s:s + rows].float() * dout[s:s + rows].float()).sum()) for s in range(0, len(out), rows))
+
+
+def _grads(x, params) -> dict[str, torch.Tensor]:
+    return {"input": x.grad, **{n: p.grad for n, p in params.items()}}
+
+
+def train_sweep(config, lengths, runs, device) -> list[dict]:
+    """Per length and provider: a checked warm-up step, the measured step's peak, the median step time."""
+    w = _weights(config, device)
+    rows, ref = [], None
+    for n in lengths:
+        dout = _input(config, n, device, seed=2)
+        for name in TRAIN_PROVIDERS:
+            row = {"provider": name, "tokens": n}
+            made = _train_step(name, config, w, device)
+            if made is None:
+                row.update(status="n/a", note="transformers is not installed")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            step, params = made
+            x = _input(config, n, device).requires_grad_()
+            try:
+                # The warm-up: compiles, creates the .grad buffers the measured steps accumulate into.
+                out = step(x, dout, keep=True)
+                if n == min(lengths):
+                    grads, loss = _grads(x, params), _loss(out, dout)
+                    if name == "unfused":
+                        ref = {"out": out, "loss": loss, "grads": {k: g.clone() for k, g in grads.items()}}
+                        row.update(loss=loss, error=0.0)
+                    elif ref is not None:
+                        errors = {k: _errors(g, ref["grads"][k], None)[0] for k, g in grads.items()}
+                        row.update(loss=loss, loss_error=abs(loss - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
+                                   error=_errors(out, ref["out"], x.detach())[0], grad_errors=errors)
+                        row["correct"] = bool(row["error"] < TOLERANCE and max(errors.values()) < TOLERANCE)
+                out = None
+                _, peak, _ = _peak_run(step, x, dout)
+                row.update(status="ok", peak_gb=None if peak is None else peak / 1e9,
+                           time_ms=_time_ms(step, x, dout, runs))
+                row.setdefault("correct", None)  # checked at the shortest length only
+            except Exception as error:
+                if not _is_oom(error):
+                    raise
+                row.update(status="oom")
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "grad_errors"}), flush=True)
+            if row.get("correct") is False:
+                print(json.dumps({"provider": name, "grad_errors": row["grad_errors"]}), flush=True)
+            del step, params, made, x
+            gc.collect()
+        del dout
+        ref = None  # checked at the shortest length only
+        gc.collect()
+    return rows
+
+
+def train_fit(config, start, budget_s, device, warm_tokens) -> list[dict]:
+    """The longest sequence a training step fits: lengths double from ``start`` until a step runs out of
+    memory or ``budget_s`` is spent. Real steps (the allocation replay does not cover the backward), after
+    one at ``warm_tokens`` that creates the ``.grad`` buffers, as in the sweep."""
+    w = _weights(config, device)
+    results = []
+    for name in TRAIN_PROVIDERS:
+        made = _train_step(name, config, w, device)
+        if made is None:
+            continue
+        step, _ = made
+        _try(step, config, warm_tokens, None, device, train=True)
+        result = {"provider": name, "mode": "real training steps", "fits_up_to": None, "oom_at": None,
+                  "stopped": None, "runs": []}
+        spent, n = 0.0, start
+        while True:
+            if spent > budget_s:
+                result["stopped"] = f"time budget of {budget_s:g} s"
+                break
+            outcome = _try(step, config, n, None, device, train=True)
+            if outcome is None:
+                result["oom_at"] = n
+                print(json.dumps({"provider": name, "fit_tokens": n, "oom": True}), flush=True)
+                break
+            peak, seconds = outcome
+            spent += seconds
+            result["fits_up_to"] = n
+            peak_gb = None if peak is None else peak / 1e9
+            result["runs"].append({"tokens": n, "peak_gb": peak_gb, "seconds": seconds})
+            print(json.dumps({"provider": name, "fit_tokens": n, "peak_gb": peak_gb, "seconds": round(seconds, 2)}),
+                  flush=True)
+            n *= 2
+        results.append(result)
+        del made, step
+        gc.collect()
+    return results
+
+
+def plot(rows, fits, path, providers=PROVIDERS, title="peak activation memory") -> str | None:
     plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in PROVIDERS:
+    for name in providers:
         points = {r["tokens"]: r["peak_gb"] for r in rows if r["provider"] == name and r.get("peak_gb") is not None}
         for f in fits:
             if f["provider"] == name:
@@ -338,7 +503,7 @@ def plot(rows, fits, path) -> str | None:
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("peak memory above input and weights (GB)")
-    ax.set_title("Llama-3-8B layer, bf16, causal: peak activation memory")
+    ax.set_title(f"Llama-3-8B layer, bf16, causal: {title}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -347,37 +512,41 @@ def plot(rows, fits, path) -> str | None:
 
 
 def _print_table(rows, fits) -> None:
-    print(f"\n{'provider':<9} {'tokens':>8} {'peak GB':>9} {'time ms':>9} {'error':>9}  ok")
+    print(f"\n{'provider':<12} {'tokens':>8} {'peak GB':>9} {'time ms':>9} {'error':>9}  ok")
     for r in rows:
         peak = "-" if r.get("peak_gb") is None else f"{r['peak_gb']:.2f}"
         t = "-" if r.get("time_ms") is None else f"{r['time_ms']:.1f}"
         e = "-" if r.get("error") is None else f"{r['error']:.1e}"
-        print(f"{r['provider']:<9} {r['tokens']:>8} {peak:>9} {t:>9} {e:>9}  {r.get('correct', r['status'])}")
+        print(f"{r['provider']:<12} {r['tokens']:>8} {peak:>9} {t:>9} {e:>9}  {r.get('correct', r['status'])}")
     longest = max(r["tokens"] for r in rows)
     at = {r["provider"]: r for r in rows if r["tokens"] == longest and r["status"] == "ok"}
     if "unfused" in at and at["unfused"].get("peak_gb"):
         base = at["unfused"]
-        for name in ("chunked", "tilegen"):
-            if name in at:
+        for name in at:
+            if name != "unfused":
                 print(f"at {longest} tokens, {name}: {base['peak_gb'] / at[name]['peak_gb']:.2f}x less peak memory "
                       f"than unfused, {at[name]['time_ms'] / base['time_ms']:.3f}x its time")
     for f in fits:
-        check = f.get("replay_check") or {}
-        print(f"{f['provider']}: fits up to {f['fits_up_to']} tokens, out of memory at {f['oom_at']} "
-              f"(stopped early: {f['stopped']}); straight-line projection {f['projected_max_tokens']}; "
-              f"replay peak {check.get('replay_peak_gb')} GB against the real {check.get('peak_gb')} GB "
-              f"at {check.get('tokens')} tokens")
+        line = (f"{f['provider']}: fits up to {f['fits_up_to']} tokens, out of memory at {f['oom_at']} "
+                f"(stopped early: {f['stopped']})")
+        if "projected_max_tokens" in f:
+            check = f.get("replay_check") or {}
+            line += (f"; straight-line projection {f['projected_max_tokens']}; replay peak "
+                     f"{check.get('replay_peak_gb')} GB against the real {check.get('peak_gb')} GB at {check.get('tokens')} tokens")
+        print(line)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="write the memory plot here (default: --out with .png)")
-    parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k)")
+    parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k; --train: 16k..64k)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median)")
     parser.add_argument("--fit-budget-s", type=float, default=40.0, help="fit-search seconds per provider")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
+    parser.add_argument("--train", action="store_true",
+                        help="one training step (forward and backward to the input and weights) instead of inference")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -390,28 +559,37 @@ def main(argv=None) -> int:
             return subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", *argv], env=env).returncode
     if args.runs < 1:
         raise SystemExit("--runs: expected at least 1")
+    if args.fit_budget_s < 0:
+        raise SystemExit("--fit-budget-s: expected a non-negative number of seconds")
     device = torch.device("cuda" if on_gpu else "cpu")
     config, chunk = (SMOKE_LAYER, SMOKE_CHUNK) if args.smoke else (LAYER, CHUNK)
     try:
         lengths = ([int(v) for v in args.lengths.split(",")] if args.lengths
-                   else SMOKE_LENGTHS if args.smoke else LENGTHS)
+                   else SMOKE_LENGTHS if args.smoke else TRAIN_LENGTHS if args.train else LENGTHS)
     except ValueError:
         raise SystemExit(f"--lengths: expected comma-separated ints, got {args.lengths!r}") from None
-    rows = sweep(config, lengths, chunk, args.runs, device)
+    if not lengths or min(lengths) < 1:
+        raise SystemExit(f"--lengths: expected positive token counts, got {args.lengths!r}")
     # Under --smoke the search only runs through (the CPU has no allocator statistics and never runs out).
     budget = min(args.fit_budget_s, 0.3) if args.smoke else args.fit_budget_s
-    fits = [] if args.no_fit else fit(config, 2 * max(lengths), chunk, budget, rows, device)
+    if args.train:
+        rows = train_sweep(config, lengths, args.runs, device)
+        fits = [] if args.no_fit else train_fit(config, 2 * max(lengths), budget, device, min(lengths))
+    else:
+        rows = sweep(config, lengths, chunk, args.runs, device)
+        fits = [] if args.no_fit else fit(config, 2 * max(lengths), chunk, budget, rows, device)
     _print_table(rows, fits)
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path and on_gpu:
-        written = plot(rows, fits, plot_path)
+        written = (plot(rows, fits, plot_path, TRAIN_PROVIDERS, "peak memory of a training step (forward + backward)")
+                   if args.train else plot(rows, fits, plot_path))
         print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-interpreter",
                        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
-                       "layer": config.__dict__, "ffn_chunk": chunk, "rows": rows, "fit": fits}, f, indent=1)
-    wrong = [r for r in rows if r["status"] == "ok" and r["correct"] is False]
+                       "mode": "train" if args.train else "inference", "layer": config.__dict__, "ffn_chunk": chunk, "rows": rows, "fit": fits}, f, indent=1)
+    wrong = [r for r in rows if r["status"] == "ok" and r.get("correct") is False]
     return 1 if wrong else 0
 
 

@@ -1,0 +1,67 @@
+"""``tilegen.bench.blockwise --train``: the training-step benchmark's CPU smoke run and its argument errors,
+and the training example (examples/train_blockwise.py) for a few steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tilegen.bench import blockwise
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke path is the CPU interpreter's")
+def test_the_smoke_training_step_checks_tilegen_against_the_unfused_layer(tmp_path):
+    out = tmp_path / "train.json"
+    result = subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", "--smoke", "--train", "--runs", "1",
+                             "--lengths", "24", "--no-fit", "--out", str(out)],
+                            env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["mode"] == "train" and data["fit"] == []
+    rows = {r["provider"]: r for r in data["rows"]}
+    assert set(rows) == set(blockwise.TRAIN_PROVIDERS)
+    tilegen_row = rows["tilegen"]
+    assert tilegen_row["status"] == "ok" and tilegen_row["correct"] is True and tilegen_row["time_ms"] > 0
+    names = {"input", *blockwise.SMOKE_LAYER.weight_shapes()}
+    assert set(tilegen_row["grad_errors"]) == names
+    assert max(tilegen_row["grad_errors"].values()) < blockwise.TOLERANCE
+    assert rows["transformers"]["status"] in ("ok", "n/a")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train"], "run it on a GPU, or pass --smoke"),
+    (["--smoke", "--train", "--runs", "0"], "--runs: expected at least 1"),
+    (["--smoke", "--train", "--lengths", "8,x"], "--lengths: expected comma-separated ints"),
+    (["--smoke", "--train", "--lengths", "0"], "--lengths: expected positive token counts"),
+    (["--smoke", "--train", "--fit-budget-s", "-1"], "--fit-budget-s: expected a non-negative"),
+])
+def test_bad_arguments_fail_before_any_work(argv, message, monkeypatch):
+    if torch.cuda.is_available() and "--smoke" not in argv:
+        pytest.skip("on a GPU --train runs")
+    monkeypatch.setattr(blockwise, "train_sweep", lambda *a: pytest.fail("nothing should run"))
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
+        blockwise.main(argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
+def test_the_training_example_runs_a_few_steps_and_matches_the_reference(tmp_path):
+    out = tmp_path / "curves.json"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_blockwise.py"), "--steps", "3",
+                             "--batch", "1", "--layers", "1", "--out", str(out)],
+                            env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    losses = data["losses"]
+    assert len(losses["tilegen BlockwiseLayer"]) == 3
+    assert data["max_abs_loss_difference"]["tilegen BlockwiseLayer"] < 1e-4
