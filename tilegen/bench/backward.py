@@ -315,7 +315,8 @@ def plot(rows: list[dict], names, path: str) -> str | None:
     plt = pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) * len(names) / 2), 4.5))
+    # About half an inch a cell, within a page's width: the grid is 24 cells.
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.55 * len(rows))), 5.5))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + i * width for j, r in enumerate(rows) if "bwd_tflops" in r.get(name, {})]
