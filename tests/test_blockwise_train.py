@@ -117,3 +117,14 @@ def test_mixed_dtypes_are_refused_by_name(device):
     x = torch.randn(9, TINY.d_model, dtype=torch.bfloat16, device=device, requires_grad=True)
     with pytest.raises((TypeError, ValueError), match="input_layernorm.weight|dtype"):
         layer(x)
+
+
+def test_an_empty_sequence_still_differentiates(device):
+    """No rows, but x requires grad: the output has a grad_fn and every gradient comes back empty or zero."""
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(0, TINY.d_model, device=device, requires_grad=True)
+    y = layer(x)
+    assert y.grad_fn is not None and y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())

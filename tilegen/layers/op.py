@@ -107,7 +107,7 @@ def blockwise_layer(
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"block: expected a positive int, got {block!r}")
     n = x.shape[-2]
-    if n == 0:
+    if n == 0 and not trains:
         return out
     spec = layer_spec(config, x.dtype)
     table = layer_table(spec, x.device)
@@ -116,6 +116,16 @@ def blockwise_layer(
     fixed = dict(attention=attention, blockwise_ffn=blockwise_ffn, **spec.launch_args(config))
     if spec.rope:
         fixed["rope"] = apply_rope
+    if trains:
+        # The training forward runs the chosen block's schedule with attention recorded (no fallback: the
+        # backward replays the blocks it ran). An empty x still gets a grad_fn, whose gradients are empty.
+        chosen = block if block is not None else table.choose(n).config.block_q
+
+        def run(x_seq, w_seq, out_seq, recorder):
+            launcher.launch(x_seq, w_seq, out_seq, **{**fixed, "attention": recorder, "block_q": chosen})
+
+        names = tuple(held)
+        return LayerFunction.apply(x, config, run, names, *(held[name] for name in names))
 
     def make(choice: dispatch.Choice | None) -> _Plan:
         # The schedule calls the ops (host code, never recorded: the launcher's own Python runs every call).
@@ -129,16 +139,6 @@ def blockwise_layer(
         # already overwritten, so a tuned row's failure is raised there, as the default's is.
         in_place = out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         plan = dispatch.planned(table, n, make, fallback=not in_place)
-    if trains:
-        # The training forward runs the chosen block's schedule with attention recorded (no fallback: the
-        # backward replays the blocks it ran).
-        chosen = block if block is not None else table.choose(n).config.block_q
-
-        def run(x_seq, w_seq, out_seq, recorder):
-            launcher.launch(x_seq, w_seq, out_seq, **{**fixed, "attention": recorder, "block_q": chosen})
-
-        names = tuple(held)
-        return LayerFunction.apply(x, config, run, names, *(held[name] for name in names))
     sequences = zip(x.unbind(0), out.unbind(0)) if x.dim() == 3 else [(x, out)]
     for x_seq, out_seq in sequences:
         plan.launch(None, x_seq, w, out_seq)  # plan.launch each time: the first may fall back and replace it

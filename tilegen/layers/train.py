@@ -97,6 +97,9 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
     blocks = recorder.blocks
     tables = _RopeTables(config, x.device)
 
+    def as_heads(t, heads):  # [rows, heads * head_dim] -> attention's [1, heads, rows, head_dim]
+        return t.view(t.shape[0], heads, hd).transpose(0, 1)[None]
+
     # K and V of the whole sequence, made as the schedule made them, a block at a time.
     k_all = x.new_empty(n, hkv * hd)
     v_all = x.new_empty(n, hkv * hd)
@@ -124,10 +127,9 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
         grads["self_attn.o_proj.weight"] += dh.T.float() @ attn.float()
         d_attn = dh @ w_o
         # 2. Attention's backward over the keys this block saw.
-        xn = _input_norm(x[start:end], w, config)
+        xn, norm_backward = _input_norm_graph(x[start:end], w, config)
         q = xn @ w["self_attn.q_proj.weight"].T
         tables.rotate(q, hq, start, end)
-        as_heads = lambda t, heads: t.view(t.shape[0], heads, hd).transpose(0, 1)[None]  # noqa: E731
         k, v = as_heads(k_all[k0:k1], hkv), as_heads(v_all[k0:k1], hkv)
         spec, left, right, scale, softcap = prepare_call(as_heads(q, hq), k, v, kwargs.get("causal", False),
                                                          kwargs.get("window"), kwargs.get("softcap"),
@@ -141,35 +143,41 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
         grads["self_attn.q_proj.weight"] += dq.T.float() @ xn.float()
         # The residual, and q's path back through the input norm.
         dxn = dq @ w["self_attn.q_proj.weight"].float()
-        dx[start:end] = (dh.float() + _norm_backward(x[start:end], w, config, dxn, grads)).to(dx.dtype)
+        dx[start:end] = (dh.float() + norm_backward(dxn, grads)).to(dx.dtype)
 
     # 3. K and V's projections and the input norm, now that every block has added to dK and dV.
     w_k, w_v = w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
     for start, end, *_ in blocks:
-        xn = _input_norm(x[start:end], w, config).float()
+        xn, norm_backward = _input_norm_graph(x[start:end], w, config)
+        xn = xn.float()
         dk = tables.unrotate(dk_all[start:end], hkv, start, end)
         dv = dv_all[start:end]
         grads["self_attn.k_proj.weight"] += dk.T @ xn
         grads["self_attn.v_proj.weight"] += dv.T @ xn
         dxn = dk @ w_k.float() + dv @ w_v.float()
-        dx[start:end] = (dx[start:end].float() + _norm_backward(x[start:end], w, config, dxn, grads)).to(dx.dtype)
+        dx[start:end] = (dx[start:end].float() + norm_backward(dxn, grads)).to(dx.dtype)
 
 
 def _input_norm(x, w, config: LayerConfig) -> torch.Tensor:
     return norm(x, w["input_layernorm.weight"], w.get("input_layernorm.bias"), config.norm, config.eps)
 
 
-def _norm_backward(x, w, config: LayerConfig, dxn, grads) -> torch.Tensor:
-    """The input norm's backward for one block: d(input) in fp32; its weight's (and bias's) gradient added."""
+def _input_norm_graph(x, w, config: LayerConfig):
+    """One block's input norm, computed once under autograd: ``(xn, backward)``, where ``backward(dxn, grads)``
+    returns d(input) in fp32 and adds the norm weight's (and bias's) gradient to ``grads``; call it once."""
     names = [name for name in ("input_layernorm.weight", "input_layernorm.bias") if name in w]
     with torch.enable_grad():
         xl = x.detach().requires_grad_()
         leaves = [w[name].detach().requires_grad_() for name in names]
         xn = norm(xl, leaves[0], leaves[1] if len(leaves) > 1 else None, config.norm, config.eps)
+
+    def backward(dxn, grads) -> torch.Tensor:
         dxl, *dnorm = torch.autograd.grad(xn, [xl, *leaves], dxn.to(xn.dtype))
-    for name, g in zip(names, dnorm):
-        grads[name] += g
-    return dxl.float()
+        for name, g in zip(names, dnorm):
+            grads[name] += g
+        return dxl.float()
+
+    return xn.detach(), backward
 
 
 class _RopeTables:

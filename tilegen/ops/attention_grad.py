@@ -12,6 +12,7 @@ does (``tilegen.dispatch.planned``) with the ``attention_bwd`` family's own tune
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,10 +58,14 @@ class _Plan:
 _plans = dispatch.plan_cache()
 
 
+def _table(spec: AttentionBwdSpec, device: torch.device) -> dispatch.Table:
+    # A ragged call takes the dense spec's rows: the same kernels, batch offsets aside.
+    return dispatch.table_on(dataclasses.replace(spec, layout="dense"), device)
+
+
 def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[str, Any], deterministic: bool) -> _Plan:
     launcher = launcher_for(spec)
-    # A ragged call takes the dense spec's rows: the same kernels, batch offsets aside.
-    table = dispatch.table_on(spec if spec.layout == "dense" else _dense(spec), device)
+    table = _table(spec, device)
 
     def make(choice: dispatch.Choice) -> _Plan:
         config = deterministic_config(choice.config) if deterministic else choice.config
@@ -69,11 +74,6 @@ def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[s
                      launch_args=launch_args)
 
     return dispatch.planned(table, size, make)
-
-
-def _dense(spec: AttentionBwdSpec) -> AttentionBwdSpec:
-    return AttentionBwdSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, q_per_kv=spec.q_per_kv,
-                            mask=spec.mask, softcap=spec.softcap, dtype=spec.dtype)
 
 
 def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, softcap, left, right, deterministic):
@@ -105,8 +105,7 @@ def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, s
 
 def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int) -> dispatch.Choice:
     """The backward's choice for a call of ``size`` (the longer sequence)."""
-    table = dispatch.table_on(spec if spec.layout == "dense" else _dense(spec), device)
-    return table.choose(size)
+    return _table(spec, device).choose(size)
 
 
 @torch.library.custom_op("tilegen::attention_bwd", mutates_args=())
