@@ -105,6 +105,27 @@ def case_dense() -> None:
         assert got == expected, f"{name}: {got} launches through the JIT, expected {expected}"
 
 
+def case_causal() -> None:
+    """A causal launcher calls a helper of its module (the tile schedule's host arithmetic): its calls replay
+    all the same, with no launcher Python after the first."""
+    fresh()
+    replayed = [0]
+    original = launch._Recording.replay
+
+    def counting(self, *args):
+        done = original(self, *args)
+        replayed[0] += bool(done)
+        return done
+
+    launch._Recording.replay = counting
+    try:
+        for _ in range(3):
+            tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), causal=True)
+    finally:
+        launch._Recording.replay = original
+    assert replayed[0] == 2, f"{replayed[0]} of the two repeated causal calls replayed"
+
+
 def case_dense_decode() -> None:
     """tilegen.attention with a few query rows goes to the decode kernel: replayed too."""
     fresh()

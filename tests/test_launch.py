@@ -57,7 +57,7 @@ def test_direct_launches_match_the_jit(tmp_path):
         assert triton.__version__ not in KNOWN
         assert "ok unrecognised" in out
         return
-    for case in ("dense", "dense_decode", "paged_decode", "paged_prefill", "small_ops", "jit_only", "disagreement",
+    for case in ("dense", "causal", "dense_decode", "paged_decode", "paged_prefill", "small_ops", "jit_only", "disagreement",
                  "state", "direct_kernel", "tma"):
         assert f"ok {case} " in out
 
@@ -404,3 +404,35 @@ def test_on_the_gpu_a_new_process_launches_from_json_records_and_falls_back_past
     for path in records:
         path.write_text("[]")
     assert run() == first  # every record refused: through the JIT as in the first process
+
+
+def test_only_helpers_that_cannot_reach_a_kernel_keep_a_launcher_replayable(device):
+    """A launcher's own helper functions run during a capture; one that could launch out of the capture's
+    sight (naming a kernel, a module, or a builtin that reaches any object) makes the launcher unreplayable."""
+    import types
+
+    from tilegen.codegen import module_for
+    from tilegen.families.attention_fwd.spec import AttentionSpec
+    from tilegen.triton_internals.launch import _host_only
+
+    causal = module_for(AttentionSpec(head_dim=64, dtype="bf16", mask="causal"))
+    assert _host_only(causal, causal._tile_schedule)
+
+    module = types.ModuleType("generated")
+    exec(
+        "import math\n"
+        "LIMIT = 4\n"
+        "kernel = object()\n"
+        "def pure(n): return [min(i, LIMIT) for i in range(n)]\n"
+        "def nested(n): return pure(n) + pure(n + 1)\n"
+        "def launches(n): return kernel\n"
+        "def through(n): return launches(n)\n"
+        "def via_module(n): return math.floor(n)\n"
+        "def via_getattr(n): return getattr(n, 'real')\n"
+        "def recursive(n): return recursive(n - 1) if n else 0\n",
+        vars(module),
+    )
+    verdicts = {name: _host_only(module, getattr(module, name))
+                for name in ("pure", "nested", "launches", "through", "via_module", "via_getattr", "recursive")}
+    assert verdicts == {"pure": True, "nested": True, "launches": False, "through": False, "via_module": False,
+                        "via_getattr": False, "recursive": True}

@@ -106,6 +106,7 @@ def _rows(device: str) -> list[dict]:
             {"shape": PREFILL, "provider": f"tilegen.attention{tag}", "call": lambda: tilegen.attention(qp, kp, vp),
              "context": context},
         ]
+    rows += _mask_rows(rand, device, q, k, v)
     if device == "cuda":
         for backend, name in (("FLASH_ATTENTION", "SDPA flash"), ("CUDNN_ATTENTION", "SDPA cuDNN")):
             rows.append({"shape": DENSE, "provider": name, "call": lambda: F.scaled_dot_product_attention(q, k, v),
@@ -119,8 +120,93 @@ def _rows(device: str) -> list[dict]:
                   DECODE: F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), enable_gqa=True),
                   PREFILL: F.scaled_dot_product_attention(qp.float(), kp.float(), vp.float())}
     for row in rows:
-        row["reference"] = references[row["shape"]]
+        row.setdefault("reference", references.get(row["shape"]))
     return rows
+
+
+def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
+    """Every other call a model makes, on the dense shape: each mask and option, GQA, a ragged batch and a
+    paged prefill of the same 16 tokens (two sequences, 7 and 9), each beside SDPA flash with that mask
+    (causal where SDPA has no such mask: its host cost does not depend on the mask)."""
+    n = q.shape[2]
+    keep = torch.ones(n, n, dtype=torch.bool, device=device)
+    causal_mask, window_mask = keep.tril(), keep.tril() & keep.triu(-8)
+    kg, vg = rand(1, 2, n, 64), rand(1, 2, n, 64)
+    lengths = (7, 9)
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=device)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, kg, vg)]  # [tokens, heads, dim]
+    pages = [t.view(1, n, 2, 64) for t in packed[1:]]  # both sequences' keys in one page of 16
+    cache = tilegen.PagedKVCache(*pages, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+                                 torch.tensor([0, 0], dtype=torch.int32, device=device),
+                                 torch.tensor([7, 16], dtype=torch.int32, device=device))
+    # Both sequences' page tables point at that page: sequence 0 keeps keys 0..6, sequence 1 all 16, its 9
+    # queries aligned bottom-right (a chunk appended after 7 cached tokens).
+    prefill = tilegen.PagedAttention()
+    prefill.plan(cu, cache, heads_q=8, causal=True, max_seqlen_q=9, max_seqlen_k=16)
+
+    def softcapped(qf, kf, vf, cap=30.0):
+        s = qf @ kf.transpose(-1, -2) / qf.shape[-1] ** 0.5
+        return (cap * torch.tanh(s / cap)).softmax(-1) @ vf
+
+    qf, kf, vf, kgf, vgf = (t.float() for t in (q, k, v, kg, vg))
+    ragged_ref = torch.cat([F.scaled_dot_product_attention(
+        qf[:, :, a:b], kgf[:, :, a:b], vgf[:, :, a:b], is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        for a, b in ((0, 7), (7, 16))])
+    paged_keys = ((0, 7), (0, 16))
+    paged_ref = torch.cat([F.scaled_dot_product_attention(
+        qf[:, :, a:b], kgf[:, :, ka:kb], vgf[:, :, ka:kb], is_causal=False, enable_gqa=True,
+        attn_mask=torch.ones(b - a, kb - ka, dtype=torch.bool, device=device).tril(kb - ka - (b - a)))[0].transpose(0, 1)
+        for (a, b), (ka, kb) in zip(((0, 7), (7, 16)), paged_keys)])
+    q_packed, k_packed, v_packed = packed
+    dense = f"dense 1x8x{n}x64"
+    rows = [
+        {"shape": f"{dense} causal", "provider": "tilegen.attention",
+         "call": lambda: tilegen.attention(q, k, v, causal=True),
+         "reference": F.scaled_dot_product_attention(qf, kf, vf, attn_mask=causal_mask)},
+        {"shape": f"{dense} window (8, 0)", "provider": "tilegen.attention",
+         "call": lambda: tilegen.attention(q, k, v, window=(8, 0)),
+         "reference": F.scaled_dot_product_attention(qf, kf, vf, attn_mask=window_mask)},
+        {"shape": f"{dense} softcap 30", "provider": "tilegen.attention",
+         "call": lambda: tilegen.attention(q, k, v, softcap=30.0), "reference": softcapped(qf, kf, vf)},
+        {"shape": f"{dense} causal, LSE", "provider": "tilegen.attention",
+         "call": lambda: tilegen.attention(q, k, v, causal=True, return_lse=True)[0],
+         "reference": F.scaled_dot_product_attention(qf, kf, vf, attn_mask=causal_mask)},
+        {"shape": f"{dense} GQA 8/2 causal", "provider": "tilegen.attention",
+         "call": lambda: tilegen.attention(q, kg, vg, causal=True),
+         "reference": F.scaled_dot_product_attention(qf, kgf, vgf, attn_mask=causal_mask, enable_gqa=True)},
+        {"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "tilegen.varlen_attention",
+         "call": lambda: tilegen.varlen_attention(q_packed, k_packed, v_packed, cu, cu, 9, 9, causal=True),
+         "reference": ragged_ref},
+        {"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "PagedAttention.run",
+         "call": lambda: prefill.run(q_packed, cache), "reference": paged_ref},
+    ]
+    for row in rows:
+        row["context"] = contextlib.nullcontext
+    if device == "cuda":
+        flash = _sdpa_backend("FLASH_ATTENTION")
+        for shape, call in (
+            (f"{dense} causal", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+            (f"{dense} GQA 8/2 causal", lambda: F.scaled_dot_product_attention(q, kg, vg, is_causal=True,
+                                                                               enable_gqa=True)),
+        ):
+            rows.append({"shape": shape, "provider": "SDPA flash", "call": call, "context": flash,
+                         "reference": next(r["reference"] for r in rows if r["shape"] == shape)})
+        varlen = _varlen_peer()
+        if varlen is not None:
+            rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "torch varlen_attn",
+                         "call": lambda: varlen(q_packed, k_packed.repeat_interleave(4, 1),
+                                                v_packed.repeat_interleave(4, 1), cu, cu, 9, 9, is_causal=True),
+                         "context": contextlib.nullcontext, "reference": ragged_ref})
+    return rows
+
+
+def _varlen_peer():
+    """torch's own varlen attention (FlashAttention's kernel; torch 2.10 and later), if this torch has it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 def _sync(device: str) -> None:

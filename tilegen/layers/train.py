@@ -84,8 +84,13 @@ class LayerFunction(torch.autograd.Function):
         sequences = zip(x.unbind(0), dout.unbind(0), dx.unbind(0)) if x.dim() == 3 else [(x, dout, dx)]
         for (x_seq, dout_seq, dx_seq), recorder in zip(sequences, ctx.recorders):
             _sequence_backward(x_seq, dout_seq, dx_seq, w, ctx.config, recorder, grads)
-        dw = [grads[name].to(t.dtype) if ctx.needs_input_grad[4 + i] else None
-              for i, (name, t) in enumerate(w.items())]
+        # One weight at a time, each fp32 sum freed as its copy in the weight's dtype is made: all of them
+        # in both dtypes at once would add half the fp32 sums to the step's peak.
+        dw = []
+        for i, (name, t) in enumerate(w.items()):
+            total = grads.pop(name)
+            dw.append(total.to(t.dtype) if ctx.needs_input_grad[4 + i] else None)
+            del total
         return (dx if ctx.needs_input_grad[0] else None), None, None, None, *dw
 
 
@@ -124,7 +129,7 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
             dh, *dffn = torch.autograd.grad(y, [h, *leaves.values()], dout[start:end])
         for name, g in zip(leaves, dffn):
             grads[name] += g
-        grads["self_attn.o_proj.weight"] += dh.T.float() @ attn.float()
+        _add_product(grads["self_attn.o_proj.weight"], dh.T, attn)
         d_attn = dh @ w_o
         # 2. Attention's backward over the keys this block saw.
         xn, norm_backward = _input_norm_graph(x[start:end], w, config)
@@ -140,22 +145,35 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
         dk_all[k0:k1] += dk[0].transpose(0, 1).reshape(k1 - k0, -1)
         dv_all[k0:k1] += dv[0].transpose(0, 1).reshape(k1 - k0, -1)
         dq = tables.unrotate(dq[0].transpose(0, 1).reshape(rows, -1), hq, start, end)
-        grads["self_attn.q_proj.weight"] += dq.T.float() @ xn.float()
+        dq = dq.to(x.dtype)
+        _add_product(grads["self_attn.q_proj.weight"], dq.T, xn)
         # The residual, and q's path back through the input norm.
-        dxn = dq @ w["self_attn.q_proj.weight"].float()
+        dxn = dq @ w["self_attn.q_proj.weight"]
         dx[start:end] = (dh.float() + norm_backward(dxn, grads)).to(dx.dtype)
 
     # 3. K and V's projections and the input norm, now that every block has added to dK and dV.
     w_k, w_v = w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
     for start, end, *_ in blocks:
         xn, norm_backward = _input_norm_graph(x[start:end], w, config)
-        xn = xn.float()
-        dk = tables.unrotate(dk_all[start:end], hkv, start, end)
-        dv = dv_all[start:end]
-        grads["self_attn.k_proj.weight"] += dk.T @ xn
-        grads["self_attn.v_proj.weight"] += dv.T @ xn
-        dxn = dk @ w_k.float() + dv @ w_v.float()
+        dk = tables.unrotate(dk_all[start:end], hkv, start, end).to(x.dtype)
+        dv = dv_all[start:end].to(x.dtype)
+        _add_product(grads["self_attn.k_proj.weight"], dk.T, xn)
+        _add_product(grads["self_attn.v_proj.weight"], dv.T, xn)
+        dxn = torch.addmm(dk @ w_k, dv, w_v)
         dx[start:end] = (dx[start:end].float() + norm_backward(dxn, grads)).to(dx.dtype)
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the layer's dtype. On CUDA one GEMM accumulates
+    the half-precision product into fp32 (``out_dtype``): an fp32 copy of the operands would multiply at a
+    fraction of the tensor cores' rate and hold a weight-sized fp32 temporary per block."""
+    if acc.is_cuda and a.dtype != acc.dtype:
+        try:
+            acc.copy_(torch.addmm(acc, a, b, out_dtype=acc.dtype))
+            return
+        except (RuntimeError, TypeError):  # a torch without addmm's out_dtype overload
+            pass
+    acc += (a @ b).to(acc.dtype) if a.dtype != acc.dtype else a @ b
 
 
 def _input_norm(x, w, config: LayerConfig) -> torch.Tensor:

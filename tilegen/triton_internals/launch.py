@@ -352,9 +352,12 @@ class Launcher:
         self.direct = _rebind(launch, self._kernels)
         self._capture = _rebind(launch, {name: _Capture(self, kernel) for name, kernel in self._kernels.items()})
         # A launcher that calls module functions of its own could launch kernels out of sight of
-        # the capture: such a launcher is never replayed.
-        self._replayable = not any(
-            isinstance(getattr(module, name, None), types.FunctionType) and name != "launch" for name in names
+        # the capture: such a launcher is never replayed, unless every such function provably reaches
+        # no kernel (a causal launcher's tile-schedule arithmetic, say).
+        self._replayable = all(
+            _host_only(module, value)
+            for name in names - {"launch"}
+            if isinstance(value := getattr(module, name, None), types.FunctionType)
         )
 
     @property
@@ -377,6 +380,38 @@ class Launcher:
                 return self._sink
             finally:
                 self._sink = None
+
+
+def _host_only(module: types.ModuleType, function: types.FunctionType, seen: frozenset = frozenset()) -> bool:
+    """Whether ``function`` (of ``module``) can only compute on the host: every global it or its nested code
+    (comprehensions, lambdas) names is a builtin, plain data (numbers, strings, tuples of them), or another
+    function of the module that is host-only too. Modules, classes and kernels fail it, so nothing it
+    calls can launch a kernel behind the capture's back."""
+    if function.__module__ != module.__name__ or function.__code__ in seen:
+        return function.__code__ in seen
+    seen = seen | {function.__code__}
+    codes, names = [function.__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    namespace = vars(module)
+    for name in names:
+        if name in namespace:
+            value = namespace[name]
+            if isinstance(value, types.FunctionType):
+                if not _host_only(module, value, seen):
+                    return False
+            elif not isinstance(value, (int, float, str, bool, type(None), tuple)):
+                return False
+        elif name in _REACHING_BUILTINS:
+            return False
+        # Else a builtin, or an attribute's name (``.append``) on the values allowed above.
+    return True
+
+
+#: Builtins through which a function could reach any object, a kernel included.
+_REACHING_BUILTINS = frozenset({"getattr", "globals", "vars", "locals", "eval", "exec", "compile", "__import__"})
 
 
 class _Capture:
