@@ -54,6 +54,30 @@ def test_gradients_match_the_float64_reference(options, tokens, block, device):
     _against_reference(layer, x, 1e-4)
 
 
+def test_the_ffn_recomputed_in_chunks_that_cut_across_blocks(device, monkeypatch):
+    """The backward recomputes the FFN ffn_recompute_rows at a time inside each schedule block: chunks of 7
+    rows in blocks of 16 leave ragged ends in every block, and the sum over chunks must still be exact."""
+    from tilegen.layers import train
+
+    monkeypatch.setattr(train, "ffn_recompute_rows", lambda config, itemsize: 7)
+    layer = _layer(TINY, device, block=16)
+    x = torch.randn(37, TINY.d_model, generator=torch.Generator().manual_seed(6)).to(device).requires_grad_()
+    _against_reference(layer, x, 1e-4)
+
+
+def test_ffn_recompute_rows_bound_the_chunk():
+    from tilegen.layers.train import FFN_RECOMPUTE_BYTES, ffn_recompute_rows
+
+    llama = LayerConfig(d_model=4096, heads_q=32, heads_kv=8, head_dim=128, d_ffn=14336)
+    assert ffn_recompute_rows(llama, 2) == 2048  # 2048 x 14336 x 2 B = 56 MiB
+    assert ffn_recompute_rows(llama, 4) == 1024
+    assert ffn_recompute_rows(TINY, 4) == 4096  # a narrow FFN: the cap
+    wide = llama.replace(d_ffn=1 << 22)
+    assert ffn_recompute_rows(wide, 4) == 64  # past the budget, the floor
+    for config, itemsize in ((llama, 2), (llama, 4)):
+        assert ffn_recompute_rows(config, itemsize) * config.d_ffn * itemsize <= FFN_RECOMPUTE_BYTES
+
+
 def test_a_batch_of_sequences(device):
     layer = _layer(TINY, device, block=8)
     x = torch.randn(2, 19, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()

@@ -191,22 +191,30 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
         ):
             rows.append({"shape": shape, "provider": "SDPA flash", "call": call, "context": flash,
                          "reference": next(r["reference"] for r in rows if r["shape"] == shape)})
-        varlen = _varlen_peer()
+        varlen = _varlen_peer(q_packed, k_packed, v_packed, cu)
         if varlen is not None:
             rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "torch varlen_attn",
-                         "call": lambda: varlen(q_packed, k_packed.repeat_interleave(4, 1),
-                                                v_packed.repeat_interleave(4, 1), cu, cu, 9, 9, is_causal=True),
-                         "context": contextlib.nullcontext, "reference": ragged_ref})
+                         "call": varlen, "context": contextlib.nullcontext, "reference": ragged_ref})
     return rows
 
 
-def _varlen_peer():
-    """torch's own varlen attention (FlashAttention's kernel; torch 2.10 and later), if this torch has it."""
+def _varlen_peer(q, k, v, cu):
+    """A causal call of torch's own varlen attention (FlashAttention's kernel; torch 2.10 and later) on the
+    packed batch, if this torch has it. Its keywords changed between releases: causal is ``is_causal`` in
+    2.10, ``window_size=(-1, 0)`` later; GQA (``enable_gqa``) came in 2.12, before which K and V are repeated."""
+    import inspect
+
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        causal["enable_gqa"] = True
+    else:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    return lambda: varlen_attn(q, k, v, cu, cu, 9, 9, **causal)
 
 
 def _sync(device: str) -> None:

@@ -27,7 +27,7 @@ from tilegen.layers.reference import ffn_residual, norm, rope_tables
 from tilegen.ops.attention import attention, prepare_call
 from tilegen.ops.rope import apply_rope
 
-__all__ = ["LayerFunction", "Recorder"]
+__all__ = ["FFN_RECOMPUTE_BYTES", "LayerFunction", "Recorder", "ffn_recompute_rows"]
 
 
 class Recorder:
@@ -117,18 +117,26 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
     dv_all = torch.zeros_like(dk_all)
 
     ffn_names = [name for name in w if name.startswith(("post_attention_layernorm.", "mlp."))]
+    ffn_rows = ffn_recompute_rows(config, x.element_size())
     w_o = w["self_attn.o_proj.weight"]
     for start, end, k0, k1, kwargs in blocks:
         rows = end - start
         attn = recorder.out[start:end]
-        # 1. The FFN block, recomputed from h under autograd.
-        with torch.enable_grad():
-            h = torch.addmm(x[start:end], attn, w_o.T).detach().requires_grad_()
-            leaves = {name: w[name].detach().requires_grad_() for name in ffn_names}
-            y = ffn_residual(h, leaves, config)
-            dh, *dffn = torch.autograd.grad(y, [h, *leaves.values()], dout[start:end])
-        for name, g in zip(leaves, dffn):
-            grads[name] += g
+        # 1. The FFN, recomputed from h under autograd, ffn_rows at a time: a schedule's block of 16k rows
+        # would otherwise hold several [rows, d_ffn] intermediates (GBs at Llama-8B widths).
+        dh = torch.empty_like(attn)
+        for c0 in range(start, end, ffn_rows):
+            c1 = min(c0 + ffn_rows, end)
+            with torch.enable_grad():
+                h = torch.addmm(x[c0:c1], recorder.out[c0:c1], w_o.T).detach().requires_grad_()
+                leaves = {name: w[name].detach().requires_grad_() for name in ffn_names}
+                y = ffn_residual(h, leaves, config)
+                dh_rows, *dffn = torch.autograd.grad(y, [h, *leaves.values()], dout[c0:c1])
+            dh[c0 - start:c1 - start] = dh_rows
+            del h, y, dh_rows
+            for name, g in zip(leaves, dffn):
+                grads[name] += g
+            del dffn, g  # weight-sized: not beside the next chunk's
         _add_product(grads["self_attn.o_proj.weight"], dh.T, attn)
         d_attn = dh @ w_o
         # 2. Attention's backward over the keys this block saw.
@@ -144,12 +152,14 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
             spec.mask, spec.softcap, scale, softcap, left, right, False)
         dk_all[k0:k1] += dk[0].transpose(0, 1).reshape(k1 - k0, -1)
         dv_all[k0:k1] += dv[0].transpose(0, 1).reshape(k1 - k0, -1)
+        del dk, dv
         dq = tables.unrotate(dq[0].transpose(0, 1).reshape(rows, -1), hq, start, end)
-        dq = dq.to(x.dtype)
         _add_product(grads["self_attn.q_proj.weight"], dq.T, xn)
         # The residual, and q's path back through the input norm.
         dxn = dq @ w["self_attn.q_proj.weight"]
-        dx[start:end] = (dh.float() + norm_backward(dxn, grads)).to(dx.dtype)
+        dx[start:end] = norm_backward(dxn, grads).add_(dh)
+        # Before the next block's FFN chunks: this block's temporaries would otherwise live on beside them.
+        del dh, d_attn, q, dq, dxn, xn, norm_backward
 
     # 3. K and V's projections and the input norm, now that every block has added to dK and dV.
     w_k, w_v = w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]
@@ -160,7 +170,23 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
         _add_product(grads["self_attn.k_proj.weight"], dk.T, xn)
         _add_product(grads["self_attn.v_proj.weight"], dv.T, xn)
         dxn = torch.addmm(dk @ w_k, dv, w_v)
-        dx[start:end] = (dx[start:end].float() + norm_backward(dxn, grads)).to(dx.dtype)
+        dx[start:end] = norm_backward(dxn, grads).add_(dx[start:end])
+        del dk, dv, dxn, xn, norm_backward
+
+
+#: What one recomputed FFN chunk's [rows, d_ffn] tensor may take: autograd keeps about five of them (the
+#: norm's output aside, gate and up projections, the activation, their product) and their gradients.
+FFN_RECOMPUTE_BYTES = 64 << 20
+
+
+def ffn_recompute_rows(config: LayerConfig, itemsize: int) -> int:
+    """Rows of the FFN the backward recomputes at once: the largest power of two (at most 4096, at least 64)
+    whose [rows, d_ffn] tensor fits ``FFN_RECOMPUTE_BYTES``. At Llama-3-8B's width (14336, bf16), 2048: its
+    GEMMs still fill an H200, and the chunk's intermediates stay near 0.5 GB whatever the schedule's block."""
+    rows = 4096
+    while rows > 64 and rows * config.d_ffn * itemsize > FFN_RECOMPUTE_BYTES:
+        rows //= 2
+    return rows
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -216,14 +242,13 @@ class _RopeTables:
         apply_rope(view, *self._tables(start, end), out=view)
 
     def unrotate(self, g, heads, start, end) -> torch.Tensor:
-        """The gradient before the rotation, fp32: the rotation's transpose applied to ``g``."""
-        g = g.float()
+        """The gradient before the rotation, written over ``g`` [rows, heads * head_dim] (contiguous) and
+        returned: the rotation's transpose, which is the rotation by the opposite angles (``sin`` negated:
+        the tables repeat their halves, so sin commutes with rotate-half). One kernel in ``g``'s dtype,
+        where fp32 torch arithmetic would hold several fp32 copies of a block's gradient."""
         if self.theta is None:
             return g
         cos, sin = self._tables(start, end)
         view = g.view(g.shape[0], heads, self.head_dim)
-        half = self.head_dim // 2
-        u = view * sin[:, None, :]
-        # y = t cos + rot(t) sin with rot(t) = (-t2, t1); its transpose takes u to (u2, -u1).
-        back = view * cos[:, None, :] + torch.cat((u[..., half:], -u[..., :half]), dim=-1)
-        return back.reshape(g.shape[0], -1)
+        apply_rope(view, cos, sin.neg(), out=view)
+        return g
