@@ -4,6 +4,7 @@ and the float64 reference, and what it hands to SDPA instead. Importing tilegen 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -108,6 +109,28 @@ def test_a_bidirectional_window_keeps_keys_within_its_distance(device):
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=False), q, k, v, None, sliding_window=4)
     ref = attention_reference(q, k, v, causal=False, window=(4, 4))[0]
     assert _rel(out, ref.transpose(1, 2)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_4d_causal_mask_over_padding_runs_ragged(kind, device, monkeypatch, _fresh_warnings):
+    q, k, v = _qkv(device)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[1, :5] = False
+    allowed = _causal(19, 19, device, window=6) & padding[:, None, None, :]
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape, device=device).masked_fill(~allowed, -math.inf)
+    ran = []
+    real = tilegen_hf.varlen_attention
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask, sliding_window=6)
+    assert ran == [1] and not tilegen_hf._warned
+    assert _rel(out[padding], _dense_reference(q, k, v, allowed)[padding]) < 1e-4
+    # One causal mask for the whole batch: no padding, the dense kernel.
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, _causal(19, 19, device))
+    assert ran == [1] and not tilegen_hf._warned
+    assert _rel(out, _dense_reference(q, k, v, _causal(19, 19, device))) < 1e-4
+    # The same mask with the window the call does not have: not causal over padding.
+    with pytest.warns(RuntimeWarning, match="a mask that is not causal"):
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask)
 
 
 def test_what_it_cannot_serve_goes_to_sdpa_with_one_warning_per_reason(device, _fresh_warnings):

@@ -74,12 +74,13 @@ class _Calls:
             monkeypatch.setattr(tilegen_hf, name, spy)
 
 
-def _compare(ref, model, mask=None, **inputs):
+def _compare(ref, model, mask=None, real=None, **inputs):
     with torch.no_grad():
         want = ref(attention_mask=mask, **inputs).logits
         got = model(attention_mask=mask, **inputs).logits
     assert torch.isfinite(got).all()
-    real = torch.ones(got.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+    if real is None:
+        real = torch.ones(got.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
     assert _rel(got[real], want[real]) < REL
     return got
 
@@ -213,6 +214,24 @@ def test_gradients_of_a_padded_batch():
         got = grads[1][name]
         assert got is not None and torch.isfinite(got).all(), name
         assert _rel(got, want) < REL, name
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_4d_causal_padding_mask_runs_varlen(kind, monkeypatch):
+    ref, model = _llama()
+    ids = _ids(2, 11)
+    padding = torch.ones_like(ids, dtype=torch.bool)
+    padding[0, :4] = False
+    padding[1, 9:] = False
+    mask = torch.ones(11, 11, dtype=torch.bool).tril()[None, None] & padding[:, None, None, :]
+    if kind == "float":  # eager's additive form
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    calls = _Calls(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compare(ref, model, mask, input_ids=ids, real=padding)
+    assert not [w for w in caught if "tilegen attention" in str(w.message)]  # no fallback
+    assert calls.ops == ["varlen_attention"] * 2
 
 
 def test_a_custom_4d_mask_falls_back_to_sdpa_with_one_warning(monkeypatch):

@@ -20,10 +20,13 @@ Every attention call of the model then runs in tilegen:
 What it cannot serve it hands to PyTorch's SDPA (or the model's eager attention when softcap, attention
 sinks or the attention weights are needed), with one warning per reason: a mask pattern transformers
 built from anything but causal, sliding-window, padding and packing (chunked, image-token overlays, a
-4-d mask passed by the caller), attention dropout while training, ``output_attentions``, attention sinks,
-a sliding window over a padding mask with holes.
+4-d mask of the caller's that is not causal over padding), attention dropout while training,
+``output_attentions``, attention sinks, a sliding window over a padding mask with holes.
 
-transformers is imported by ``register()``, ``use_tilegen()`` and the fallback only, never when tilegen is.
+The ragged path reads its max lengths on the host: one synchronization per forward (per mask), as
+FlashAttention-2's padding path has; the unmasked path has none.
+
+transformers is imported by ``register()``, ``use_tilegen()`` and ``mask_forward`` only, never when tilegen is.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def attention_forward(
 
     ``attention_mask``: ``None`` (the plain causal or bidirectional pattern), a 2-d bool padding mask
     ``[batch, >= n_k]`` (1 = a real token), a 2-d integer tensor of packed sequences' ids ``[batch, n]``
-    (what ``mask_forward`` hands over), or a 4-d mask, which goes to the fallback.
+    (what ``mask_forward`` hands over), or a 4-d mask: served when it is the causal (or bidirectional)
+    pattern, window included, over padding, else handed to the fallback.
     """
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if sliding_window is None:
@@ -93,7 +97,14 @@ def attention_forward(
     elif kwargs.get("s_aux") is not None:
         reason = "s_aux"
     elif attention_mask is not None and attention_mask.dim() != 2:
-        reason = "mask"
+        # A dense mask of the caller's (or a builder's): served when it is the causal (or bidirectional)
+        # pattern, the window, and padding, which its 2-d padding mask then stands for.
+        padding = _layout(attention_mask, query.shape[2], key.shape[2], (causal, sliding_window, query.shape[0]),
+                          _padding_of_dense)
+        if padding is None:
+            reason = "mask"
+        else:
+            attention_mask = padding
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
@@ -120,7 +131,8 @@ def attention_forward(
 
     if attention_mask.shape[1] < n_k:
         # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
-        key, value, n_k = key[:, :, :attention_mask.shape[1]], value[:, :, :attention_mask.shape[1]], attention_mask.shape[1]
+        n_k = attention_mask.shape[1]
+        key, value = key[:, :, :n_k], value[:, :, :n_k]
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
@@ -176,16 +188,16 @@ class _Layout:
 # synchronization for the max lengths, a few small kernels) is computed by the first layer and reused by
 # the others. Keyed by id() and validated by a weak reference plus the tensor's version counter: an id
 # or data_ptr alone can be reused by the next forward's mask once this one is freed, with other values.
-_layouts: dict[tuple, tuple[weakref.ref, int, _Layout]] = {}
+_layouts: dict[tuple, tuple[weakref.ref, int, Any]] = {}
 _MAX_LAYOUTS = 16
 
 
-def _layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool, build) -> _Layout:
-    key = (id(mask), n_q, n_k, causal, build)
+def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
+    key = (id(mask), n_q, n_k, pattern, build)
     entry = _layouts.get(key)
     if entry is not None and entry[0]() is mask and entry[1] == mask._version:
         return entry[2]
-    layout = build(mask, n_q, n_k, causal)
+    layout = build(mask, n_q, n_k, pattern)
     if len(_layouts) >= _MAX_LAYOUTS:
         _layouts.clear()
     _layouts[key] = (weakref.ref(mask), mask._version, layout)
@@ -212,6 +224,31 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     return _Layout(False, max_runs <= 1, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
                    torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
+
+
+def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.Tensor | None:
+    """The 2-d padding mask a ``[batch, 1, n_q, n_k]`` mask (bool, or additive float: 0 or very negative)
+    is made of, given the call's causal pattern and window; ``None`` when it is not made that way.
+    A key no query attends counts as padding, and so does its query row, whose output is then zeros
+    (transformers' padded rows: no key at all, or, right of the sequence, arbitrary)."""
+    causal, sliding_window, batch = pattern
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2:] != (n_q, n_k):
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return None  # a bias, not a mask
+    else:
+        return None
+    padding = allowed.any(dim=2)[:, 0]
+    expected = _dense_mask(padding, mask.shape[0], n_q, n_k, causal, sliding_window, mask.device)
+    rows = padding[:, n_k - n_q:] if causal or n_q == n_k else torch.ones_like(padding[:, :n_q])
+    same = (expected == allowed) | ~rows[:, None, :, None]
+    if not bool(same.all()):
+        return None
+    return padding.expand(batch, n_k).contiguous()  # one row broadcast over the batch: the same padding in each
 
 
 def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
