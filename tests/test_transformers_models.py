@@ -1,7 +1,8 @@
 """Tiny transformers models with ``attn_implementation="tilegen"`` against the same models in transformers'
 own attention (SDPA; eager for Gemma 2, which has no SDPA path), fp32, random weights: the logits of real
 tokens within 1e-4 relative, with padding left and right, packed sequences, a cached decode, a sliding
-window, softcap, gradients of a padded batch, and the fallback for a mask tilegen cannot serve.
+window, softcap, gradients of padded and packed batches, 4-d masks, and the fallback for a mask tilegen
+cannot serve.
 
 Tolerance: both sides are fp32 with the same weights; only attention differs, and tilegen's fp32 kernel is
 within about 1e-6 of a float64 reference, so 1e-4 leaves room for a few layers' accumulation and nothing
@@ -182,6 +183,22 @@ def test_mistral_sliding_window(padded, monkeypatch):
     assert calls.ops == ["varlen_attention" if padded else "attention"] * 2
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_mistral_sliding_window_decode_of_a_left_padded_batch(cache):
+    from transformers import MistralConfig, MistralForCausalLM
+    ref, model = _pair(MistralConfig, MistralForCausalLM, sliding_window=4)
+    ids = _ids(2, 9)  # the prompt is longer than the window: the cache keeps fewer keys than the mask has
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True, cache_implementation=cache)
+    with torch.no_grad():
+        want = ref.generate(**kwargs)
+        got = model.generate(**kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
+
+
 def test_gemma2_softcap_sliding_and_custom_scaling(monkeypatch):
     from transformers import Gemma2Config, Gemma2ForCausalLM
     ref, model = _pair(Gemma2Config, Gemma2ForCausalLM, reference="eager", sliding_window=4,
@@ -205,15 +222,28 @@ def test_gradients_of_a_padded_batch():
     mask[1, 8:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
-    for m in (ref, m2 := model):
+    for m in (ref, model):
         m.zero_grad(set_to_none=True)
         m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append({name: p.grad for name, p in m.named_parameters()})
-    assert m2 is model
     for name, want in grads[0].items():
         got = grads[1][name]
         assert got is not None and torch.isfinite(got).all(), name
         assert _rel(got, want) < REL, name
+
+
+def test_gradients_of_packed_sequences():
+    ref, model = _llama()
+    lengths = [6, 4, 7]
+    ids = _ids(1, sum(lengths))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    grads = []
+    for m in (ref.train(), model.train()):
+        m.zero_grad(set_to_none=True)
+        m(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+    for name, want in grads[0].items():
+        assert _rel(grads[1][name], want) < REL, name
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -286,8 +316,9 @@ def test_the_ragged_layout_is_computed_once_per_mask(monkeypatch):
     monkeypatch.setattr(tilegen_hf, "_padding_layout", counting)
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask).logits
+        # The next forward, with other padding: transformers builds another mask tensor, which gets its own layout.
         mask[0, :2] = 1
-        mask[1, :4] = 0  # new values in the same tensor: a new layout, not the cached one
+        mask[1, :4] = 0
         second = model(input_ids=ids, attention_mask=mask).logits
         want = ref(input_ids=ids, attention_mask=mask).logits
     assert len(built) == 2  # one per forward, not one per layer
