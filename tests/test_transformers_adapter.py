@@ -1,9 +1,10 @@
 """tilegen.integrations.transformers' attention function, without transformers: its contract (layouts, GQA,
-causal from the module, scale, sliding window, softcap) against SDPA and the float64 reference, and what it
-refuses. Importing tilegen must not import transformers."""
+causal from the module, scale, sliding window, softcap, padding masks, packed sequences' ids) against SDPA
+and the float64 reference, and what it hands to SDPA instead. Importing tilegen must not import transformers."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -53,18 +54,129 @@ def test_sliding_window_and_softcap(device):
     assert _rel(out, ref.transpose(1, 2)) < 1e-4
 
 
-def test_what_it_refuses(device):
+@pytest.fixture
+def _fresh_warnings():
+    tilegen_hf._warned.clear()
+    yield
+    tilegen_hf._warned.clear()
+
+
+def _dense_reference(q, k, v, allowed):
+    """SDPA on a [batch, 1, n_q, n_k] bool mask; rows that see no key are zeros, as tilegen gives them."""
+    none = ~allowed.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | none, enable_gqa=True)
+    return out.masked_fill(none, 0.0).transpose(1, 2)
+
+
+def _causal(n_q, n_k, device, window=None):
+    i = torch.arange(n_q, device=device)[:, None] + n_k - n_q
+    j = torch.arange(n_k, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    return allowed[None, None]
+
+
+@pytest.mark.parametrize("n_q", [19, 3, 1], ids=["prefill", "chunk", "decode"])
+def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monkeypatch):
+    q, k, v = _qkv(device)
+    q = q[:, :, -n_q:].contiguous()
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :6] = False  # left
+    padding[1, 15:] = False  # right
+    ran = []
+    real = tilegen_hf.varlen_attention
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+    assert ran == [1] and out.shape == (2, n_q, 4, 16)
+    allowed = _causal(n_q, 19, device) & padding[:, None, None, :]
+    ref = _dense_reference(q, k, v, allowed)
+    real_rows = padding[:, -n_q:]
+    assert _rel(out[real_rows], ref[real_rows]) < 1e-4
+    assert (out[~real_rows] == 0).all()
+
+
+def test_packed_ids_keep_sequences_apart(device):
+    q, k, v = _qkv(device)
+    ids = torch.tensor([[0] * 7 + [1] * 5 + [2] * 7, [0] * 19], device=device)
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, ids, sliding_window=5)
+    allowed = _causal(19, 19, device, window=5) & (ids[:, None, :, None] == ids[:, None, None, :])
+    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-4
+
+
+def test_a_bidirectional_window_keeps_keys_within_its_distance(device):
+    q, k, v = _qkv(device)
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=False), q, k, v, None, sliding_window=4)
+    ref = attention_reference(q, k, v, causal=False, window=(4, 4))[0]
+    assert _rel(out, ref.transpose(1, 2)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_4d_causal_mask_over_padding_runs_ragged(kind, device, monkeypatch, _fresh_warnings):
+    q, k, v = _qkv(device)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[1, :5] = False
+    allowed = _causal(19, 19, device, window=6) & padding[:, None, None, :]
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape, device=device).masked_fill(~allowed, -math.inf)
+    ran = []
+    real = tilegen_hf.varlen_attention
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask, sliding_window=6)
+    assert ran == [1] and not tilegen_hf._warned
+    assert _rel(out[padding], _dense_reference(q, k, v, allowed)[padding]) < 1e-4
+    # One causal mask for the whole batch: no padding, the dense kernel.
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, _causal(19, 19, device))
+    assert ran == [1] and not tilegen_hf._warned
+    assert _rel(out, _dense_reference(q, k, v, _causal(19, 19, device))) < 1e-4
+    # The same mask with the window the call does not have: not causal over padding.
+    with pytest.warns(RuntimeWarning, match="a mask that is not causal"):
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask)
+
+
+def test_what_it_cannot_serve_goes_to_sdpa_with_one_warning_per_reason(device, _fresh_warnings):
     q, k, v = _qkv(device)
     module = types.SimpleNamespace(is_causal=True)
-    mask = torch.zeros(2, 1, 19, 19, dtype=torch.bool, device=device)
-    with pytest.raises(NotImplementedError, match="attention_mask"):
-        tilegen_hf.attention_forward(module, q, k, v, mask)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        tilegen_hf.attention_forward(module, q, k, v, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="s_aux"):
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(2, 1, 19, 19, generator=gen) > 0.4).to(device)
+    mask[..., 0] = True
+    with pytest.warns(RuntimeWarning, match="a mask that is not causal") as caught:
+        for _ in range(3):
+            out, _ = tilegen_hf.attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert len(caught) == 1
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert _rel(out, ref.transpose(1, 2)) < 1e-5
+
+    holes = torch.ones(2, 19, dtype=torch.bool, device=device)
+    holes[0, 4:6] = False  # a window counts positions; a ragged batch would count real tokens
+    with pytest.warns(RuntimeWarning, match="not one run"):
+        out, _ = tilegen_hf.attention_forward(module, q, k, v, holes, sliding_window=5)
+    allowed = _causal(19, 19, device, window=5) & holes[:, None, None, :]
+    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-5
+
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        out, _ = tilegen_hf.attention_forward(module, q, k, v, None, dropout=0.5)
+    assert out.shape == (2, 19, 4, 16) and torch.isfinite(out).all()
+
+
+def test_what_nothing_can_serve_is_refused_by_name(device, _fresh_warnings):
+    q, k, v = _qkv(device)
+    # softcap and attention sinks fall back to the model's own eager attention; a module without one has none.
+    module = types.SimpleNamespace(is_causal=True)
+    with pytest.raises(NotImplementedError, match="s_aux.*eager_attention_forward"):
         tilegen_hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(4, device=device))
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=False), q, k, v, None, sliding_window=4)
+    mask = torch.ones(2, 1, 19, 19, dtype=torch.bool, device=device)
+    with pytest.raises(NotImplementedError, match="eager_attention_forward"):
+        tilegen_hf.attention_forward(module, q, k, v, mask, softcap=2.0)
+
+
+def test_a_mask_changed_in_place_gets_a_new_layout(device):
+    padding = torch.ones(2, 9, dtype=torch.bool, device=device)
+    padding[0, :2] = False
+    first = tilegen_hf._layout(padding, 9, 9, True, tilegen_hf._padding_layout)
+    assert tilegen_hf._layout(padding, 9, 9, True, tilegen_hf._padding_layout) is first
+    padding[1, :5] = False
+    second = tilegen_hf._layout(padding, 9, 9, True, tilegen_hf._padding_layout)
+    assert second is not first and second.cu_k.tolist() == [0, 7, 11]
 
 
 def test_register_without_transformers_says_what_it_needs(monkeypatch):

@@ -126,13 +126,27 @@ def test_llama_trains_with_tilegen_attention_at_the_bf16_noise_floor(monkeypatch
     assert not bad, "tilegen bf16 beyond the bf16 noise floor:\n" + "\n".join(bad)
 
 
-def test_a_padding_mask_is_refused_by_name():
-    model = _model("tilegen", _bf16_state(), torch.bfloat16)
+def test_a_padded_batch_runs_ragged_at_the_bf16_noise_floor(monkeypatch):
+    state = _bf16_state()
     ids = _ids()
     mask = torch.ones_like(ids)
-    mask[0, :7] = 0  # left padding: the mask builder gives a mask tensor
-    with pytest.raises(NotImplementedError, match="attention_mask"):
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    mask[0, :7] = 0  # left padding
+    mask[1, TOKENS - 5:] = 0  # right padding
+    real = mask.bool()
+
+    def logits(impl, dtype):
+        with torch.no_grad():
+            return _model(impl, state, dtype).eval()(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    ref = logits("eager", torch.float32)
+    calls = []
+    varlen = tilegen_hf.varlen_attention
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    got = logits("tilegen", torch.bfloat16)
+    assert calls == [1] * LAYERS
+    floor = max(_rel(logits(impl, torch.bfloat16)[real], ref[real]) for impl in ("eager", "sdpa"))
+    error = _rel(got[real], ref[real])
+    assert error <= max(FACTOR * floor, BF16_UNIT), f"{error:.3g} against a floor of {floor:.3g}"
 
 
 def test_a_mask_without_padding_runs_as_plain_causal():

@@ -1,24 +1,61 @@
 """tilegen attention inside Hugging Face transformers models, through their ``AttentionInterface``.
 
     from tilegen.integrations import transformers as tilegen_hf
-    tilegen_hf.register()   # once per process, before the model's first forward
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="tilegen")
+    model = AutoModelForCausalLM.from_pretrained(name)
+    tilegen_hf.use_tilegen(model)   # or: register(), then from_pretrained(..., attn_implementation="tilegen")
 
-transformers is imported by ``register()`` only, never when tilegen is.
+Every attention call of the model then runs in tilegen:
+
+- no mask (or an all-ones one): ``tilegen.attention``, causal from the module, aligned bottom-right, so a
+  decoding step against transformers' caches (fewer queries than keys) is the same call;
+- padding, left or right, and packed sequences: ``tilegen.varlen_attention`` on the real tokens only.
+  ``register()`` installs a mask builder that, like FlashAttention-2's, hands the attention function the
+  2-d padding mask (bool) or the packed sequences' ids (int64, one id per sequence) instead of a dense
+  ``[batch, 1, n_q, n_k]`` mask; transformers' ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword
+  arguments (padding-free training) are taken as they are. Padded rows' outputs are zeros;
+- sliding windows (``sliding_window``: the ``sliding_window`` keys up to and including the query's own,
+  as transformers' masks keep ``kv_idx > q_idx - sliding_window``), softcap, GQA, the module's scaling;
+- training: both tilegen ops are differentiable.
+
+What it cannot serve it hands to PyTorch's SDPA (or the model's eager attention when softcap, attention
+sinks or the attention weights are needed), with one warning per reason: a mask pattern transformers
+built from anything but causal, sliding-window, padding and packing (chunked, image-token overlays, a
+4-d mask of the caller's that is not causal over padding), attention dropout while training,
+``output_attentions``, attention sinks, a sliding window over a padding mask with holes.
+
+The ragged path reads its max lengths on the host: one synchronization per forward (per mask), as
+FlashAttention-2's padding path has; the unmasked path has none.
+
+transformers is imported by ``register()``, ``use_tilegen()`` and ``mask_forward`` only, never when tilegen is.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tilegen.ops.attention import attention
+from tilegen.ops.varlen import varlen_attention
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
 
 #: The ``attn_implementation`` name ``register()`` uses by default.
 NAME = "tilegen"
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str, target: str) -> None:
+    # Once per reason and process: a model calls attention once per layer and step.
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"tilegen attention: {_MESSAGES[reason]}; running such calls in {target} instead",
+                      RuntimeWarning, stacklevel=4)
 
 
 def attention_forward(
@@ -33,50 +70,360 @@ def attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention function contract: ``query`` ``[batch, heads, n_q, head_dim]``, ``key`` and
     ``value`` ``[batch, kv_heads, n_k, head_dim]`` (not repeated: GQA from the head counts); returns
     ``(output [batch, n_q, heads, head_dim], None)``.
 
-    Causal when the module is (``module.is_causal``, or an ``is_causal`` keyword), aligned bottom-right.
-    The mask builder ``register()`` installs (SDPA's) gives ``attention_mask=None`` when the mask is the
-    plain causal one (no padding, no packed sequences); any mask tensor (padding, packed sequences, a
-    static cache's) raises ``NotImplementedError``, as do dropout and attention sinks.
+    ``attention_mask``: ``None`` (the plain causal or bidirectional pattern), a 2-d bool padding mask
+    ``[batch, >= n_k]`` (1 = a real token), a 2-d integer tensor of packed sequences' ids ``[batch, n]``
+    (what ``mask_forward`` hands over), or a 4-d mask: served when it is the causal (or bidirectional)
+    pattern, window included, over padding, else handed to the fallback.
     """
-    if attention_mask is not None:
-        raise NotImplementedError(
-            "attention_mask: tilegen's transformers attention runs without a mask tensor; this batch needs "
-            "one (padding, packed sequences or a static cache). Drop the padding (or use "
-            "tilegen.varlen_attention on the packed tokens), or use attn_implementation='sdpa'")
-    if dropout:
-        raise NotImplementedError(f"dropout: tilegen attention has no attention dropout (got {dropout})")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("s_aux: tilegen attention has no attention sinks")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
     window = None
     if sliding_window is not None:
-        if not causal:
-            raise NotImplementedError("sliding_window: tilegen's transformers attention takes it on causal layers only")
-        # transformers keeps keys with kv_idx > q_idx - sliding_window.
-        window = (sliding_window - 1, 0)
-    out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+        # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
+        # keeps |q_idx - kv_idx| <= sliding_window.
+        window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+    reason = None
+    if dropout:
+        reason = "dropout"
+    elif kwargs.get("output_attentions"):
+        reason = "output_attentions"
+    elif kwargs.get("s_aux") is not None:
+        reason = "s_aux"
+    elif attention_mask is not None and attention_mask.dim() != 2:
+        # A dense mask of the caller's (or a builder's): served when it is the causal (or bidirectional)
+        # pattern, the window, and padding, which its 2-d padding mask then stands for.
+        padding = _layout(attention_mask, query.shape[2], key.shape[2], (causal, sliding_window, query.shape[0]),
+                          _padding_of_dense)
+        if padding is None:
+            reason = "mask"
+        else:
+            attention_mask = padding
+    if reason is not None:
+        return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal,
+                         sliding_window, softcap, kwargs)
+
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None and (attention_mask is None or attention_mask.dtype != torch.bool):
+        cu_k, max_q, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if cu_k is not None and max_q is not None and max_k is not None:
+            return _packed(query, key, value, _as_offsets(cu_q), _as_offsets(cu_k), int(max_q), int(max_k),
+                           causal, window, softcap, scaling)
+
+    if attention_mask is None:
+        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    n_q, n_k = query.shape[2], key.shape[2]
+    if attention_mask.dtype != torch.bool:  # packed sequences' ids
+        if n_q != n_k or attention_mask.shape != (query.shape[0], n_q):
+            return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
+                             sliding_window, softcap, kwargs)
+        layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
+        return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
+                       softcap, scaling)
+
+    if attention_mask.shape[1] < n_k:
+        # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
+        n_k = attention_mask.shape[1]
+        key, value = key[:, :, :n_k], value[:, :, :n_k]
+    layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
+    if layout.full:
+        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if window is not None and not layout.contiguous:
+        # transformers counts a window in positions, the ragged batch in real tokens: they differ across a hole.
+        return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
+                         sliding_window, softcap, kwargs)
+    batch, heads, _, dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
+    k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
+    v = value.transpose(1, 2).reshape(batch * n_k, value.shape[1], value.shape[3]).index_select(0, layout.rows_k)
+    out = varlen_attention(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal=causal,
+                           window=window, softcap=softcap, scale=scaling)
+    # Padded query rows stay zeros; index_copy (not in place) keeps the scatter differentiable.
+    full = out.new_zeros(batch * n_q, heads, out.shape[2]).index_copy(0, layout.rows_q, out)
+    return full.view(batch, n_q, heads, out.shape[2]), None
+
+
+def _packed(query, key, value, cu_q, cu_k, max_q, max_k, causal, window, softcap, scaling):
+    """Sequences packed along each row (padding-free training): every token is real, so the ragged
+    batch is the flattened tensors themselves, with no gather."""
+    batch, heads, n_q, dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * n_q, heads, dim)
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
+    out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
+                           scale=scaling)
+    return out.view(batch, n_q, heads, out.shape[2]), None
+
+
+def _as_offsets(cu: torch.Tensor) -> torch.Tensor:
+    # transformers' collators give int64 (or int32) offsets; the kernel reads contiguous int32.
+    return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A mask's ragged batch: rows of the flattened ``[batch * n]`` tensors that are real tokens, their
+    offsets per sequence and the host-side max lengths."""
+
+    full: bool  # no padding at all: the dense kernel, with no gather
+    contiguous: bool  # every row's real tokens form one run (a window measures the same in either)
+    rows_q: torch.Tensor | None
+    rows_k: torch.Tensor | None
+    cu_q: torch.Tensor | None
+    cu_k: torch.Tensor | None
+    max_q: int
+    max_k: int
+
+
+# transformers hands every layer the same mask object in one forward; its ragged layout (a host
+# synchronization for the max lengths, a few small kernels) is computed by the first layer and reused by
+# the others. Keyed by id() and validated by a weak reference plus the tensor's version counter: an id
+# or data_ptr alone can be reused by the next forward's mask once this one is freed, with other values.
+_layouts: dict[tuple, tuple[weakref.ref, int, Any]] = {}
+_MAX_LAYOUTS = 16
+
+
+def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
+    key = (id(mask), n_q, n_k, pattern, build)
+    entry = _layouts.get(key)
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        return entry[2]
+    layout = build(mask, n_q, n_k, pattern)
+    if len(_layouts) >= _MAX_LAYOUTS:
+        _layouts.clear()
+    _layouts[key] = (weakref.ref(mask), mask._version, layout)
+    return layout
+
+
+def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
+    mask_k = mask[:, -n_k:] if mask.shape[1] > n_k else mask
+    if causal or n_q == n_k:
+        # A causal layer's queries are the last n_q of its keys (a cached decode step or chunked prefill).
+        mask_q = mask_k[:, n_k - n_q:]
+    else:  # cross-attention: the mask pads the keys only
+        mask_q = mask_k.new_ones(mask_k.shape[0], n_q)
+    lens_q = mask_q.sum(-1, dtype=torch.int32)
+    lens_k = mask_k.sum(-1, dtype=torch.int32)
+    runs = mask_k[:, :1].sum(-1) + (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(-1)
+    max_q, max_k, max_runs, real = torch.stack(
+        [lens_q.max(), lens_k.max(), runs.max(), lens_q.sum() + lens_k.sum()]).tolist()
+    batch = mask_k.shape[0]
+    full = real == batch * (n_q + n_k)
+    if full:
+        return _Layout(True, True, None, None, None, None, n_q, n_k)
+    zero = lens_q.new_zeros(1)
+    return _Layout(False, max_runs <= 1, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
+                   torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
+                   torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
+
+
+def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.Tensor | None:
+    """The 2-d padding mask a ``[batch, 1, n_q, n_k]`` mask (bool, or additive float: 0 or very negative)
+    is made of, given the call's causal pattern and window; ``None`` when it is not made that way.
+    A key no query attends counts as padding, and so does its query row, whose output is then zeros
+    (transformers' padded rows: no key at all, or, right of the sequence, arbitrary)."""
+    causal, sliding_window, batch = pattern
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2:] != (n_q, n_k):
+        return None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        if not bool((allowed | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return None  # a bias, not a mask
+    else:
+        return None
+    padding = allowed.any(dim=2)[:, 0]
+    expected = _dense_mask(padding, mask.shape[0], n_q, n_k, causal, sliding_window, mask.device)
+    rows = padding[:, n_k - n_q:] if causal or n_q == n_k else torch.ones_like(padding[:, :n_q])
+    same = (expected == allowed) | ~rows[:, None, :, None]
+    if not bool(same.all()):
+        return None
+    return padding.expand(batch, n_k).contiguous()  # one row broadcast over the batch: the same padding in each
+
+
+def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
+    batch, n = ids.shape
+    # Distinct ids across rows, so that a sequence never continues into the next row.
+    flat = (ids + torch.arange(batch, device=ids.device)[:, None] * (n + 1)).reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    cu = torch.cat([starts.nonzero().view(-1), flat.new_tensor([batch * n])]).to(torch.int32)
+    longest = int(cu.diff().max()) if batch * n else 0
+    return _Layout(False, True, None, None, cu, cu, longest, longest)
+
+
+def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal, sliding_window, softcap, kwargs):
+    """The call in SDPA, or in the model's own eager attention when SDPA cannot take it (softcap,
+    attention sinks, the attention weights), on the mask transformers would have built."""
+    eager = None
+    if softcap is not None or kwargs.get("s_aux") is not None or kwargs.get("output_attentions"):
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(f"tilegen attention: {_MESSAGES[reason]}, and {type(module).__name__}'s "
+                                      "module has no eager_attention_forward to fall back to")
+    _warn_once(reason, "eager attention" if eager is not None else "SDPA")
+    n_q, n_k = query.shape[2], key.shape[2]
+    built = mask is None or mask.dim() != 4
+    if built:
+        if mask is not None and mask.dtype == torch.bool and mask.shape[1] < n_k:
+            key, value, n_k = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]], mask.shape[1]
+        mask = _dense_mask(mask, query.shape[0], n_q, n_k, causal, sliding_window, query.device)
+    unattended = None
+    if mask is not None and mask.dtype == torch.bool and built:
+        # Padded query rows see no key: SDPA would give NaN there, tilegen gives zeros.
+        unattended = ~mask.any(-1, keepdim=True)
+        mask = mask | unattended
+    if eager is not None:
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~mask, torch.finfo(query.dtype).min)
+        out, weights = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                             sliding_window=sliding_window, softcap=softcap, **kwargs)
+    else:
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if heads != kv_heads:
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            is_causal=mask is None and causal and n_q > 1)
+        out, weights = out.transpose(1, 2).contiguous(), None
+    if unattended is not None:
+        out = out.masked_fill(unattended[:, 0, :, :, None], 0.0)  # [batch, n_q, 1, 1] over [batch, n_q, heads, dim]
+    return out, weights
+
+
+_MESSAGES = {
+    "dropout": "attention dropout while training is not supported",
+    "output_attentions": "output_attentions asks for the attention weights, which tilegen does not form",
+    "s_aux": "attention sinks (s_aux) are not supported",
+    "mask": "a mask that is not causal, sliding-window, padding or packed sequences (a 4-d mask, or one "
+            "built with a custom or overlay mask function)",
+    "holes": "a sliding window over a padding mask whose real tokens are not one run",
+}
+
+
+def _dense_mask(mask, batch, n_q, n_k, causal, sliding_window, device) -> torch.Tensor | None:
+    """The ``[batch, 1, n_q, n_k]`` bool mask of a call's 2-d mask (padding or packed ids), causal
+    pattern and window; ``None`` when that is the plain causal one SDPA's ``is_causal`` serves."""
+    if mask is None and sliding_window is None and (not causal or n_q == n_k):
+        return None
+    i = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k, device=device)[None, :]
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if causal:
+        allowed = j <= i
+        if sliding_window is not None:
+            allowed = allowed & (j > i - sliding_window)
+    elif sliding_window is not None:
+        allowed = (i - j).abs() <= sliding_window
+    allowed = allowed[None, None].expand(batch, 1, n_q, n_k)
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return allowed & mask[:, -n_k:][:, None, None, :]
+    return allowed & (mask[:, None, :, None] == mask[:, None, None, :])
+
+
+def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+    """The mask builder ``register()`` installs (transformers' ``AttentionMaskInterface`` contract).
+
+    For the patterns ``attention_forward`` serves (causal or bidirectional, optionally a causal sliding
+    window, packed sequences), it returns what FlashAttention-2's builder does, with nothing of size
+    n_q x n_k: ``None`` when there is no padding, else the 2-d bool padding mask cut to the last
+    ``kv_length`` keys; for packed sequences, their ids ``[batch, n]``. The window itself reaches the
+    attention function as its ``sliding_window`` argument, as it does FlashAttention-2's. Any other
+    pattern gets SDPA's 4-d mask, which ``attention_forward`` hands to the fallback.
+    """
+    from transformers import masking_utils
+
+    pattern = _pattern(mask_function if mask_function is not None else masking_utils.causal_mask_function,
+                       masking_utils)
+    if pattern is None:
+        return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                       q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                                       attention_mask=attention_mask, **kwargs)
+    packed = pattern
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+        # Shorter than kv_length: a static cache, whose unwritten keys the mask must cut.
+        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+            return None
+    return attention_mask
+
+
+def _pattern(fn, masking_utils) -> torch.Tensor | bool | None:
+    """What a transformers mask function computes, from how it was composed: ``None`` when it is not
+    causal or bidirectional with at most a causal sliding window and packed sequences; the packed
+    sequences' ids when there are some, else ``True``."""
+    found = {"base": None, "window": False, "packed": None}
+
+    def walk(f) -> bool:
+        if f is masking_utils.causal_mask_function:
+            found["base"] = "causal" if found["base"] in (None, "causal") else "mixed"
+            return True
+        if f is masking_utils.bidirectional_mask_function:
+            found["base"] = "bidirectional" if found["base"] in (None, "bidirectional") else "mixed"
+            return True
+        cells = dict(zip(f.__code__.co_freevars, (c.cell_contents for c in f.__closure__ or ()))) \
+            if hasattr(f, "__code__") else {}
+        name = getattr(f, "__qualname__", "")
+        if name == "and_masks.<locals>.and_mask":
+            return all(walk(g) for g in cells.get("mask_functions", (None,)))
+        if name == "sliding_window_overlay.<locals>.inner_mask":
+            found["window"] = True
+            return True
+        if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+            return walk(cells.get("mask_function"))
+        if name == "packed_sequence_mask_function.<locals>.inner_mask":
+            found["packed"] = cells.get("packed_sequence_mask")
+            return isinstance(found["packed"], torch.Tensor)
+        return False
+
+    if not walk(fn) or found["base"] not in ("causal", "bidirectional"):
+        return None
+    if found["window"] and found["base"] != "causal":
+        return None
+    return found["packed"] if found["packed"] is not None else True
 
 
 def register(name: str = NAME) -> str:
     """Make ``attn_implementation=name`` run ``attention_forward`` in every transformers model that
-    dispatches through ``AttentionInterface``; returns ``name``.
+    dispatches through ``AttentionInterface``, with ``mask_forward`` as its mask builder; returns ``name``.
 
-    It also registers SDPA's mask builder under ``name``: transformers builds no mask at all for a name
-    without one (so padding would be ignored silently), while SDPA's gives ``None`` for the plain
-    causal mask, which ``attention_forward`` runs as ``causal=True``, and a tensor otherwise, which it refuses.
+    A mask builder must be registered under the same name: transformers builds no mask at all for a name
+    without one, and padding would be ignored silently.
     """
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError("tilegen.integrations.transformers.register: needs transformers with AttentionInterface "
                           "and masking_utils.AttentionMaskInterface") from error
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, mask_forward)
     return name
+
+
+def use_tilegen(model: Any, name: str = NAME) -> Any:
+    """Register tilegen (``register(name)``) and switch ``model``, its sub-models included, to it;
+    returns ``model``."""
+    register(name)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # transformers before set_attn_implementation
+        model.config._attn_implementation = name
+    return model
