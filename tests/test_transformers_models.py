@@ -21,6 +21,10 @@ transformers = pytest.importorskip("transformers")
 
 from tilegen.integrations import transformers as tilegen_hf  # noqa: E402
 
+# CPU models and inputs, so the interpreter's kernels: on a GPU machine the bf16 checks of
+# tests/test_transformers_training.py run the compiled kernels instead.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tiny fp32 CPU models, run under the interpreter")
+
 REL = 1e-4
 VOCAB = 61
 DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from tilegen.layers.config import LayerConfig
-from tilegen.layers.reference import ffn_residual, norm, rope_tables
+from tilegen.layers.reference import norm, rope_tables
 from tilegen.ops.attention import attention, prepare_call
 from tilegen.ops.rope import apply_rope
 
@@ -116,27 +117,19 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
     dk_all = torch.zeros(n, hkv * hd, dtype=torch.float32, device=x.device)
     dv_all = torch.zeros_like(dk_all)
 
-    ffn_names = [name for name in w if name.startswith(("post_attention_layernorm.", "mlp."))]
     ffn_rows = ffn_recompute_rows(config, x.element_size())
     w_o = w["self_attn.o_proj.weight"]
     for start, end, k0, k1, kwargs in blocks:
         rows = end - start
         attn = recorder.out[start:end]
-        # 1. The FFN, recomputed from h under autograd, ffn_rows at a time: a schedule's block of 16k rows
-        # would otherwise hold several [rows, d_ffn] intermediates (GBs at Llama-8B widths).
+        # 1. The FFN, recomputed from h, ffn_rows at a time: a schedule's block of 16k rows would otherwise
+        # hold several [rows, d_ffn] intermediates (GBs at Llama-8B widths).
         dh = torch.empty_like(attn)
         for c0 in range(start, end, ffn_rows):
             c1 = min(c0 + ffn_rows, end)
-            with torch.enable_grad():
-                h = torch.addmm(x[c0:c1], recorder.out[c0:c1], w_o.T).detach().requires_grad_()
-                leaves = {name: w[name].detach().requires_grad_() for name in ffn_names}
-                y = ffn_residual(h, leaves, config)
-                dh_rows, *dffn = torch.autograd.grad(y, [h, *leaves.values()], dout[c0:c1])
-            dh[c0 - start:c1 - start] = dh_rows
-            del h, y, dh_rows
-            for name, g in zip(leaves, dffn):
-                grads[name] += g
-            del dffn, g  # weight-sized: not beside the next chunk's
+            h = torch.addmm(x[c0:c1], recorder.out[c0:c1], w_o.T)
+            dh[c0 - start:c1 - start] = _ffn_backward(h, dout[c0:c1], w, config, grads)
+            del h
         _add_product(grads["self_attn.o_proj.weight"], dh.T, attn)
         d_attn = dh @ w_o
         # 2. Attention's backward over the keys this block saw.
@@ -202,14 +195,53 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += (a @ b).to(acc.dtype) if a.dtype != acc.dtype else a @ b
 
 
+def _ffn_backward(h, dy, w, config: LayerConfig, grads) -> torch.Tensor:
+    """d(h) of ``y = h + mlp(norm(h))`` (``ffn_residual``) on a chunk of rows, given d(y). The MLP's weight
+    gradients go into their fp32 sums by GEMMs that accumulate (``_add_product``): autograd would hand back a
+    weight-sized gradient per chunk, and adding those into the sums moved more bytes than the GEMMs took."""
+    hn, norm_backward = _norm_graph(h, w, "post_attention_layernorm", config)
+    w_up, w_down = w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]
+    up = hn @ w_up.T
+    if config.ffn == "swiglu":
+        gate = hn @ w["mlp.gate_proj.weight"].T
+        silu = F.silu(gate)
+        act = silu * up
+    else:
+        act = F.gelu(up)
+    _add_product(grads["mlp.down_proj.weight"], dy.T, act)
+    del act
+    d_act = dy @ w_down
+    if config.ffn == "swiglu":
+        d_up = d_act * silu
+        del silu
+        d_gate = torch.ops.aten.silu_backward(d_act * up, gate)
+        del gate, up, d_act
+        _add_product(grads["mlp.gate_proj.weight"], d_gate.T, hn)
+        d_hn = d_gate @ w["mlp.gate_proj.weight"]
+        del d_gate
+    else:
+        d_up = torch.ops.aten.gelu_backward(d_act, up)
+        del up, d_act
+        d_hn = None
+    _add_product(grads["mlp.up_proj.weight"], d_up.T, hn)
+    d_hn = d_up @ w_up if d_hn is None else d_hn.addmm_(d_up, w_up)
+    del d_up, hn
+    return norm_backward(d_hn, grads).add_(dy).to(h.dtype)
+
+
 def _input_norm(x, w, config: LayerConfig) -> torch.Tensor:
     return norm(x, w["input_layernorm.weight"], w.get("input_layernorm.bias"), config.norm, config.eps)
 
 
 def _input_norm_graph(x, w, config: LayerConfig):
-    """One block's input norm, computed once under autograd: ``(xn, backward)``, where ``backward(dxn, grads)``
-    returns d(input) in fp32 and adds the norm weight's (and bias's) gradient to ``grads``; call it once."""
-    names = [name for name in ("input_layernorm.weight", "input_layernorm.bias") if name in w]
+    return _norm_graph(x, w, "input_layernorm", config)
+
+
+def _norm_graph(x, w, prefix: str, config: LayerConfig):
+    """One block's norm (weights ``{prefix}.weight`` and ``.bias``), computed once under autograd:
+    ``(xn, backward)``, where ``backward(dxn, grads)`` returns d(input) in fp32 and adds the norm weight's
+    (and bias's) gradient to ``grads``; call it once."""
+    names = [name for name in (f"{prefix}.weight", f"{prefix}.bias") if name in w]
     with torch.enable_grad():
         xl = x.detach().requires_grad_()
         leaves = [w[name].detach().requires_grad_() for name in names]
