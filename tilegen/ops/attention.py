@@ -140,7 +140,8 @@ def attention(
             _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
         # A program reads only its own query rows, before it writes their output: out may be q itself.
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
-    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if plan.lse_shape is not None else None
+    # empty_like of the plan's storage-free template: about half new_empty's host time with a shape and dtype.
+    lse = torch.empty_like(plan.lse_like) if plan.lse_like is not None else None
     if plan.launches:
         # The plan fixes every shape, dtype and scalar the launcher reads; the strides complete the key
         # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
@@ -160,6 +161,8 @@ class _Plan:
     launch_args: dict[str, Any]
     choice: dispatch.Choice | None = None
     out_like_q: bool = False  # the output has q's shape: allocated as empty_like(q), in q's memory layout
+    # A contiguous fp32 LSE's shape on q's device, as one element expanded (no storage of its size); None: no LSE.
+    lse_like: torch.Tensor | None = None
 
 
 _plans = dispatch.plan_cache()
@@ -186,9 +189,14 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
     def make(choice: dispatch.Choice) -> _Plan:
         launch_args = {**fixed, **choice.config.to_dict()}
         return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=launches, out_like_q=out_like_q,
+                     lse_like=_lse_like(lse_shape, q.device),
                      launch=launcher.replay(launch_args), launch_args=launch_args, choice=choice)
 
     return dispatch.planned(dispatch.table_on(spec, q.device), max(n_q, k.shape[2]), make)
+
+
+def _lse_like(shape, device) -> torch.Tensor | None:
+    return None if shape is None else torch.empty((), dtype=torch.float32, device=device).expand(shape)
 
 
 def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
@@ -225,6 +233,7 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
                 replay(key, q, k, v, out, lse, *decode_buffers(q.shape[0], rows, dv, splits, q.device))
 
         return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=True, launch=launch, choice=choice,
+                     lse_like=_lse_like(lse_shape, q.device),
                      launch_args=launch_args, out_like_q=out_like_q)
 
     return dispatch.planned(dispatch.table_for(decode_spec, info), (n_k, batch), make)
