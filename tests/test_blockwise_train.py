@@ -152,3 +152,46 @@ def test_an_empty_sequence_still_differentiates(device):
     y.sum().backward()
     assert x.grad.shape == x.shape
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+
+
+def test_trains_in_place_of_a_transformers_llama_layer(device):
+    """BlockwiseLayer.from_llama(LlamaDecoderLayer) against that very layer under autograd, fp32: the loss and
+    every gradient (input and each weight) agree to fp32 rounding (a wrong RoPE transpose, norm gradient or
+    GQA sum shows as errors of 1e-2 and more)."""
+    transformers = pytest.importorskip("transformers")
+    if device != "cpu":
+        pytest.skip("tiny fp32 CPU model, run under the interpreter; the GPU benchmark compares the bf16 layer")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                      max_position_embeddings=64, attention_bias=False, mlp_bias=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    llama = LlamaDecoderLayer(config, layer_idx=0)
+    with torch.no_grad():  # norms away from 1, projections of unit gain: every weight's gradient is sizeable
+        for p in llama.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    layer = BlockwiseLayer.from_llama(llama, heads_q=4, heads_kv=2, rope_theta=10000.0, eps=1e-5, block=16)
+    tokens = 33
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(7))
+    dy = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(8))
+
+    x_ref = x.clone().requires_grad_()
+    positions = torch.arange(tokens)[None]
+    rotary = LlamaRotaryEmbedding(config=config)
+    out = llama(x_ref[None], attention_mask=None, position_ids=positions,
+                position_embeddings=rotary(x_ref[None], positions))
+    y_ref = (out[0] if isinstance(out, tuple) else out)[0]
+    loss_ref = (y_ref * dy).sum()
+    loss_ref.backward()
+
+    x_ours = x.clone().requires_grad_()
+    loss = (layer(x_ours) * dy).sum()
+    loss.backward()
+    assert abs(float(loss) - float(loss_ref)) <= 1e-4 * abs(float(loss_ref))
+    errors = {"x": _rel(x_ours.grad, x_ref.grad.double())}
+    reference = dict(llama.named_parameters())
+    errors.update({name: _rel(p.grad, reference[name].grad.double()) for name, p in layer.named_parameters()})
+    assert set(errors) == {"x", *reference}
+    assert max(errors.values()) < 1e-4, errors
