@@ -265,3 +265,46 @@ def test_emit_tuned_bakes_a_served_row_and_says_whose_it_was(files, tmp_path):
     assert result.exit_code == 0, result.output
     line = next(line for line in module.read_text().splitlines() if line.startswith("    64: {"))
     assert line.endswith(f"# {user} (tuned under Triton 3.0.0)"), line
+
+
+def test_the_rows_are_read_once_per_table_not_per_call(files, monkeypatch):
+    from tilegen.db import lookup
+
+    user, shipped = files
+    store(shipped, "3.6.0", 64, Config(32, 16, 4, 1))
+    store(user, "3.5.0", 128, Config(16, 16, 4, 1))
+    reads = []
+    read_tuned = lookup.read_tuned
+    monkeypatch.setattr(lookup, "read_tuned", lambda *args: reads.append(args[0]) or read_tuned(*args))
+    installed(monkeypatch, "3.7.1")
+    q, k, v = (torch.randn(1, 2, 50, 32) for _ in range(3))
+    for n in (50, 50, 100):
+        tilegen.attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True)
+    assert sorted(reads) == sorted([user, shipped])  # one query per file, for the first call only
+
+
+def test_a_served_row_that_fails_to_compile_is_skipped_at_its_first_launch(files, monkeypatch, caplog):
+    """The fallback every tuned row has: the row is skipped with one warning naming its Triton, the default runs."""
+    import dataclasses
+    import json
+    import logging
+    import sqlite3
+
+    from tilegen.families import registry
+    from tilegen.families.attention_fwd.reference import attention_reference
+
+    user, _ = files
+    store(user, "3.0.0", 64, Config(32, 16, 4, 1))
+    with sqlite3.connect(user) as conn:  # behind the writers' checks: a block tl.arange refuses
+        conn.execute("UPDATE tg_tuned_configs SET config_json = ?", (json.dumps(Config(48, 16, 4, 1).to_dict()),))
+    monkeypatch.setitem(registry._by_name, ATTENTION_FWD.name,
+                        dataclasses.replace(ATTENTION_FWD, feasible=lambda spec, config, device: None))
+    q, k, v = (torch.randn(1, 2, 50, 32) for _ in range(3))
+    assert tilegen.explain(q, k, v, causal=True).tuned_under == "3.0.0"
+    with caplog.at_level(logging.WARNING, logger="tilegen.dispatch"):
+        out = tilegen.attention(q, k, v, causal=True)
+    ref = attention_reference(q, k, v, causal=True)[0]
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-4
+    warnings = [r.getMessage() for r in caplog.records if "skipping the tuned config" in r.getMessage()]
+    assert len(warnings) == 1 and f"tuned under Triton 3.0.0; installed {triton.__version__}" in warnings[0]
+    assert tilegen.explain(q, k, v, causal=True).source == "default"
