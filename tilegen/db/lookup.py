@@ -134,7 +134,8 @@ def tuned_rows(
         tuned = ", ".join(sorted(set(rows.tuned_under.values()), key=Version))
         _warn_once(f"tilegen: {spec.name} on {device.key}: no tuned row of the installed Triton {triton_version} for "
                    f"{len(rows.tuned_under)} bucket(s); serving rows tuned under Triton {tuned} instead. "
-                   f"`tilegen db verify --retime` times them here and stores them under {triton_version}",
+                   f"`tilegen db verify --retime` on a GPU of this kind times them there and stores them under "
+                   f"{triton_version}",
                    level=logging.INFO)
     return rows
 
