@@ -1,9 +1,10 @@
 """Choosing a config for a call, for every family: tuned table in memory, nearest bucket, heuristic default.
 
 The first call for a (spec, device) pair loads the tuned rows that apply to it (this
-GPU, this Triton, this template) from the user's database and then the shipped one;
-every later call is a dictionary lookup. The family's bucket rule maps a call's size (one
-int, or the pair a two-size family buckets: decode's ``(context, batch)``) to a bucket;
+GPU, this template; this Triton's, else, for a bucket it has none for, the nearest Triton
+version's that this one can run: ``tilegen.db.lookup``) from the user's database and then
+the shipped one; every later call is a dictionary lookup. The family's bucket rule maps a
+call's size (one int, or the pair a two-size family buckets: decode's ``(context, batch)``) to a bucket;
 the exact bucket is used when tuned, else the nearest tuned one
 (``tilegen.families.buckets``). With no tuned row at all, the family's heuristic default
 for the bucket is used and one log line names the ``tilegen tune`` command that would
@@ -66,6 +67,15 @@ class Choice:
     bucket: int  # the call's bucket
     tuned_bucket: int | None  # the bucket of the tuned row used, None for the default
     rule: Buckets | None = field(default=None, compare=False)  # the family's, to show what a bucket means
+    tuned_under: str | None = None  # the Triton version of a row served for want of the installed one's
+    installed_triton: str | None = field(default=None, compare=False)  # the version the rows were chosen for
+
+    @property
+    def note(self) -> str | None:
+        """What a user should know about where the config came from: a row of another Triton says so."""
+        if self.tuned_under is None:
+            return None
+        return f"tuned under Triton {self.tuned_under}; installed {self.installed_triton}"
 
     def __repr__(self) -> str:
         def shown(bucket: int | None) -> str:
@@ -73,8 +83,9 @@ class Choice:
             # A packed bucket (decode's context x batch) says what it holds; a plain one is its own label.
             return f"{bucket}" if label in (None, str(bucket)) else f"{bucket} ({label})"
 
+        note = "" if self.note is None else f", note={self.note!r}"
         return (f"Choice(config={self.config!r}, source={self.source!r}, bucket={shown(self.bucket)}, "
-                f"tuned_bucket={shown(self.tuned_bucket)})")
+                f"tuned_bucket={shown(self.tuned_bucket)}{note})")
 
 
 class Table:
@@ -85,6 +96,9 @@ class Table:
         self.device = device
         self.family = family_of(spec)
         self.rows = dict(rows)
+        # ``tuned_rows`` says which rows another Triton tuned (a plain dict of rows has none).
+        self.tuned_under: dict[int, str] = dict(getattr(rows, "tuned_under", {}))
+        self.triton_version: str | None = getattr(rows, "triton_version", None)
         self._choices: dict[int, Choice] = {}
 
     def choose(self, size: int | tuple[int, int]) -> Choice:
@@ -107,7 +121,8 @@ class Table:
             return Choice(default, "default", bucket, None, self.family.buckets)
         nearest = self.family.buckets.nearest(bucket, self.rows)
         config, source = self.rows[nearest]
-        return Choice(config, source, bucket, nearest, self.family.buckets)
+        return Choice(config, source, bucket, nearest, self.family.buckets, self.tuned_under.get(nearest),
+                      self.triton_version)
 
     def run(self, size: int | tuple[int, int], launch: Callable[[Choice], Any]) -> tuple[Choice, Any]:
         """``launch(choice)`` with the choice for ``size``; a tuned row that fails is skipped for good
@@ -124,12 +139,14 @@ class Table:
     def skip(self, choice: Choice, error: BaseException) -> None:
         """Forget the tuned row behind ``choice``: it failed to compile or launch here."""
         self.rows.pop(choice.tuned_bucket, None)
+        self.tuned_under.pop(choice.tuned_bucket, None)
         self._choices.clear()
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         message = (
             f"tilegen: skipping the tuned config {choice.config} of {self.spec.name} "
             f"(bucket {self.family.buckets.label(choice.tuned_bucket)}) "
-            f"from {choice.source}: it failed here ({type(error).__name__}: {reason}). `tilegen db verify` checks "
+            f"from {choice.source}{f' ({choice.note})' if choice.note else ''}: "
+            f"it failed here ({type(error).__name__}: {reason}). `tilegen db verify` checks "
             f"every row"
         )
         if message not in _warned:

@@ -103,17 +103,24 @@ def _shipped(path: Path | _Server) -> Path | None:
 
 @db_app.command("list")
 def list_(ctx: typer.Context, db: Optional[str] = _DbOption, wide: bool = _WideOption) -> None:
-    """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after."""
+    """Every tuned config: one row per variant, GPU, Triton version and size bucket; the shipped ones after.
+
+    A row of another Triton that dispatch serves, for want of a row of the installed one for its
+    bucket, is marked `other Triton (served)`.
+    """
+    from tilegen.cli.verify import listing as _listing
+    from tilegen.cli.verify import served as _served
+
     path = _path(ctx, db)
     console = _console()
-    stale = unknown = 0
+    listings = []  # (title, listing) in the order dispatch prefers them: yours, then the shipped one
+    yours = False
     if path.exists():
         with _open(path) as database:
-            rows = database.list_tuned()
-        if rows:
-            reasons = TuningDB.why_stale(rows)
-            console.print(_tuned_table(rows, title=str(path), unused=reasons, wide=wide))
-            stale, unknown = sum(r is not None for r in reasons), reasons.count("unknown family")
+            listing = _listing(database)
+        if listing[0]:
+            listings.append((str(path), listing))
+            yours = True
         else:
             typer.echo(f"no tuned configs in {path}", err=True)
     else:
@@ -121,15 +128,37 @@ def list_(ctx: typer.Context, db: Optional[str] = _DbOption, wide: bool = _WideO
     shipped = _shipped(path)
     if shipped is not None:
         with _open(shipped) as database:
-            rows = database.list_tuned()
-        console.print(_tuned_table(rows, title=f"shipped with tilegen (read-only, consulted after yours): {shipped}",
-                                   unused=TuningDB.why_stale(rows), wide=wide))
+            title = f"shipped with tilegen (read-only, consulted after yours): {shipped}"
+            listings.append((title, _listing(database)))
+    served = _served([listing for _, listing in listings])
+    stale = unknown = serving = 0
+    for f, (title, (rows, _, _)) in enumerate(listings):
+        reasons = [f"{reason} ({_SERVED})" if (f, i) in served else reason
+                   for i, reason in enumerate(TuningDB.why_stale(rows))]
+        console.print(_tuned_table(rows, title=title, unused=reasons, wide=wide))
+        if yours and f == 0:
+            serving = sum((f, i) in served for i in range(len(rows)))
+            stale = sum(r is not None for r in reasons) - serving
+            unknown = reasons.count("unknown family")
     if stale:
         typer.echo(f"{stale} of the tuned configs in {path} are ones dispatch here can never use (the 'unused' "
                    f"column says why: their kernel's template has changed since, or they were tuned with another "
-                   f"Triton than the installed {triton.__version__}); `tilegen db prune` deletes them"
+                   f"Triton than the installed {triton.__version__} and are not served, as it has a row of its own "
+                   f"or a nearer version's for their bucket, or cannot run their config); `tilegen db prune` "
+                   f"deletes them"
                    + (f" (with --all, the {unknown} of families this tilegen does not know)" if unknown else ""),
                    err=True)
+    if served:
+        typer.echo(f"rows marked 'other Triton ({_SERVED})' were tuned with another Triton and are what dispatch "
+                   f"runs on their GPU under the installed {triton.__version__}, which has no row of its own for "
+                   f"their bucket; `tilegen db verify --retime` on that GPU checks and times them there and stores "
+                   f"them under {triton.__version__}"
+                   + (f" (`tilegen db prune` would delete the {serving} of {path})" if serving else ""),
+                   err=True)
+
+
+#: The mark of a row of another Triton that dispatch serves (``tilegen.db.lookup.served_rows``).
+_SERVED = "served"
 
 
 @db_app.command()
@@ -336,15 +365,22 @@ def verify(
     seed: int = typer.Option(0, help="Seed of the random inputs."),
     timeout: float = typer.Option(300.0, help="Seconds one row may take (compilation included)."),
     drop_failed: bool = typer.Option(False, "--drop-failed", help="Delete the rows that fail."),
+    retime: bool = typer.Option(
+        False, "--retime", help="Instead: time on this GPU the rows of another Triton that dispatch serves here "
+        "(`other Triton (served)` in `tilegen db list`), from your database and the shipped one, and store each "
+        "that gives the right answer in yours under the installed Triton. Needs a CUDA GPU.",
+    ),
     db: Optional[str] = _DbOption,
 ) -> None:
     """Re-run tuned rows on this machine against the family's reference: does each config compile, run and
     give the right answer here, and how fast is it?
 
     Only rows of this GPU, this Triton and the current template can run here (those are the rows
-    dispatch reads); the rest are counted and left alone.
+    dispatch reads as this Triton's); the rest are counted and left alone. With --retime, the rows of
+    another Triton that dispatch serves on this GPU for want of the installed one's are checked and
+    timed here and stored under the installed Triton, each as soon as it is timed.
     """
-    from tilegen.cli.verify import verify_rows
+    from tilegen.cli.verify import gpu_available, retime_rows, verify_rows
 
     if not 0 < timeout < math.inf:
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
@@ -352,6 +388,27 @@ def verify(
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
     if shipped and drop_failed:
         fail("--drop-failed: the shipped database is read-only; drop rows from your own database")
+    if retime:
+        if shipped:
+            fail("--retime: re-timed rows are stored in your database (--db), and the shipped rows are read with "
+                 "it; leave out --shipped")
+        if drop_failed:
+            fail("--drop-failed: not with --retime, which stores the rows that pass and leaves the rest as they are")
+        if not gpu_available():
+            fail("--retime: needs a CUDA GPU (torch.cuda.is_available() is False): a row is timed on the GPU "
+                 "that serves it, and the CPU interpreter's times say nothing of one; nothing was stored")
+        path = _path(ctx, db)
+        other = _shipped(path)
+        with _open(path, write=True) as database, \
+                (_open(other) if other is not None else contextlib.nullcontext()) as shipped_db:
+            stored, failed = retime_rows(database, shipped_db, spec_hash, seed=seed, timeout=timeout,
+                                         console=_console())
+        typer.echo(f"stored {stored} re-timed row(s) in {path} under Triton {triton.__version__}", err=True)
+        if failed:
+            fail(f"{failed} row(s) of another Triton failed on this machine and were not stored; dispatch serves "
+                 f"them still, until a row of Triton {triton.__version__} replaces them (`tilegen tune` tunes "
+                 f"their buckets here)")
+        return
     path = env.shipped_db_path() if shipped else _path(ctx, db)
     _need(path)
     with _open(path, write=drop_failed) as database:

@@ -66,7 +66,8 @@ def standalone_entry_point(spec: Spec, *, user_db: Path | None = None) -> str:
     """Python source to append to ``source_for(spec)``: the tuned table of this device and an entry point.
 
     Rows come from ``tuned_rows`` (``user_db`` over the shipped database) for
-    ``device_info()``, this Triton and this template; the family writes the rest.
+    ``device_info()``, this Triton (else the nearest one's, as dispatch serves them) and this
+    template; the family writes the rest.
     """
     if user_db is not None:
         TuningDB(user_db, readonly=True).close()  # an explicit file must exist and be readable
@@ -74,6 +75,10 @@ def standalone_entry_point(spec: Spec, *, user_db: Path | None = None) -> str:
     device = device_info()
     template = template_hash(family)
     rows = tuned_rows(spec, device, template, triton.__version__, user_db=user_db)
+    # A row served from another Triton's says so in the module's comment beside it, as explain does.
+    rows = {bucket: (config, source if bucket not in rows.tuned_under else
+                     f"{source} (tuned under Triton {rows.tuned_under[bucket]})")
+            for bucket, (config, source) in rows.items()}
     return family.standalone_entry_point(
         spec, rows, device, template_hash=template, triton_version=triton.__version__
     )

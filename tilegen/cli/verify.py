@@ -4,27 +4,35 @@ Each row runs as a tuning trial does (``tilegen.tuning.measure`` in the tuning w
 process, through the family's ``Problem``): fresh random inputs, NaN-poisoned outputs,
 the reference check, then timing. A row that does not compile, faults or is wrong here
 fails; dispatch would skip it at its first launch anyway, this says so up front.
+
+``--retime`` (``retime_rows``) runs the same way the rows of another Triton that dispatch
+serves on this GPU, and stores each that passes under the installed Triton: the measured
+time replaces one taken under another compiler, and the row stops being a stand-in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
+import triton
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from tilegen.codegen.render import template_hash
-from tilegen.db import TuningDB
-from tilegen.db.validate import safe_text
+from tilegen.db import TuningDB, TunedRow
+from tilegen.db.lookup import served_rows
+from tilegen.db.validate import RowError, device_from_gpu, safe_text
 from tilegen.device import device_info
 from tilegen.families import ConfigError, family_of
 from tilegen.ir import SpecError
 from tilegen.families import spec_from_json
 
-__all__ = ["verify_rows"]
+__all__ = ["gpu_available", "listing", "retime_rows", "served", "verify_rows"]
 
 
 def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, console: Console,
@@ -76,20 +84,7 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
     worker = Worker()
     try:
         for row, spec, family in runnable:
-            try:
-                config = family.config_type.from_dict(row.config)
-                reason = family.feasible(spec, config, device)
-            except ConfigError as e:
-                config, reason = None, str(e)
-            if reason is None:
-                try:
-                    problem = family.problem(spec, row.bucket, on_gpu=not device.is_interpreter)
-                except ValueError as e:  # a bucket its family's rule no longer makes (an older key)
-                    reason = str(e)
-            if reason is not None:
-                result = {"status": "infeasible", "time_ms": None, "max_error": None, "reason": reason}
-            else:
-                result = worker.measure((family, problem, config, seed), timeout)
+            config, _, result = _measure(worker, row, spec, family, device, seed, timeout)
             ok = result["status"] == "ok"
             failed += not ok
             if not ok and drop_failed:
@@ -104,3 +99,110 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
         worker.close()
     console.print(table)
     return failed
+
+
+def _measure(worker, row: TunedRow, spec, family, device, seed: int, timeout: float):
+    """Run one stored row as a tuning trial: ``(config or None, problem or None, the worker's result)``."""
+    problem = None
+    try:
+        config = family.config_type.from_dict(row.config)
+        reason = family.feasible(spec, config, device)
+    except ConfigError as e:
+        config, reason = None, str(e)
+    if reason is None:
+        try:
+            problem = family.problem(spec, row.bucket, on_gpu=not device.is_interpreter)
+        except ValueError as e:  # a bucket its family's rule no longer makes (an older key)
+            reason = str(e)
+    if reason is not None:
+        return config, None, {"status": "infeasible", "time_ms": None, "max_error": None, "reason": reason}
+    return config, problem, worker.measure((family, problem, config, seed), timeout)
+
+
+def gpu_available() -> bool:
+    """Whether a CUDA GPU is here to time rows on (the CPU interpreter's times say nothing of a GPU's)."""
+    return torch.cuda.is_available()
+
+
+def retime_rows(database: TuningDB, shipped: TuningDB | None, prefix: str, *, seed: int, timeout: float,
+                console: Console) -> tuple[int, int]:
+    """Time here the rows of another Triton that dispatch serves on this GPU, from ``database`` and
+    ``shipped`` (``tilegen.db.lookup.served_rows``), and store each that passes the reference check in
+    ``database`` under the installed Triton; print a table; return how many were stored and how many failed.
+
+    Each row is stored as soon as it is timed, in a transaction of its own: a run cut short keeps
+    every row stored so far, and a run again skips them, as they are now the installed Triton's.
+    """
+    from tilegen.tuning.worker import Worker
+
+    installed = triton.__version__
+    device = device_info()
+    listings = [listing(database)] + ([listing(shipped)] if shipped is not None else [])
+    specs = {key: spec for _, found, _ in listings for key, spec in found.items()}
+    # This GPU as it is (its shared memory measured), not as an entry describes one of its kind.
+    devices = {device.key: device}
+    chosen = served_rows([rows for rows, _, _ in listings], specs, devices, installed)
+    rows = [listings[f][0][i] for f, i in sorted(chosen)]
+    rows = [row for row in rows if row.spec_hash.startswith(prefix)]
+    if not rows:
+        console.print(escape(f"no row of another Triton is served on {device.key} under Triton {installed}"
+                             + (f" for spec {prefix}" if prefix else "") + ": nothing to re-time"))
+        return 0, 0
+    table = Table(title=escape(f"re-timed on {device.key} under Triton {installed}, into {database.location}"))
+    for name in ("variant", "bucket", "config", "tuned under", "stored ms", "measured ms", "max err", "result"):
+        table.add_column(name, justify="right" if name in ("bucket", "stored ms", "measured ms", "max err") else "left")
+    stored = failed = 0
+    worker = Worker()
+    try:
+        for row in rows:
+            spec = specs[row.spec_hash, row.template_hash]
+            family = family_of(spec)
+            config, problem, result = _measure(worker, row, spec, family, device, seed, timeout)
+            ok = result["status"] == "ok"
+            if ok:
+                time_ms = result["time_ms"]
+                database.record_best(
+                    spec=spec, device=device, template_hash=row.template_hash, triton_version=installed,
+                    bucket=row.bucket, config=config.to_dict(), time_ms=time_ms, max_error=result["max_error"],
+                    trials=row.trials, tflops=problem.flops() / (time_ms * 1e9),
+                    gbps=problem.bytes_moved() / (time_ms * 1e6),
+                )
+                stored += 1
+            else:
+                failed += 1
+            table.add_row(*(Text(safe_text(v)) for v in (
+                row.variant_name, family.buckets.label(row.bucket), str(config or row.config), row.triton_version,
+                f"{row.time_ms:.4f}", "-" if result["time_ms"] is None else f"{result['time_ms']:.4f}",
+                "-" if result["max_error"] is None else f"{result['max_error']:.2e}",
+                f"stored under {installed}" if ok else f"{result['status']}: {result['reason']}",
+            )))
+    finally:
+        worker.close()
+        console.print(table)
+    return stored, failed
+
+
+def listing(database: TuningDB) -> tuple[list[TunedRow], dict[tuple[str, str], Any], dict[str, Any]]:
+    """A file's tuned rows, with what judging which of them dispatch serves takes: the current
+    template's variants by (spec hash, template hash) and the GPUs by key."""
+    rows = database.list_tuned()
+    specs = {}
+    for variant in database.variants():
+        try:
+            spec = spec_from_json(variant.spec_json)
+        except SpecError:  # a family or field this tilegen does not know: nothing it holds is served
+            continue
+        if variant.template_hash == template_hash(family_of(spec)):
+            specs[variant.spec_hash, variant.template_hash] = spec
+    devices = {}
+    for gpu in database.gpus():
+        with contextlib.suppress(RowError):
+            devices[gpu["key"]] = device_from_gpu(gpu)
+    return rows, specs, devices
+
+
+def served(listings: list[tuple[list[TunedRow], dict, dict]]) -> set[tuple[int, int]]:
+    """``(listing, row)`` of each row of another Triton dispatch serves, the listings in dispatch's order."""
+    specs = {key: spec for _, found, _ in listings for key, spec in found.items()}
+    devices = {key: device for _, _, found in listings for key, device in found.items()}
+    return served_rows([rows for rows, _, _ in listings], specs, devices, triton.__version__)

@@ -74,13 +74,13 @@ TUNED_FIELDS = ("bucket", "config_json", "time_ms", "max_error", "trials", "tflo
 _TUNED = (
     f"SELECT {', '.join('t.' + name for name in TUNED_FIELDS)} FROM tg_tuned_configs t"
     " JOIN tg_variants v ON v.id = t.variant_id JOIN tg_gpus g ON g.id = t.gpu_id"
-    " WHERE v.spec_hash = ? AND v.template_hash = ? AND g.key = ? AND t.triton_version = ?"
+    " WHERE v.spec_hash = ? AND v.template_hash = ? AND g.key = ?"
 )
 
 
-def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str, triton_version: str) -> list[dict]:
-    """The tuned rows of one variant on one GPU and Triton, read-only, any known revision: ``TUNED_FIELDS``
-    of each as stored, unchecked (SQLite lets a column hold any type)."""
+def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str) -> list[dict]:
+    """The tuned rows of one variant on one GPU, every Triton's (the reader chooses among them), read-only,
+    any known revision: ``TUNED_FIELDS`` of each as stored, unchecked (SQLite lets a column hold any type)."""
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
@@ -90,7 +90,7 @@ def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str, tri
     conn.text_factory = lambda data: data.decode("utf-8", "replace")
     try:
         stored_revisions(conn, path)
-        rows = conn.execute(_TUNED, (spec_hash, template_hash, gpu_key, triton_version)).fetchall()
+        rows = conn.execute(_TUNED, (spec_hash, template_hash, gpu_key)).fetchall()
         return [dict(zip(TUNED_FIELDS, row)) for row in rows]
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e

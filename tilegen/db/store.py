@@ -434,10 +434,11 @@ class TuningDB:
 
     @staticmethod
     def why_stale(rows: Iterable[TunedRow]) -> list[str | None]:
-        """Why dispatch here can never read each tuned row, in a few words, as ``prune`` judges by
-        default (the installed Triton, each registered family's current template); ``None`` for
-        a row it can. Rows of a family this tilegen does not know (which ``prune`` keeps unless
-        told) are ``"unknown family"``."""
+        """Why dispatch here does not read each tuned row as its installed Triton's, in a few words, as
+        ``prune`` judges by default (the installed Triton, each registered family's current template);
+        ``None`` for a row it reads. Rows of a family this tilegen does not know (which ``prune`` keeps
+        unless told) are ``"unknown family"``. An ``"other Triton"`` row may still be served for want
+        of the installed Triton's (``tilegen.db.lookup.served_rows`` says which)."""
         current = _current_templates()
 
         def why(row: TunedRow) -> str | None:
@@ -471,6 +472,11 @@ class TuningDB:
         """Variants whose spec hash starts with ``prefix``, by spec hash and template hash."""
         with self._session() as session:
             return self._variants(session, prefix)
+
+    def gpus(self) -> list[dict[str, Any]]:
+        """Every GPU entry (``key``, ``name``, ``capability``, ``sm_count``, ``memory_bytes``), by key."""
+        with self._session() as session:
+            return self._read(session, _raw_query(_GPU_COLUMNS).order_by(Gpu.key), _gpu_entry)
 
     def trials_for(self, spec_hash: str) -> list[TrialRow]:
         """Every trial of a spec (all template versions, GPUs and Tritons), by study and trial number."""

@@ -28,7 +28,8 @@ from tilegen.ir import Spec, SpecError
 
 __all__ = [
     "RowError", "TIME_FLOOR_MS", "check_best", "check_gpu", "check_stored_trial", "check_stored_tuned",
-    "check_text", "check_trial", "check_variant", "device_from_gpu", "safe_text", "SMEM_BY_CAPABILITY",
+    "check_text", "check_trial", "check_variant", "device_from_gpu", "runnable_here", "safe_text",
+    "SMEM_BY_CAPABILITY",
 ]
 
 #: Opt-in shared memory per block by compute capability, for GPUs named only by an export's
@@ -260,9 +261,10 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any], triton_ver
     parsed = _config(spec, config)
     if triton_version is not None and triton_version != triton.__version__:
         # A stored row of another Triton (a shipped 3.6 row listed under 3.7): what it can run, and its
-        # search space, depend on the Triton it was tuned with, not this one. Dispatch never reads such a
-        # row; the commands that list it check its knobs against a bound no family's knob nears. A row
-        # to be written (tune, import, pull) is judged by this Triton, as before.
+        # search space, depend on the Triton it was tuned with, not this one. The commands that list it
+        # check its knobs against a bound no family's knob nears; dispatch, before serving it for want of
+        # this Triton's row, judges it by this Triton too (``runnable_here``). A row to be written (tune,
+        # import, pull) is judged by this Triton, as before.
         for knob, value in parsed.to_dict().items():
             if value > _KNOB_CEILING:
                 raise RowError(f"config: {knob}: {value} is past any {knob} tilegen launches ({_KNOB_CEILING})")
@@ -282,6 +284,12 @@ def _runnable(spec: Spec, device: DeviceInfo, config: dict[str, Any], triton_ver
     if reason is not None:
         raise RowError(f"{reason} ({spec.name} cannot run config {parsed} on {device.key})")
     return parsed
+
+
+def runnable_here(spec: Spec, device: DeviceInfo, config: dict[str, Any]) -> Config:
+    """The config when the installed Triton can run it on ``device`` (the checks a row to be written
+    gets), else ``RowError``: what a row tuned under another Triton must pass before it is served here."""
+    return _runnable(spec, device, config)
 
 
 @functools.lru_cache(maxsize=256)
