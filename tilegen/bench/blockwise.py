@@ -27,7 +27,7 @@ allocated as in a real run, so the peak is the same (``replay_check`` sets a rep
 the real run's at the sweep's longest length); ``projected_max_tokens`` is a straight-line fit of
 peak memory against length, for comparison. Results go to
 ``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default: ``--out`` with
-``.png``). Exit status 1 when an output disagrees.
+``.png``). Exit status 1 when tilegen's output (with ``--train``, or a gradient) disagrees.
 
 ``--train`` measures one training step instead: forward, then backward of ``loss = (out * dout).sum()``
 (``out.backward(dout)``, ``dout`` fixed and random) to the input and every weight, at 16k, 32k and 64k
@@ -363,7 +363,7 @@ def _train_step(name: str, config: LayerConfig, w: dict[str, torch.Tensor], devi
                           attn_implementation="sdpa")
         layer = LlamaDecoderLayer(cfg, layer_idx=0).to(device=device, dtype=DTYPE)
         layer.load_state_dict(w)
-        rotary = LlamaRotaryEmbedding(config=cfg, device=device)
+        rotary = LlamaRotaryEmbedding(config=cfg).to(device)  # its device argument is gone in transformers 5.18
 
         def forward(x):
             positions = torch.arange(x.shape[0], device=x.device)[None]
@@ -589,7 +589,9 @@ def main(argv=None) -> int:
             json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-interpreter",
                        "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
                        "mode": "train" if args.train else "inference", "layer": config.__dict__, "ffn_chunk": chunk, "rows": rows, "fit": fits}, f, indent=1)
-    wrong = [r for r in rows if r["status"] == "ok" and r.get("correct") is False]
+    # Only tilegen's disagreement fails the run: a peer's bf16 gradients differ from the unfused layer's by
+    # bf16 noise, which the 1e-2 bound is not made for (transformers' layer reads 1.1e-2 on the H200 at 16k).
+    wrong = [r for r in rows if r["provider"] == "tilegen" and r["status"] == "ok" and r.get("correct") is False]
     return 1 if wrong else 0
 
 

@@ -183,6 +183,16 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
         {"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "PagedAttention.run",
          "call": lambda: prefill.run(q_packed, cache), "reference": paged_ref},
     ]
+    # What a transformers model's attention call costs through the integration (its AttentionInterface
+    # function, no mask: the causal prefill), beside the op it calls.
+    from tilegen.integrations.transformers import attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    gqa = rows[4]
+    rows.append({"shape": gqa["shape"], "provider": "tilegen via transformers' AttentionInterface",
+                 "call": lambda: attention_forward(module, q, kg, vg, None)[0].transpose(1, 2),
+                 "reference": gqa["reference"]})
     for row in rows:
         row["context"] = contextlib.nullcontext
     if device == "cuda":

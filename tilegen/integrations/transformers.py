@@ -58,6 +58,19 @@ def _warn_once(reason: str, target: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+def _dense(query, key, value, causal, window, softcap, scale) -> torch.Tensor:
+    """``tilegen.attention`` in transformers' output layout ``[batch, n_q, heads, head_dim_v]``. Without a
+    gradient to take, written there directly (``out`` is a transposed view of it): a ``contiguous()`` copy
+    afterwards would cost a kernel launch on every attention call of the model."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale)
+        return out.transpose(1, 2).contiguous()
+    batch, heads, n_q, _ = query.shape
+    out = query.new_empty((batch, n_q, heads, value.shape[3]))
+    attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale, out=out.transpose(1, 2))
+    return out
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -117,8 +130,7 @@ def attention_forward(
                            causal, window, softcap, scaling)
 
     if attention_mask is None:
-        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return _dense(query, key, value, causal, window, softcap, scaling), None
 
     n_q, n_k = query.shape[2], key.shape[2]
     if attention_mask.dtype != torch.bool:  # packed sequences' ids
@@ -135,8 +147,7 @@ def attention_forward(
         key, value = key[:, :, :n_k], value[:, :, :n_k]
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
-        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        return _dense(query, key, value, causal, window, softcap, scaling), None
     if window is not None and not layout.contiguous:
         # transformers counts a window in positions, the ragged batch in real tokens: they differ across a hole.
         return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
