@@ -30,7 +30,7 @@ from tilegen import dispatch
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.layers.config import LayerConfig
 from tilegen.layers.family.spec import BlockwiseLayerSpec
-from tilegen.layers.train import LayerFunction
+from tilegen.layers.train import MAX_TRAINING_BLOCK, LayerFunction
 from tilegen.layers.weights import as_state_dict, check_weights, config_from_weights
 from tilegen.ops.attention import attention
 from tilegen.ops.blockwise import blockwise_ffn
@@ -75,7 +75,9 @@ def blockwise_layer(
             optionally ``heads_kv``, ``norm``, ``ffn``, ``causal``, ``rope_theta``, ``eps``,
             ``scale``, ``window``, ``softcap``) as keywords, the widths being read from the weights' shapes.
         block: query tokens per block; by default the ``blockwise_layer`` family's tuned (or default)
-            block for this many tokens (``explain_layer`` says which): on a GPU 4096 untuned.
+            block for this many tokens (``explain_layer`` says which): on a GPU 4096 untuned. A training
+            forward takes at most ``tilegen.layers.train.MAX_TRAINING_BLOCK`` (4096) of it, which bounds
+            the backward's per-block memory.
         out: where to write the result, ``x``'s shape, dtype and device; it may be ``x`` itself
             (in place: a block's rows of ``x`` are read, and K and V taken from them, before the
             block writes them); a view that overlaps ``x`` partly, or a weight, is refused. A tuned
@@ -119,7 +121,7 @@ def blockwise_layer(
     if trains:
         # The training forward runs the chosen block's schedule with attention recorded (no fallback: the
         # backward replays the blocks it ran). An empty x still gets a grad_fn, whose gradients are empty.
-        chosen = block if block is not None else table.choose(n).config.block_q
+        chosen = block if block is not None else min(table.choose(n).config.block_q, MAX_TRAINING_BLOCK)
 
         def run(x_seq, w_seq, out_seq, recorder):
             launcher.launch(x_seq, w_seq, out_seq, **{**fixed, "attention": recorder, "block_q": chosen})
