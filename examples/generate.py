@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -393,7 +394,7 @@ class Engine:
             indices.append(self.scratch)
             indptr.append(len(indices))
         values = tokens + positions + last + indptr + indices
-        b.host[:len(values)] = torch.tensor(values, dtype=torch.int32)
+        b.host[:len(values)] = torch.frombuffer(array("i", values), dtype=torch.int32)  # a third of torch.tensor's time
         return len(values)
 
     def _decode(self, running: list[Request], indices: list[int]) -> list[int]:
@@ -420,10 +421,9 @@ def build_model(dims: dict, layers: int, dtype: torch.dtype, device: torch.devic
 
     torch.manual_seed(seed)
     config = LlamaConfig(**dims, num_hidden_layers=layers, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model = model.to(dtype).eval()
+    with torch.device(device):  # built in its dtype: the rotary inverse frequencies stay fp32, as loaded models'
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.bos_token_id = None
     return model
@@ -514,6 +514,7 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
     if ref is not None:
         row["match_first32"] = match_share(ours, ref, 32)
         row["match_all"] = match_share(ours, ref)
+        row["requests_identical"] = sum(a == b for a, b in zip(ours, ref)) / batch
         row["hf_speedup"] = row["tilegen"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
     del engine
     if device.type == "cuda":
