@@ -187,6 +187,7 @@ class Engine:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
+        self.graph_errors: list[str] = []  # captures that failed (their buckets decode eagerly)
         self.page_log: list[tuple[int, int]] = []  # (request index, page) for every page the last call took
         self.stats: dict[str, int] = {}
 
@@ -369,8 +370,16 @@ class Engine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            self._decode_step(b)
+        try:
+            # thread_local: another thread's CUDA calls (Triton's, torch's) do not break this capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
+                self._decode_step(b)
+        except Exception as e:  # noqa: BLE001 - this bucket then runs eagerly; the error is reported
+            torch.cuda.synchronize(self.device)
+            self.graph_errors.append(f"batch {b.size}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"CUDA graph capture failed, batch {b.size} decodes eagerly: {self.graph_errors[-1]}",
+                  file=sys.stderr)
+            return
         torch.cuda.synchronize(self.device)
         b.graph = graph
 
@@ -508,6 +517,7 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
     row["tilegen_warmup_s"] = time.perf_counter() - t0
     times = time_runs(run, device, args.runs)
     row["tilegen"] = {"s": statistics.median(times), "runs_s": times, "cuda_graphs": engine.cuda_graphs,
+                      "graph_errors": engine.graph_errors,
                       "tokens_per_s": batch * new / statistics.median(times), "page_size": args.page_size,
                       "buckets": engine.buckets, "stats": dict(engine.stats)}
     assert len(engine.free) == engine.num_pages, "pages leaked"
@@ -524,7 +534,7 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
 
 def _print_table(rows: list[dict]) -> None:
     print(f"\n{'batch':>5} {'prompt':>6} {'new':>5} {'tilegen tok/s':>14} {'HF tok/s':>10} {'HF cache':>16} "
-          f"{'x HF':>6} {'match@32':>9} {'match all':>9}")
+          f"{'x HF':>6} {'match@32':>9} {'match all':>9} {'decode':>7}")
     for r in rows:
         hf = r.get("hf")
         hf_rate = f"{hf['tokens_per_s']:10.1f}" if hf else f"{'-':>10}"
@@ -532,8 +542,14 @@ def _print_table(rows: list[dict]) -> None:
         speed = f"{r['hf_speedup']:6.2f}" if "hf_speedup" in r else f"{'-':>6}"
         m32 = f"{r['match_first32']:9.3f}" if "match_first32" in r else f"{'-':>9}"
         mall = f"{r['match_all']:9.3f}" if "match_all" in r else f"{'-':>9}"
-        print(f"{r['batch']:>5} {r['prompt']:>6} {r['new']:>5} {r['tilegen']['tokens_per_s']:14.1f} {hf_rate} "
-              f"{hf_mode:>16} {speed} {m32} {mall}")
+        ours = r["tilegen"]
+        stats = ours["stats"]
+        decode = ("graphs" if stats["graph_replays"] == stats["decode_steps"] else "mixed") \
+            if stats["graph_replays"] else "eager"
+        print(f"{r['batch']:>5} {r['prompt']:>6} {r['new']:>5} {ours['tokens_per_s']:14.1f} {hf_rate} "
+              f"{hf_mode:>16} {speed} {m32} {mall} {decode:>7}")
+        for e in ours["graph_errors"]:
+            print(f"      CUDA graph: {e}")
         for e in r.get("hf_errors", []):
             print(f"      transformers: {e}")
 
