@@ -1,0 +1,616 @@
+"""Greedy generation with continuous batching on a transformers Llama, its attention through tilegen's serving ops.
+
+    python examples/generate.py                                   # CPU: Triton's interpreter, a tiny model
+    python examples/generate.py --batch 1,8,64 --prompt 2048 --new 256 --layers 4 --dtype bf16 \\
+        --out results.json                                        # a GPU: Llama-3-8B widths, 4 layers
+
+The model is a ``LlamaForCausalLM`` with random weights (no download). ``Engine`` runs it with the
+model's own modules (embedding, per-layer RMSNorms, projections and MLP, final norm, LM head) and
+tilegen's ops for everything between the projections:
+
+- a page pool: one ``[layers, pages + 1, page_size, kv_heads, head_dim]`` tensor each for K and V
+  (the extra page is a scratch page that padded decode slots write into), a free list, pages
+  reserved when a request is admitted and taken from the free list as its sequence grows, returned
+  when it finishes;
+- prefill of the requests admitted at a step, as one ragged batch: ``tilegen.apply_rope`` with the
+  model's own rotary tables (``model.model.rotary_emb``, so Llama 3 / linear / YaRN scaling come
+  with it), ``tilegen.append_kv`` of their K and V into their pages, ``tilegen.PagedAttention``
+  (causal) over those pages; the LM head only on each prompt's last token;
+- a decode step for every running request: ``append_kv`` of the new token's K and V, then
+  ``tilegen.PagedDecode``, the batch padded to a bucket (powers of two up to ``max_batch``). On a
+  GPU each bucket's step is captured once in a CUDA graph (``PagedDecode`` is planned for the
+  longest sequence the engine holds, so the plan, its split partials and every shape stay fixed)
+  and replayed; the step's token ids, positions and page table go up in one copy before the replay.
+- continuous batching: requests wait in a queue (each may arrive at a later step), join the
+  running batch when a slot, the prefill token budget and their pages allow, and leave it when
+  they have their ``max_new_tokens`` (or hit ``eos_token_id``).
+
+The command times, per batch size, the engine and transformers' own ``model.generate`` (sdpa; a
+static cache, which transformers compiles with ``torch.compile`` on a GPU, else a dynamic cache:
+the JSON says which ran) on the same prompts in the same run, whole generation runs timed with CUDA
+events after a warm-up run, and reports the share of generated tokens identical to transformers'
+greedy output (the first 32 per request, and all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before tilegen imports Triton
+
+import tilegen  # noqa: E402
+from tilegen.env import interpreting  # noqa: E402
+from tilegen.ops.kv_cache import PAGE_SIZES  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Llama-3-8B's widths (the command's GPU model, with --layers of them).
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+#: The CPU model: small enough for Triton's interpreter.
+TINY = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256, initializer_range=0.2)
+
+# Rotary types whose tables depend on the sequence length transformers sees (not one table per position).
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and how many tokens to generate; ``arrival`` is the engine step it may join at."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: int = 0
+    output: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # in token order
+    length: int = 0  # tokens whose K and V are in the cache
+    reserved: int = 0  # pages reserved for the whole request (taken from the free list as it grows)
+    joined: int | None = None  # the step it was prefilled at
+    finished: int | None = None  # the step it finished at
+
+
+class _Bucket:
+    """The decode step's static buffers for a padded batch of ``size`` (and its CUDA graph)."""
+
+    def __init__(self, engine: Engine, size: int):
+        self.size = size
+        cap = engine.num_pages + size  # every real page, and a scratch page per padded slot
+        self.n_meta = 3 * size + (size + 1) + cap
+        device = engine.device
+        self.meta = torch.zeros(self.n_meta, dtype=torch.int32, device=device)
+        self.host = torch.zeros(self.n_meta, dtype=torch.int32, pin_memory=device.type == "cuda")
+        s = size
+        self.tokens, self.positions, self.last = self.meta[:s], self.meta[s:2 * s], self.meta[2 * s:3 * s]
+        self.indptr, self.indices = self.meta[3 * s:4 * s + 1], self.meta[4 * s + 1:]
+        self.cu = torch.arange(size + 1, dtype=torch.int32, device=device)  # one new token per sequence
+        self.caches = [tilegen.PagedKVCache(engine.k_pages[i], engine.v_pages[i], self.indptr, self.indices,
+                                            self.last) for i in range(engine.n_layers)]
+        # Until a step fills them, every slot is a padded one: a length-1 sequence on the scratch page.
+        engine._fill(self, [])
+        self.meta.copy_(self.host)
+        self.decode = tilegen.PagedDecode()
+        # Planned for the longest sequence the engine holds: the split count and chunk stay valid as
+        # sequences grow, so the plan (and a graph of it) serves every step of this batch size.
+        self.decode.plan(self.caches[0], heads_q=engine.heads, max_seqlen_k=engine.max_seq_len)
+        self.next = torch.zeros(size, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class Engine:
+    """Greedy generation over a paged KV cache with continuous batching (see the module docstring).
+
+    Args:
+        model: a ``LlamaForCausalLM`` (or a model of its layout: ``model.model.{embed_tokens, layers,
+            norm, rotary_emb}``, ``model.lm_head``); its modules are called as they are.
+        page_size: tokens per page (one of ``tilegen.ops.kv_cache.PAGE_SIZES``).
+        num_pages: pages in the pool; default enough for ``max_batch`` sequences of ``max_seq_len``.
+        max_batch: most requests running at once.
+        max_seq_len: most tokens a sequence may hold (prompt and generated); sizes the RoPE tables
+            and the decode plans. Default: the model's ``max_position_embeddings``, at most 4096.
+        prefill_tokens: most prompt tokens prefilled in one step (at least one request is admitted
+            whatever its length).
+        buckets: padded decode batch sizes; default powers of two below ``max_batch``, and it.
+        cuda_graphs: capture each bucket's decode step in a CUDA graph (default: on a GPU).
+        eos_token_id: stop a request when it generates this token (default: never).
+    """
+
+    def __init__(self, model, *, page_size: int = 16, num_pages: int | None = None, max_batch: int = 8,
+                 max_seq_len: int | None = None, prefill_tokens: int = 16384, buckets=None,
+                 cuda_graphs: bool | None = None, eos_token_id: int | None = None):
+        inner = model.model
+        config = model.config
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"model: rope_type {rope_type!r} changes its tables with the sequence length; "
+                             "this engine takes one table per position")
+        if getattr(config, "sliding_window", None) or getattr(config, "layer_types", None) and \
+                any(t != "full_attention" for t in config.layer_types):
+            raise ValueError("model: sliding-window layers are not supported by this engine")
+        if page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size: {page_size} is not supported; expected one of {PAGE_SIZES}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch: expected at least 1, got {max_batch}")
+        self.model = model
+        self.embed, self.layers, self.norm, self.lm_head = inner.embed_tokens, inner.layers, inner.norm, model.lm_head
+        attn = self.layers[0].self_attn
+        self.n_layers = len(self.layers)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        if abs(attn.scaling - self.head_dim ** -0.5) > 1e-12:
+            raise ValueError(f"model: attention scale {attn.scaling} is not head_dim ** -0.5")
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.vocab = weight.shape[0]
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len or min(config.max_position_embeddings, 4096)
+        self.max_batch = max_batch
+        self.num_pages = num_pages if num_pages is not None else max_batch * math.ceil(self.max_seq_len / page_size)
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages: expected at least 1, got {self.num_pages}")
+        self.prefill_tokens = prefill_tokens
+        self.eos_token_id = eos_token_id
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs: the model is not on a CUDA device")
+        if buckets is None:
+            buckets = [b for b in (2 ** i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
+        self.buckets = sorted(set(int(b) for b in buckets))
+        if self.buckets[0] < 1 or self.buckets[-1] < max_batch:
+            raise ValueError(f"buckets: expected sizes >= 1 whose largest covers max_batch {max_batch}, got {buckets}")
+        # The pool, and a scratch page (the last) for padded decode slots.
+        shape = (self.n_layers, self.num_pages + 1, page_size, self.kv_heads, self.head_dim)
+        self.k_pages = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_pages = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.scratch = self.num_pages
+        self.free: deque[int] = deque(range(self.num_pages))
+        self.unreserved = self.num_pages
+        # The model's rotary tables, one row per position, as transformers computes them (its own module).
+        with torch.no_grad():
+            positions = torch.arange(self.max_seq_len, device=self.device)[None]
+            cos, sin = inner.rotary_emb(weight[:1], positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        self.graph_errors: list[str] = []  # captures that failed (their buckets decode eagerly)
+        self.page_log: list[tuple[int, int]] = []  # (request index, page) for every page the last call took
+        self.stats: dict[str, int] = {}
+
+    # ----------------------------------------------------------------- requests
+    def check(self, request: Request) -> None:
+        """Refuse a request the engine could never serve, before anything runs."""
+        n = len(request.prompt)
+        if n == 0:
+            raise ValueError("prompt: empty; a request needs at least one token")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected at least 1, got {request.max_new_tokens}")
+        bad = [t for t in request.prompt if not 0 <= int(t) < self.vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:4]} outside the vocabulary of {self.vocab}")
+        held = n + request.max_new_tokens - 1  # the last generated token is never fed back
+        if held > self.max_seq_len:
+            raise ValueError(f"prompt: {n} tokens and max_new_tokens {request.max_new_tokens} need {held} cache "
+                             f"positions, past the engine's capacity of {self.max_seq_len} per sequence")
+        if self._pages_for(held) > self.num_pages:
+            raise ValueError(f"prompt: {n} tokens and max_new_tokens {request.max_new_tokens} need "
+                             f"{self._pages_for(held)} pages, past the cache capacity of {self.num_pages} pages of "
+                             f"{self.page_size}")
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _grow(self, index: int, r: Request, length: int) -> None:
+        """Give ``r`` the pages ``length`` tokens need, from the free list (within its reservation)."""
+        while len(r.pages) < self._pages_for(length):
+            page = self.free.popleft()
+            r.pages.append(page)
+            self.page_log.append((index, page))
+        r.length = length
+        used = self.num_pages - len(self.free)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], used)
+
+    def _release(self, r: Request) -> None:
+        self.free.extend(r.pages)
+        self.unreserved += r.reserved
+        r.pages, r.reserved = [], 0
+
+    # ----------------------------------------------------------------- the loop
+    @torch.no_grad()
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        """Serve ``requests`` to the end; each one's generated tokens, in the order given."""
+        for r in requests:
+            self.check(r)
+            r.output, r.pages, r.length, r.reserved, r.joined, r.finished = [], [], 0, 0, None, None
+        self.stats = {"steps": 0, "prefills": 0, "decode_steps": 0, "graph_replays": 0, "padded_slots": 0,
+                      "peak_pages": 0}  # of this call
+        self.page_log = []
+        index = {id(r): i for i, r in enumerate(requests)}
+        waiting = deque(sorted(requests, key=lambda r: r.arrival))  # stable: ties keep their order
+        running: list[Request] = []
+        step = 0
+        while waiting or running:
+            admitted: list[Request] = []
+            budget = self.prefill_tokens
+            while waiting and waiting[0].arrival <= step and len(running) + len(admitted) < self.max_batch:
+                r = waiting[0]
+                need = self._pages_for(len(r.prompt) + r.max_new_tokens - 1)
+                if need > self.unreserved or (admitted and len(r.prompt) > budget):
+                    break  # first come, first served: later requests wait behind it
+                waiting.popleft()
+                self.unreserved -= need
+                r.reserved, r.joined = need, step
+                budget -= len(r.prompt)
+                admitted.append(r)
+            if admitted:
+                first = self._prefill(admitted, [index[id(r)] for r in admitted])
+                for r, token in zip(admitted, first):
+                    r.output.append(token)
+                running += admitted
+            running = self._retire(running, step)
+            if running:
+                tokens = self._decode(running, [index[id(r)] for r in running])
+                for r, token in zip(running, tokens):
+                    r.output.append(token)
+                running = self._retire(running, step)
+            step += 1
+        self.stats["steps"] = step
+        return [r.output for r in requests]
+
+    def _retire(self, running: list[Request], step: int) -> list[Request]:
+        kept = []
+        for r in running:
+            if len(r.output) >= r.max_new_tokens or (self.eos_token_id is not None and r.output
+                                                      and r.output[-1] == self.eos_token_id):
+                r.finished = step
+                self._release(r)
+            else:
+                kept.append(r)
+        return kept
+
+    # ----------------------------------------------------------------- the model
+    def _layer(self, layer, h, cos, sin, cache, attend):
+        """One decoder layer as transformers' ``LlamaDecoderLayer``, attention through tilegen."""
+        n = h.shape[0]
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(n, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = tilegen.apply_rope(q, cos, sin)
+        k = tilegen.apply_rope(k, cos, sin)
+        o = attend(q, k, v, cache)
+        h = h + attn.o_proj(o.reshape(n, self.heads * self.head_dim))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h):
+        return self.lm_head(self.norm(h))
+
+    def _prefill(self, admitted: list[Request], indices: list[int]) -> list[int]:
+        """Prefill the admitted requests as one ragged batch; each one's first generated token."""
+        self.stats["prefills"] += 1
+        lens = [len(r.prompt) for r in admitted]
+        for i, r in zip(indices, admitted):
+            self._grow(i, r, len(r.prompt))
+        dev = self.device
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        page_offsets = [0]
+        for r in admitted:
+            page_offsets.append(page_offsets[-1] + len(r.pages))
+        cu = torch.tensor(offsets, dtype=torch.int32, device=dev)
+        indptr = torch.tensor(page_offsets, dtype=torch.int32, device=dev)
+        page_ids = torch.tensor([p for r in admitted for p in r.pages], dtype=torch.int32, device=dev)
+        last = torch.tensor([n - (len(r.pages) - 1) * self.page_size for n, r in zip(lens, admitted)],
+                            dtype=torch.int32, device=dev)
+        tokens = torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        caches = [tilegen.PagedKVCache(self.k_pages[i], self.v_pages[i], indptr, page_ids, last)
+                  for i in range(self.n_layers)]
+        paged = tilegen.PagedAttention()
+        paged.plan(cu, caches[0], heads_q=self.heads, causal=True, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+
+        def attend(q, k, v, cache):
+            tilegen.append_kv(cache, k, v, cu)
+            return paged.run(q, cache)
+
+        h = self.embed(tokens)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer, cache in zip(self.layers, caches):
+            h = self._layer(layer, h, cos, sin, cache, attend)
+        ends = cu[1:].to(torch.int64) - 1
+        return self._logits(h[ends]).argmax(-1).tolist()
+
+    def _bucket(self, batch: int) -> _Bucket:
+        size = next(b for b in self.buckets if b >= batch)
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = self._buckets[size] = _Bucket(self, size)
+            if self.cuda_graphs:
+                self._capture(bucket)
+        return bucket
+
+    def _decode_step(self, b: _Bucket) -> None:
+        """The padded decode step on ``b``'s static buffers; the next tokens land in ``b.next``."""
+        def attend(q, k, v, cache):
+            tilegen.append_kv(cache, k, v, b.cu)
+            return b.decode.run(q, cache)
+
+        h = self.embed(b.tokens)
+        cos, sin = self.cos.index_select(0, b.positions), self.sin.index_select(0, b.positions)
+        for layer, cache in zip(self.layers, b.caches):
+            h = self._layer(layer, h, cos, sin, cache, attend)
+        b.next.copy_(self._logits(h).argmax(-1))
+
+    def _capture(self, b: _Bucket) -> None:
+        # Warm up on a side stream (Triton compiles, the plans' first launches choose their configs), then
+        # capture. The buffers describe padded slots only, so these runs write nothing but the scratch page.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                self._decode_step(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: another thread's CUDA calls (Triton's, torch's) do not break this capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
+                self._decode_step(b)
+        except Exception as e:  # noqa: BLE001 - this bucket then runs eagerly; the error is reported
+            torch.cuda.synchronize(self.device)
+            self.graph_errors.append(f"batch {b.size}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"CUDA graph capture failed, batch {b.size} decodes eagerly: {self.graph_errors[-1]}",
+                  file=sys.stderr)
+            return
+        torch.cuda.synchronize(self.device)
+        b.graph = graph
+
+    def warmup(self) -> None:
+        """Make every bucket (planned, and captured when graphs are on), largest first (graphs share a pool)."""
+        for size in reversed(self.buckets):
+            self._bucket(size)
+
+    def _fill(self, b: _Bucket, running: list[Request]) -> int:
+        """Write the step's tokens, positions and page table into ``b.host``; how many entries are used."""
+        s, n = b.size, len(running)
+        pad = s - n
+        tokens = [r.output[-1] for r in running] + [0] * pad
+        positions = [r.length - 1 for r in running] + [0] * pad  # the new token's: lengths already grown
+        last = [r.length - (len(r.pages) - 1) * self.page_size for r in running] + [1] * pad
+        indptr, indices = [0], []
+        for r in running:
+            indices += r.pages
+            indptr.append(len(indices))
+        for _ in range(pad):
+            indices.append(self.scratch)
+            indptr.append(len(indices))
+        values = tokens + positions + last + indptr + indices
+        b.host[:len(values)] = torch.frombuffer(array("i", values), dtype=torch.int32)  # a third of torch.tensor's time
+        return len(values)
+
+    def _decode(self, running: list[Request], indices: list[int]) -> list[int]:
+        """One decode step for every running request; their next tokens."""
+        self.stats["decode_steps"] += 1
+        for i, r in zip(indices, running):
+            self._grow(i, r, r.length + 1)  # the page table includes the token being appended
+        b = self._bucket(len(running))
+        used = self._fill(b, running)
+        self.stats["padded_slots"] += b.size - len(running)
+        b.meta[:used].copy_(b.host[:used], non_blocking=True)
+        if b.graph is not None:
+            b.graph.replay()
+            self.stats["graph_replays"] += 1
+        else:
+            self._decode_step(b)
+        return b.next[:len(running)].tolist()
+
+
+# --------------------------------------------------------------------- the command
+def build_model(dims: dict, layers: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A ``LlamaForCausalLM`` of ``dims`` with ``layers`` layers and random weights, sdpa attention, eval."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**dims, num_hidden_layers=layers, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):  # built in its dtype: the rotary inverse frequencies stay fp32, as loaded models'
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def hf_generate(model, prompts: torch.Tensor, new: int, cache: str):
+    """transformers' greedy ``generate`` of exactly ``new`` tokens per prompt; the new tokens."""
+    kwargs = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompts))
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        out = model.generate(prompts, **kwargs)
+    if out.shape[1] != prompts.shape[1] + new:
+        raise RuntimeError(f"transformers generated {out.shape[1] - prompts.shape[1]} tokens, expected {new}")
+    return out[:, prompts.shape[1]:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_runs(fn, device: torch.device, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` whole calls of ``fn`` (after the caller's warm-up): CUDA events on a GPU."""
+    times = []
+    for _ in range(runs):
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def match_share(ours: list[list[int]], ref: list[list[int]], first: int | None = None) -> float:
+    """Share of positions (the first ``first`` per request, or all) where the two greedy outputs agree."""
+    same = total = 0
+    for a, b in zip(ours, ref):
+        n = min(len(b), first) if first else len(b)
+        same += sum(1 for x, y in zip(a[:n], b[:n]) if x == y)
+        total += n
+    return same / total if total else float("nan")
+
+
+def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(args.seed + batch)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=gen).to(device)
+    row: dict = {"batch": batch, "prompt": prompt_len, "new": new}
+    # transformers first: its greedy tokens are the reference.
+    ref = None
+    for cache in (["static", "dynamic"] if args.hf_cache == "auto" else [args.hf_cache]):
+        try:
+            ref = hf_generate(model, prompts, new, cache).tolist()  # warm-up (and compile) run
+            times = time_runs(lambda c=cache: hf_generate(model, prompts, new, c), device, args.runs)
+            # transformers compiles the decode forward of a static cache on a GPU, keeping it here.
+            compiled = cache == "static" and hasattr(model, "_compiled_call")
+            row["hf"] = {"cache": cache, "torch_compile": bool(compiled), "s": statistics.median(times),
+                         "runs_s": times, "tokens_per_s": batch * new / statistics.median(times)}
+            break
+        except Exception as e:  # noqa: BLE001 - recorded, then the next cache is tried
+            row.setdefault("hf_errors", []).append(f"{cache}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            _sync(device)
+    engine = Engine(model, page_size=args.page_size, max_batch=batch, max_seq_len=prompt_len + new,
+                    prefill_tokens=max(args.prefill_tokens, prompt_len), cuda_graphs=not args.no_graphs and
+                    device.type == "cuda")
+    plist = prompts.tolist()
+
+    def run():
+        return engine.generate([Request(p, new) for p in plist])
+
+    t0 = time.perf_counter()
+    engine.warmup()
+    ours = run()  # warm-up run
+    row["tilegen_warmup_s"] = time.perf_counter() - t0
+    times = time_runs(run, device, args.runs)
+    row["tilegen"] = {"s": statistics.median(times), "runs_s": times, "cuda_graphs": engine.cuda_graphs,
+                      "graph_errors": engine.graph_errors,
+                      "tokens_per_s": batch * new / statistics.median(times), "page_size": args.page_size,
+                      "buckets": engine.buckets, "stats": dict(engine.stats)}
+    assert len(engine.free) == engine.num_pages, "pages leaked"
+    if ref is not None:
+        row["match_first32"] = match_share(ours, ref, 32)
+        row["match_all"] = match_share(ours, ref)
+        row["requests_identical"] = sum(a == b for a, b in zip(ours, ref)) / batch
+        row["hf_speedup"] = row["tilegen"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"\n{'batch':>5} {'prompt':>6} {'new':>5} {'tilegen tok/s':>14} {'HF tok/s':>10} {'HF cache':>16} "
+          f"{'x HF':>6} {'match@32':>9} {'match all':>9} {'decode':>7}")
+    for r in rows:
+        hf = r.get("hf")
+        hf_rate = f"{hf['tokens_per_s']:10.1f}" if hf else f"{'-':>10}"
+        hf_mode = (hf["cache"] + ("+compile" if hf["torch_compile"] else "")) if hf else "failed"
+        speed = f"{r['hf_speedup']:6.2f}" if "hf_speedup" in r else f"{'-':>6}"
+        m32 = f"{r['match_first32']:9.3f}" if "match_first32" in r else f"{'-':>9}"
+        mall = f"{r['match_all']:9.3f}" if "match_all" in r else f"{'-':>9}"
+        ours = r["tilegen"]
+        stats = ours["stats"]
+        decode = ("graphs" if stats["graph_replays"] == stats["decode_steps"] else "mixed") \
+            if stats["graph_replays"] else "eager"
+        print(f"{r['batch']:>5} {r['prompt']:>6} {r['new']:>5} {ours['tokens_per_s']:14.1f} {hf_rate} "
+              f"{hf_mode:>16} {speed} {m32} {mall} {decode:>7}")
+        for e in ours["graph_errors"]:
+            print(f"      CUDA graph: {e}")
+        for e in r.get("hf_errors", []):
+            print(f"      transformers: {e}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    on_gpu = torch.cuda.is_available()
+    parser.add_argument("--batch", default=None, help="comma-separated batch sizes (requests per run); "
+                        "default 1,8,64 on a GPU, 1,3 on the CPU")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 2048; CPU 9)")
+    parser.add_argument("--new", type=int, default=None, help="tokens generated per request (default 256; CPU 5)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; CPU 2)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (CPU fp32)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny CPU model's widths (default off a GPU)")
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per page (default 16; CPU 8)")
+    parser.add_argument("--prefill-tokens", type=int, default=16384, help="most prompt tokens prefilled per step")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per provider (median; default 3, CPU 1)")
+    parser.add_argument("--hf-cache", choices=("auto", "static", "dynamic"), default="auto",
+                        help="transformers' cache: auto tries static (compiled on a GPU), then dynamic")
+    parser.add_argument("--no-graphs", action="store_true", help="decode steps eagerly, without CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not on_gpu and not interpreting():
+        # Triton picks the interpreter when it is imported, which `import tilegen` already did.
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        argv = sys.argv[1:] if argv is None else argv
+        return subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env).returncode
+    device = torch.device("cuda" if on_gpu else "cpu")
+    batches = [int(b) for b in (args.batch or ("1,8,64" if on_gpu else "1,3")).split(",")]
+    prompt_len = args.prompt or (2048 if on_gpu else 9)
+    new = args.new or (256 if on_gpu else 5)
+    layers = args.layers or (4 if on_gpu else 2)
+    dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
+    args.page_size = args.page_size or (16 if on_gpu else 8)
+    args.runs = args.runs or (3 if on_gpu else 1)
+    if min(batches) < 1 or prompt_len < 1 or new < 1 or layers < 1 or args.runs < 1:
+        raise SystemExit("--batch, --prompt, --new, --layers, --runs: expected positive numbers")
+    dims = TINY if args.tiny or not on_gpu else LLAMA3_8B
+    dims = {**dims, "max_position_embeddings": max(dims["max_position_embeddings"], prompt_len + new)}
+    model = build_model(dims, layers, dtype, device, args.seed)
+    print(f"model: {layers} Llama layers, hidden {dims['hidden_size']}, heads {dims['num_attention_heads']}/"
+          f"{dims['num_key_value_heads']}, vocab {dims['vocab_size']}, {dtype}, on "
+          f"{torch.cuda.get_device_name() if on_gpu else 'cpu (Triton interpreter)'}", flush=True)
+    rows = []
+    for batch in batches:
+        row = bench_batch(model, batch, prompt_len, new, args, device)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    _print_table(rows)
+    if args.out:
+        import transformers
+        import triton
+
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if on_gpu else "cpu-interpreter",
+                       "torch": torch.__version__, "triton": triton.__version__,
+                       "transformers": transformers.__version__, "layers": layers, "dtype": str(dtype),
+                       "model": dims, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
