@@ -329,3 +329,24 @@ def test_the_ragged_layout_is_computed_once_per_mask(monkeypatch):
     real_rows = mask.bool()
     assert _rel(second[real_rows], want[real_rows]) < REL
     assert not torch.equal(first, second)
+
+
+def test_the_training_example_trains_padded_batches_as_sdpa_does(tmp_path):
+    """examples/train_transformers.py for a few steps: the tilegen model (every attention call ragged, over
+    right-padded batches) and the sdpa one keep the same loss."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "curves.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_transformers.py"), "--steps", "3",
+                           "--layers", "1", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["padding_tokens"] > 0
+    assert len(data["losses"]["transformers + tilegen attention"]) == 3
+    assert data["max_abs_loss_difference"] < 1e-4
