@@ -184,15 +184,21 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
          "call": lambda: prefill.run(q_packed, cache), "reference": paged_ref},
     ]
     # What a transformers model's attention call costs through the integration (its AttentionInterface
-    # function, no mask: the causal prefill), beside the op it calls.
+    # function, no mask: the causal prefill), beside the op it calls on the same tensors: q, k and v as
+    # transformers makes them, transposed views of [batch, n, heads, head_dim] projections.
     from tilegen.integrations.transformers import attention_forward
 
     module = torch.nn.Module()
     module.is_causal = True
-    gqa = rows[4]
-    rows.append({"shape": gqa["shape"], "provider": "tilegen via transformers' AttentionInterface",
-                 "call": lambda: attention_forward(module, q, kg, vg, None)[0].transpose(1, 2),
-                 "reference": gqa["reference"]})
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, kg, vg))
+    layout = f"{dense} GQA 8/2 causal, q/k/v transposed views"
+    gqa = rows[4]["reference"]
+    rows += [
+        {"shape": layout, "provider": "tilegen.attention", "call": lambda: tilegen.attention(qt, kt, vt, causal=True),
+         "reference": gqa},
+        {"shape": layout, "provider": "tilegen via transformers' AttentionInterface",
+         "call": lambda: attention_forward(module, qt, kt, vt, None)[0], "reference": gqa.transpose(1, 2)},
+    ]
     for row in rows:
         row["context"] = contextlib.nullcontext
     if device == "cuda":

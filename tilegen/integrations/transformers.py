@@ -58,17 +58,22 @@ def _warn_once(reason: str, target: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
+def _attribute(module: Any, name: str, default: Any) -> Any:
+    """``getattr(module, name, default)`` without ``nn.Module.__getattr__``, the path of a missing attribute
+    (a Llama attention module has no ``sliding_window``), which costs microseconds on every call."""
+    try:
+        return module.__dict__[name]
+    except (KeyError, AttributeError):
+        return getattr(type(module), name, default)
+
+
 def _dense(query, key, value, causal, window, softcap, scale) -> torch.Tensor:
-    """``tilegen.attention`` in transformers' output layout ``[batch, n_q, heads, head_dim_v]``. Without a
-    gradient to take, written there directly (``out`` is a transposed view of it): a ``contiguous()`` copy
-    afterwards would cost a kernel launch on every attention call of the model."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale)
-        return out.transpose(1, 2).contiguous()
-    batch, heads, n_q, _ = query.shape
-    out = query.new_empty((batch, n_q, heads, value.shape[3]))
-    attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale, out=out.transpose(1, 2))
-    return out
+    """``tilegen.attention`` in transformers' output layout ``[batch, n_q, heads, head_dim_v]``. The op lays
+    its output out as ``query`` (``empty_like``), and transformers hands over ``query`` as a transposed view
+    of its ``[batch, n, heads, head_dim]`` projection: the transpose back is then contiguous already, and
+    only another layout pays for a copy."""
+    out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale).transpose(1, 2)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def attention_forward(
@@ -93,9 +98,9 @@ def attention_forward(
     (what ``mask_forward`` hands over), or a 4-d mask: served when it is the causal (or bidirectional)
     pattern, window included, over padding, else handed to the fallback.
     """
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = bool(is_causal if is_causal is not None else _attribute(module, "is_causal", True))
     if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
+        sliding_window = _attribute(module, "sliding_window", None)
     window = None
     if sliding_window is not None:
         # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
