@@ -122,7 +122,9 @@ def train(model, data: torch.Tensor, lr: float, logits_of=None) -> list[float]:
     return losses
 
 
-def plot(curves: dict[str, list[float]], title: str, path: str) -> str | None:
+def plot(curves: dict[str, list[float]], title: str, path: str, ours: str = "tilegen BlockwiseLayer",
+         base: str = "reference (torch autograd)") -> str | None:
+    """The loss curves, and below them the per-step difference between ``ours`` and ``base``."""
     plt = pyplot()
     if plt is None:
         return None
@@ -133,10 +135,9 @@ def plot(curves: dict[str, list[float]], title: str, path: str) -> str | None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    base = curves["reference (torch autograd)"]
-    diff = [abs(a - b) for a, b in zip(curves["tilegen BlockwiseLayer"], base)]
+    diff = [abs(a - b) for a, b in zip(curves[ours], curves[base])]
     ax_diff.plot(diff, color="C3")
-    ax_diff.set_ylabel("|tilegen - torch|")
+    ax_diff.set_ylabel(f"|{ours.split()[0]} - {base.split()[0]}|")
     ax_diff.set_xlabel("step")
     ax_diff.grid(True, alpha=0.3)
     fig.tight_layout()

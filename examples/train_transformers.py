@@ -29,9 +29,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before tilegen imports Triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_blockwise import markov_batches  # noqa: E402  (the same synthetic data)
+from train_blockwise import markov_batches, plot  # noqa: E402  (the same synthetic data and plot)
 
-from tilegen.bench import pyplot  # noqa: E402
 from tilegen.integrations.transformers import use_tilegen  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,26 +65,6 @@ def train(model, ids, mask, labels, lr: float) -> list[float]:
         if step % 10 == 0 or step == len(ids) - 1:
             print(f"  step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     return losses
-
-
-def plot(curves: dict[str, list[float]], title: str, path: str) -> str | None:
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    for (name, losses), style in zip(curves.items(), ("-", "--")):
-        ax.plot(losses, style, label=name)
-    ax.set_ylabel("training loss (cross-entropy)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax_diff.plot([abs(a - b) for a, b in zip(curves[TILEGEN], curves[SDPA])], color="C3")
-    ax_diff.set_ylabel("|tilegen - sdpa|")
-    ax_diff.set_xlabel("step")
-    ax_diff.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
 
 
 def main(argv=None) -> int:
@@ -144,7 +123,7 @@ def main(argv=None) -> int:
                    "tokens": int(mask.numel()), "losses": curves}, f, indent=1)
     title = (f"LlamaForCausalLM {args.layers} x {args.hidden}, heads {args.heads}, right-padded seq <= {args.seq}, "
              f"batch {args.batch}, {args.dtype}")
-    plot_path = plot(curves, title, args.plot or os.path.splitext(args.out)[0] + ".png")
+    plot_path = plot(curves, title, args.plot or os.path.splitext(args.out)[0] + ".png", ours=TILEGEN, base=SDPA)
     print(f"wrote {args.out}" + (f" and {plot_path}" if plot_path else " (matplotlib not installed: no plot)"))
     return 0
 
