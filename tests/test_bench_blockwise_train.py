@@ -24,13 +24,14 @@ def _env() -> dict[str, str]:
 def test_the_smoke_training_step_checks_tilegen_against_the_unfused_layer(tmp_path):
     out = tmp_path / "train.json"
     result = subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", "--smoke", "--train", "--runs", "1",
-                             "--lengths", "24", "--no-fit", "--out", str(out)],
+                             "--lengths", "24", "--no-fit", "--blocks", "8", "--out", str(out)],
                             env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["mode"] == "train" and data["fit"] == []
     rows = {r["provider"]: r for r in data["rows"]}
-    assert set(rows) == set(blockwise.TRAIN_PROVIDERS)
+    assert set(rows) == {*blockwise.TRAIN_PROVIDERS, "tilegen block=8"}
+    assert rows["tilegen block=8"]["status"] == "ok" and rows["tilegen block=8"]["correct"] is True
     tilegen_row = rows["tilegen"]
     assert tilegen_row["status"] == "ok" and tilegen_row["correct"] is True and tilegen_row["time_ms"] > 0
     names = {"input", *blockwise.SMOKE_LAYER.weight_shapes()}
@@ -45,6 +46,9 @@ def test_the_smoke_training_step_checks_tilegen_against_the_unfused_layer(tmp_pa
     (["--smoke", "--train", "--lengths", "8,x"], "--lengths: expected comma-separated ints"),
     (["--smoke", "--train", "--lengths", "0"], "--lengths: expected positive token counts"),
     (["--smoke", "--train", "--fit-budget-s", "-1"], "--fit-budget-s: expected a non-negative"),
+    (["--smoke", "--train", "--blocks", "8,x"], "--blocks: expected comma-separated ints"),
+    (["--smoke", "--train", "--blocks", "0"], "--blocks: expected positive query blocks"),
+    (["--smoke", "--blocks", "8"], "--blocks: expected positive query blocks, with --train"),
 ])
 def test_bad_arguments_fail_before_any_work(argv, message, monkeypatch):
     if torch.cuda.is_available() and "--smoke" not in argv:

@@ -40,6 +40,8 @@ within 1e-2 relative; the loss reported, not gated: a random-signed sum can be n
 measured steps accumulate into those buffers, so the peak is above the input, ``dout``, the weights and
 their gradients. The longest trainable sequence doubles from twice the longest length until out of
 memory or ``--fit-budget-s`` (real steps: the allocation replay does not cover the backward).
+``--blocks 2048,4096`` adds tilegen with each of those query blocks (``tilegen block=2048``, ...): the
+sweep behind the training forward's block cap (``tilegen.layers.train.MAX_TRAINING_BLOCK``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ SMOKE_CHUNK = 16
 PROVIDERS = ("unfused", "chunked", "tilegen")
 TRAIN_LENGTHS = [16384, 32768, 65536]
 TRAIN_PROVIDERS = ("unfused", "transformers", "tilegen")
+#: --train --blocks: tilegen with a given query block, named this prefix and the block.
+BLOCK_PROVIDER = "tilegen block="
 
 
 def _weights(config: LayerConfig, device, seed=0) -> dict[str, torch.Tensor]:
@@ -344,8 +348,9 @@ def _train_step(name: str, config: LayerConfig, w: dict[str, torch.Tensor], devi
     """``(step, params)``: ``step(x, dout)`` runs one training step of provider ``name`` (``x`` requires grad),
     returning the output with ``keep``; ``params`` are its weights by Llama name, leaves that take gradients. ``None`` when
     the provider is not installed."""
-    if name == "tilegen":
-        layer = tilegen.BlockwiseLayer(config, dtype=DTYPE, device=device).load_weights(w)
+    if name == "tilegen" or name.startswith(BLOCK_PROVIDER):
+        block = int(name[len(BLOCK_PROVIDER):]) if name != "tilegen" else None
+        layer = tilegen.BlockwiseLayer(config, dtype=DTYPE, device=device, block=block).load_weights(w)
         forward, params = layer, dict(layer.named_parameters())
     elif name == "transformers":
         try:
@@ -398,13 +403,13 @@ def _grads(x, params) -> dict[str, torch.Tensor]:
     return {"input": x.grad, **{n: p.grad for n, p in params.items()}}
 
 
-def train_sweep(config, lengths, runs, device) -> list[dict]:
+def train_sweep(config, lengths, runs, device, providers=TRAIN_PROVIDERS) -> list[dict]:
     """Per length and provider: a checked warm-up step, the measured step's peak, the median step time."""
     w = _weights(config, device)
     rows, ref = [], None
     for n in lengths:
         dout = _input(config, n, device, seed=2)
-        for name in TRAIN_PROVIDERS:
+        for name in providers:
             row = {"provider": name, "tokens": n}
             made = _train_step(name, config, w, device)
             if made is None:
@@ -512,12 +517,12 @@ def plot(rows, fits, path, providers=PROVIDERS, title="peak activation memory") 
 
 
 def _print_table(rows, fits) -> None:
-    print(f"\n{'provider':<12} {'tokens':>8} {'peak GB':>9} {'time ms':>9} {'error':>9}  ok")
+    print(f"\n{'provider':<20} {'tokens':>8} {'peak GB':>9} {'time ms':>9} {'error':>9}  ok")
     for r in rows:
         peak = "-" if r.get("peak_gb") is None else f"{r['peak_gb']:.2f}"
         t = "-" if r.get("time_ms") is None else f"{r['time_ms']:.1f}"
         e = "-" if r.get("error") is None else f"{r['error']:.1e}"
-        print(f"{r['provider']:<12} {r['tokens']:>8} {peak:>9} {t:>9} {e:>9}  {r.get('correct', r['status'])}")
+        print(f"{r['provider']:<20} {r['tokens']:>8} {peak:>9} {t:>9} {e:>9}  {r.get('correct', r['status'])}")
     longest = max(r["tokens"] for r in rows)
     at = {r["provider"]: r for r in rows if r["tokens"] == longest and r["status"] == "ok"}
     if "unfused" in at and at["unfused"].get("peak_gb"):
@@ -545,6 +550,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fit-budget-s", type=float, default=40.0, help="fit-search seconds per provider")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
+    parser.add_argument("--blocks", default=None,
+                        help="with --train: also tilegen with each of these comma-separated query blocks")
     parser.add_argument("--train", action="store_true",
                         help="one training step (forward and backward to the input and weights) instead of inference")
     args = parser.parse_args(argv)
@@ -572,8 +579,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"--lengths: expected positive token counts, got {args.lengths!r}")
     # Under --smoke the search only runs through (the CPU has no allocator statistics and never runs out).
     budget = min(args.fit_budget_s, 0.3) if args.smoke else args.fit_budget_s
+    try:
+        blocks = [int(v) for v in args.blocks.split(",")] if args.blocks else []
+    except ValueError:
+        raise SystemExit(f"--blocks: expected comma-separated ints, got {args.blocks!r}") from None
+    if blocks and (not args.train or min(blocks) < 1):
+        raise SystemExit(f"--blocks: expected positive query blocks, with --train; got {args.blocks!r}")
+    providers = TRAIN_PROVIDERS + tuple(f"{BLOCK_PROVIDER}{b}" for b in blocks)
     if args.train:
-        rows = train_sweep(config, lengths, args.runs, device)
+        rows = train_sweep(config, lengths, args.runs, device, providers)
         fits = [] if args.no_fit else train_fit(config, 2 * max(lengths), budget, device, min(lengths))
     else:
         rows = sweep(config, lengths, chunk, args.runs, device)
@@ -581,7 +595,7 @@ def main(argv=None) -> int:
     _print_table(rows, fits)
     plot_path = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if plot_path and on_gpu:
-        written = (plot(rows, fits, plot_path, TRAIN_PROVIDERS, "peak memory of a training step (forward + backward)")
+        written = (plot(rows, fits, plot_path, providers, "peak memory of a training step (forward + backward)")
                    if args.train else plot(rows, fits, plot_path))
         print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")
     if args.out:
@@ -591,7 +605,8 @@ def main(argv=None) -> int:
                        "mode": "train" if args.train else "inference", "layer": config.__dict__, "ffn_chunk": chunk, "rows": rows, "fit": fits}, f, indent=1)
     # Only tilegen's disagreement fails the run: a peer's bf16 gradients differ from the unfused layer's by
     # bf16 noise, which the 1e-2 bound is not made for (transformers' layer reads 1.1e-2 on the H200 at 16k).
-    wrong = [r for r in rows if r["provider"] == "tilegen" and r["status"] == "ok" and r.get("correct") is False]
+    wrong = [r for r in rows
+             if r["provider"].startswith("tilegen") and r["status"] == "ok" and r.get("correct") is False]
     return 1 if wrong else 0
 
 
