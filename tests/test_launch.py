@@ -429,10 +429,15 @@ def test_only_helpers_that_cannot_reach_a_kernel_keep_a_launcher_replayable(devi
         "def through(n): return launches(n)\n"
         "def via_module(n): return math.floor(n)\n"
         "def via_getattr(n): return getattr(n, 'real')\n"
+        "PAIR = (1, 'a')\n"
+        "KERNELS = (kernel, 2)\n"
+        "def via_tuple(n): return PAIR[n % 2]\n"
+        "def via_kernel_tuple(n): return KERNELS[0]\n"
         "def recursive(n): return recursive(n - 1) if n else 0\n",
         vars(module),
     )
     verdicts = {name: _host_only(module, getattr(module, name))
-                for name in ("pure", "nested", "launches", "through", "via_module", "via_getattr", "recursive")}
+                for name in ("pure", "nested", "launches", "through", "via_module", "via_getattr", "recursive",
+                             "via_tuple", "via_kernel_tuple")}
     assert verdicts == {"pure": True, "nested": True, "launches": False, "through": False, "via_module": False,
-                        "via_getattr": False, "recursive": True}
+                        "via_getattr": False, "recursive": True, "via_tuple": True, "via_kernel_tuple": False}

@@ -1,13 +1,15 @@
 """Training the blockwise layer: BPT's backward, one block of query tokens at a time.
 
 The forward is the inference schedule (the ``blockwise_layer`` family's generated module) with
-one change: its attention calls go through a ``_Recorder``, which also keeps each block's
-attention output and LSE. That, the layer's input and the weights are all a training forward
-keeps: nothing of the FFN's ``[tokens, d_ffn]`` width, no K, V or q.
+one change: its attention calls go through a ``Recorder``, which also keeps each block's
+attention output and LSE; its query block is at most ``MAX_TRAINING_BLOCK``. That, the layer's
+input and the weights are all a training forward keeps: nothing of the FFN's ``[tokens, d_ffn]``
+width, no K, V or q.
 
 The backward, per block, recomputes what it needs and differentiates it:
-  1. ``h = x + attn @ o_proj^T`` from the kept attention output, then the FFN block
-     (norm, MLP, residual) under autograd: dh, and the FFN weights' gradients;
+  1. ``h = x + attn @ o_proj^T`` from the kept attention output, then the FFN (norm, MLP,
+     residual) ``ffn_recompute_rows`` at a time, differentiated by hand: dh, and the FFN
+     weights' gradients summed in fp32 inside the GEMMs;
   2. attention's backward over the keys the block saw (``tilegen::attention_bwd``, from the
      kept output and LSE, q and K/V recomputed as the forward made them), dQ into q_proj and the
      input norm, dK and dV summed over the blocks into sequence-sized fp32 buffers;
@@ -169,12 +171,13 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
 
 #: The query block a training forward takes at most (an explicit ``block`` aside): the backward holds one
 #: block's q, dO, gradients and norm graph at once, so its peak grows with the block while its time barely
-#: moves. Measured on the H200 (Llama-3-8B's layer, bf16, one training step at 65536 tokens): blocks of 16384
-#: (the inference row) 5.71 GB / 529 ms, 8192 4.51 GB / 530 ms, 4096 3.97 GB / 543 ms, 2048 3.90 GB / 557 ms.
+#: moves. On the H200 (Llama-3-8B's layer, bf16, one training step at 65536 tokens, ``python -m
+#: tilegen.bench.blockwise --train --no-fit --lengths 65536 --blocks 2048,4096,8192,16384``): blocks of 16384
+#: (the inference row) 5.71 GB / 518 ms, 8192 4.51 GB / 520 ms, 4096 3.97 GB / 533 ms, 2048 3.90 GB / 548 ms.
 MAX_TRAINING_BLOCK = 4096
 
-#: What one recomputed FFN chunk's [rows, d_ffn] tensor may take: autograd keeps about five of them (the
-#: norm's output aside, gate and up projections, the activation, their product) and their gradients.
+#: What one recomputed FFN chunk's [rows, d_ffn] tensor may take: its backward holds about five at once
+#: (gate and up projections, the activation, their gradients).
 FFN_RECOMPUTE_BYTES = 64 << 20
 
 

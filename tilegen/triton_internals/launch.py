@@ -402,12 +402,19 @@ def _host_only(module: types.ModuleType, function: types.FunctionType, seen: fro
             if isinstance(value, types.FunctionType):
                 if not _host_only(module, value, seen):
                     return False
-            elif not isinstance(value, (int, float, str, bool, type(None), tuple)):
+            elif not _plain(value):
                 return False
         elif name in _REACHING_BUILTINS:
             return False
         # Else a builtin, or an attribute's name (``.append``) on the values allowed above.
     return True
+
+
+def _plain(value) -> bool:
+    """Numbers, strings, None, and tuples of them: data no call can go through."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return isinstance(value, (int, float, str, bool, type(None)))
 
 
 #: Builtins through which a function could reach any object, a kernel included.
