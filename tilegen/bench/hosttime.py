@@ -135,7 +135,6 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
     keep = torch.ones(n, n, dtype=torch.bool, device=device)
     causal_mask, window_mask = keep.tril(), keep.tril() & keep.triu(-8)
     kg, vg = rand(1, 2, n, 64), rand(1, 2, n, 64)
-    lengths = (7, 9)
     cu = torch.tensor([0, 7, 16], dtype=torch.int32, device=device)
     packed = [t[0].transpose(0, 1).contiguous() for t in (q, kg, vg)]  # [tokens, heads, dim]
     pages = [t.view(1, n, 2, 64) for t in packed[1:]]  # both sequences' keys in one page of 16
@@ -210,14 +209,14 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
         ):
             rows.append({"shape": shape, "provider": "SDPA flash", "call": call, "context": flash,
                          "reference": next(r["reference"] for r in rows if r["shape"] == shape)})
-        varlen = _varlen_peer(q_packed, k_packed, v_packed, cu)
+        varlen = _varlen_peer(q_packed, k_packed, v_packed, cu, 9)
         if varlen is not None:
             rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "torch varlen_attn",
                          "call": varlen, "context": contextlib.nullcontext, "reference": ragged_ref})
     return rows
 
 
-def _varlen_peer(q, k, v, cu):
+def _varlen_peer(q, k, v, cu, longest: int):
     """A causal call of torch's own varlen attention (FlashAttention's kernel; torch 2.10 and later) on the
     packed batch, if this torch has it. Its keywords changed between releases: causal is ``is_causal`` in
     2.10, ``window_size=(-1, 0)`` later; GQA (``enable_gqa``) came in 2.12, before which K and V are repeated."""
@@ -233,7 +232,7 @@ def _varlen_peer(q, k, v, cu):
         causal["enable_gqa"] = True
     else:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-    return lambda: varlen_attn(q, k, v, cu, cu, 9, 9, **causal)
+    return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **causal)
 
 
 def _sync(device: str) -> None:

@@ -308,13 +308,9 @@ def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal,
         out, weights = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                              sliding_window=sliding_window, softcap=softcap, **kwargs)
     else:
-        heads, kv_heads = query.shape[1], key.shape[1]
-        if heads != kv_heads:
-            key = key.repeat_interleave(heads // kv_heads, dim=1)
-            value = value.repeat_interleave(heads // kv_heads, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-            is_causal=mask is None and causal and n_q > 1)
+            is_causal=mask is None and causal and n_q > 1, enable_gqa=query.shape[1] != key.shape[1])
         out, weights = out.transpose(1, 2).contiguous(), None
     if unattended is not None:
         out = out.masked_fill(unattended[:, 0, :, :, None], 0.0)  # [batch, n_q, 1, 1] over [batch, n_q, heads, dim]

@@ -387,8 +387,10 @@ def _host_only(module: types.ModuleType, function: types.FunctionType, seen: fro
     (comprehensions, lambdas) names is a builtin, plain data (numbers, strings, tuples of them), or another
     function of the module that is host-only too. Modules, classes and kernels fail it, so nothing it
     calls can launch a kernel behind the capture's back."""
-    if function.__module__ != module.__name__ or function.__code__ in seen:
-        return function.__code__ in seen
+    if function.__code__ in seen:
+        return True  # a recursive call: judged by the visit in progress
+    if function.__module__ != module.__name__:
+        return False  # imported from elsewhere: not the generated code this proof reads
     seen = seen | {function.__code__}
     codes, names = [function.__code__], set()
     while codes:
