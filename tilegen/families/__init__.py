@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 from tilegen.families import (  # noqa: E402
+    attention_cascade,
     attention_bwd,
     attention_decode,
     attention_fwd,
@@ -60,6 +61,7 @@ BUILTIN = [
     blockwise_ffn.FAMILY,
     rope.FAMILY,
     attention_bwd.FAMILY,
+    attention_cascade.FAMILY,
 ]
 for _family in BUILTIN:
     register(_family)

@@ -1,0 +1,79 @@
+"""Cascade configs: the shared levels' tile (rows x keys), the last level's key block, warps,
+stages, and how many programs per SM the work split aims for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import triton
+
+from tilegen.device import DeviceInfo
+from tilegen.families import base
+from tilegen.families.attention_cascade.spec import CascadeSpec
+
+__all__ = ["CascadeConfig", "search_space", "feasible", "default_rule", "own_block_m", "MAX_OWN_ROWS"]
+
+#: The last level's tile holds a node's query rows (tokens x a KV head's query heads) up to this many;
+#: a node with more rows takes several tiles. Decode's 1 x 4 rows pad to 16, the least a dot takes.
+MAX_OWN_ROWS = 64
+
+
+@dataclass(frozen=True, order=True)
+class CascadeConfig(base.Config):
+    block_m: int  # query rows per tile of a shared level: many requests' heads of one KV head
+    block_n: int  # keys per block of a shared level
+    own_block_n: int  # keys per block of the last level, whose tile has few rows
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+    def __str__(self) -> str:
+        return (f"M{self.block_m}-N{self.block_n}-n{self.own_block_n}-w{self.num_warps}-s{self.num_stages}"
+                f"-c{self.ctas_per_sm}")
+
+
+def search_space(spec: CascadeSpec, device: DeviceInfo) -> dict[str, list[int]]:
+    if device.is_interpreter:
+        return {"block_m": [16, 32], "block_n": [16, 32], "own_block_n": [16], "num_warps": [4], "num_stages": [1],
+                "ctas_per_sm": [1, 2]}
+    return {"block_m": [64, 128], "block_n": [32, 64, 128], "own_block_n": [32, 64], "num_warps": [4, 8],
+            "num_stages": [2, 3], "ctas_per_sm": [1, 2, 3, 4]}
+
+
+def own_block_m(q_per_kv: int, max_tokens: int) -> int:
+    """Rows of the last level's tile: its nodes' query rows, a power of two from 16 to ``MAX_OWN_ROWS``."""
+    return min(MAX_OWN_ROWS, max(16, triton.next_power_of_2(max(1, q_per_kv * max_tokens))))
+
+
+def feasible(spec: CascadeSpec, config: CascadeConfig, device: DeviceInfo) -> str | None:
+    for knob in ("block_m", "block_n", "own_block_n"):
+        value = getattr(config, knob)
+        if value % 16 or value & (value - 1):
+            return f"{knob}={value}: the template asserts a power of two and a multiple of 16"
+    if device.is_interpreter:
+        return None
+    dim_pad = triton.next_power_of_2(spec.head_dim)
+    dim_v_pad = triton.next_power_of_2(spec.dv)
+    if config.block_m * dim_v_pad > 128 * 256:
+        return f"block_m={config.block_m}: the accumulator does not fit in registers at head dim {spec.dv}"
+    elt = 4 if spec.dtype == "fp32" else 2
+    smem = (config.block_m * dim_pad + config.num_stages * config.block_n * (dim_pad + dim_v_pad)) * elt
+    if smem > device.smem_bytes:
+        return f"~{smem} bytes of shared memory against the device's {device.smem_bytes}"
+    return None
+
+
+def default_rule(spec: CascadeSpec, device: DeviceInfo) -> list[tuple[int | None, CascadeConfig]]:
+    if device.is_interpreter:
+        return [(None, CascadeConfig(16, 16, 16, 4, 1, 1))]
+    if spec.dtype == "fp32" or max(spec.head_dim, spec.dv) > 128:
+        return [(None, CascadeConfig(64, 32, 32, 4, 2, 2))]
+    return [(None, CascadeConfig(128, 64, 64, 4, 2, 2))]
+
+
+def chunk_keys(block_n: int, work: float, programs: int, floor: int) -> int:
+    """Keys per work item: the launch's key-block work spread over ``programs``, a multiple of
+    ``block_n`` and at least ``floor`` (fewer keys per item add merge work for little balance)."""
+    chunk = max(floor, math.ceil(work / max(1, programs)))
+    return math.ceil(chunk / block_n) * block_n

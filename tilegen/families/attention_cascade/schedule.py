@@ -1,0 +1,106 @@
+"""The cascade's work list: which tile of which node reads which chunk of its keys, and where
+each token's partial states go. Made on the host once per plan, from the levels' page tables.
+
+A node's query rows (tokens x a KV head's query heads) are cut into tiles; its keys into
+chunks sized so that each level kind's work (tiles x keys x KV heads) would fill
+``ctas_per_sm`` programs per SM by itself. Each (tile, chunk) is a work item, and each chunk a
+state of every token under the node: a token's states are numbered level by level, so the
+tokens of one node (which share their ancestors) agree on the slot a chunk takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tilegen.families.attention_cascade.config import CascadeConfig, chunk_keys, own_block_m
+
+__all__ = ["HostLevel", "Schedule", "schedule", "WORK_COLS"]
+
+#: Columns of a work item (the template's glossary names them).
+WORK_COLS = 9
+#: Fewest keys a chunk takes: a shorter one adds a state to merge for little balance.
+_MIN_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class HostLevel:
+    """One level's page table on the host: node n holds tokens ``qo_indptr[n]:qo_indptr[n + 1]`` and
+    pages ``kv_indices[kv_indptr[n]:kv_indptr[n + 1]]``, the last ``last_page_len[n]`` tokens full."""
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    kv_indices: torch.Tensor
+    last_page_len: list[int]
+
+    def keys(self, node: int, page_size: int) -> int:
+        pages = self.kv_indptr[node + 1] - self.kv_indptr[node]
+        return (pages - 1) * page_size + self.last_page_len[node] if pages else 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    work: torch.Tensor  # int32 [items, WORK_COLS], on the host
+    state_base: torch.Tensor  # int32 [tokens + 1]: token t's states are state_base[t]:state_base[t + 1]
+    states: int
+    direct: bool  # every token has exactly one state: items write the output, no merge
+    own_block_m: int
+    max_states: int
+
+    @property
+    def items(self) -> int:
+        return self.work.shape[0]
+
+
+def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: int, page_size: int,
+             config: CascadeConfig, sm_count: int) -> Schedule:
+    """The work list of ``levels`` (the last one is the per-request level) for ``tokens`` query tokens."""
+    last = len(levels) - 1
+    own_tokens = max((lv.qo_indptr[n + 1] - lv.qo_indptr[n] for lv in levels[last:]
+                      for n in range(len(lv.qo_indptr) - 1)), default=1)
+    own_m = own_block_m(q_per_kv, own_tokens)
+    nodes = []  # (level, page start, keys, first token, tokens)
+    page_offset = 0
+    for index, level in enumerate(levels):
+        for n in range(len(level.qo_indptr) - 1):
+            n_q = level.qo_indptr[n + 1] - level.qo_indptr[n]
+            n_k = level.keys(n, page_size)
+            if n_q and n_k:
+                nodes.append((index, page_offset + level.kv_indptr[n], n_k, level.qo_indptr[n], n_q))
+        page_offset += level.kv_indices.numel()
+
+    def tile_rows(level: int) -> int:
+        return own_m if level == last else config.block_m
+
+    programs = sm_count * config.ctas_per_sm
+    chunks = {}
+    for kind, block_n in ((False, config.block_n), (True, config.own_block_n)):
+        work = sum(math.ceil(n_q * q_per_kv / tile_rows(lv)) * n_k
+                   for lv, _, n_k, _, n_q in nodes if (lv == last) == kind) * kv_heads
+        chunks[kind] = chunk_keys(block_n, work, programs, _MIN_CHUNK)
+
+    count = [0] * tokens
+    items = []
+    for lv, page_start, n_k, q_start, n_q in nodes:
+        own = lv == last
+        chunk = chunks[own]
+        splits = math.ceil(n_k / chunk)
+        base = count[q_start]
+        for t in range(q_start, q_start + n_q):
+            count[t] += splits
+        rows = tile_rows(lv)
+        for row0 in range(0, n_q * q_per_kv, rows):
+            for s in range(splits):
+                items.append((page_start, n_k, q_start, n_q, row0, s * chunk, min(n_k, (s + 1) * chunk), base + s,
+                              int(own)))
+    # Heaviest first: shared tiles (a matrix product each) before the last level's, long chunks first,
+    # so the short items fill in behind them.
+    items.sort(key=lambda it: (it[8], -(it[6] - it[5])))
+    work = torch.tensor(items, dtype=torch.int32).reshape(-1, WORK_COLS)
+    counts = torch.tensor(count, dtype=torch.int64)
+    state_base = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    max_states = int(counts.max()) if tokens else 0
+    return Schedule(work=work, state_base=state_base, states=int(counts.sum()),
+                    direct=bool(tokens) and bool((counts == 1).all()), own_block_m=own_m, max_states=max_states)

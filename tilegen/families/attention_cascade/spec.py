@@ -1,0 +1,41 @@
+"""The spec of the cascade family: queries over a prefix tree of shared paged KV levels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.families.attention_varlen.spec import PAGE_SIZES
+from tilegen.ir import Spec, SpecError
+
+__all__ = ["CascadeSpec"]
+
+
+@dataclass(frozen=True)
+class CascadeSpec(AttentionFields):
+    """Cascade attention over a paged cache (``tilegen.CascadeAttention``). Fields as in
+    ``AttentionSpec``; ``mask`` is ``"none"`` or ``"causal"``, and it applies to the last level
+    alone: every key of an earlier (shared) level precedes every query token that lies under it,
+    so those levels are read whole. ``page_size`` is the cache's."""
+
+    family: ClassVar[str] = "attention_cascade"
+
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mask == "window":
+            raise SpecError("mask", "a window over the levels of a prefix tree is not built; expected 'none' or "
+                                    "'causal'")
+        if isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
+            raise SpecError("page_size", f"expected one of {PAGE_SIZES}, got {self.page_size!r}")
+
+    __hash__ = Spec.__hash__
+
+    @property
+    def name(self) -> str:
+        parts = self.name_parts() + [f"paged{self.page_size}"]
+        if self.return_lse:
+            parts.append("lse")
+        return "_".join(parts)
