@@ -19,6 +19,7 @@ from tilegen.ir import SpecError  # noqa: E402
 from tilegen.ops.append import append_kv  # noqa: E402
 from tilegen.ops.attention import attention, explain  # noqa: E402
 from tilegen.ops.blockwise import blockwise_ffn  # noqa: E402
+from tilegen.ops.cascade import CascadeAttention, CascadeLevel, cascade_levels  # noqa: E402
 from tilegen.layers import BlockwiseLayer, LayerConfig, blockwise_layer  # noqa: E402
 from tilegen.ops.decode import PagedDecode  # noqa: E402
 from tilegen.ops.kv_cache import PagedKVCache  # noqa: E402
@@ -29,6 +30,8 @@ from tilegen.ops.varlen import PagedAttention, varlen_attention  # noqa: E402
 __all__ = [
     "AttentionSpec",
     "BlockwiseLayer",
+    "CascadeAttention",
+    "CascadeLevel",
     "LayerConfig",
     "PagedAttention",
     "PagedDecode",
@@ -39,6 +42,7 @@ __all__ = [
     "attention",
     "blockwise_ffn",
     "blockwise_layer",
+    "cascade_levels",
     "explain",
     "merge_states",
     "spec_from_json",

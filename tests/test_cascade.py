@@ -1,0 +1,216 @@
+"""Cascade attention over a prefix tree of shared pages, against the float64 reference on each
+sequence's gathered pages (the same answer ``PagedDecode`` gives when every request reads its
+whole page list).
+
+The tree: sequences 0-4 share a root prefix, 0-2 share a deeper one beneath it, 3-4 a different
+one, sequence 5 shares nothing and sequence 6 is the root prefix alone plus one token; own tails
+of 1, page_size - 1, page_size + 1 and more tokens, pages shuffled, every unused slot NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_varlen import paged_reference
+
+import tilegen
+from tilegen.families import relative_error
+
+DIM = 32
+
+
+def _randn(gen, *shape, dtype, device):
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def tree_cache(page_size, kv_heads, dtype, device, gen, *, tails=(1, 9, 17, 4, 30, 12, 1)):
+    """Seven sequences over shared page runs (the module docstring's tree), a NaN page spare."""
+    runs = {"root": 3, "deep": 2, "other": 1}
+    total = sum(runs.values()) + sum(math.ceil(t / page_size) for t in tails) + 5 + 2
+    order = torch.randperm(total, generator=gen).tolist()
+    k_pages = torch.full((total, page_size, kv_heads, DIM), math.nan, dtype=dtype, device=device)
+    v_pages = torch.full_like(k_pages, math.nan)
+
+    def fresh(tokens):
+        pages = [order.pop() for _ in range(math.ceil(tokens / page_size))]
+        for i, page in enumerate(pages):
+            held = min(page_size, tokens - i * page_size)
+            k_pages[page, :held] = _randn(gen, held, kv_heads, DIM, dtype=dtype, device=device)
+            v_pages[page, :held] = _randn(gen, held, kv_heads, DIM, dtype=dtype, device=device)
+        return pages
+
+    shared = {name: fresh(n * page_size) for name, n in runs.items()}
+    heads = [shared["root"] + shared["deep"]] * 3 + [shared["root"] + shared["other"]] * 2 + [[], shared["root"]]
+    indptr, indices, last = [0], [], []
+    for head, tail in zip(heads, tails):
+        own = fresh(tail)
+        indices += head + own
+        indptr.append(len(indices))
+        last.append(tail - (len(own) - 1) * page_size)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return tilegen.PagedKVCache(k_pages, v_pages, ints(indptr), ints(indices), ints(last))
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "output elements never written"
+    error, _ = relative_error(out.cpu(), ref)
+    assert error < (1e-4 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("page_size,group,dtype", [(8, 4, torch.bfloat16), (16, 1, torch.float32),
+                                                   (1, 2, torch.float32)], ids=["p8-gqa4-bf16", "p16-mha-fp32",
+                                                                                 "p1-gqa2-fp32"])
+def test_decode_over_derived_levels(page_size, group, dtype, device):
+    gen = torch.Generator().manual_seed(page_size + group)
+    cache = tree_cache(page_size, 2, dtype, device, gen)
+    levels = tilegen.cascade_levels(cache)
+    assert len(levels) == 3, "root, the deeper runs, each sequence's own pages"
+    heads_q = cache.kv_heads * group
+    q = _randn(gen, cache.batch, heads_q, DIM, dtype=dtype, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, levels, heads_q=heads_q, return_lse=True)
+    out = torch.full((cache.batch, heads_q, DIM), math.nan, dtype=dtype, device=device)
+    result, lse = cascade.run(q, cache, out=out)
+    assert result is out
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+def test_derived_levels_share_only_what_is_shared(device):
+    gen = torch.Generator().manual_seed(3)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    root, deep, own = tilegen.cascade_levels(cache)
+    # Root: sequences 0-4 (five tokens) over 3 pages, 5 alone without pages, 6 shares the root as well
+    # but is not a neighbour of 0-4 past the unrelated sequence 5: its pages stay its own.
+    assert root.qo_indptr.tolist() == [0, 5, 7]
+    assert root.kv_indptr.tolist() == [0, 3, 3]
+    assert deep.qo_indptr.tolist() == [0, 3, 5, 7]
+    assert deep.kv_indptr.tolist() == [0, 2, 3, 3]
+    assert own.qo_indptr.tolist() == list(range(8))
+    pages = (cache.indptr[1:] - cache.indptr[:-1]).tolist()
+    shared = [5, 5, 5, 4, 4, 0, 0]
+    assert (own.kv_indptr[1:] - own.kv_indptr[:-1]).tolist() == [p - s for p, s in zip(pages, shared)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_queries_over_levels(causal, device):
+    """Several query tokens per request (chunked prefill, speculative decoding): the shared pages stop
+    before each request's first query token, and the last level is masked bottom-right."""
+    gen = torch.Generator().manual_seed(5 + causal)
+    cache = tree_cache(8, 2, torch.float32, device, gen, tails=(3, 9, 17, 4, 30, 12, 2))
+    qo_lens = [3, 5, 1, 4, 17, 0, 2]
+    levels = tilegen.cascade_levels(cache, qo_lens, causal=causal)
+    heads_q = 4
+    q = _randn(gen, sum(qo_lens), heads_q, DIM, dtype=torch.float32, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, levels, heads_q=heads_q, causal=causal, return_lse=True, softcap=5.0, scale=0.3)
+    out, lse = cascade.run(q, cache)
+    cu = torch.tensor([0, *qo_lens]).cumsum(0).to(torch.int32)
+    ref, ref_lse = paged_reference(q, cache, cu, causal=causal, softcap=5.0, scale=0.3)
+    _check(out, lse, ref, ref_lse, torch.float32)
+
+
+def test_no_sharing_writes_directly_and_matches_decode(device):
+    """A batch that shares nothing is one level: one state per token, no merge, PagedDecode's answer."""
+    gen = torch.Generator().manual_seed(8)
+    cache = tree_cache(16, 2, torch.bfloat16, device, gen)
+    levels = [tilegen.CascadeLevel(torch.arange(cache.batch + 1, dtype=torch.int32), cache.indptr, cache.indices,
+                                   cache.last_page_len)]
+    q = _randn(gen, cache.batch, 8, DIM, dtype=torch.bfloat16, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, levels, heads_q=8)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8)
+    expected = decode.run(q, cache)
+    assert cascade._plan.launch_args["direct"]
+    torch.testing.assert_close(cascade.run(q, cache), expected, atol=2e-2, rtol=2e-2)
+
+
+def _levels(cache):
+    return tilegen.cascade_levels(cache)
+
+
+@pytest.mark.parametrize("fault,match", [
+    ("qo-short", r"levels\[1\]\.qo_indptr: ends at"),
+    ("kv-indptr-length", r"levels\[0\]: kv_indptr has"),
+    ("page-outside", r"levels\[0\]\.kv_indices: page indices outside"),
+    ("last-len", r"levels\[2\]\.kv_last_page_len: node 0"),
+    ("not-nested", r"levels\[1\]\.qo_indptr: node 0's tokens .* span two nodes"),
+    ("dtype", r"levels\[0\]\.qo_indptr: expected a 1-d int32 tensor"),
+    ("empty", r"levels: expected a non-empty sequence"),
+])
+def test_bad_levels_are_named(fault, match, device):
+    gen = torch.Generator().manual_seed(1)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    levels = _levels(cache)
+    root, deep, own = levels
+    if fault == "qo-short":
+        deep = tilegen.CascadeLevel(deep.qo_indptr[:-1], deep.kv_indptr[:-1], deep.kv_indices, deep.kv_last_page_len[:-1])
+    elif fault == "kv-indptr-length":
+        root = tilegen.CascadeLevel(root.qo_indptr, root.kv_indptr[:-1], root.kv_indices, root.kv_last_page_len)
+    elif fault == "page-outside":
+        root = tilegen.CascadeLevel(root.qo_indptr, root.kv_indptr, root.kv_indices + cache.num_pages,
+                                    root.kv_last_page_len)
+    elif fault == "last-len":
+        own = tilegen.CascadeLevel(own.qo_indptr, own.kv_indptr, own.kv_indices, own.kv_last_page_len * 0)
+    elif fault == "not-nested":
+        deep = tilegen.CascadeLevel(torch.tensor([0, 6, 7], dtype=torch.int32, device=device),
+                                    deep.kv_indptr[[0, 1, 2]], deep.kv_indices, deep.kv_last_page_len[:2])
+    elif fault == "dtype":
+        root = tilegen.CascadeLevel(root.qo_indptr.long(), root.kv_indptr, root.kv_indices, root.kv_last_page_len)
+    levels = [] if fault == "empty" else [root, deep, own]
+    with pytest.raises((ValueError, TypeError), match=match):
+        tilegen.CascadeAttention().plan(cache, levels, heads_q=2)
+
+
+def test_a_level_over_requests_that_do_not_hold_it_is_refused_in_debug(device, monkeypatch):
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    gen = torch.Generator().manual_seed(2)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    root, deep, own = _levels(cache)
+    # The deeper node of sequences 0-2 claims sequence 3 too, which holds other pages there.
+    deep = tilegen.CascadeLevel(torch.tensor([0, 4, 5, 7], dtype=torch.int32, device=device), deep.kv_indptr,
+                                deep.kv_indices, deep.kv_last_page_len)
+    with pytest.raises(ValueError, match=r"sequence 3's pages through the levels"):
+        tilegen.CascadeAttention().plan(cache, [root, deep, own], heads_q=2)
+
+
+def test_run_checks_its_arguments(device):
+    gen = torch.Generator().manual_seed(4)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    cascade = tilegen.CascadeAttention()
+    with pytest.raises(RuntimeError, match="plan"):
+        cascade.run(torch.zeros(7, 2, DIM, device=device), cache)
+    with pytest.raises(ValueError, match="heads_q"):
+        cascade.plan(cache, _levels(cache), heads_q=0)
+    cascade.plan(cache, _levels(cache), heads_q=2)
+    with pytest.raises(ValueError, match=r"q: expected \[7, 2, 32\]"):
+        cascade.run(torch.zeros(6, 2, DIM, device=device), cache)
+    with pytest.raises(ValueError, match="q: torch.float16"):
+        cascade.run(torch.zeros(7, 2, DIM, device=device, dtype=torch.float16), cache)
+    with pytest.raises(ValueError, match="windows|window"):
+        tilegen.families.attention_cascade.CascadeSpec(head_dim=32, mask="window")
+
+
+def test_split_chunks_merge_to_the_same_answer(device, monkeypatch):
+    """Every node cut into chunks of one key block: many states per token, merged by their LSE."""
+    from tilegen.families.attention_cascade import schedule
+
+    monkeypatch.setattr(schedule, "chunk_keys", lambda block_n, work, programs, floor: block_n)
+    gen = torch.Generator().manual_seed(12)
+    cache = tree_cache(8, 2, torch.float32, device, gen)
+    q = _randn(gen, cache.batch, 4, DIM, dtype=torch.float32, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4, return_lse=True)
+    assert cascade._plan.launch_args["states_pad"] >= 4
+    out, lse = cascade.run(q, cache)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, torch.float32)
