@@ -105,10 +105,11 @@ def test_chunked_queries_over_levels(causal, device):
     """Several query tokens per request (chunked prefill, speculative decoding): the shared pages stop
     before each request's first query token, and the last level is masked bottom-right."""
     gen = torch.Generator().manual_seed(5 + causal)
-    cache = tree_cache(8, 2, torch.float32, device, gen, tails=(3, 9, 17, 4, 30, 12, 2))
-    qo_lens = [3, 5, 1, 4, 17, 0, 2]
+    cache = tree_cache(8, 2, torch.float32, device, gen, tails=(3, 9, 17, 4, 41, 12, 2))
+    # 30 x 3 rows of sequence 4: two tiles of the last level, the first ending mid-token at key block 32
+    qo_lens = [3, 5, 1, 4, 30, 0, 2]
     levels = tilegen.cascade_levels(cache, qo_lens, causal=causal)
-    heads_q = 4
+    heads_q = 6 if causal else 4  # 3 query heads per KV head: a tile's rows end mid-token
     q = _randn(gen, sum(qo_lens), heads_q, DIM, dtype=torch.float32, device=device)
     cascade = tilegen.CascadeAttention()
     cascade.plan(cache, levels, heads_q=heads_q, causal=causal, return_lse=True, softcap=5.0, scale=0.3)

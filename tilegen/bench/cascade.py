@@ -1,0 +1,174 @@
+"""Shared-prefix decode on a GPU: ``tilegen.CascadeAttention`` against ``tilegen.PagedDecode``.
+
+    python -m tilegen.bench.cascade --out cascade.json
+    python -m tilegen.bench.cascade --cases 64x32768+1024 --configs M128-N64-n64-w4-s2-c2,...
+
+bf16, 32 query / 8 KV heads, head dim 128, page 16, one query token per request (decode). Each
+case is ``batch x shared prefix + own tokens``: every request's page table starts with the same
+prefix pages and ends with pages of its own. Timed, ``do_bench`` medians:
+
+- ``decode-shared``: ``PagedDecode`` over those page tables (it reads the prefix once per request,
+  part of it from L2);
+- ``decode-unshared``: ``PagedDecode`` over the same lengths in pages of their own (no L2 help): its
+  bandwidth is the case's ``GB/s`` ceiling, and the unique bytes (prefix once, the suffixes) at that
+  bandwidth are the ``ideal`` column;
+- ``cascade``: ``CascadeAttention`` over ``cascade_levels(cache)``, the levels derived from the
+  shared page tables (planned once, outside the timing).
+
+A last case shares nothing (``--unshared``): cascade against ``PagedDecode`` on the same cache. The
+cascade output is checked against ``PagedDecode``'s before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import torch
+import triton
+
+import tilegen
+from tilegen import dispatch
+from tilegen.families import relative_error
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+CASES = [(64, 32768, 1024), (8, 32768, 1024), (64, 4096, 256)]
+UNSHARED = [(64, 4096), (8, 16384)]
+
+
+def _bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3  # us
+
+
+def _cache(batch: int, prefix: int, own: int, shared: bool, gen) -> tilegen.PagedKVCache:
+    """``batch`` sequences of ``prefix + own`` tokens; the prefix pages shared when ``shared``."""
+    prefix_pages, own_pages = prefix // PAGE, math.ceil(own / PAGE)
+    per = (1 if shared else batch) * prefix_pages
+    n_pages = per + batch * own_pages
+    k = torch.randn(n_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(n_pages, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(n_pages, device="cuda", generator=gen).to(torch.int32)
+    rows = []
+    for b in range(batch):
+        head = perm[:prefix_pages] if shared else perm[b * prefix_pages:(b + 1) * prefix_pages]
+        rows.append(torch.cat([head, perm[per + b * own_pages:per + (b + 1) * own_pages]]))
+    indices = torch.cat(rows)
+    indptr = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * (prefix_pages + own_pages)
+    last = torch.full((batch,), own - (own_pages - 1) * PAGE, device="cuda", dtype=torch.int32)
+    return tilegen.PagedKVCache(k, v, indptr, indices, last)
+
+
+def _decode(cache, q):
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=HQ)
+    out = decode.run(q, cache)
+    return out, _bench(lambda: decode.run(q, cache))
+
+
+def _cascade(cache, q, levels, config=None) -> tuple[torch.Tensor, float, str, int]:
+    """Plan (outside the timing) and time ``run``; ``config`` replaces the dispatched one."""
+    cascade = tilegen.CascadeAttention()
+    table = dispatch.table_on(_spec(), q.device)
+    if config is None:
+        choice = cascade.plan(cache, levels, heads_q=HQ)
+    else:
+        dispatched = table.choose
+        table.choose = lambda size: dataclasses.replace(dispatched(size), config=config, tuned_bucket=None)
+        try:
+            choice = cascade.plan(cache, levels, heads_q=HQ)
+        finally:
+            del table.choose  # the instance attribute goes, the method shows again
+    out = cascade.run(q, cache)
+    return out, _bench(lambda: cascade.run(q, cache)), str(choice.config), cascade.work_items
+
+
+def _spec():
+    from tilegen.families.attention_cascade import CascadeSpec
+
+    return CascadeSpec(head_dim=D, q_per_kv=HQ // HKV, dtype="bf16", page_size=PAGE, mask="causal")
+
+
+def _parse_config(text: str):
+    from tilegen.families.attention_cascade import CascadeConfig
+
+    parts = dict(zip(["block_m", "block_n", "own_block_n", "num_warps", "num_stages", "ctas_per_sm"],
+                     (int("".join(c for c in p if c.isdigit())) for p in text.split("-"))))
+    return CascadeConfig(**parts)
+
+
+def case(batch: int, prefix: int, own: int, configs) -> dict:
+    gen = torch.Generator("cuda").manual_seed(0)
+    shared = _cache(batch, prefix, own, True, gen)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    levels = tilegen.cascade_levels(shared)
+    expected, t_shared = _decode(shared, q)
+    row = {"batch": batch, "prefix": prefix, "own": own, "levels": len(levels), "decode-shared us": t_shared}
+    unshared = _cache(batch, prefix, own, False, gen)
+    _, t_unshared = _decode(unshared, q)
+    all_bytes = batch * (prefix + own) * HKV * D * 2 * 2
+    unique = (prefix + batch * own) * HKV * D * 2 * 2
+    rate = all_bytes / t_unshared / 1e3  # GB/s
+    row.update({"decode-unshared us": t_unshared, "unshared GB/s": rate, "ideal us": unique / rate / 1e3})
+    del unshared
+    torch.cuda.empty_cache()
+    for config in [None, *configs]:
+        out, t, label, items = _cascade(shared, q, levels, config)
+        error = relative_error(out.float(), expected.float())[0]
+        name = "cascade" if config is None else f"cascade {label}"
+        row[f"{name} us"] = t
+        row[f"{name} config"] = label
+        row[f"{name} items"] = items
+        row[f"{name} error vs decode"] = error
+        if not error < 1e-2:
+            row[f"{name} us"] = f"wrong: relative error {error:.2e} against PagedDecode"
+    return row
+
+
+def unshared_case(batch: int, context: int) -> dict:
+    gen = torch.Generator("cuda").manual_seed(1)
+    cache = _cache(batch, 0, context, True, gen)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    expected, t_decode = _decode(cache, q)
+    out, t, label, items = _cascade(cache, q, tilegen.cascade_levels(cache))
+    error = relative_error(out.float(), expected.float())[0]
+    return {"batch": batch, "prefix": 0, "own": context, "decode-unshared us": t_decode,
+            "cascade us": t if error < 1e-2 else f"wrong: {error:.2e}", "cascade config": label, "cascade items": items}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(f"{b}x{p}+{o}" for b, p, o in CASES),
+                        help="batch x shared prefix + own tokens, comma-separated")
+    parser.add_argument("--configs", default="", help="cascade configs to time beside the dispatched one")
+    parser.add_argument("--no-unshared", action="store_true", help="skip the batches that share nothing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    configs = [_parse_config(c) for c in args.configs.split(",") if c]
+    rows = []
+    for text in args.cases.split(","):
+        batch, rest = text.split("x")
+        prefix, own = rest.split("+")
+        rows.append(case(int(batch), int(prefix), int(own), configs))
+        print(json.dumps(rows[-1]), flush=True)
+    if not args.no_unshared:
+        for batch, context in UNSHARED:
+            rows.append(unshared_case(batch, context))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"\n{'case':>18} {'decode shared':>13} {'unshared':>9} {'ideal':>7} {'cascade':>8}  vs ideal")
+    for r in rows:
+        t = r["cascade us"]
+        ideal = r.get("ideal us")
+        ratio = f"{t / ideal:.2f}x" if isinstance(t, float) and ideal else ""
+        shared_t = r.get("decode-shared us")
+        print(f"{r['batch']:>5} x {r['prefix']:>6}+{r['own']:<5} {shared_t if shared_t is None else round(shared_t, 1)!s:>13} "
+              f"{r['decode-unshared us']:>9.1f} {ideal if ideal is None else round(ideal, 1)!s:>7} "
+              f"{t if not isinstance(t, float) else round(t, 1)!s:>8}  {ratio}")
+
+
+if __name__ == "__main__":
+    main()
