@@ -1,7 +1,7 @@
 """Shared-prefix decode on a GPU: ``tilegen.CascadeAttention`` against ``tilegen.PagedDecode``.
 
     python -m tilegen.bench.cascade --out cascade.json
-    python -m tilegen.bench.cascade --cases 64x32768+1024 --configs M128-N64-n64-w4-s2-c2,...
+    python -m tilegen.bench.cascade --cases 64x32768+1024 --configs M64-N64-w4-s3-c3/N64-w2-s2-c3,...
 
 bf16, 32 query / 8 KV heads, head dim 128, page 16, one query token per request (decode). Each
 case is ``batch x shared prefix + own tokens``: every request's page table starts with the same
@@ -67,7 +67,7 @@ def _decode(cache, q):
     return out, _bench(lambda: decode.run(q, cache))
 
 
-def _cascade(cache, q, levels, config=None) -> tuple[torch.Tensor, float, str, int]:
+def _cascade(cache, q, levels, config=None) -> tuple[torch.Tensor, float, str, int, dict]:
     """Plan (outside the timing) and time ``run``; ``config`` replaces the dispatched one."""
     cascade = tilegen.CascadeAttention()
     table = dispatch.table_on(_spec(), q.device)
@@ -81,7 +81,25 @@ def _cascade(cache, q, levels, config=None) -> tuple[torch.Tensor, float, str, i
         finally:
             del table.choose  # the instance attribute goes, the method shows again
     out = cascade.run(q, cache)
-    return out, _bench(lambda: cascade.run(q, cache)), str(choice.config), cascade.work_items
+    return out, _bench(lambda: cascade.run(q, cache)), str(choice.config), cascade.work_items, _kernels(
+        lambda: cascade.run(q, cache))
+
+
+def _kernels(fn, calls: int = 20) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel ``fn`` launches (the shared launch, the last
+    level's, the merge), from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.count:
+            name = "merge" if event.key.endswith("_merge") else event.key[-40:]
+            times[name] = round(getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0)) / calls, 1)
+    return times
 
 
 def _spec():
@@ -93,9 +111,8 @@ def _spec():
 def _parse_config(text: str):
     from tilegen.families.attention_cascade import CascadeConfig
 
-    parts = dict(zip(["block_m", "block_n", "own_block_n", "num_warps", "num_stages", "ctas_per_sm"],
-                     (int("".join(c for c in p if c.isdigit())) for p in text.split("-"))))
-    return CascadeConfig(**parts)
+    values = [int("".join(c for c in p if c.isdigit())) for p in text.replace("/", "-").split("-")]
+    return CascadeConfig(*values)
 
 
 def case(batch: int, prefix: int, own: int, configs) -> dict:
@@ -114,12 +131,13 @@ def case(batch: int, prefix: int, own: int, configs) -> dict:
     del unshared
     torch.cuda.empty_cache()
     for config in [None, *configs]:
-        out, t, label, items = _cascade(shared, q, levels, config)
+        out, t, label, items, kernels = _cascade(shared, q, levels, config)
         error = relative_error(out.float(), expected.float())[0]
         name = "cascade" if config is None else f"cascade {label}"
         row[f"{name} us"] = t
         row[f"{name} config"] = label
         row[f"{name} items"] = items
+        row[f"{name} kernels us"] = kernels
         row[f"{name} error vs decode"] = error
         if not error < 1e-2:
             row[f"{name} us"] = f"wrong: relative error {error:.2e} against PagedDecode"
@@ -131,10 +149,11 @@ def unshared_case(batch: int, context: int) -> dict:
     cache = _cache(batch, 0, context, True, gen)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     expected, t_decode = _decode(cache, q)
-    out, t, label, items = _cascade(cache, q, tilegen.cascade_levels(cache))
+    out, t, label, items, kernels = _cascade(cache, q, tilegen.cascade_levels(cache))
     error = relative_error(out.float(), expected.float())[0]
     return {"batch": batch, "prefix": 0, "own": context, "decode-unshared us": t_decode,
-            "cascade us": t if error < 1e-2 else f"wrong: {error:.2e}", "cascade config": label, "cascade items": items}
+            "cascade us": t if error < 1e-2 else f"wrong: {error:.2e}", "cascade config": label, "cascade items": items,
+            "cascade kernels us": kernels}
 
 
 def main(argv=None) -> None:

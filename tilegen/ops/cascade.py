@@ -123,7 +123,8 @@ class CascadeAttention:
         def make(choice: dispatch.Choice) -> _Plan:
             values = device_schedule(host, tokens, spec=spec, heads_q=heads_q, kv_heads=cache.kv_heads,
                                      config=choice.config, device_info=info, device=device)
-            launch_args = {"items": values["items"], "direct": values["direct"], "states_pad": values["states_pad"],
+            launch_args = {"shared_items": values["shared_items"], "own_items": values["own_items"],
+                           "direct": values["direct"], "states_pad": values["states_pad"],
                            "own_block_m": values["own_block_m"], "scale": scale_value, "softcap": softcap_value,
                            **choice.config.to_dict()}
             return _Plan(spec=spec, tokens=tokens, heads_q=heads_q, launch=launcher.replay(launch_args),
@@ -139,7 +140,7 @@ class CascadeAttention:
         """The planned work items (tiles x key chunks), each launched once per KV head."""
         if self._plan is None:
             raise RuntimeError("CascadeAttention: call plan(...) first")
-        return self._plan.launch_args["items"]
+        return self._plan.launch_args["shared_items"] + self._plan.launch_args["own_items"]
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attend ``q`` ``[tokens, heads_q, head_dim]`` over the planned levels of ``cache``'s pages;

@@ -2,8 +2,8 @@
 each token's partial states go. Made on the host once per plan, from the levels' page tables.
 
 A node's query rows (tokens x a KV head's query heads) are cut into tiles; its keys into
-chunks sized so that each level kind's work (tiles x keys x KV heads) would fill
-``ctas_per_sm`` programs per SM by itself. Each (tile, chunk) is a work item, and each chunk a
+chunks sized so that each launch's work (tiles x keys x KV heads) fills its programs per SM:
+the shared levels' tiles are one launch, the last level's another. Each (tile, chunk) is a work item, and each chunk a
 state of every token under the node: a token's states are numbered level by level, so the
 tokens of one node (which share their ancestors) agree on the slot a chunk takes.
 """
@@ -45,6 +45,7 @@ class Schedule:
     work: torch.Tensor  # int32 [items, WORK_COLS], on the host
     state_base: torch.Tensor  # int32 [tokens + 1]: token t's states are state_base[t]:state_base[t + 1]
     states: int
+    shared_items: int  # the first ones, the shared levels'; the rest are the last level's
     direct: bool  # every token has exactly one state: items write the output, no merge
     own_block_m: int
     max_states: int
@@ -74,12 +75,12 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
     def tile_rows(level: int) -> int:
         return own_m if level == last else config.block_m
 
-    programs = sm_count * config.ctas_per_sm
     chunks = {}
-    for kind, block_n in ((False, config.block_n), (True, config.own_block_n)):
+    for kind, block_n, ctas in ((False, config.block_n, config.ctas_per_sm),
+                                (True, config.own_block_n, config.own_ctas_per_sm)):
         work = sum(math.ceil(n_q * q_per_kv / tile_rows(lv)) * n_k
                    for lv, _, n_k, _, n_q in nodes if (lv == last) == kind) * kv_heads
-        chunks[kind] = chunk_keys(block_n, work, programs, _MIN_CHUNK)
+        chunks[kind] = chunk_keys(block_n, work, sm_count * ctas, _MIN_CHUNK)
 
     count = [0] * tokens
     items = []
@@ -95,12 +96,12 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
             for s in range(splits):
                 items.append((page_start, n_k, q_start, n_q, row0, s * chunk, min(n_k, (s + 1) * chunk), base + s,
                               int(own)))
-    # Heaviest first: shared tiles (a matrix product each) before the last level's, long chunks first,
-    # so the short items fill in behind them.
+    # Shared tiles first (the first launch takes them), long chunks first, so short items fill in behind.
     items.sort(key=lambda it: (it[8], -(it[6] - it[5])))
     work = torch.tensor(items, dtype=torch.int32).reshape(-1, WORK_COLS)
     counts = torch.tensor(count, dtype=torch.int64)
     state_base = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     max_states = int(counts.max()) if tokens else 0
-    return Schedule(work=work, state_base=state_base, states=int(counts.sum()),
+    shared = sum(1 for it in items if not it[8])
+    return Schedule(work=work, state_base=state_base, states=int(counts.sum()), shared_items=shared,
                     direct=bool(tokens) and bool((counts == 1).all()), own_block_m=own_m, max_states=max_states)
