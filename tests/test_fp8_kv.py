@@ -295,3 +295,37 @@ def test_bench_decode_fp8_case_and_arguments(monkeypatch):
         bench.main(["--kv-dtype", "fp4"])
     with pytest.raises(SystemExit):
         bench.main(["--kv-dtype", "fp8", "--q-tokens", "2"])
+
+
+@pytest.mark.parametrize("which", ["decode-e4m3", "append-e5m2"])
+def test_fp8_kernels_compile_for_an_h200(which, tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept: fp8 loads widened for a bf16 dot (no
+    fp8 x bf16 dot on Hopper), and the append's rounding on the bits and its fp8 stores."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    if which == "decode-e4m3":
+        spec = DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16, kv_dtype="fp8e4m3", return_lse=True)
+        pointers = {**dict.fromkeys(("Q", "Out"), "*bf16"), **dict.fromkeys(("K", "V"), "*fp8e4nv"),
+                    **dict.fromkeys(("Lse", "PartO", "PartLse", "KScale", "VScale"), "*fp32"),
+                    **dict.fromkeys(("PageIndptr", "Pages", "LastLen"), "*i32"),
+                    "qk_scale": "fp32", "softcap_scale": "fp32"}
+        configs = [{"SPLIT": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2}]
+    else:
+        spec = KVAppendSpec(head_dim=128, page_size=16, dtype="bf16", page_dtype="fp8e5m2")
+        pointers = {**dict.fromkeys(("K", "V"), "*bf16"), **dict.fromkeys(("KPages", "VPages"), "*fp8e5"),
+                    **dict.fromkeys(("KScale", "VScale"), "*fp32"),
+                    **dict.fromkeys(("CuSeqlens", "Indptr", "Indices", "LastPageLen"), "*i32")}
+        configs = [{"BLOCK_T": 4, "BLOCK_H": 2, "num_warps": 2}]
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == len(configs)
