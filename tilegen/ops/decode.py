@@ -107,7 +107,7 @@ class PagedDecode:
                             f"got {pages.dtype}")
         if q_dtype is None:
             q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
-        if q_dtype not in SPEC_DTYPES or (kv_dtype is None and q_dtype != pages.dtype):
+        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
             raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
                              f"for {pages.dtype} pages, got {q_dtype!r}")
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])

@@ -23,10 +23,11 @@ Checks. Building a cache checks shapes, dtypes, devices, contiguity and the page
 host, on every construction (cheap). The page table's values (monotone ``indptr``, indices
 inside the cache, ``last_page_len`` in range) live on the device; ``validate()`` checks them
 there at the cost of one synchronization, and ``TILEGEN_DEBUG=1`` makes every construction call
-it; scales held on the CPU are checked (finite and positive) on every construction, scales on
-a GPU by ``validate()``. Without it the kernels clamp what they read into the tensors (``indptr`` into ``indices``,
-page ids into the pages, ``last_page_len`` into ``1..page_size``): a wrong value gives a wrong
-answer for its sequence, never an access outside the cache.
+it. FP8 scales must be finite and positive: checked on every construction when they are on the
+CPU (no synchronization), by ``validate()`` when they are on a GPU. Without the debug checks the
+kernels clamp what they read into the tensors (``indptr`` into ``indices``, page ids into the
+pages, ``last_page_len`` into ``1..page_size``): a wrong value gives a wrong answer for its
+sequence, never an access outside the cache.
 """
 
 from __future__ import annotations
@@ -98,17 +99,19 @@ class PagedKVCache:
                              f"{_MAX_TOKENS} token positions of the kernels' int32 arithmetic")
         # The extents the kernels clamp the page table into; a replayed launch is keyed by them.
         object.__setattr__(self, "_bounds", (self.indices.shape[0], k.shape[0]))
-        # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
-        # building it from four tensors' shapes (half a microsecond of a short call's host time).
-        # The scales' sizes (one or per head) are part of it: they choose how the kernels index them.
+        # The launchers' trailing arguments (none for pages that are not FP8), and their sizes (one or per
+        # head), which choose how the kernels index them and so key a plan.
         object.__setattr__(self, "_scales", () if self.k_scale is None else (self.k_scale, self.v_scale))
         object.__setattr__(self, "_scale_kinds", tuple(t.numel() for t in self._scales))
+        # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
+        # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],
                                              self.indptr.shape[0], k.dtype, self._scale_kinds))
         if env.debug():
             self.validate()
 
     def _check_scales(self) -> None:
+        # Contiguous, one element or one per head: the kernels read scale h at address + h * (numel > 1).
         k = self.k_pages
         fp8 = k.dtype in SPEC_KV_DTYPES
         for name in ("k_scale", "v_scale"):
@@ -133,11 +136,6 @@ class PagedKVCache:
                 _check_scale_values(name, t)
 
     @property
-    def fp8(self) -> bool:
-        """Whether the pages are FP8 (and the cache holds their scales)."""
-        return self.k_scale is not None
-
-    @property
     def page_size(self) -> int:
         return self.k_pages.shape[1]
 
@@ -159,7 +157,8 @@ class PagedKVCache:
         return torch.where(pages > 0, (pages - 1) * self.page_size + self.last_page_len, 0).to(torch.int32)
 
     def validate(self) -> None:
-        """Check the page table's values on the device (one synchronization); raise naming what is wrong."""
+        """Check the page table's values and the FP8 scales on the device (one synchronization); raise
+        naming what is wrong."""
         indptr, indices, last = self.indptr, self.indices, self.last_page_len
         if int(indptr[0]) != 0:
             raise ValueError(f"indptr: must start at 0, starts at {int(indptr[0])}")

@@ -215,7 +215,7 @@ class PagedAttention:
         kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
         if q_dtype is None:
             q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
-        if kv_dtype is None and q_dtype != pages.dtype or kv_dtype and q_dtype not in SPEC_DTYPES:
+        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
             raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
                              f"for {pages.dtype} pages, got {q_dtype!r}")
         seq_lens = cache.seq_lens()
