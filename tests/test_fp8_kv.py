@@ -82,6 +82,21 @@ def test_decode_reads_fp8_pages(fmt, per_head, splits, q_dtype, device):
     _check(out, ref, q_dtype, lse, ref_lse)
 
 
+def test_decode_fp8_with_window_and_softcap(device):
+    """With a softcap the kernel's qk_scale is the plain softmax scale (no log2(e)): K's scale folds
+    into it all the same."""
+    gen = torch.Generator().manual_seed(21)
+    cache, dequantized = fp8_cache(CONTEXTS, "e4m3", True, device, gen)
+    q = torch.randn(cache.batch, KV_HEADS * GROUP, DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
+    kwargs = {"window": (20, 0), "softcap": 3.0, "scale": 0.2}
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=q.shape[1], num_splits=2, **kwargs)
+    out = torch.full_like(q, math.nan)
+    decode.run(q, cache, out=out)
+    ref, _ = paged_reference(q, dequantized, torch.arange(cache.batch + 1, dtype=torch.int32), **kwargs)
+    _check(out, ref, torch.bfloat16)
+
+
 def test_one_decode_plan_runs_every_layers_scales(device):
     """The scales are kernel arguments, not constants of the plan: a second layer with the same page
     table and other scales reuses the plan (and its recorded launch) and gets its own answer."""
