@@ -124,6 +124,34 @@ def test_one_decode_plan_runs_every_layers_scales(device):
         decode.run(q.half(), first)
 
 
+@pytest.mark.gpu
+def test_fp8_decode_is_capturable_in_a_cuda_graph():
+    """The scales are read from their tensors at replay: new scales written in place change the answer
+    with no new capture, and a split run allocates nothing inside the graph."""
+    gen = torch.Generator().manual_seed(8)
+    cache, _ = fp8_cache([300, 17, 64], "e4m3", True, "cuda", gen)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, max_seqlen_k=300, num_splits=4)
+    q = torch.randn(3, 8, DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    decode.run(q, cache, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(q, cache, out=out)
+    q.copy_(torch.randn_like(q))
+    cache.k_scale.mul_(1.5)
+    cache.v_scale.mul_(0.5)
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    dequantized = tilegen.PagedKVCache(
+        cache.k_pages.double() * cache.k_scale.double().view(1, 1, -1, 1),
+        cache.v_pages.double() * cache.v_scale.double().view(1, 1, -1, 1),
+        cache.indptr, cache.indices, cache.last_page_len)
+    ref, _ = paged_reference(q, dequantized, torch.arange(4, dtype=torch.int32))
+    _check(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt, per_head, q_dtype", [("e4m3", True, torch.bfloat16), ("e5m2", False, torch.float32)])
 def test_paged_prefill_reads_fp8_pages(fmt, per_head, q_dtype, device):
     gen = torch.Generator().manual_seed(len(fmt) + per_head)
