@@ -2,6 +2,7 @@
 
     python -m tilegen.bench.decode --out decode.json
     python -m tilegen.bench.decode --q-tokens 2,4,8 --out speculative.json
+    python -m tilegen.bench.decode --kv-dtype fp8 --out decode_fp8.json
 
 bf16, 32 query / 8 KV heads, head dim 128, one query token per sequence, every context
 full. Figure of merit: GB/s of K and V read (2 x batch x 8 x context x 128 x 2 bytes) per
@@ -9,6 +10,12 @@ full. Figure of merit: GB/s of K and V read (2 x batch x 8 x context x 128 x 2 b
 shuffled pages; the paged output is checked against SDPA's before timing. ``tilegen-dense``
 is ``tilegen.attention`` with one query row on the contiguous tensors, which dispatch routes
 to the decode family's dense layout.
+
+``--kv-dtype fp8`` (``fp8e4m3``; ``fp8e5m2`` too) adds, beside each bf16 row, the same decode
+over FP8 pages of the same K and V (quantized with a scale per KV head, amax / the format's
+largest value): ``tilegen-paged-fp8e4m3`` is its GB/s of the FP8 bytes actually read
+(2 x batch x 8 x context x 128 x 1 byte, plus nothing for the scales' few bytes), and its
+error is against SDPA on the dequantized K and V.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import triton
 
 import tilegen
 from tilegen.families import relative_error
+from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 
 HQ, HKV, D = 32, 8, 128
@@ -48,7 +56,7 @@ def _sdpa(q, k, v, gb: float) -> dict:
     return rates
 
 
-def case(batch: int, ctx: int, page_size: int) -> dict:
+def case(batch: int, ctx: int, page_size: int, kv_dtypes: tuple[str, ...] = ()) -> dict:
     gen = torch.Generator("cuda").manual_seed(0)
     k = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -72,11 +80,37 @@ def case(batch: int, ctx: int, page_size: int) -> dict:
            "source": choice.source, "splits": decode.num_splits, "rel_err": error,
            "tilegen-paged": gb / _bench(lambda: decode.run(q_step, cache)) * 1e3}
     row.update(_sdpa(q, k, v, gb))
+    for kv_dtype in kv_dtypes:
+        row.update(_fp8_case(q, k, v, cache, kv_dtype))
     dense_error = relative_error(tilegen.attention(q, k, v)[:, :, 0].float(), ref.float())[0]
     row["tilegen-dense"] = gb / _bench(lambda: tilegen.attention(q, k, v)) * 1e3
     row["dense_config"] = str(tilegen.explain(q, k, v).config)
     row["dense_rel_err"] = dense_error
     return row
+
+
+def _fp8_case(q, k, v, cache, kv_dtype: str) -> dict:
+    """The bf16 case's decode over FP8 copies of its pages (same page table), scaled per KV head."""
+    dtype, limit = KV_DTYPES[kv_dtype], FP8_MAX[kv_dtype]
+    batch, ctx = k.shape[0], k.shape[2]
+    scales, pages, dequantized = [], [], []
+    for full, paged in ((k, cache.k_pages), (v, cache.v_pages)):
+        scale = (full.float().abs().amax(dim=(0, 2, 3)) / limit).clamp_min(1e-12).contiguous()
+        pages.append((paged.float() / scale[None, None, :, None]).clamp(-limit, limit).to(dtype))
+        scales.append(scale)
+        dequantized.append(((full.float() / scale[None, :, None, None]).clamp(-limit, limit).to(dtype).float()
+                            * scale[None, :, None, None]).to(torch.bfloat16))
+    fp8 = tilegen.PagedKVCache(pages[0], pages[1], cache.indptr, cache.indices, cache.last_page_len,
+                               scales[0], scales[1])
+    decode = tilegen.PagedDecode()
+    choice = decode.plan(fp8, heads_q=HQ, max_seqlen_k=ctx, q_dtype=torch.bfloat16)
+    q_step = q[:, :, 0].contiguous()
+    ref = F.scaled_dot_product_attention(q, *dequantized, enable_gqa=True)[:, :, 0]
+    error = relative_error(decode.run(q_step, fp8).float(), ref.float())[0]
+    gb = 2 * batch * HKV * ctx * D * dtype.itemsize / 1e9
+    return {f"{kv_dtype}_config": str(choice.config), f"{kv_dtype}_source": choice.source,
+            f"{kv_dtype}_splits": decode.num_splits, f"{kv_dtype}_rel_err": error,
+            f"tilegen-paged-{kv_dtype}": gb / _bench(lambda: decode.run(q_step, fp8)) * 1e3}
 
 
 def speculative_case(batch: int, ctx: int, n_q: int) -> dict:
@@ -105,20 +139,33 @@ def main(argv=None) -> None:
     parser.add_argument("--q-tokens", default="1",
                         help="comma-separated query tokens per sequence; above 1, tilegen.attention on contiguous KV "
                              "(speculative decoding) against SDPA, at the same batch x context shapes (default: 1)")
+    parser.add_argument("--kv-dtype", default="bf16",
+                        help="comma-separated page dtypes among bf16, fp8 (= fp8e4m3) and fp8e5m2: each FP8 one adds "
+                             "its decode's GB/s of FP8 bytes beside bf16's, on the same shapes (default: bf16)")
     args = parser.parse_args(argv)
+    kv_dtypes = []
+    for name in args.kv_dtype.split(","):
+        name = {"fp8": "fp8e4m3"}.get(name.strip(), name.strip())
+        if name not in ("bf16", *KV_DTYPES):
+            parser.error(f"--kv-dtype: expected bf16, fp8, fp8e4m3 or fp8e5m2, got {name!r}")
+        if name != "bf16" and name not in kv_dtypes:
+            kv_dtypes.append(name)
     try:
         tokens = [int(t) for t in args.q_tokens.split(",")]
     except ValueError:
         parser.error(f"--q-tokens: expected comma-separated whole numbers, got {args.q_tokens!r}")
     if any(not 1 <= t <= MAX_Q_TOKENS for t in tokens):
         parser.error(f"--q-tokens: each must be 1 to {MAX_Q_TOKENS} (the decode family's), got {args.q_tokens!r}")
+    if kv_dtypes and tokens != [1]:
+        parser.error("--kv-dtype: FP8 pages are measured on the paged decode of one query token (--q-tokens 1)")
     if not torch.cuda.is_available():
         raise SystemExit("tilegen.bench.decode times CUDA kernels; run it on a GPU")
     contiguous = list(dict.fromkeys((batch, ctx, None) for batch, ctx, _ in CASES))
     rows = []
     for n_q in tokens:
         for batch, ctx, page_size in CASES if n_q == 1 else contiguous:
-            rows.append(case(batch, ctx, page_size) if n_q == 1 else speculative_case(batch, ctx, n_q))
+            rows.append(case(batch, ctx, page_size, tuple(kv_dtypes)) if n_q == 1
+                        else speculative_case(batch, ctx, n_q))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     if args.out:

@@ -2,7 +2,11 @@
 
 It launches as every op does (``tilegen.dispatch.planned``): a plan per call signature, the
 config chosen for its token count, the launcher's replay, a tuned row that fails at the first
-launch skipped for the next choice."""
+launch skipped for the next choice.
+
+FP8 caches (``float8_e4m3fn``/``float8_e5m2`` pages with their scales) take new K and V in
+fp16, bf16 or fp32 and quantize them on the way in: value / scale, saturated to the format's
+largest finite value (448 for e4m3fn, 57344 for e5m2), rounded to nearest."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 
 from tilegen import dispatch, env
-from tilegen.dtypes import SPEC_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.kv_append import KVAppendSpec
 from tilegen.families.kv_append.spec import MAX_HEAD_DIM
@@ -36,8 +40,9 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
     Args:
         cache: the ``tilegen.PagedKVCache`` to write into (its pages are modified in place).
-        k: ``[total_new, kv_heads, head_dim]``, the cache's dtype and device, any strides.
-        v: ``[total_new, kv_heads, head_dim_v]``, likewise.
+        k: ``[total_new, kv_heads, head_dim]``, the cache's dtype and device, any strides; for
+            an FP8 cache, float16, bfloat16 or float32 (quantized with the cache's ``k_scale``).
+        v: ``[total_new, kv_heads, head_dim_v]``, likewise (``k``'s dtype; ``v_scale``).
         cu_seqlens: int32 ``[batch + 1]`` on the cache's device: the new tokens per sequence in
             FlashAttention's varlen convention (rows ``cu_seqlens[b] .. cu_seqlens[b + 1] - 1`` of
             ``k`` and ``v`` are sequence ``b``'s); ``batch`` is the cache's.
@@ -66,7 +71,8 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
                                         or cache.v_pages.requires_grad):
             _refuse_grad(cache, k, v)
         torch.ops.tilegen.append_kv(
-            cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu_seqlens
+            cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu_seqlens,
+            cache.k_scale, cache.v_scale,
         )
         return
     try:
@@ -74,7 +80,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         key = (
             kp.shape, cache.v_pages.shape, kp.dtype, kp.device, cache.indptr.shape,
             k.shape, v.shape, k.dtype, v.dtype, k.device, v.device,
-            cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.device,
+            cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype, cu_seqlens.device, cache._scale_kinds,
         )
         plan = _plans.get(key) if cache.__class__ is PagedKVCache else None
     except AttributeError:  # not a cache or not tensors: the checks say which
@@ -96,7 +102,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         # grows with the cache (the kernel clamps page ids into it); that and the strides complete the replay key.
         indices = cache.indices
         plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride(), indices.shape[0]),
-                    k, v, cu_seqlens, k_pages, v_pages, cache.indptr, indices, cache.last_page_len)
+                    k, v, cu_seqlens, k_pages, v_pages, cache.indptr, indices, cache.last_page_len, *cache._scales)
 
 
 def _refuse_grad(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -136,8 +142,10 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
         raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
     pages = cache.k_pages
     dtype, device = pages.dtype, pages.device
-    if dtype not in SPEC_DTYPES:
-        raise TypeError(f"cache: pages of dtype {dtype} are not supported; expected float16, bfloat16 or float32")
+    page_dtype = SPEC_KV_DTYPES.get(dtype)
+    if dtype not in SPEC_DTYPES and page_dtype is None:
+        raise TypeError(f"cache: pages of dtype {dtype} are not supported; expected float16, bfloat16, float32, "
+                        "float8_e4m3fn or float8_e5m2")
     if device.type == "cpu" and not interpreting():
         raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
                          "TRITON_INTERPRET=1")
@@ -149,8 +157,13 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims [total_new, kv_heads, {what}], got shape {tuple(t.shape)}")
-        if t.dtype != dtype:
+        if page_dtype is None and t.dtype != dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from the cache's {dtype}")
+        if page_dtype is not None and t.dtype not in SPEC_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} cannot be quantized into {dtype} pages; expected float16, "
+                            "bfloat16 or float32")
+        if page_dtype is not None and name == "v" and t.dtype != k.dtype:
+            raise TypeError(f"v: dtype {t.dtype} differs from k's {k.dtype}")
         if t.device != device:
             raise ValueError(f"{name}: on {t.device} while the cache is on {device}")
         if t.shape[1] != kv_heads:
@@ -175,13 +188,13 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
                          f"(the cache's page table holds {cache.batch} sequences)")
     if cache.batch == 0 and k.shape[0] > 0:
         raise ValueError(f"k: {k.shape[0]} new tokens for a cache of no sequence")
-    return _spec_for(SPEC_DTYPES[dtype], dim, dim_v, cache.page_size)
+    return _spec_for(SPEC_DTYPES[k.dtype], dim, dim_v, cache.page_size, page_dtype)
 
 
 @memoized
-def _spec_for(dtype: str, dim: int, dim_v: int, page_size: int) -> KVAppendSpec:
+def _spec_for(dtype: str, dim: int, dim_v: int, page_size: int, page_dtype: str | None = None) -> KVAppendSpec:
     try:
-        return KVAppendSpec(head_dim=dim, head_dim_v=dim_v, page_size=page_size, dtype=dtype)
+        return KVAppendSpec(head_dim=dim, head_dim_v=dim_v, page_size=page_size, dtype=dtype, page_dtype=page_dtype)
     except SpecError as e:
         arg = {"head_dim": "k", "head_dim_v": "v", "page_size": "cache"}.get(e.field, e.field)
         if e.field in ("head_dim", "head_dim_v"):
@@ -212,10 +225,11 @@ def _check_device_values(cache: PagedKVCache, k: torch.Tensor, cu_seqlens: torch
 def _append_op(
     k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
     last_page_len: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    append_kv(PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len), k, v, cu_seqlens)
+    append_kv(PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale), k, v, cu_seqlens)
 
 
 @_append_op.register_fake
-def _(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens) -> None:
+def _(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens, k_scale=None, v_scale=None) -> None:
     return None

@@ -22,7 +22,7 @@ import torch
 
 from tilegen import dispatch, env
 from tilegen.device import device_info
-from tilegen.dtypes import SPEC_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_decode.config import MAX_SPLITS, split_count
@@ -53,6 +53,7 @@ class _Plan:
     choice: dispatch.Choice
     # What run() compares, precomputed: (page size, KV heads, head dim, head dim v, batch + 1, torch dtype).
     cache_layout: tuple = ()
+    q_dtype: torch.dtype | None = None
     q_shape: tuple[int, int, int] = ()
     out_shape: tuple[int, int, int] = ()
     out_like_q: bool = False  # head_dim_v == head_dim: the output is allocated as empty_like(q), the cheapest way
@@ -75,7 +76,7 @@ class PagedDecode:
     def plan(
         self, cache: PagedKVCache, *, heads_q: int, window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
-        max_seqlen_k: int | None = None, num_splits: int | None = None,
+        max_seqlen_k: int | None = None, num_splits: int | None = None, q_dtype: torch.dtype | None = None,
     ) -> dispatch.Choice:
         """Fix the step's layout; returns the dispatch choice (config and where it came from). A tuned
         row that fails to compile or launch at the first ``run`` is skipped with one warning and the
@@ -84,7 +85,8 @@ class PagedDecode:
         ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
         split rule (1 to ``MAX_SPLITS``, 128), for tests and experiments. The query sits at its
         sequence's last key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last
-        ``left + 1``.
+        ``left + 1``. ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8
+        (then float16, bfloat16 or float32; bfloat16 when left out).
         """
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
@@ -99,15 +101,23 @@ class PagedDecode:
         if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
             raise ValueError(f"max_seqlen_k: expected a host int >= 0, got {max_seqlen_k!r}")
         pages = cache.k_pages
-        if pages.dtype not in SPEC_DTYPES:
-            raise TypeError(f"cache: expected float16, bfloat16 or float32 pages, got {pages.dtype}")
+        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
+        if pages.dtype not in SPEC_DTYPES and kv_dtype is None:
+            raise TypeError(f"cache: expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 pages, "
+                            f"got {pages.dtype}")
+        if q_dtype is None:
+            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
+        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
+            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
+                             f"for {pages.dtype} pages, got {q_dtype!r}")
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
         left, right = window_bounds(window, False)
         mask = mask_kind(left, right)
         try:
             spec = DecodeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
                               q_per_kv=heads_q // cache.kv_heads, mask=mask, softcap=softcap is not None,
-                              dtype=SPEC_DTYPES[pages.dtype], page_size=cache.page_size, return_lse=bool(return_lse))
+                              dtype=SPEC_DTYPES[q_dtype], page_size=cache.page_size, return_lse=bool(return_lse),
+                              kv_dtype=kv_dtype)
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None
         device = pages.device
@@ -121,7 +131,7 @@ class PagedDecode:
             cache.validate()
         launcher = launcher_for(spec)
         batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
-        layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout,
+        layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout, "q_dtype": q_dtype,
                   "q_shape": (batch, heads_q, spec.head_dim), "out_shape": (batch, heads_q, spec.dv),
                   "out_like_q": spec.dv == spec.head_dim}
 
@@ -165,8 +175,9 @@ class PagedDecode:
             raise ValueError(f"q: expected {list(plan.q_shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
-        if q.dtype != pages.dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:
+            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
+                             f"{pages.device}")
         out_shape = plan.out_shape
         if out is None:
             out = torch.empty_like(q) if plan.out_like_q else q.new_empty(out_shape)
@@ -183,12 +194,13 @@ class PagedDecode:
                         **{"cache.k_pages": pages, "cache.v_pages": v_pages})
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
-            # The plan and the checks above fix every shape and dtype the launcher reads but the strides
+            # The plan and the checks above fix every shape and dtype the launcher reads (the scales' sizes
+            # among them, in the cache's layout) but the strides
             # and the page table's extents (the kernel clamps into them): they complete the key under
             # which its launches are replayed (tilegen.triton_internals.launch.Replay).
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride(), cache._bounds),
                         q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
-                        cache.indptr, cache.indices, cache.last_page_len)
+                        cache.indptr, cache.indices, cache.last_page_len, *cache._scales)
         return (out, lse) if spec.return_lse else out
 
 

@@ -9,6 +9,12 @@ Layout (FlashInfer's "NHD" paged layout):
   ``last_page_len[b]`` tokens (``1..page_size``; a sequence with no page has length 0 and its
   ``last_page_len`` is ignored). All three are int32 on the pages' device.
 
+FP8 pages (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, as vLLM, FlashInfer and
+FlashAttention-3 store them) come with ``k_scale`` and ``v_scale``: fp32 tensors on the pages'
+device, of one element (per tensor) or ``[kv_heads]`` (per KV head); the value a kernel sees is
+the stored one times its scale. Pages of fp16, bf16 or fp32 take no scales. ``PagedKVCache.empty``
+allocates a cache of either kind; ``tilegen.append_kv`` quantizes new tokens into FP8 pages.
+
 So token ``t`` of sequence ``b`` lives at page ``indices[indptr[b] + t // page_size]``, slot
 ``t % page_size``, and sequence ``b`` holds
 ``(indptr[b + 1] - indptr[b] - 1) * page_size + last_page_len[b]`` tokens.
@@ -17,9 +23,11 @@ Checks. Building a cache checks shapes, dtypes, devices, contiguity and the page
 host, on every construction (cheap). The page table's values (monotone ``indptr``, indices
 inside the cache, ``last_page_len`` in range) live on the device; ``validate()`` checks them
 there at the cost of one synchronization, and ``TILEGEN_DEBUG=1`` makes every construction call
-it. Without it the kernels clamp what they read into the tensors (``indptr`` into ``indices``,
-page ids into the pages, ``last_page_len`` into ``1..page_size``): a wrong value gives a wrong
-answer for its sequence, never an access outside the cache.
+it. FP8 scales must be finite and positive: checked on every construction when they are on the
+CPU (no synchronization), by ``validate()`` when they are on a GPU. Without the debug checks the
+kernels clamp what they read into the tensors (``indptr`` into ``indices``, page ids into the
+pages, ``last_page_len`` into ``1..page_size``): a wrong value gives a wrong answer for its
+sequence, never an access outside the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegen import env
+from tilegen.dtypes import SPEC_KV_DTYPES
 
 __all__ = ["PagedKVCache", "PAGE_SIZES"]
 
@@ -48,6 +57,8 @@ class PagedKVCache:
     indptr: torch.Tensor
     indices: torch.Tensor
     last_page_len: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         k, v = self.k_pages, self.v_pages
@@ -60,6 +71,7 @@ class PagedKVCache:
                              f"{tuple(k.shape[:3])}")
         if v.dtype != k.dtype or v.device != k.device:
             raise ValueError(f"v_pages: {v.dtype} on {v.device} differs from k_pages' {k.dtype} on {k.device}")
+        self._check_scales()
         if k.shape[1] not in PAGE_SIZES:
             raise ValueError(f"k_pages: page size {k.shape[1]} is not supported; expected one of {PAGE_SIZES}")
         if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -87,12 +99,41 @@ class PagedKVCache:
                              f"{_MAX_TOKENS} token positions of the kernels' int32 arithmetic")
         # The extents the kernels clamp the page table into; a replayed launch is keyed by them.
         object.__setattr__(self, "_bounds", (self.indices.shape[0], k.shape[0]))
+        # The launchers' trailing arguments (none for pages that are not FP8), and their sizes (one or per
+        # head), which choose how the kernels index them and so key a plan.
+        object.__setattr__(self, "_scales", () if self.k_scale is None else (self.k_scale, self.v_scale))
+        object.__setattr__(self, "_scale_kinds", tuple(t.numel() for t in self._scales))
         # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
         # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],
-                                             self.indptr.shape[0], k.dtype))
+                                             self.indptr.shape[0], k.dtype, self._scale_kinds))
         if env.debug():
             self.validate()
+
+    def _check_scales(self) -> None:
+        # Contiguous, one element or one per head: the kernels read scale h at address + h * (numel > 1).
+        k = self.k_pages
+        fp8 = k.dtype in SPEC_KV_DTYPES
+        for name in ("k_scale", "v_scale"):
+            t = getattr(self, name)
+            if not fp8:
+                if t is not None:
+                    raise ValueError(f"{name}: {k.dtype} pages take no scale (only float8_e4m3fn and "
+                                     f"float8_e5m2 pages do); got {_describe(t)}")
+                continue
+            if t is None:
+                raise ValueError(f"{name}: {k.dtype} pages need a float32 scale of shape (1,) (per tensor) or "
+                                 f"({k.shape[2]},) (per KV head); got None")
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+                    or t.numel() not in (1, k.shape[2]):
+                raise ValueError(f"{name}: expected a float32 tensor of shape (1,) (per tensor) or ({k.shape[2]},) "
+                                 f"(per KV head), got {_describe(t)}")
+            if t.device != k.device:
+                raise ValueError(f"{name}: on {t.device} while the pages are on {k.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+            if t.device.type == "cpu":
+                _check_scale_values(name, t)
 
     @property
     def page_size(self) -> int:
@@ -116,7 +157,8 @@ class PagedKVCache:
         return torch.where(pages > 0, (pages - 1) * self.page_size + self.last_page_len, 0).to(torch.int32)
 
     def validate(self) -> None:
-        """Check the page table's values on the device (one synchronization); raise naming what is wrong."""
+        """Check the page table's values and the FP8 scales on the device (one synchronization); raise
+        naming what is wrong."""
         indptr, indices, last = self.indptr, self.indices, self.last_page_len
         if int(indptr[0]) != 0:
             raise ValueError(f"indptr: must start at 0, starts at {int(indptr[0])}")
@@ -130,15 +172,39 @@ class PagedKVCache:
         has_pages = indptr[1:] > indptr[:-1]
         if bool((has_pages & ((last < 1) | (last > self.page_size))).any()):
             raise ValueError(f"last_page_len: expected 1..{self.page_size} for every sequence with pages")
+        for name, t in zip(("k_scale", "v_scale"), self._scales):
+            _check_scale_values(name, t)
+
+    @classmethod
+    def empty(
+        cls, num_pages: int, page_size: int, kv_heads: int, head_dim: int, block_table: torch.Tensor,
+        seq_lens: torch.Tensor, *, head_dim_v: int | None = None, dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None, k_scale: torch.Tensor | float | None = None,
+        v_scale: torch.Tensor | float | None = None,
+    ) -> PagedKVCache:
+        """A cache of uninitialized pages with ``from_block_table``'s page table, for ``append_kv`` to fill.
+
+        With ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) ``k_scale`` and ``v_scale`` are needed:
+        a float (one scale for the tensor) or a float32 tensor of one or ``kv_heads`` elements.
+        """
+        device = torch.device(device) if device is not None else block_table.device
+        shape = (num_pages, page_size, kv_heads)
+        k_pages = torch.empty((*shape, head_dim), dtype=dtype, device=device)
+        v_pages = torch.empty((*shape, head_dim if head_dim_v is None else head_dim_v), dtype=dtype, device=device)
+        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, (int, float))
+                  and not isinstance(s, bool) else s for s in (k_scale, v_scale)]
+        return cls.from_block_table(k_pages, v_pages, block_table, seq_lens, k_scale=scales[0], v_scale=scales[1])
 
     @classmethod
     def from_block_table(
-        cls, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        cls, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+        *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> PagedKVCache:
         """The CSR page table of a vLLM-style block table ``[batch, max_pages]`` and lengths ``[batch]``.
 
         Row ``b`` of the block table lists sequence ``b``'s pages in order; entries past the
         ``ceil(seq_lens[b] / page_size)`` pages it uses are ignored (they may hold anything).
+        ``k_scale``/``v_scale``: FP8 pages' scales (see the module docstring).
         """
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             raise ValueError(f"block_table: expected a [batch, max_pages] tensor, got {_describe(block_table)}")
@@ -160,7 +226,15 @@ class PagedKVCache:
         used = torch.arange(block_table.shape[1], device=device)[None, :] < pages[:, None]
         indices = block_table.to(device)[used].to(torch.int32)  # row-major: sequence by sequence, in order
         last = torch.where(pages > 0, lens - (pages - 1) * page_size, 0)
-        return cls(k_pages, v_pages, indptr.to(torch.int32), indices, last.to(torch.int32))
+        return cls(k_pages, v_pages, indptr.to(torch.int32), indices, last.to(torch.int32), k_scale, v_scale)
+
+
+def _check_scale_values(name: str, t: torch.Tensor) -> None:
+    """Scales must be finite and positive: a zero, negative, infinite or NaN scale turns every value it
+    scales into zero, a flipped sign or NaN. Reads the values (a synchronization for a GPU tensor)."""
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        raise ValueError(f"{name}: expected finite positive scales, got {t.tolist()}")
 
 
 def _describe(t: object) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tilegen import dispatch, env
-from tilegen.dtypes import SPEC_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 from tilegen.families.attention_fwd.masks import (
     launch_window,
     mask_kind,
@@ -175,6 +175,10 @@ class PagedAttention:
     Each sequence's new queries are its last ``n_q`` tokens: the cache must already hold
     them (append their K and V first), and causal masking lets each see the whole prefix.
 
+    An FP8 cache (``float8_e4m3fn``/``float8_e5m2`` pages with their scales) is read as FP8 and
+    dequantized in the kernel; the query keeps its own dtype, ``plan(q_dtype=...)`` (bf16 unless
+    given).
+
     Example::
 
         attn = tilegen.PagedAttention()
@@ -190,9 +194,11 @@ class PagedAttention:
         self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
         causal: bool = False, window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
         scale: float | None = None, return_lse: bool = False, max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None,
+        max_seqlen_k: int | None = None, q_dtype: torch.dtype | None = None,
     ) -> None:
-        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each."""
+        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each.
+        ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8 (then float16,
+        bfloat16 or float32; bfloat16 when left out)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         _check_lengths("cu_seqlens_q", cu_seqlens_q, cache.k_pages.device)
@@ -205,6 +211,13 @@ class PagedAttention:
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
             raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
+        pages = cache.k_pages
+        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
+        if q_dtype is None:
+            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
+        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
+            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
+                             f"for {pages.dtype} pages, got {q_dtype!r}")
         seq_lens = cache.seq_lens()
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cache.batch else 0
@@ -213,14 +226,16 @@ class PagedAttention:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             _check_max(name, value)
         spec, left, right, scale, softcap = _prepare(
-            cache.k_pages.dtype, dim, cache.v_pages.shape[3], heads_q // cache.kv_heads, causal, window, softcap,
+            q_dtype, dim, cache.v_pages.shape[3], heads_q // cache.kv_heads, causal, window, softcap,
             scale, return_lse, max_seqlen_q, max_seqlen_k, layout="paged", page_size=cache.page_size,
+            kv_dtype=kv_dtype,
         )
         self._plan = _planned(
             spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
             {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
+            q_dtype=q_dtype, scale_kinds=cache._scale_kinds,
         )
         if env.debug():
             cache.validate()
@@ -237,15 +252,17 @@ class PagedAttention:
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         spec = plan.spec
         pages = cache.k_pages
-        if (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], SPEC_DTYPES.get(pages.dtype)) != (
-            spec.page_size, spec.head_dim, spec.dv, spec.dtype
-        ) or plan.heads_q // spec.q_per_kv != cache.kv_heads:
-            raise ValueError(f"cache: page size, heads, dims or dtype differ from the plan's ({spec.name})")
+        if (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], SPEC_KV_DTYPES.get(pages.dtype),
+                cache._scale_kinds) != (spec.page_size, spec.head_dim, spec.dv, spec.kv_dtype, plan.scale_kinds) \
+                or (spec.kv_dtype is None and SPEC_DTYPES.get(pages.dtype) != spec.dtype) \
+                or plan.heads_q // spec.q_per_kv != cache.kv_heads:
+            raise ValueError(f"cache: page size, heads, dims, dtype or scales differ from the plan's ({spec.name})")
         cu_q, indptr, indices, last, max_q, _ = plan.extra
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
-        if q.dtype != pages.dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:
+            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
+                             f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
         out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
@@ -260,7 +277,8 @@ class PagedAttention:
             # table is the plan's, as run() has always used it.
             v_pages = cache.v_pages
             plan.launch((q.shape[0], pages.shape[0], q.stride(), pages.stride(), v_pages.stride(), out.stride()),
-                        q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q)
+                        q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q,
+                        *cache._scales)
         elif lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if spec.return_lse else out
@@ -274,6 +292,8 @@ class _Plan:
     launches: bool
     launch_args: dict[str, Any]
     extra: tuple = ()
+    q_dtype: torch.dtype | None = None
+    scale_kinds: tuple = ()  # the paged cache's scale sizes (one or per head), which the launch is keyed by
 
 
 def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
@@ -320,7 +340,7 @@ def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: 
 
 
 def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return_lse, max_q, max_k, *, layout,
-             page_size):
+             page_size, kv_dtype=None):
     """The spec and launch values of a call; errors name the argument."""
     if dtype not in SPEC_DTYPES:
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
@@ -328,18 +348,19 @@ def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return
     left, right = window_bounds(window, causal)
     mask = mask_kind(left, right)
     spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, bool(return_lse),
-                     layout, page_size)
+                     layout, page_size, kv_dtype)
     return (spec, *launch_window(mask, left, right, max_q, max_k), scale_value, softcap_value)
 
 
 @memoized
-def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, page_size) -> VarlenAttentionSpec:
+def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, page_size,
+              kv_dtype=None) -> VarlenAttentionSpec:
     try:
         return VarlenAttentionSpec(head_dim=dim, head_dim_v=None if dim_v == dim else dim_v, q_per_kv=q_per_kv,
                                    mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
-                                   kv_layout=layout, page_size=page_size)
+                                   kv_layout=layout, page_size=page_size, kv_dtype=kv_dtype)
     except SpecError as e:
-        arg = {"head_dim": "q", "head_dim_v": "v", "page_size": "cache"}.get(e.field, e.field)
+        arg = {"head_dim": "q", "head_dim_v": "v", "page_size": "cache", "kv_dtype": "cache"}.get(e.field, e.field)
         raise ValueError(f"{arg}: {e}") from None
 
 

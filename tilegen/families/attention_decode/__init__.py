@@ -6,7 +6,8 @@ across programs (flash-decoding) and a merge kernel combines the partial results
 log-sum-exp. The split count comes from the SM count, the batch and the config's
 ``ctas_per_sm`` knob; the knobs are tuned per longest context and batch (one packed bucket:
 ``ContextBatchBuckets``), and callers bucket a call by ``(max context, batch)``. The
-online-softmax loop and the page addressing are the prefill kernels' shared pieces.
+online-softmax loop and the page addressing are the prefill kernels' shared pieces. FP8 pages
+(``kv_dtype``) are read as FP8, their scales folded into the softmax scale and the output.
 """
 
 from __future__ import annotations
@@ -34,5 +35,8 @@ FAMILY = Family(
     feasible=_config.feasible,
     default_rule=_config.default_rule,
     problem_type=DecodeProblem,
-    presets={"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16)},
+    presets={"decode16-llama": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16),
+             # bf16 queries over FP8 (e4m3) pages with their scales, as vLLM's fp8 KV cache stores them.
+             "decode16-llama-fp8": DecodeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16,
+                                              kv_dtype="fp8e4m3")},
 )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegen.device import DeviceInfo, device_info
+from tilegen.dtypes import KV_DTYPES
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
@@ -127,12 +128,13 @@ class DecodeProblem(VarlenProblem):
         table = (inputs["indptr"], inputs["indices"], inputs["last"]) if self.spec.kv_layout == "paged" else ()
         launcher.launch(
             q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, *table,
-            chunk=chunk, num_splits=splits,
+            *inputs.get("scales", ()), chunk=chunk, num_splits=splits,
             scale=1.0 / math.sqrt(self.spec.head_dim), softcap=self.softcap or 0.0, window_left=left,
             window_right=right, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
     def bytes_moved(self) -> float:
-        """The K and V a decode step must read: the figure of merit of a memory-bound kernel."""
-        elt = self.torch_dtype().itemsize
+        """The K and V a decode step must read (FP8 pages: one byte a value): the figure of merit of a
+        memory-bound kernel."""
+        elt = KV_DTYPES[self.spec.kv_dtype].itemsize if self.spec.kv_dtype else self.torch_dtype().itemsize
         return float(sum(self.k_lens) * self.heads_kv * (self.spec.head_dim + self.spec.dv) * elt)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tilegen.families.attention_fwd.spec import AttentionFields
-from tilegen.families.attention_varlen.spec import PAGE_SIZES
+from tilegen.families.attention_varlen.spec import PAGE_SIZES, check_kv_dtype
 from tilegen.ir import Spec, SpecError, check_choice, check_int
 
 __all__ = ["DecodeSpec", "MAX_Q_TOKENS"]
@@ -20,13 +20,16 @@ class DecodeSpec(AttentionFields):
     """Batch decode. Fields as in ``AttentionSpec``; ``kv_layout`` is ``"paged"`` (a
     ``tilegen.PagedKVCache``, whose ``page_size`` is part of the key) or ``"dense"``
     (``[batch, kv_heads, n_k, dim]`` tensors, every sequence as long: ``tilegen.attention``
-    with a few query rows); ``q_tokens`` query tokens per sequence, aligned bottom-right."""
+    with a few query rows); ``q_tokens`` query tokens per sequence, aligned bottom-right;
+    ``kv_dtype``: the pages' dtype when it is not the query's, ``"fp8e4m3"`` or ``"fp8e5m2"``
+    (paged only: FP8 pages with their scales, dequantized in the kernel)."""
 
     family: ClassVar[str] = "attention_decode"
 
     kv_layout: str = "paged"
     page_size: int | None = None
     q_tokens: int = 1
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +42,7 @@ class DecodeSpec(AttentionFields):
                 raise SpecError("page_size", f"dense KV has no pages; got {self.page_size!r}")
         elif isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
             raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
+        check_kv_dtype(self)
 
     __hash__ = Spec.__hash__
 
@@ -53,4 +57,6 @@ class DecodeSpec(AttentionFields):
             parts.append(f"q{self.q_tokens}")
         if self.return_lse:
             parts.append("lse")
+        if self.kv_dtype is not None:
+            parts.append(f"kv{self.kv_dtype}")
         return "_".join(parts)

@@ -42,4 +42,6 @@ def attention_values(spec) -> dict[str, Any]:
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
         # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
         "tma": False,
+        # FP8 pages (the paged families' kv_dtype): loaded as fp8, converted to the query's dtype.
+        "kv_fp8": False,
     }

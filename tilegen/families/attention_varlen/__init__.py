@@ -36,5 +36,7 @@ FAMILY = Family(
         "varlen-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
         "paged16-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
                                              kv_layout="paged", page_size=16),
+        "paged16-llama-fp8": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
+                                                 kv_layout="paged", page_size=16, kv_dtype="fp8e4m3"),
     },
 )

@@ -1,4 +1,7 @@
-"""What a tuning trial of ragged or paged attention measures: a mixed-length batch at a bucket."""
+"""What a tuning trial of ragged or paged attention measures: a mixed-length batch at a bucket.
+
+With FP8 pages (``spec.kv_dtype``) random K and V of the query's dtype are quantized with a
+scale per KV head, and the reference attends to the dequantized pages (value * scale)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families import base
 from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_fwd.masks import launch_window
@@ -103,17 +107,22 @@ class VarlenProblem(base.Problem):
         meta device included."""
         device = "cuda" if self.on_gpu else "cpu"
         spec, size, dtype = self.spec, self.spec.page_size, self.torch_dtype()
+        kv_dtype = KV_DTYPES.get(spec.kv_dtype, dtype)
         batch, used = len(self.k_lens), sum(-(-n // size) for n in self.k_lens)
         num_pages = used + _SPARE_PAGES
 
         def ints(n):
             return torch.empty(n, dtype=torch.int32, device=device)
 
-        return {"q": torch.empty(sum(self.q_lens), self.heads_q, spec.head_dim, dtype=dtype, device=device),
-                "cu_q": ints(batch + 1), "max_q": max(self.q_lens),
-                "k": torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=dtype),
-                "v": torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=dtype),
-                "indptr": ints(batch + 1), "indices": ints(used), "last": ints(batch)}
+        buffers = {
+            "q": torch.empty(sum(self.q_lens), self.heads_q, spec.head_dim, dtype=dtype, device=device),
+            "cu_q": ints(batch + 1), "max_q": max(self.q_lens),
+            "k": torch.full((num_pages, size, self.heads_kv, spec.head_dim), math.nan, device=device, dtype=kv_dtype),
+            "v": torch.full((num_pages, size, self.heads_kv, spec.dv), math.nan, device=device, dtype=kv_dtype),
+            "indptr": ints(batch + 1), "indices": ints(used), "last": ints(batch)}
+        if spec.kv_dtype is not None:
+            buffers["scales"] = tuple(torch.empty(self.heads_kv, dtype=torch.float32, device=device) for _ in "kv")
+        return buffers
 
     def _paged_inputs(self, seed: int) -> dict:
         """Shuffled pages, NaN in every slot no sequence holds, filled in one scatter: a GPU decode
@@ -136,8 +145,14 @@ class VarlenProblem(base.Problem):
         first = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))[:-1]
         pos = torch.arange(seq.numel(), device=device) - first[seq]
         page = indices[indptr[seq] + pos // size]
-        k_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.head_dim)
-        v_pages[page, pos % size] = randn(seq.numel(), self.heads_kv, spec.dv)
+        new_k, new_v = randn(seq.numel(), self.heads_kv, spec.head_dim), randn(seq.numel(), self.heads_kv, spec.dv)
+        if spec.kv_dtype is not None:
+            # Per-head scales that saturate the few-sigma tails, as a calibrated cache would now and then.
+            for scale, new in zip(inputs["scales"], (new_k, new_v)):
+                scale.copy_((0.5 + torch.rand(self.heads_kv, generator=gen, device=device)) * 4 / FP8_MAX[spec.kv_dtype])
+            new_k, new_v = (_quantize(new, scale, k_pages.dtype) for new, scale in zip((new_k, new_v), inputs["scales"]))
+        k_pages[page, pos % size] = new_k
+        v_pages[page, pos % size] = new_v
         last = torch.where(pages_per_seq > 0, lengths - (pages_per_seq - 1) * size, 0)
         inputs["q"].copy_(randn(*inputs["q"].shape))
         inputs["cu_q"].copy_(torch.tensor((0, *self.q_lens), device=device).cumsum(0))
@@ -159,7 +174,8 @@ class VarlenProblem(base.Problem):
               if self.spec.kv_layout == "ragged" else
               (inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["indptr"],
                inputs["indices"], inputs["last"]))
-        launcher.launch(inputs["q"], *kv, inputs["max_q"], scale=1.0 / math.sqrt(self.spec.head_dim),
+        launcher.launch(inputs["q"], *kv, inputs["max_q"], *inputs.get("scales", ()),
+                        scale=1.0 / math.sqrt(self.spec.head_dim),
                       softcap=self.softcap or 0.0, window_left=left, window_right=right, **config.to_dict())
 
     def key_sequences(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -169,8 +185,15 @@ class VarlenProblem(base.Problem):
             return ([inputs["k"][a:b] for a, b in zip(cu, cu[1:])], [inputs["v"][a:b] for a, b in zip(cu, cu[1:])])
         table = (inputs["indptr"], inputs["indices"], inputs["last"])
         n = len(self.k_lens)
-        return ([gather_pages(inputs["k"], *table, b) for b in range(n)],
-                [gather_pages(inputs["v"], *table, b) for b in range(n)])
+        keys = [gather_pages(inputs["k"], *table, b) for b in range(n)]
+        values = [gather_pages(inputs["v"], *table, b) for b in range(n)]
+        if "scales" in inputs:
+            # The reference sees what the kernel should: the dequantized pages, exact in float64.
+            wide = torch.float32 if self.on_gpu else torch.float64
+            k_scale, v_scale = (t.to(wide)[:, None] for t in inputs["scales"])
+            keys = [k.to(wide) * k_scale for k in keys]
+            values = [v.to(wide) * v_scale for v in values]
+        return keys, values
 
     def check(self, inputs: dict, outputs) -> tuple[float, float]:
         """Against the reference, sequence by sequence; a long sequence keeps its last rows within the budget."""
@@ -209,8 +232,15 @@ class VarlenProblem(base.Problem):
 
     def bytes_moved(self) -> float:
         elt = self.torch_dtype().itemsize
+        kv_elt = KV_DTYPES[self.spec.kv_dtype].itemsize if self.spec.kv_dtype else elt
         dims = self.spec.head_dim + self.spec.dv
-        return float((sum(self.q_lens) * self.heads_q + sum(self.k_lens) * self.heads_kv) * dims * elt)
+        return float((sum(self.q_lens) * self.heads_q * elt + sum(self.k_lens) * self.heads_kv * kv_elt) * dims)
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[tokens, kv_heads, dim]`` in FP8 ``dtype`` with one scale per KV head: torch's saturating cast."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale[None, :, None]).clamp(-limit, limit).to(dtype)
 
 
 def _cumsum(lengths, device) -> torch.Tensor:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tilegen.dtypes import KV_DTYPES
 from tilegen.families.attention_fwd.spec import AttentionFields
 from tilegen.ir import Spec, SpecError, check_choice
 
-__all__ = ["VarlenAttentionSpec", "LAYOUTS"]
+__all__ = ["VarlenAttentionSpec", "LAYOUTS", "check_kv_dtype"]
 
 LAYOUTS = ("ragged", "paged")
 PAGE_SIZES = (1, 8, 16, 32, 64, 128)
@@ -23,12 +24,16 @@ class VarlenAttentionSpec(AttentionFields):
             the mask is aligned bottom-right per sequence.
         kv_layout: ``"ragged"`` (K and V packed like Q) or ``"paged"`` (``tilegen.PagedKVCache``).
         page_size: tokens per page, for ``"paged"`` only (part of the tuning key).
+        kv_dtype: ``None`` (the pages have the query's dtype) or ``"fp8e4m3"``/``"fp8e5m2"``: FP8
+            pages with per-tensor or per-KV-head scales, read as fp8 and dequantized in the kernel
+            (paged only).
     """
 
     family: ClassVar[str] = "attention_varlen"
 
     kv_layout: str = "ragged"
     page_size: int | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,6 +43,7 @@ class VarlenAttentionSpec(AttentionFields):
                 raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
         elif self.page_size is not None:
             raise SpecError("page_size", f"only paged KV has pages; got {self.page_size!r} for {self.kv_layout!r}")
+        check_kv_dtype(self)
 
     __hash__ = Spec.__hash__
 
@@ -47,4 +53,15 @@ class VarlenAttentionSpec(AttentionFields):
         parts.append(self.kv_layout + (str(self.page_size) if self.page_size else ""))
         if self.return_lse:
             parts.append("lse")
+        if self.kv_dtype is not None:
+            parts.append(f"kv{self.kv_dtype}")
         return "_".join(parts)
+
+
+def check_kv_dtype(spec) -> None:
+    """``kv_dtype`` is None or an FP8 format, and only paged KV holds FP8 (it is where the scales live)."""
+    if spec.kv_dtype is None:
+        return
+    check_choice("kv_dtype", spec.kv_dtype, tuple(KV_DTYPES))
+    if spec.kv_layout != "paged":
+        raise SpecError("kv_dtype", f"FP8 KV is read from a paged cache only; got kv_layout={spec.kv_layout!r}")

@@ -3,7 +3,7 @@
 One program moves a block of new-token rows of one KV head into their pages; each row
 finds its sequence by a binary search over ``cu_seqlens`` and its page and slot through
 the page table, so the launch needs no host-side map and no synchronization. Files:
-``spec`` (the IR: dtype, head dims, page size), ``lower`` (template values), ``config``
+``spec`` (the IR: dtype, head dims, page size, FP8 page dtype), ``lower`` (template values), ``config``
 (knobs, search space, feasibility, defaults), ``reference`` (float64 torch), ``problem``
 (what a tuning trial measures). The op is ``tilegen.append_kv`` (``tilegen.ops.append``).
 """
@@ -35,5 +35,6 @@ FAMILY = Family(
     problem_type=Problem,
     presets={
         "append-d128-p16": KVAppendSpec(head_dim=128, page_size=16, dtype="bf16"),
+        "append-d128-p16-fp8": KVAppendSpec(head_dim=128, page_size=16, dtype="bf16", page_dtype="fp8e4m3"),
     },
 )

@@ -2,7 +2,9 @@
 
 Every page starts as NaN, so the check sees both halves of the contract: the target slots
 hold the new tokens' values, and every other slot (the sequences' earlier tokens, the
-spare pages) still holds its poison. A kernel that writes outside its slots fails.
+spare pages) still holds its poison. A kernel that writes outside its slots fails. With FP8
+pages (``spec.page_dtype``) the new tokens come with per-KV-head scales, and the reference is
+torch's own quantization of them (divide, saturate, round to nearest even).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families import base
 from tilegen.families.kv_append.config import Config
 from tilegen.families.kv_append.reference import append_reference
@@ -45,6 +48,7 @@ class AppendInputs:
     k: torch.Tensor
     v: torch.Tensor
     cu_seqlens: torch.Tensor
+    scales: tuple[torch.Tensor, ...] = ()  # FP8 pages: k_scale and v_scale, fp32 [kv_heads]
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,10 @@ class Problem(base.Problem):
         inputs.cu_seqlens[0] = 0
         inputs.k.copy_(torch.randn(inputs.k.shape, generator=gen))
         inputs.v.copy_(torch.randn(inputs.v.shape, generator=gen))
+        for scale in inputs.scales:
+            # Scales that put the inputs' tails beyond 2 to 6 sigma past the format's largest value, so that
+            # saturation is exercised as well as rounding.
+            scale.copy_((0.5 + torch.rand(scale.shape, generator=gen)) * 4 / FP8_MAX[self.spec.page_dtype])
         return inputs
 
     def placeholder_inputs(self) -> AppendInputs:
@@ -122,20 +130,24 @@ class Problem(base.Problem):
 
         k = torch.empty(self.total_new, self.kv_heads, self.spec.head_dim, dtype=dtype, device=device)
         v = torch.empty(self.total_new, self.kv_heads, self.spec.dv, dtype=dtype, device=device)
-        return AppendInputs(ints(batch + 1), ints(used), ints(batch), used + _SPARE_PAGES, k, v, ints(batch + 1))
+        scales = () if self.spec.page_dtype is None else tuple(
+            torch.empty(self.kv_heads, dtype=torch.float32, device=device) for _ in "kv")
+        return AppendInputs(ints(batch + 1), ints(used), ints(batch), used + _SPARE_PAGES, k, v, ints(batch + 1),
+                            scales)
 
     def outputs(self, inputs: AppendInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V pages, all NaN."""
+        """The K and V pages, all NaN (FP8 has a NaN too)."""
         shape = (inputs.num_pages, self.spec.page_size, self.kv_heads)
-        k_pages = torch.full((*shape, self.spec.head_dim), math.nan, dtype=inputs.k.dtype, device=inputs.k.device)
-        v_pages = torch.full((*shape, self.spec.dv), math.nan, dtype=inputs.k.dtype, device=inputs.k.device)
+        dtype = KV_DTYPES.get(self.spec.page_dtype, inputs.k.dtype)
+        k_pages = torch.full((*shape, self.spec.head_dim), math.nan, dtype=dtype, device=inputs.k.device)
+        v_pages = torch.full((*shape, self.spec.dv), math.nan, dtype=dtype, device=inputs.k.device)
         return k_pages, v_pages
 
     def launch(self, launcher: Launcher, config: Config, inputs: AppendInputs, outputs) -> None:
         k_pages, v_pages = outputs
         launcher.launch(
             inputs.k, inputs.v, inputs.cu_seqlens, k_pages, v_pages, inputs.indptr, inputs.indices,
-            inputs.last_page_len, **config.to_dict(),
+            inputs.last_page_len, *inputs.scales, **config.to_dict(),
         )
 
     @property
@@ -144,8 +156,10 @@ class Problem(base.Problem):
         return 0.0
 
     def check(self, inputs: AppendInputs, outputs) -> tuple[float, float]:
-        return check_pages(*outputs, inputs.indptr, inputs.indices, inputs.last_page_len, inputs.k, inputs.v,
-                           inputs.cu_seqlens)
+        k, v = inputs.k, inputs.v
+        if inputs.scales:
+            k, v = (quantize(x, scale, outputs[0].dtype) for x, scale in zip((k, v), inputs.scales))
+        return check_pages(*outputs, inputs.indptr, inputs.indices, inputs.last_page_len, k, v, inputs.cu_seqlens)
 
     def flops(self) -> float:
         return 0.0
@@ -153,10 +167,18 @@ class Problem(base.Problem):
     def bytes_moved(self) -> float:
         """The new K and V read once and written once, plus cu_seqlens, the per-sequence page-table
         entries and the page indices of the pages written, read once."""
-        rows = self.total_new * self.kv_heads * (self.spec.head_dim + self.spec.dv) * self.torch_dtype().itemsize
+        rows = self.total_new * self.kv_heads * (self.spec.head_dim + self.spec.dv)
+        written = rows * (1 if self.spec.page_dtype else self.torch_dtype().itemsize)
         batch = len(self.new_tokens)
         table = 4 * (2 * (batch + 1) + batch + self.pages_written)
-        return float(2 * rows + table)
+        return float(rows * self.torch_dtype().itemsize + written + table)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's quantization of ``x`` ``[tokens, kv_heads, dim]`` into FP8 ``dtype`` with one scale per
+    KV head (or one for all): divide, saturate at the largest finite value, round to nearest even."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale.reshape(1, -1, 1)).clamp(-limit, limit).to(dtype)
 
 
 def check_pages(k_pages, v_pages, indptr, indices, last_page_len, k, v, cu_seqlens) -> tuple[float, float]:

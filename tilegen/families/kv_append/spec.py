@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.ir import Spec, SpecError, check_int
+from tilegen.dtypes import KV_DTYPES
+from tilegen.ir import Spec, SpecError, check_choice, check_int
 
 __all__ = ["KVAppendSpec", "MAX_HEAD_DIM", "PAGE_SIZES"]
 
@@ -23,7 +24,10 @@ class KVAppendSpec(Spec):
         head_dim: K's head dim.
         head_dim_v: V's head dim; ``None`` means equal to ``head_dim``.
         page_size: tokens per page; the kernel's page arithmetic is specialized on it.
-        dtype: the cache's dtype (the new K and V have it too; nothing is converted).
+        dtype: the new K and V's dtype: the cache's too (nothing is converted), unless
+        page_dtype: ``"fp8e4m3"``/``"fp8e5m2"``, FP8 pages: each value is divided by its scale
+            (per tensor or per KV head), saturated to the format's largest finite value and
+            rounded to nearest on the way in. ``None``: the pages are ``dtype``.
     """
 
     family: ClassVar[str] = "kv_append"
@@ -31,6 +35,7 @@ class KVAppendSpec(Spec):
     head_dim: int
     page_size: int
     head_dim_v: int | None = None
+    page_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.head_dim_v) is int and self.head_dim_v == self.head_dim:
@@ -46,6 +51,8 @@ class KVAppendSpec(Spec):
         check_int("page_size", self.page_size)
         if self.page_size not in PAGE_SIZES:
             raise SpecError("page_size", f"expected one of {PAGE_SIZES}, got {self.page_size}")
+        if self.page_dtype is not None:
+            check_choice("page_dtype", self.page_dtype, tuple(KV_DTYPES))
 
     __hash__ = Spec.__hash__  # the base caches it; a frozen dataclass would write its own
 
@@ -56,4 +63,5 @@ class KVAppendSpec(Spec):
     @property
     def name(self) -> str:
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v is not None else "")
-        return f"{self.family}_{self.dtype}_{dims}_p{self.page_size}"
+        pages = "" if self.page_dtype is None else f"_{self.page_dtype}"
+        return f"{self.family}_{self.dtype}_{dims}_p{self.page_size}{pages}"
