@@ -215,3 +215,40 @@ def test_split_chunks_merge_to_the_same_answer(device, monkeypatch):
     out, lse = cascade.run(q, cache)
     ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
     _check(out, lse, ref, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_pages_over_levels(fmt, device):
+    """FP8 pages with a scale per KV head: the cascade reads what PagedDecode reads, within bf16 noise
+    of the float64 reference on the dequantized pages."""
+    gen = torch.Generator().manual_seed(21)
+    base = tree_cache(8, 2, torch.float32, device, gen)
+    k_scale, v_scale = (torch.rand(2, generator=gen).to(device) + 0.5 for _ in range(2))
+    k8, v8 = ((t / s[:, None]).to(fmt) for t, s in ((base.k_pages, k_scale), (base.v_pages, v_scale)))
+    cache = tilegen.PagedKVCache(k8, v8, base.indptr, base.indices, base.last_page_len, k_scale=k_scale,
+                                 v_scale=v_scale)
+    q = _randn(gen, cache.batch, 8, DIM, dtype=torch.bfloat16, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=8, return_lse=True)
+    out, lse = cascade.run(q, cache)
+    dequantized = tilegen.PagedKVCache(k8.float() * k_scale[:, None], v8.float() * v_scale[:, None], base.indptr,
+                                       base.indices, base.last_page_len)
+    ref, ref_lse = paged_reference(q.double(), dequantized, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, torch.bfloat16)
+    with pytest.raises(ValueError, match="q_dtype"):
+        cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=8, q_dtype=torch.float8_e4m3fn)
+
+
+def test_tuning_problem_checks_fp8_and_causal(device):
+    """The tuner's problem (one shared level over ragged own tails) passes its own check, FP8 included."""
+    from tilegen.families import get
+    from tilegen.families.attention_cascade import CascadeSpec
+    from tilegen.tuning.measure import measure
+
+    family = get("attention_cascade")
+    for spec in (CascadeSpec(head_dim=32, q_per_kv=2, dtype="fp32", page_size=8, mask="causal", return_lse=True),
+                 CascadeSpec(head_dim=32, q_per_kv=2, dtype="bf16", page_size=8, kv_dtype="fp8e4m3")):
+        problem = family.problem(spec, family.buckets.of((40, 3)), on_gpu=False)
+        config = family.default_rule(spec, problem.device)[0][1]
+        assert measure(problem, config, 0)["status"] == "ok"
+        assert measure(problem, config, 0, perturb=True)["status"] == "wrong"

@@ -31,7 +31,7 @@ import torch
 
 from tilegen import dispatch, env
 from tilegen.device import device_info
-from tilegen.dtypes import SPEC_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_cascade import CascadeSpec
 from tilegen.families.attention_cascade.problem import device_schedule
@@ -74,7 +74,14 @@ class _Plan:
     part_o: torch.Tensor
     part_lse: torch.Tensor
     choice: dispatch.Choice
+    q_dtype: torch.dtype = torch.bfloat16
     cache_layout: tuple = ()
+
+
+def _layout(cache: PagedKVCache) -> tuple:
+    """What a plan fixes of a cache: page size, heads, head dims, dtype, scale kinds and page count
+    (not the batch: the levels, not the cache's page table, say which pages a token reads)."""
+    return cache._layout[:4] + cache._layout[5:] + (cache.num_pages,)
 
 
 class CascadeAttention:
@@ -84,10 +91,12 @@ class CascadeAttention:
         self._plan: _Plan | None = None
 
     def plan(self, cache: PagedKVCache, levels: Sequence[CascadeLevel], *, heads_q: int, causal: bool = True,
-             softcap: float | None = None, scale: float | None = None, return_lse: bool = False) -> dispatch.Choice:
+             softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
+             q_dtype: torch.dtype | None = None) -> dispatch.Choice:
         """Fix the step's levels; returns the dispatch choice. ``causal`` masks the last level, its query
         tokens aligned bottom-right on its keys; every key of an earlier level is seen whole (it precedes
-        every query token under its node). Windows are not built for levels."""
+        every query token under its node). Windows are not built for levels. ``q_dtype``: the query's
+        dtype, the pages' unless they are FP8 (then float16, bfloat16 or float32; bfloat16 when left out)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
@@ -96,8 +105,15 @@ class CascadeAttention:
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {causal!r}")
         pages = cache.k_pages
-        if pages.dtype not in SPEC_DTYPES:
-            raise TypeError(f"cache: expected float16, bfloat16 or float32 pages, got {pages.dtype}")
+        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
+        if pages.dtype not in SPEC_DTYPES and kv_dtype is None:
+            raise TypeError(f"cache: expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 pages, "
+                            f"got {pages.dtype}")
+        if q_dtype is None:
+            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
+        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
+            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
+                             f"for {pages.dtype} pages, got {q_dtype!r}")
         device = pages.device
         if device.type == "cpu" and not interpreting():
             raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
@@ -110,8 +126,8 @@ class CascadeAttention:
         try:
             spec = CascadeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
                                q_per_kv=heads_q // cache.kv_heads, mask="causal" if causal else "none",
-                               softcap=softcap is not None, dtype=SPEC_DTYPES[pages.dtype],
-                               page_size=cache.page_size, return_lse=bool(return_lse))
+                               softcap=softcap is not None, dtype=SPEC_DTYPES[q_dtype],
+                               page_size=cache.page_size, return_lse=bool(return_lse), kv_dtype=kv_dtype)
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None
         info = device_info(device.index if device.type == "cuda" else None)
@@ -130,7 +146,7 @@ class CascadeAttention:
             return _Plan(spec=spec, tokens=tokens, heads_q=heads_q, launch=launcher.replay(launch_args),
                          launch_args=launch_args, work=values["work"], state_base=values["state_base"],
                          indices=indices, part_o=values["part_o"], part_lse=values["part_lse"], choice=choice,
-                         cache_layout=cache._layout[:4] + (cache._layout[5], cache.num_pages))
+                         q_dtype=q_dtype, cache_layout=_layout(cache))
 
         self._plan = dispatch.planned(table, _bucket_size(host, cache.page_size), make)
         return self._plan.choice
@@ -149,8 +165,7 @@ class CascadeAttention:
         if plan is None:
             raise RuntimeError("CascadeAttention.run: call plan(...) first, once per step")
         spec = plan.spec
-        if not isinstance(cache, PagedKVCache) or \
-                cache._layout[:4] + (cache._layout[5], cache.num_pages) != plan.cache_layout:
+        if not isinstance(cache, PagedKVCache) or _layout(cache) != plan.cache_layout:
             raise ValueError(f"cache: expected a tilegen.PagedKVCache shaped as planned ({spec.name}, "
                              f"{plan.cache_layout[-1]} pages)")
         shape = (plan.tokens, plan.heads_q, spec.head_dim)
@@ -158,8 +173,9 @@ class CascadeAttention:
             raise ValueError(f"q: expected {list(shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
-        if q.dtype != pages.dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the cache's {pages.dtype} on {pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:
+            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
+                             f"{pages.device}")
         out_shape = (plan.tokens, plan.heads_q, spec.dv)
         if out is None:
             out = q.new_empty(out_shape)
@@ -175,7 +191,7 @@ class CascadeAttention:
         if plan.tokens:
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
                         q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
-                        plan.state_base, plan.work, plan.indices)
+                        plan.state_base, plan.work, plan.indices, *cache._scales)
         return (out, lse) if spec.return_lse else out
 
 

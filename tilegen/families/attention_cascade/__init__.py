@@ -33,5 +33,7 @@ FAMILY = Family(
     feasible=_config.feasible,
     default_rule=_config.default_rule,
     problem_type=CascadeProblem,
-    presets={"cascade16-llama": CascadeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16, mask="causal")},
+    presets={"cascade16-llama": CascadeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16, mask="causal"),
+             "cascade16-llama-fp8": CascadeSpec(head_dim=128, q_per_kv=4, dtype="bf16", page_size=16, mask="causal",
+                                                kv_dtype="fp8e4m3")},
 )

@@ -11,4 +11,5 @@ __all__ = ["lower"]
 
 
 def lower(spec: CascadeSpec) -> dict[str, Any]:
-    return {**attention_values(spec), "layout": "paged", "page_size": spec.page_size}
+    return {**attention_values(spec), "layout": "paged", "page_size": spec.page_size,
+            "kv_fp8": spec.kv_dtype is not None}

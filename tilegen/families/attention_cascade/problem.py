@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegen.device import DeviceInfo, device_info
+from tilegen.dtypes import KV_DTYPES
 from tilegen.families import base
 from tilegen.families.attention_cascade.config import CascadeConfig
 from tilegen.families.attention_cascade.reference import cascade_reference
@@ -119,7 +120,19 @@ class CascadeProblem(base.Problem):
         levels = [shared, own_level]
         q = torch.randn((batch, self.heads_q, spec.head_dim), generator=gen, device=device, dtype=dtype)
         indices = torch.cat([level.kv_indices for level in levels]).to(device)
-        return {"q": q, "k": k, "v": v, "levels": levels, "indices": indices, "schedules": {}}
+        inputs = {"q": q, "k": k, "v": v, "levels": levels, "indices": indices, "schedules": {}, "scales": ()}
+        if spec.kv_dtype is not None:
+            # FP8 pages with a scale per KV head; the reference reads them dequantized.
+            fp8 = KV_DTYPES[spec.kv_dtype]
+            scales = [torch.rand(self.heads_kv, generator=gen, device=device) + 0.5 for _ in range(2)]
+            inputs["k"], inputs["v"] = ((t.float() / s[:, None]).to(fp8) for t, s in zip((k, v), scales))
+            inputs["scales"] = tuple(scales)
+        return inputs
+
+    def _dequantized(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if not inputs["scales"]:
+            return inputs["k"], inputs["v"]
+        return tuple(t.float() * s[:, None] for t, s in zip((inputs["k"], inputs["v"]), inputs["scales"]))
 
     def outputs(self, inputs: dict):
         q = inputs["q"]
@@ -135,7 +148,7 @@ class CascadeProblem(base.Problem):
                 inputs["levels"], inputs["q"].shape[0], spec=self.spec, heads_q=self.heads_q, kv_heads=self.heads_kv,
                 config=config, device_info=self.device or device_info(), device=inputs["q"].device)
         launcher.launch(inputs["q"], inputs["k"], inputs["v"], out, out if lse is None else lse, values["part_o"],
-                        values["part_lse"], values["state_base"], values["work"], inputs["indices"],
+                        values["part_lse"], values["state_base"], values["work"], inputs["indices"], *inputs["scales"],
                         shared_items=values["shared_items"], own_items=values["own_items"], direct=values["direct"],
                         states_pad=values["states_pad"],
                         own_block_m=values["own_block_m"], scale=1.0 / math.sqrt(self.spec.head_dim),
@@ -146,7 +159,7 @@ class CascadeProblem(base.Problem):
         if torch.isnan(out).any() or (lse is not None and torch.isnan(lse).any()):
             return math.inf, math.inf
         compute = torch.float32 if self.on_gpu else torch.float64
-        ref, ref_lse = cascade_reference(inputs["q"], inputs["k"], inputs["v"], inputs["levels"],
+        ref, ref_lse = cascade_reference(inputs["q"], *self._dequantized(inputs), inputs["levels"],
                                          causal=self.spec.mask == "causal", softcap=self.softcap,
                                          scale=1.0 / math.sqrt(self.spec.head_dim), compute_dtype=compute)
         error, worst = base.relative_error(out, ref)
@@ -160,5 +173,5 @@ class CascadeProblem(base.Problem):
 
     def bytes_moved(self) -> float:
         """The K and V read once: the shared prefix once, each request's own tokens."""
-        elt = self.torch_dtype().itemsize
+        elt = 1 if self.spec.kv_dtype else self.torch_dtype().itemsize
         return float((self.prefix + sum(self.own)) * self.heads_kv * (self.spec.head_dim + self.spec.dv) * elt)
