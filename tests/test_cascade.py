@@ -77,6 +77,7 @@ def test_decode_over_derived_levels(page_size, group, dtype, device):
     q = _randn(gen, cache.batch, heads_q, DIM, dtype=dtype, device=device)
     cascade = tilegen.CascadeAttention()
     cascade.plan(cache, levels, heads_q=heads_q, return_lse=True)
+    assert cascade._plan.launch_args["fused"], "each own item merges its tokens' shared states: no merge launch"
     out = torch.full((cache.batch, heads_q, DIM), math.nan, dtype=dtype, device=device)
     result, lse = cascade.run(q, cache, out=out)
     assert result is out
@@ -212,6 +213,7 @@ def test_split_chunks_merge_to_the_same_answer(device, monkeypatch):
     cascade = tilegen.CascadeAttention()
     cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4, return_lse=True)
     assert cascade._plan.launch_args["states_pad"] >= 4
+    assert not cascade._plan.launch_args["fused"], "split last-level chunks: the merge launch combines them"
     out, lse = cascade.run(q, cache)
     ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
     _check(out, lse, ref, ref_lse, torch.float32)

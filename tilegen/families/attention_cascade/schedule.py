@@ -47,6 +47,7 @@ class Schedule:
     states: int
     shared_items: int  # the first ones, the shared levels'; the rest are the last level's
     direct: bool  # every token has exactly one state: items write the output, no merge
+    fused: bool  # each token's last state is one unsplit last-level item's, which merges the others
     own_block_m: int
     max_states: int
 
@@ -83,6 +84,7 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
         chunks[kind] = chunk_keys(block_n, work, sm_count * ctas, _MIN_CHUNK)
 
     count = [0] * tokens
+    owned = [False] * tokens  # the token's last state is an unsplit last-level item's
     items = []
     for lv, page_start, n_k, q_start, n_q in nodes:
         own = lv == last
@@ -91,6 +93,7 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
         base = count[q_start]
         for t in range(q_start, q_start + n_q):
             count[t] += splits
+            owned[t] = own and splits == 1
         rows = tile_rows(lv)
         for row0 in range(0, n_q * q_per_kv, rows):
             for s in range(splits):
@@ -102,6 +105,7 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
     counts = torch.tensor(count, dtype=torch.int64)
     state_base = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     max_states = int(counts.max()) if tokens else 0
+    direct = bool(tokens) and bool((counts == 1).all())
     shared = sum(1 for it in items if not it[8])
     return Schedule(work=work, state_base=state_base, states=int(counts.sum()), shared_items=shared,
-                    direct=bool(tokens) and bool((counts == 1).all()), own_block_m=own_m, max_states=max_states)
+                    direct=direct, fused=not direct and all(owned), own_block_m=own_m, max_states=max_states)
