@@ -12,6 +12,7 @@ from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.config import wgmma_unsupported
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.lowering import head_dim_values
+from tilegen.mods.lower import mod_values
 
 __all__ = ["lower", "attention_values"]
 
@@ -42,4 +43,6 @@ def attention_values(spec) -> dict[str, Any]:
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
         # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
         "tma": False,
+        # Families whose specs have no mods render none.
+        **mod_values(getattr(spec, "score_mod", None), getattr(spec, "mask_mod", None)),
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.families.attention_fwd.spec import AttentionFields, check_mods, mod_name_parts
 from tilegen.ir import Spec, SpecError, check_choice
 
 __all__ = ["VarlenAttentionSpec", "LAYOUTS"]
@@ -23,15 +23,19 @@ class VarlenAttentionSpec(AttentionFields):
             the mask is aligned bottom-right per sequence.
         kv_layout: ``"ragged"`` (K and V packed like Q) or ``"paged"`` (``tilegen.PagedKVCache``).
         page_size: tokens per page, for ``"paged"`` only (part of the tuning key).
+        score_mod, mask_mod: as in ``AttentionSpec``; b is the sequence, q_idx and kv_idx positions in it.
     """
 
     family: ClassVar[str] = "attention_varlen"
 
     kv_layout: str = "ragged"
     page_size: int | None = None
+    score_mod: str | None = None
+    mask_mod: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_mods(self)
         check_choice("kv_layout", self.kv_layout, LAYOUTS)
         if self.kv_layout == "paged":
             if self.page_size not in PAGE_SIZES or isinstance(self.page_size, bool):
@@ -47,4 +51,4 @@ class VarlenAttentionSpec(AttentionFields):
         parts.append(self.kv_layout + (str(self.page_size) if self.page_size else ""))
         if self.return_lse:
             parts.append("lse")
-        return "_".join(parts)
+        return "_".join(parts + mod_name_parts(self))
