@@ -169,8 +169,10 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
                 else:
                     offsets.append(f"{ref(i)}.to(tl.int64) * {t}_s{d}")
                     masks.append(f"({ref(i)} >= 0) & ({ref(i)} < {t}_n{d})")
-            # Outside the tensor reads 0: the host checks the indices it can (tilegen.mods docstring).
-            expr = f"tl.load({t} + {' + '.join(offsets)}, mask={' & '.join(masks)}, other=0)"
+            # Outside the tensor reads 0: the host checks the indices it can (tilegen.mods docstring). The
+            # `!= 0` makes a bool of a mask mixing scalar and block conditions, which Triton's interpreter (3.9)
+            # otherwise passes to its load with a dtype it refuses; compiled, it folds away.
+            expr = f"tl.load({t} + {' + '.join(offsets)}, mask=({' & '.join(masks)}) != 0, other=0)"
         else:  # parse admits no other op
             raise AssertionError(op)
         lines.append(f"{name} = {expr}")
@@ -181,7 +183,8 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
         # A result that does not depend on the score still fills the block.
         lines.append(f"return tl.broadcast_to({r}, score.shape)")
     else:
-        lines.append(f"return {ref(result)}")
+        # As for the loads' masks: a bool the interpreter takes whether scalar and block conditions mix or not.
+        lines.append(f"return {ref(result)}" if _is_number(result) else f"return {ref(result)} != 0")
     return LoweredMod("".join(p + ", " for p in params), tuple(lines), frozenset(helpers))
 
 

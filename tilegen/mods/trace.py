@@ -107,9 +107,6 @@ def trace(fn: Callable, kind: str) -> TracedMod:
 
     def arg(a, node) -> str:
         if isinstance(a, fx.Node):
-            if a.op == "get_attr" and not (_op_of(node) == "getitem" and node.args[0] is a):
-                _fail(kind, f"captured tensor {_name_of(fn, tensors[attr_index[a.target]])!r} is used without "
-                            "indexing; index it with one expression per dimension", ValueError)
             return names[a]
         if isinstance(a, bool):
             return repr(a)
@@ -173,6 +170,10 @@ def trace(fn: Callable, kind: str) -> TracedMod:
             args = [base, *index]
         if kwargs:
             _fail(kind, f"{node.target}: keyword arguments {sorted(kwargs)} are not supported")
+        for a in args[1:] if op == "getitem" else args:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                _fail(kind, f"captured tensor {_name_of(fn, tensors[attr_index[a.target]])!r} is used without "
+                            "indexing; index it with one expression per dimension", ValueError)
         try:
             result = _run_meta(op, [meta[a] if isinstance(a, fx.Node) else a for a in args])
         except Exception as e:

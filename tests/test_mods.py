@@ -1,0 +1,208 @@
+"""Score and mask mods (tilegen.mods): every library mod against the float64 reference, which applies
+the same function to the whole score matrix with broadcasting index tensors (FlexAttention's
+reference), on odd shapes, GQA, fp32 and bf16, outputs poisoned with NaN; varlen; the spec's
+identity (equivalent functions share it, a changed constant does not); every refusal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tilegen
+from tilegen.codegen import source_for
+from tilegen.families import relative_error, spec_from_json
+from tilegen.families.attention_fwd import AttentionSpec
+from tilegen.families.attention_fwd.config import wgmma_unsupported
+from tilegen.families.attention_fwd.lower import lower
+from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.families.attention_varlen.reference import varlen_reference
+from tilegen.mods import library
+from tilegen.mods.trace import trace, traced
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+D = 16  # the interpreter's time grows with the head dim; mods do not touch it
+
+
+def _inputs(batch, heads_q, heads_kv, n_q, n_k, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, n, D, generator=gen).to(device=device, dtype=dtype)
+               for h, n in ((heads_q, n_q), (heads_kv, n_k), (heads_kv, n_k)))
+    return q, k, v
+
+
+def _check(q, k, v, *, return_lse=True, **kwargs):
+    out = torch.full((*q.shape[:3], v.shape[3]), math.nan, dtype=q.dtype, device=q.device)
+    result = tilegen.attention(q, k, v, out=out, return_lse=return_lse, **kwargs)
+    out, lse = result if return_lse else (result, None)
+    ref_kwargs = {key: kwargs[key] for key in ("causal", "window", "scale", "score_mod", "mask_mod") if key in kwargs}
+    ref, ref_lse = attention_reference(q, k, v, **ref_kwargs)
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    error, _ = relative_error(out, ref)
+    assert error < TOL[q.dtype], f"relative error {error:.2e}"
+    if lse is not None:
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse must be -inf exactly on empty rows"
+        seen = torch.isfinite(ref_lse)
+        assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+        assert (out[~seen] == 0).all(), "rows that see no key give zeros"
+    return out, lse
+
+
+def _library_cases():
+    g = torch.Generator().manual_seed(1)
+    # (id, score_mod, mask_mod, batch, heads_q, heads_kv, n_q, n_k, dtype, extra kwargs)
+    return [
+        ("alibi-fp32", library.alibi(torch.rand(4, generator=g)), None, 2, 4, 2, 17, 33, torch.float32, {}),
+        ("alibi-bf16-causal", library.alibi(torch.rand(4, generator=g)), None, 1, 4, 1, 33, 17, torch.bfloat16,
+         {"causal": True}),
+        ("relative-bias-fp32", library.relative_bias(torch.randn(4, 8, generator=g), 8, 16), None, 1, 4, 2, 33, 33,
+         torch.float32, {}),
+        ("relative-bias-uni-bf16", library.relative_bias(torch.randn(2, 8, generator=g), 8, 16, False), None,
+         2, 2, 2, 1, 17, torch.bfloat16, {}),
+        ("document-fp32", None, library.document_mask(torch.tensor([0] * 5 + [1] * 20 + [2] * 8)), 1, 2, 1, 33, 33,
+         torch.float32, {}),
+        ("document-batched-bf16", None,
+         library.document_mask(torch.tensor([[0] * 9 + [1] * 8, [0] * 2 + [3] * 15])), 2, 2, 2, 17, 17,
+         torch.bfloat16, {}),
+        ("prefix-lm-fp32", None, library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32)), 2, 2, 1, 17, 33,
+         torch.float32, {}),
+        ("sliding-global-fp32", None, library.sliding_window(4, global_tokens=2), 1, 2, 2, 33, 17, torch.float32,
+         {}),
+        ("sliding-both-sides-bf16", None, library.sliding_window(3, causal=False), 1, 2, 2, 17, 17,
+         torch.bfloat16, {}),
+        ("softcap-fp32", library.softcap(2.0), None, 1, 2, 2, 17, 33, torch.float32, {"scale": 1.5}),
+        ("softcap-bf16", library.softcap(2.0), None, 1, 2, 1, 1, 33, torch.bfloat16, {"scale": 1.5}),
+        ("causal-mod-fp32", None, library.causal(), 1, 2, 2, 17, 33, torch.float32, {}),
+        ("alibi-and-document-window-fp32", library.alibi(torch.rand(2, generator=g)),
+         library.document_mask(torch.tensor([0] * 10 + [1] * 23)), 1, 2, 1, 33, 33, torch.float32,
+         {"window": (6, 2)}),
+    ]
+
+
+@pytest.mark.parametrize("case", _library_cases(), ids=lambda c: c[0])
+def test_library_mods_match_the_reference(case, device):
+    _, score_mod, mask_mod, batch, hq, hkv, n_q, n_k, dtype, kwargs = case
+    q, k, v = _inputs(batch, hq, hkv, n_q, n_k, dtype, device)
+    _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kwargs)
+
+
+def test_integer_floor_semantics_and_fully_masked_rows(device):
+    """// and % floor as torch does on negative differences; rows the mask empties give 0 and -inf."""
+
+    def striped(b, h, q_idx, kv_idx):
+        return (((q_idx - kv_idx) // 3) % 2 == 0) & (q_idx % 5 != 1)
+
+    def bucketed(score, b, h, q_idx, kv_idx):
+        return score * torch.where((kv_idx - q_idx) % 4 == 3, 0.5, 1.0) - (q_idx - kv_idx) // 7
+
+    q, k, v = _inputs(1, 2, 2, 17, 33, torch.float32, device)
+    _, lse = _check(q, k, v, score_mod=bucketed, mask_mod=striped)
+    assert torch.isneginf(lse[0, :, 1]).all() and torch.isneginf(lse[0, :, 11]).all()
+
+
+def test_varlen_applies_mods_per_sequence(device):
+    lengths, k_lens = [17, 0, 5, 33], [17, 0, 8, 33]
+    cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lengths), 4, D, generator=gen).to(device)
+    k = torch.randn(sum(k_lens), 2, D, generator=gen).to(device)
+    v = torch.randn(sum(k_lens), 2, D, generator=gen).to(device)
+    score_mod = library.alibi(torch.rand(4, generator=gen).to(device))
+    mask_mod = library.prefix_lm(torch.tensor([3, 0, 6, 40], dtype=torch.int32, device=device))
+    out = torch.full_like(q, math.nan)
+    _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), out=out, return_lse=True,
+                                      score_mod=score_mod, mask_mod=mask_mod)
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), score_mod=score_mod, mask_mod=mask_mod)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, ref)[0] < 1e-4
+    assert (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+def _spec(score_mod=None, mask_mod=None):
+    return AttentionSpec(head_dim=64, dtype="fp32", score_mod=score_mod and trace(score_mod, "score_mod").canonical,
+                         mask_mod=mask_mod and trace(mask_mod, "mask_mod").canonical)
+
+
+def test_equivalent_functions_share_a_spec_and_a_changed_constant_does_not():
+    slopes, other = torch.rand(8), torch.rand(8)
+
+    def alibi_def(score, b, h, q_idx, kv_idx):
+        unused = q_idx * 3  # noqa: F841  (dead code does not count)
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    spec = _spec(alibi_def)
+    assert _spec(lambda s, bb, hh, qi, ki: s + other[hh] * (ki - qi)).hash == spec.hash
+    assert _spec(library.alibi(slopes)).hash == spec.hash
+    assert _spec(library.alibi(slopes.double().float().half())).hash != spec.hash  # another dtype
+    assert _spec(library.softcap(20.0)).hash != _spec(library.softcap(30.0)).hash
+    assert _spec(mask_mod=library.sliding_window(4)).hash != _spec(mask_mod=library.sliding_window(5)).hash
+    assert _spec().hash == AttentionSpec(head_dim=64, dtype="fp32").hash  # no mods: the hash of before
+
+
+def test_mod_specs_round_trip_through_json_and_render_the_mod_inline():
+    spec = _spec(library.alibi(torch.rand(2)), library.document_mask(torch.zeros(4, dtype=torch.int64)))
+    again = spec_from_json(spec.to_json())
+    assert again == spec and again.hash == spec.hash and hash(again) == hash(spec)
+    source = source_for(spec)
+    assert "def _score_mod(" in source and "def _mask_mod(" in source and "mm_t0_s0" in source
+    # The Gluon kernels take no mods: the spec lowers without them.
+    assert wgmma_unsupported(spec) is not None and lower(spec)["wgmma"] is False
+
+
+def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
+    table = torch.rand(2, 4)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx % 4]
+
+    first = traced(bias, "score_mod")
+    assert traced(bias, "score_mod") is first
+    table = torch.rand(2, 4, dtype=torch.float16)  # noqa: F841  (read by bias through its closure)
+    second = traced(bias, "score_mod")
+    assert second is not first and "float16" in second.canonical
+
+
+def _refused(fn, kind):
+    return trace(fn, kind)
+
+
+@pytest.mark.parametrize("fn, kind, error, needle", [
+    (lambda s, b, h, q, k: torch.sin(s), "score_mod", TypeError, "sin"),
+    (lambda s, b, h, q, k: s ** 2, "score_mod", TypeError, "pow"),
+    (lambda b, h, q, k: q >= k if q > 3 else q < k, "mask_mod", TypeError, "cannot be traced"),
+    (lambda b, h, q, k: (q - k).to(torch.float32), "mask_mod", TypeError, "expected torch.bool"),
+    (lambda s, b, h, q, k: s > 0, "score_mod", TypeError, "expected a floating score"),
+    (lambda s, b, h, q, k: s.to(torch.float64), "score_mod", TypeError, "float64"),
+    (lambda s, b, h, q, k: s + _TABLE[h], "score_mod", ValueError, "'_TABLE'.*one integer expression per dim"),
+    (lambda s, b, h, q, k: s + _TABLE[h, q * 0.5], "score_mod", ValueError, "not an integer"),
+    (lambda s, b, h, q, k: s * _TABLE, "score_mod", ValueError, "without indexing"),
+    (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
+], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
+        "partial-index", "float-index", "bare-tensor", "arity"])
+def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
+    with pytest.raises(error, match=needle):
+        trace(fn, kind)
+
+
+_TABLE = torch.rand(2, 5)
+
+
+def test_bad_calls_are_refused_before_any_kernel_runs(device):
+    q, k, v = _inputs(1, 4, 2, 5, 7, torch.float32, device)
+    with pytest.raises(ValueError, match=r"'slopes' \(shape \(2,\)\), dim 0: h ranges over \[0, 3\]"):
+        tilegen.attention(q, k, v, score_mod=library.alibi(torch.rand(2)))
+    ids = torch.zeros(6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="'doc_ids'.*dim 0: kv_idx ranges over"):
+        tilegen.attention(q, k, v, mask_mod=library.document_mask(ids))
+    meta_slopes = torch.rand(4, device="meta")
+    with pytest.raises(ValueError, match="'slopes' is on meta"):
+        tilegen.attention(q, k, v, score_mod=library.alibi(meta_slopes))
+    with pytest.raises(ValueError, match="softcap"):
+        tilegen.attention(q, k, v, softcap=5.0, score_mod=library.softcap(3.0))
+    with pytest.raises(NotImplementedError, match="score_mod/mask_mod: the backward through mods is not built yet"):
+        tilegen.attention(q.requires_grad_(), k, v, mask_mod=library.causal())
