@@ -206,3 +206,28 @@ def test_bad_calls_are_refused_before_any_kernel_runs(device):
         tilegen.attention(q, k, v, softcap=5.0, score_mod=library.softcap(3.0))
     with pytest.raises(NotImplementedError, match="score_mod/mask_mod: the backward through mods is not built yet"):
         tilegen.attention(q.requires_grad_(), k, v, mask_mod=library.causal())
+
+
+def test_every_supported_operation_matches_torch(device):
+    """The documented subset in one pair of mods: casts, unary math, min/max/clamp, floor // and % with a
+    negative divisor, scalar and block conditions mixed, a bool and an fp16 captured tensor."""
+    keep = torch.tensor([True, False, True])
+    table = torch.randn(3, 4).half()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-torch.abs(score)) + torch.log(kv_idx.to(torch.float32) + 2)
+        x = torch.minimum(x, torch.maximum(score, -score / 2)) + torch.clamp(score, -0.5, 0.25)
+        x = torch.tanh(x).to(torch.bfloat16).to(torch.float32) * 3 + table[h % 3, (q_idx - kv_idx) // -5 % 4]
+        return torch.where((h == 1) & (q_idx > kv_idx), -x, x + (q_idx % -3))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep[kv_idx % 3] | ~(h == 0) | (q_idx - kv_idx == 0)
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=5)
+    _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_constant_mods(device):
+    q, k, v = _inputs(1, 2, 2, 17, 17, torch.float32, device, seed=6)
+    _check(q, k, v, score_mod=lambda s, b, h, qi, ki: (qi - ki).to(torch.float32) * 0.25,
+           mask_mod=lambda b, h, qi, ki: h < 5)
