@@ -231,3 +231,23 @@ def test_constant_mods(device):
     q, k, v = _inputs(1, 2, 2, 17, 17, torch.float32, device, seed=6)
     _check(q, k, v, score_mod=lambda s, b, h, qi, ki: (qi - ki).to(torch.float32) * 0.25,
            mask_mod=lambda b, h, qi, ki: h < 5)
+
+
+def test_cast_methods_are_the_to_they_spell():
+    slopes = torch.rand(2)
+    with_to = trace(lambda s, b, h, q, k: s + slopes[h] * (k - q).to(torch.float32), "score_mod")
+    with_float = trace(lambda s, b, h, q, k: s + slopes[h] * (k - q).float(), "score_mod")
+    assert with_to.canonical == with_float.canonical
+
+
+def test_emit_shows_the_mod_inlined(capsys):
+    from tilegen.cli import main
+
+    spec = _spec(library.alibi(torch.rand(2)), library.sliding_window(16))
+    try:
+        main(["emit", "--spec", spec.to_json()])
+    except SystemExit as exit:
+        assert exit.code in (0, None)
+    out = capsys.readouterr().out
+    assert f"Spec {spec.hash}" in out and "def _score_mod(score, b, h, q_idx, kv_idx, sm_t0, sm_t0_s0, sm_t0_n0)" in out
+    assert "v1 = v0 <= 16" in out

@@ -18,7 +18,8 @@ The supported operations (anything else is refused when the mod is traced, namin
 - comparisons ``< <= > >= == !=``; ``&``, ``|`` and ``~`` (logical on bools);
 - ``torch.where``, ``torch.tanh``, ``torch.exp``, ``torch.log``, ``torch.sqrt``,
   ``torch.minimum``, ``torch.maximum``, ``torch.clamp`` (and the methods of those names);
-- ``.to(dtype)`` to float32/float16/bfloat16/int32/int64/bool; Python numbers;
+- ``.to(dtype)`` to float32/float16/bfloat16/int32/int64/bool (and ``.float()``, ``.int()``,
+  ``.long()``, ``.bool()``); Python numbers;
 - indexing a captured tensor (a tensor the function closes over or reads from its module)
   with one index expression per dimension: ``bias[h, q_idx - kv_idx + n]``, ``slopes[h]``,
   ``doc_ids[q_idx] == doc_ids[kv_idx]``. Captured tensors are kernel arguments (pointer,

@@ -43,7 +43,10 @@ _FUNCTIONS = {
     torch.neg: "neg",
 }
 _METHODS = {"abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh",
-            "clamp": "clamp", "to": "to", "__getitem__": "getitem"}
+            "clamp": "clamp", "to": "to", "__getitem__": "getitem", "float": "to", "int": "to", "long": "to",
+            "bool": "to"}
+# The cast methods, as the .to() they are.
+_CAST_METHODS = {"float": torch.float32, "int": torch.int32, "long": torch.int64, "bool": torch.bool}
 SUPPORTED = ("+ - * / // % unary-, abs, < <= > >= == !=, & | ~, torch.where, torch.tanh, torch.exp, torch.log, "
              "torch.sqrt, torch.minimum, torch.maximum, torch.clamp, .to(dtype), indexing a captured tensor")
 
@@ -145,6 +148,8 @@ def trace(fn: Callable, kind: str) -> TracedMod:
             args[1] = kwargs.pop("min", args[1])
             args[2] = kwargs.pop("max", args[2])
         elif op == "to":
+            if node.target in _CAST_METHODS and len(args) == 1:
+                args.append(_CAST_METHODS[node.target])
             if "dtype" in kwargs:
                 args.append(kwargs.pop("dtype"))
             if len(args) != 2 or not isinstance(args[1], torch.dtype):
