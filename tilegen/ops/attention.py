@@ -40,7 +40,7 @@ from tilegen.ir import SpecError
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.memo import memoized
+from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_out
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
@@ -166,10 +166,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     batch, heads, n_q, _ = q.shape
     n_k = k.shape[2]
     mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
-    try:
-        spec = spec.replace(score_mod=mods.score_mod, mask_mod=mods.mask_mod)
-    except SpecError as e:
-        raise ValueError(str(e)) from None
+    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
     out_shape = (batch, heads, n_q, spec.dv)
     if out is None:
         out = q.new_empty(out_shape)
@@ -179,7 +176,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if math.prod(out_shape) > 0:
         config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
-        module_for(spec).launch(q, k, v, out, out if lse is None else lse, scale=scale, softcap=softcap,
+        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, scale=scale, softcap=softcap,
                                 window_left=left, window_right=right, mod_tensors=mods.tensors, **config.to_dict())
     elif lse is not None:
         lse.fill_(-math.inf)

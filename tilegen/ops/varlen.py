@@ -36,13 +36,12 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.families.attention_varlen import VarlenAttentionSpec
-from tilegen.codegen import module_for
 from tilegen.ir import SpecError
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.memo import memoized
+from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
@@ -124,10 +123,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     mods = bind_mods(score_mod, mask_mod, q.device,
                      {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k})
-    try:
-        spec = plan.spec.replace(score_mod=mods.score_mod, mask_mod=mods.mask_mod)
-    except SpecError as e:
-        raise ValueError(str(e)) from None
+    spec = with_mod_fields(plan.spec, mods.score_mod, mods.mask_mod)
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
@@ -136,7 +132,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if plan.launches:
         config = _table(spec, q.device).choose(max(max_q, max_k)).config
         launch_args = {**plan.launch_args, **config.to_dict()}
-        module_for(spec).launch(q, k, v, out, out if lse is None else lse, cu_q, cu_k, max_q,
+        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, cu_q, cu_k, max_q,
                                 mod_tensors=mods.tensors, **launch_args)
     elif lse is not None:
         lse.fill_(-math.inf)
