@@ -6,7 +6,9 @@ identity (equivalent functions share it, a changed constant does not); every ref
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -251,3 +253,26 @@ def test_emit_shows_the_mod_inlined(capsys):
     out = capsys.readouterr().out
     assert f"Spec {spec.hash}" in out and "def _score_mod(score, b, h, q_idx, kv_idx, sm_t0, sm_t0_s0, sm_t0_n0)" in out
     assert "v1 = v0 <= 16" in out
+
+
+def test_matches_torch_flex_attention(device):
+    """Against torch's own FlexAttention (its eager path, in float64): the same mods give the same output and
+    LSE, so the conventions (scaled logit in, softmax after, top-left indices, GQA's query head) agree."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _inputs(2, 4, 2, 17, 33, torch.float32, device, seed=7)
+    score_mod = library.alibi(torch.rand(4, device=device))
+    mask_mod = library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32, device=device))
+    out, lse = tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    block_mask = flex.create_block_mask(mask_mod, 2, 4, 17, 33, device=device)
+    with _quiet():
+        ref, ref_lse = flex.flex_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                           block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        yield
