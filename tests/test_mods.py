@@ -276,3 +276,19 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
         yield
+
+
+@pytest.mark.parametrize("text", [
+    "score_mod;v0:float32=add(score,__import__('os').getpid());return v0",
+    "score_mod;v0:float32=add(score,1.0);return v0)\nimport os",
+    "score_mod;t0=float32[1];v0:float32=add(score,t0);return v0",
+    "score_mod;t0=float32[2];v0:float32=getitem(t0,h);return v0",
+    "score_mod;v0:float32=to(score,os);return v0",
+    "score_mod;v0:float32=add(score,q_idx);return exec",
+    "mask_mod;v0:float32=add(score,1.0);return v0",
+], ids=["call", "newline", "bare-tensor", "partial-index", "bad-dtype", "bad-result", "score-in-mask"])
+def test_a_spec_read_from_json_cannot_put_code_into_the_module(text):
+    """Specs come back from databases and exports: their mod texts are parsed strictly before any rendering."""
+    with pytest.raises(tilegen.SpecError):
+        AttentionSpec(head_dim=64, score_mod=text) if text.startswith("score") else \
+            AttentionSpec(head_dim=64, mask_mod=text)

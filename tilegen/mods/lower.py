@@ -20,7 +20,7 @@ _BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<="
            "eq": "==", "ne": "!=", "and": "&", "or": "|"}
 _DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "bool")
 _ROLES = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
-_LINE = re.compile(r"^(v\d+):(\w+)=(\w+)\((.*)\)$")
+_LINE = re.compile(r"(v\d+):(\w+)=(\w+)\((.*)\)")
 
 
 class ModSyntaxError(ValueError):
@@ -39,6 +39,8 @@ def parse(text: str) -> ModGraph:
     """The canonical text back as a graph; a ``ModSyntaxError`` says what is malformed."""
     if not isinstance(text, str):
         raise ModSyntaxError(f"expected a str, got {type(text).__name__}")
+    if not text.isascii() or any(c.isspace() and c != " " for c in text):
+        raise ModSyntaxError("a canonical mod is one line of ASCII")
     parts = text.split(";")
     kind = parts[0]
     if kind not in _ROLES or len(parts) < 2 or not parts[-1].startswith("return "):
@@ -52,7 +54,7 @@ def parse(text: str) -> ModGraph:
             tensors.append((m.group(2), int(m.group(3))))
             known.add(f"t{len(tensors) - 1}")
             continue
-        m = _LINE.match(part)
+        m = _LINE.fullmatch(part)
         if not m or m.group(2) not in _DTYPES or m.group(3) not in _OPS:
             raise ModSyntaxError(f"bad statement {part!r}")
         name, dtype, op, args = m.group(1), m.group(2), m.group(3), tuple(m.group(4).split(","))
@@ -60,23 +62,31 @@ def parse(text: str) -> ModGraph:
             raise ModSyntaxError(f"statement {part!r} out of order")
         if _OPS[op] is not None and len(args) != _OPS[op]:
             raise ModSyntaxError(f"{op} takes {_OPS[op]} arguments: {part!r}")
-        for a in args:
-            if re.fullmatch(r"[a-z_]\w*", a) and a not in known and a not in _DTYPES and a not in ("inf", "nan"):
-                raise ModSyntaxError(f"{part!r} reads {a!r} before it is defined")
+        for position, a in enumerate(args):
+            # Every token becomes code: only names defined above, numbers as repr() writes them, a dtype where
+            # .to() takes one and None where clamp does. A spec read from a database can hold no other code.
+            if not (a in known or _is_number(a) or (op == "to" and position == 1 and a in _DTYPES)
+                    or (op == "clamp" and position > 0 and a == "None")):
+                raise ModSyntaxError(f"{part!r}: argument {a!r} is neither defined above nor a number")
+        tensor_names = {f"t{i}": ndim for i, (_, ndim) in enumerate(tensors)}
+        if op == "getitem" and (args[0] not in tensor_names or len(args) - 1 != tensor_names[args[0]]):
+            raise ModSyntaxError(f"{part!r}: indexes no captured tensor, or not once per dimension")
+        if any(a in tensor_names for a in args[1 if op == "getitem" else 0:]):
+            raise ModSyntaxError(f"{part!r}: a captured tensor used without indexing")
         values.append((name, dtype, op, args))
         known.add(name)
     result = parts[-1].removeprefix("return ")
-    if result not in known and not _is_number(result):
+    if not (result in known or _is_number(result)) or re.fullmatch(r"t\d+", result):
         raise ModSyntaxError(f"returns unknown {result!r}")
     return ModGraph(kind, tuple(tensors), tuple(values), result)
 
 
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?(?:e[+-]?\d+)?|inf|nan)|True|False")
+
+
 def _is_number(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return token in ("True", "False")
-    return True
+    """A Python literal as ``repr`` writes ints, floats and bools (``float()`` alone would take more)."""
+    return _NUMBER.fullmatch(token) is not None
 
 
 @dataclass(frozen=True)
