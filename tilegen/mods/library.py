@@ -29,10 +29,11 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
     The bucket is T5's (``_relative_position_bucket``): exact below half the buckets (per direction when
     bidirectional), logarithmic up to ``max_distance``, the last bucket beyond.
     """
-    if num_buckets < 2 or max_distance < 2:
-        raise ValueError(f"relative_bias: num_buckets and max_distance must be >= 2, got {num_buckets}, {max_distance}")
     half = num_buckets // 2 if bidirectional else num_buckets
     exact = half // 2
+    if exact < 1 or max_distance <= exact:
+        raise ValueError(f"relative_bias: needs num_buckets >= {4 if bidirectional else 2} and max_distance above "
+                         f"the exact buckets ({exact}), got {num_buckets}, {max_distance}")
     log_span = math.log(max_distance / exact)
 
     def relative_bias_mod(score, b, h, q_idx, kv_idx):
@@ -44,7 +45,8 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
             offset = 0
             distance = torch.clamp(-rel, min=0)
         # Clamped to 1 so that the log branch, which where() drops below ``exact``, stays finite.
-        far = exact + (torch.log(torch.clamp(distance, min=1).to(torch.float32) / exact) / log_span * (half - exact)).to(torch.int32)
+        log_ratio = torch.log(torch.clamp(distance, min=1).to(torch.float32) / exact) / log_span
+        far = exact + (log_ratio * (half - exact)).to(torch.int32)
         far = torch.clamp(far, max=half - 1)
         bucket = offset + torch.where(distance < exact, distance, far)
         return score + table[h, bucket]

@@ -76,8 +76,9 @@ class TracedMod:
                 index = str(offset) if role is None else role + (f" {'+' if offset > 0 else '-'} {abs(offset)}"
                                                                  if offset else "")
                 span = f"{index} = {low}" if role is None else f"{index} ranges over [{low}, {high}]"
-                raise ValueError(f"{self.kind}: captured tensor {self.names[t]!r} (shape {tuple(self.tensors[t].shape)}),"
-                                 f" dim {dim}: {span}, outside [0, {size - 1}]")
+                shape = tuple(self.tensors[t].shape)
+                raise ValueError(f"{self.kind}: captured tensor {self.names[t]!r} (shape {shape}), dim {dim}: {span}, "
+                                 f"outside [0, {size - 1}]")
 
 
 def _fail(kind: str, message: str, error=TypeError):
