@@ -294,3 +294,19 @@ def test_a_spec_read_from_json_cannot_put_code_into_the_module(text):
     field = "score_mod" if text.startswith("score") else "mask_mod"
     with pytest.raises(tilegen.SpecError, match=field):
         AttentionSpec(head_dim=64, **{field: text})
+
+
+def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
+    """Where the plain spec's default and search space take the wgmma kernels, the mod spec's do not."""
+    import triton
+
+    from tilegen.device import DeviceInfo
+    from tilegen.families.attention_fwd import FAMILY
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")  # the version the Gluon kernels are written for
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
+    plain = AttentionSpec(head_dim=128, mask="causal")
+    modded = plain.replace(score_mod=trace(library.alibi(torch.rand(8)), "score_mod").canonical)
+    assert any(c.wgmma for _, c in FAMILY.default_rule(plain, h200)) and FAMILY.search_space(plain, h200)["wgmma"] != [0]
+    assert not any(c.wgmma for _, c in FAMILY.default_rule(modded, h200))
+    assert FAMILY.search_space(modded, h200)["wgmma"] == [0]
