@@ -310,3 +310,56 @@ def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
     assert any(c.wgmma for _, c in FAMILY.default_rule(plain, h200)) and FAMILY.search_space(plain, h200)["wgmma"] != [0]
     assert not any(c.wgmma for _, c in FAMILY.default_rule(modded, h200))
     assert FAMILY.search_space(modded, h200)["wgmma"] == [0]
+
+
+def _every_operation():
+    keep, table, slopes, doc = torch.tensor([True, False, True]), torch.randn(3, 4).half(), torch.rand(8), torch.zeros(
+        64, dtype=torch.int64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-score) + torch.log(kv_idx.to(torch.float32) + 2)
+        x = torch.minimum(x, torch.maximum(score, -score / 2)) + torch.clamp(score, -0.5, 0.25)
+        x = torch.tanh(x).to(torch.bfloat16).float() * 3 + table[h % 3, (q_idx - kv_idx) // -5 % 4]
+        return torch.where((h == 1) & (q_idx > kv_idx), -x, x + (q_idx % -3)) + slopes[h] * (kv_idx - q_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (keep[kv_idx % 3] | ~(h == 0)) & (doc[q_idx] == doc[kv_idx])
+
+    pointers = {"sm_t0": "*fp16", "sm_t1": "*fp32", "mm_t0": "*i1", "mm_t1": "*i64"}
+    return trace(score_mod, "score_mod").canonical, trace(mask_mod, "mask_mod").canonical, pointers
+
+
+@pytest.mark.parametrize("family", ["dense"])  # the ragged kernel calls the same _attend_blocks; ~7 s more
+def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept: every supported operation, bool, fp16, fp32 and
+    int64 captured tensors, in the dense kernel (causal, GQA, LSE); ``family="varlen"`` compiles the ragged one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
+
+    score_mod, mask_mod, pointers = _every_operation()
+    if family == "dense":
+        spec = AttentionSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", return_lse=True,
+                             score_mod=score_mod, mask_mod=mask_mod)
+        constexprs = {"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}
+    else:
+        spec = VarlenAttentionSpec(head_dim=64, mask="window", dtype="bf16", score_mod=score_mod, mask_mod=mask_mod)
+        constexprs = {"BLOCK_M": 64, "BLOCK_N": 32}
+        pointers = {**pointers, "CuQ": "*i32", "CuK": "*i32"}
+    pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
+                "softcap_scale": "fp32"}
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [{**constexprs, "num_warps": 4}]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    # This checkout's tilegen, whichever one is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == 1
