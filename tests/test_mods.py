@@ -363,3 +363,15 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("cubin bytes") == 1
+
+
+def test_mod_specs_are_not_tuned_yet():
+    from tilegen.families.attention_fwd import Problem
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
+    from tilegen.families.attention_varlen.problem import VarlenProblem
+
+    mask_mod = trace(library.causal(), "mask_mod").canonical
+    with pytest.raises(NotImplementedError, match="not tuned yet"):
+        Problem.for_bucket(AttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
+    with pytest.raises(NotImplementedError, match="not tuned yet"):
+        VarlenProblem.for_bucket(VarlenAttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
