@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tilegen"
 
 #: The layers of the house, bottom first; a module may import only from its own layer or below.
 LAYERS = [
-    ("base", ["tilegen.version", "tilegen.env", "tilegen.files", "tilegen.lazy", "tilegen.dtypes", "tilegen.ir",
+    ("base", ["tilegen.version", "tilegen.env", "tilegen.files", "tilegen.lazy", "tilegen.dtypes", "tilegen.ir", "tilegen.mods",
               "tilegen.device", "tilegen.triton_internals"]),
     ("families", ["tilegen.families"]),
     ("codegen", ["tilegen.codegen", "tilegen.key"]),

@@ -37,9 +37,10 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
+from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.memo import memoized
+from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_out
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
@@ -59,6 +60,8 @@ def attention(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     deterministic: bool = False,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused attention; differentiable when an input requires grad.
 
@@ -80,6 +83,10 @@ def attention(
             nothing else that shares memory with itself, ``q``, ``k`` or ``v``. Not when an input
             requires grad (a result written in place cannot be differentiated).
         deterministic: the backward gives the same bits on every run (no atomic adds), at some speed.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the scaled logit
+            before the softmax; ``mask_mod(b, h, q_idx, kv_idx) -> bool`` ANDs into the mask (``causal``
+            and ``window`` still apply). Traced once per function (``tilegen.mods``: the supported
+            operations, and how captured tensors are passed and range-checked); forward only.
 
     When ``q``, ``k`` or ``v`` requires grad (and grad mode is on), the result backpropagates through
     the ``attention_bwd`` family's kernels, to the LSE too when it is returned; the forward keeps
@@ -97,6 +104,8 @@ def attention(
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
         trains = False
+    if score_mod is not None or mask_mod is not None:
+        return _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains, score_mod, mask_mod)
     if trains:
         return _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic)
     if deterministic.__class__ is not bool:
@@ -146,6 +155,31 @@ def attention(
         # The plan fixes every shape, dtype and scalar the launcher reads; the strides complete the key
         # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
+    return (out, lse) if return_lse else out
+
+
+def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains, score_mod, mask_mod):
+    """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
+    mods), its config from the mod spec's own table, the mods' tensors passed at every launch."""
+    refuse_training(trains)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
+    mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
+    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
+    out_shape = (batch, heads, n_q, spec.dv)
+    if out is None:
+        out = q.new_empty(out_shape)
+    else:
+        _check_out(out, out_shape, q)
+        check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
+    lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
+    if math.prod(out_shape) > 0:
+        config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
+        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, scale=scale, softcap=softcap,
+                                window_left=left, window_right=right, mod_tensors=mods.tensors, **config.to_dict())
+    elif lse is not None:
+        lse.fill_(-math.inf)
     return (out, lse) if return_lse else out
 
 

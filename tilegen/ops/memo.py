@@ -13,7 +13,9 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["memoized"]
+from tilegen.ir import SpecError
+
+__all__ = ["memoized", "with_mod_fields"]
 
 T = TypeVar("T")
 
@@ -28,3 +30,12 @@ def memoized(build: Callable[..., T]) -> Callable[..., T]:
         return cached(*args)
 
     return spec_for
+
+
+@memoized
+def with_mod_fields(spec, score_mod: str | None, mask_mod: str | None):
+    """``spec`` with the mods' canonical texts (``tilegen.mods``); a ``ValueError`` names a bad combination."""
+    try:
+        return spec.replace(score_mod=score_mod, mask_mod=mask_mod)
+    except SpecError as e:
+        raise ValueError(str(e)) from None

@@ -37,10 +37,11 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
+from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.memo import memoized
+from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
@@ -52,7 +53,7 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
-    out: torch.Tensor | None = None, deterministic: bool = False,
+    out: torch.Tensor | None = None, deterministic: bool = False, score_mod=None, mask_mod=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a packed batch of sequences of different lengths (FlashAttention's varlen API);
     differentiable when an input requires grad, as ``tilegen.attention`` is.
@@ -68,11 +69,17 @@ def varlen_attention(
             sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
             to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
         deterministic: the backward gives the same bits on every run (no atomic adds).
+        score_mod, mask_mod: as in ``tilegen.attention`` (forward only), with ``b`` the sequence and
+            ``q_idx``/``kv_idx`` positions within it; captured tensors indexed by them are range-checked
+            against ``max_seqlen_q``/``max_seqlen_k``.
     """
     try:
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
         trains = False
+    if score_mod is not None or mask_mod is not None:
+        return _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                          scale, return_lse, out, trains, score_mod, mask_mod)
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
@@ -104,6 +111,29 @@ def varlen_attention(
         # key under which its launches are replayed (tilegen.triton_internals.launch.Replay).
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()),
                     q, k, v, out, out if lse is None else lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    elif lse is not None:
+        lse.fill_(-math.inf)
+    return (out, lse) if return_lse else out
+
+
+def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, trains,
+               score_mod, mask_mod):
+    """A call with mods: the mod spec's own table and config, the mods' tensors passed at every launch."""
+    refuse_training(trains)
+    plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
+    mods = bind_mods(score_mod, mask_mod, q.device,
+                     {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k})
+    spec = with_mod_fields(plan.spec, mods.score_mod, mods.mask_mod)
+    if env.debug():
+        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+    out = _output(plan, q, out, {"k": k, "v": v})
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
+    if plan.launches:
+        config = _table(spec, q.device).choose(max(max_q, max_k)).config
+        launch_args = {**plan.launch_args, **config.to_dict()}
+        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, cu_q, cu_k, max_q,
+                                mod_tensors=mods.tensors, **launch_args)
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out

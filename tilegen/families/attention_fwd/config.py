@@ -105,6 +105,10 @@ def has_wgmma(device: DeviceInfo) -> bool:
 
 def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     """Why the Gluon kernel does not implement ``spec``, or ``None`` when it does."""
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        # The Gluon kernels' softmax is written out for plain and causal masks; a mod spec lowers without them,
+        # so its tables and defaults only ever hold the portable Triton kernel.
+        return "score_mod/mask_mod: the Gluon kernel takes no mods"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
     if spec.softcap:

@@ -12,6 +12,7 @@ from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.config import wgmma_unsupported
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.lowering import head_dim_values
+from tilegen.mods.lower import mod_values
 
 __all__ = ["lower", "attention_values"]
 
@@ -44,4 +45,6 @@ def attention_values(spec) -> dict[str, Any]:
         "tma": False,
         # FP8 pages (the paged families' kv_dtype): loaded as fp8, converted to the query's dtype.
         "kv_fp8": False,
+        # Families whose specs have no mods render none.
+        **mod_values(getattr(spec, "score_mod", None), getattr(spec, "mask_mod", None)),
     }

@@ -42,8 +42,16 @@ def attention_reference(
     softcap: float | None = None,
     scale: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    score_mod=None,
+    mask_mod=None,
+    batch_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out, lse)`` in ``compute_dtype``; rows that see no key give 0 and -inf."""
+    """Return ``(out, lse)`` in ``compute_dtype``; rows that see no key give 0 and -inf.
+
+    ``score_mod``/``mask_mod`` (``tilegen.mods``) are applied as FlexAttention's reference does: once, to the
+    whole score matrix, with broadcasting int64 index tensors; ``batch_ids`` are the ``b`` values of the
+    batch rows (default ``arange(batch)``; a varlen reference passes the sequence's index).
+    """
     n_q, n_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1]
     qf, kf, vf = (t.to(compute_dtype) for t in (q, k, v))
@@ -54,6 +62,14 @@ def attention_reference(
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     keep = allowed_keys(n_q, n_k, causal=causal, window=window, device=q.device)
+    if score_mod is not None or mask_mod is not None:
+        arange = lambda n: torch.arange(n, device=q.device)  # noqa: E731
+        b = (arange(q.shape[0]) if batch_ids is None else batch_ids).view(-1, 1, 1, 1)
+        idx = (b, arange(q.shape[1]).view(1, -1, 1, 1), arange(n_q).view(1, 1, -1, 1), arange(n_k).view(1, 1, 1, -1))
+        if score_mod is not None:
+            s = torch.broadcast_to(score_mod(s, *idx), s.shape).to(compute_dtype)
+        if mask_mod is not None:
+            keep = keep & mask_mod(*idx)
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(compute_dtype).min))

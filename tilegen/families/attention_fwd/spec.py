@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
+from tilegen.mods.lower import ModSyntaxError, check_mod_field, mod_name
 
-__all__ = ["AttentionFields", "AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields"]
+__all__ = ["AttentionFields", "AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields",
+           "check_mods", "mod_name_parts"]
 
 MASKS = ("none", "causal", "window")
 KV_LAYOUTS = ("contiguous", "ragged", "paged")
@@ -34,6 +36,22 @@ def check_attention_fields(spec) -> None:
     check_choice("mask", spec.mask, MASKS)
     check_bool("softcap", spec.softcap)
     check_bool("return_lse", spec.return_lse)
+
+
+def check_mods(spec) -> None:
+    """Validate a spec's ``score_mod``/``mask_mod`` (canonical texts of ``tilegen.mods``)."""
+    for field in ("score_mod", "mask_mod"):
+        try:
+            check_mod_field(field, getattr(spec, field))
+        except ModSyntaxError as e:
+            raise SpecError(field, str(e)) from None
+    if spec.softcap and spec.score_mod is not None:
+        # Which would apply first is a choice the caller should make: tilegen.mods.library.softcap is a score mod.
+        raise SpecError("softcap", "with a score_mod: put the cap into the score_mod (tilegen.mods.library.softcap)")
+
+
+def mod_name_parts(spec) -> list[str]:
+    return [mod_name(f, getattr(spec, f)) for f in ("score_mod", "mask_mod") if getattr(spec, f) is not None]
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,8 @@ class AttentionSpec(AttentionFields):
         kv_layout: ``"contiguous"``; ``"ragged"`` and ``"paged"`` are reserved
             for the serving kernels and do not lower yet.
         return_lse: whether the natural-log log-sum-exp per row is written.
+        score_mod, mask_mod: FlexAttention's mods as canonical texts (``tilegen.mods``), or ``None``;
+            they are code, so they are fields (left out of the JSON when ``None``).
     """
 
     family: ClassVar[str] = "attention_fwd"
@@ -92,10 +112,13 @@ class AttentionSpec(AttentionFields):
     )
 
     kv_layout: str = "contiguous"
+    score_mod: str | None = None
+    mask_mod: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        check_mods(self)
 
     __hash__ = Spec.__hash__
 
@@ -114,4 +137,4 @@ class AttentionSpec(AttentionFields):
             parts.append(self.kv_layout)
         if self.return_lse:
             parts.append("lse")
-        return "_".join(parts)
+        return "_".join(parts + mod_name_parts(self))

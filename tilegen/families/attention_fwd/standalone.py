@@ -26,6 +26,9 @@ def entry_point(
     template_hash: str, triton_version: str,
 ) -> str:
     """The family's ``standalone``: what ``tilegen emit --tuned`` appends to the generated module."""
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        raise NotImplementedError("score_mod/mask_mod: emit --tuned writes an entry point without the mods' "
+                                  "captured tensors; emit the module alone (its launch takes mod_tensors)")
     defaults, buckets = family.default_rule(spec, device), family.buckets
     # Everything below that comes from a database or the machine is rendered from a checked Python value:
     # ints through int(), configs through the family's type, text as a repr or a comment with no line break.

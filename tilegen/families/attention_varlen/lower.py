@@ -11,5 +11,8 @@ __all__ = ["lower"]
 
 
 def lower(spec: VarlenAttentionSpec) -> dict[str, Any]:
+    if spec.kv_layout == "paged" and (spec.score_mod is not None or spec.mask_mod is not None):
+        raise NotImplementedError("score_mod/mask_mod: paged KV (tilegen.PagedAttention) takes no mods yet; "
+                                  "tilegen.varlen_attention over ragged KV does")
     return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size,
             "kv_fp8": spec.kv_dtype is not None}

@@ -14,7 +14,7 @@ from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families import base
 from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_fwd.masks import launch_window
-from tilegen.families.attention_fwd.problem import visible_pairs
+from tilegen.families.attention_fwd.problem import refuse_mods, visible_pairs
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
 from tilegen.triton_internals.launch import Launcher
@@ -57,6 +57,7 @@ class VarlenProblem(base.Problem):
     def for_bucket(cls, spec: VarlenAttentionSpec, bucket: int, *, on_gpu: bool,
                    q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None,
                    heads_q: int | None = None) -> VarlenProblem:
+        refuse_mods(spec)
         heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
         if k_lens is None:
             longest = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ)

@@ -20,9 +20,10 @@ def gather_pages(pages: torch.Tensor, indptr: torch.Tensor, indices: torch.Tenso
 
 
 def varlen_reference(q, k_seqs, v_seqs, cu_seqlens_q, *, causal=False, window=None, softcap=None, scale=None,
-                     compute_dtype=torch.float64):
+                     compute_dtype=torch.float64, score_mod=None, mask_mod=None):
     """``(out [total_q, heads, dv], lse [total_q, heads])`` for packed queries; ``k_seqs[b]``,
-    ``v_seqs[b]`` are sequence ``b``'s keys and values ``[n_k, kv_heads, dim]``."""
+    ``v_seqs[b]`` are sequence ``b``'s keys and values ``[n_k, kv_heads, dim]``. Mods see ``b`` as the
+    sequence's index and positions within it."""
     total, heads = q.shape[:2]
     out = torch.zeros(total, heads, v_seqs[0].shape[-1] if v_seqs else q.shape[-1], dtype=compute_dtype,
                       device=q.device)
@@ -35,6 +36,7 @@ def varlen_reference(q, k_seqs, v_seqs, cu_seqlens_q, *, causal=False, window=No
         o, s = attention_reference(
             q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             causal=causal, window=window, softcap=softcap, scale=scale, compute_dtype=compute_dtype,
+            score_mod=score_mod, mask_mod=mask_mod, batch_ids=torch.tensor([b], device=q.device),
         )
         out[start:end] = o[0].transpose(0, 1)
         lse[start:end] = s[0].transpose(0, 1)

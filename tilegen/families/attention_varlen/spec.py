@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tilegen.dtypes import KV_DTYPES
-from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.families.attention_fwd.spec import AttentionFields, check_mods, mod_name_parts
 from tilegen.ir import Spec, SpecError, check_choice
 
 __all__ = ["VarlenAttentionSpec", "LAYOUTS", "check_kv_dtype"]
@@ -27,6 +27,7 @@ class VarlenAttentionSpec(AttentionFields):
         kv_dtype: ``None`` (the pages have the query's dtype) or ``"fp8e4m3"``/``"fp8e5m2"``: FP8
             pages with per-tensor or per-KV-head scales, read as fp8 and dequantized in the kernel
             (paged only).
+        score_mod, mask_mod: as in ``AttentionSpec``; b is the sequence, q_idx and kv_idx positions in it.
     """
 
     family: ClassVar[str] = "attention_varlen"
@@ -34,9 +35,12 @@ class VarlenAttentionSpec(AttentionFields):
     kv_layout: str = "ragged"
     page_size: int | None = None
     kv_dtype: str | None = None
+    score_mod: str | None = None
+    mask_mod: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_mods(self)
         check_choice("kv_layout", self.kv_layout, LAYOUTS)
         if self.kv_layout == "paged":
             if self.page_size not in PAGE_SIZES or isinstance(self.page_size, bool):
@@ -55,7 +59,7 @@ class VarlenAttentionSpec(AttentionFields):
             parts.append("lse")
         if self.kv_dtype is not None:
             parts.append(f"kv{self.kv_dtype}")
-        return "_".join(parts)
+        return "_".join(parts + mod_name_parts(self))
 
 
 def check_kv_dtype(spec) -> None:

@@ -1,0 +1,377 @@
+"""Score and mask mods (tilegen.mods): every library mod against the float64 reference, which applies
+the same function to the whole score matrix with broadcasting index tensors (FlexAttention's
+reference), on odd shapes, GQA, fp32 and bf16, outputs poisoned with NaN; varlen; the spec's
+identity (equivalent functions share it, a changed constant does not); every refusal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+
+import tilegen
+from tilegen.codegen import source_for
+from tilegen.families import relative_error, spec_from_json
+from tilegen.families.attention_fwd import AttentionSpec
+from tilegen.families.attention_fwd.config import wgmma_unsupported
+from tilegen.families.attention_fwd.lower import lower
+from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.families.attention_varlen.reference import varlen_reference
+from tilegen.mods import library
+from tilegen.mods.trace import trace, traced
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+D = 16  # the interpreter's time grows with the head dim; mods do not touch it
+
+
+def _inputs(batch, heads_q, heads_kv, n_q, n_k, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, n, D, generator=gen).to(device=device, dtype=dtype)
+               for h, n in ((heads_q, n_q), (heads_kv, n_k), (heads_kv, n_k)))
+    return q, k, v
+
+
+def _check(q, k, v, *, return_lse=True, **kwargs):
+    out = torch.full((*q.shape[:3], v.shape[3]), math.nan, dtype=q.dtype, device=q.device)
+    result = tilegen.attention(q, k, v, out=out, return_lse=return_lse, **kwargs)
+    out, lse = result if return_lse else (result, None)
+    ref_kwargs = {key: kwargs[key] for key in ("causal", "window", "scale", "score_mod", "mask_mod") if key in kwargs}
+    ref, ref_lse = attention_reference(q, k, v, **ref_kwargs)
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    error, _ = relative_error(out, ref)
+    assert error < TOL[q.dtype], f"relative error {error:.2e}"
+    if lse is not None:
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse must be -inf exactly on empty rows"
+        seen = torch.isfinite(ref_lse)
+        assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+        assert (out[~seen] == 0).all(), "rows that see no key give zeros"
+    return out, lse
+
+
+def _library_cases():
+    g = torch.Generator().manual_seed(1)
+    # (id, score_mod, mask_mod, batch, heads_q, heads_kv, n_q, n_k, dtype, extra kwargs)
+    return [
+        ("alibi-fp32", library.alibi(torch.rand(4, generator=g)), None, 2, 4, 2, 17, 33, torch.float32, {}),
+        ("alibi-bf16-causal", library.alibi(torch.rand(4, generator=g)), None, 1, 4, 1, 33, 17, torch.bfloat16,
+         {"causal": True}),
+        ("relative-bias-fp32", library.relative_bias(torch.randn(4, 8, generator=g), 8, 16), None, 1, 4, 2, 33, 33,
+         torch.float32, {}),
+        ("relative-bias-uni-bf16", library.relative_bias(torch.randn(2, 8, generator=g), 8, 16, False), None,
+         2, 2, 2, 1, 17, torch.bfloat16, {}),
+        ("document-fp32", None, library.document_mask(torch.tensor([0] * 5 + [1] * 20 + [2] * 8)), 1, 2, 1, 33, 33,
+         torch.float32, {}),
+        ("document-batched-bf16", None,
+         library.document_mask(torch.tensor([[0] * 9 + [1] * 8, [0] * 2 + [3] * 15])), 2, 2, 2, 17, 17,
+         torch.bfloat16, {}),
+        ("prefix-lm-fp32", None, library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32)), 2, 2, 1, 17, 33,
+         torch.float32, {}),
+        ("sliding-global-fp32", None, library.sliding_window(4, global_tokens=2), 1, 2, 2, 33, 17, torch.float32,
+         {}),
+        ("sliding-both-sides-bf16", None, library.sliding_window(3, causal=False), 1, 2, 2, 17, 17,
+         torch.bfloat16, {}),
+        ("softcap-fp32", library.softcap(2.0), None, 1, 2, 2, 17, 33, torch.float32, {"scale": 1.5}),
+        ("softcap-bf16", library.softcap(2.0), None, 1, 2, 1, 1, 33, torch.bfloat16, {"scale": 1.5}),
+        ("causal-mod-fp32", None, library.causal(), 1, 2, 2, 17, 33, torch.float32, {}),
+        ("alibi-and-document-window-fp32", library.alibi(torch.rand(2, generator=g)),
+         library.document_mask(torch.tensor([0] * 10 + [1] * 23)), 1, 2, 1, 33, 33, torch.float32,
+         {"window": (6, 2)}),
+    ]
+
+
+@pytest.mark.parametrize("case", _library_cases(), ids=lambda c: c[0])
+def test_library_mods_match_the_reference(case, device):
+    _, score_mod, mask_mod, batch, hq, hkv, n_q, n_k, dtype, kwargs = case
+    q, k, v = _inputs(batch, hq, hkv, n_q, n_k, dtype, device)
+    _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kwargs)
+
+
+def test_integer_floor_semantics_and_fully_masked_rows(device):
+    """// and % floor as torch does on negative differences; rows the mask empties give 0 and -inf."""
+
+    def striped(b, h, q_idx, kv_idx):
+        return (((q_idx - kv_idx) // 3) % 2 == 0) & (q_idx % 5 != 1)
+
+    def bucketed(score, b, h, q_idx, kv_idx):
+        return score * torch.where((kv_idx - q_idx) % 4 == 3, 0.5, 1.0) - (q_idx - kv_idx) // 7
+
+    q, k, v = _inputs(1, 2, 2, 17, 33, torch.float32, device)
+    _, lse = _check(q, k, v, score_mod=bucketed, mask_mod=striped)
+    assert torch.isneginf(lse[0, :, 1]).all() and torch.isneginf(lse[0, :, 11]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_varlen_applies_mods_per_sequence(dtype, device):
+    lengths, k_lens = [17, 0, 5, 33], [17, 0, 8, 33]
+    cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lengths), 4, D, generator=gen).to(device, dtype)
+    k = torch.randn(sum(k_lens), 2, D, generator=gen).to(device, dtype)
+    v = torch.randn(sum(k_lens), 2, D, generator=gen).to(device, dtype)
+    score_mod = library.alibi(torch.rand(4, generator=gen).to(device))
+    if dtype == torch.float32:
+        mask_mod = library.prefix_lm(torch.tensor([3, 0, 6, 40], dtype=torch.int32, device=device))
+    else:  # a document mask per sequence: [sequence, position]
+        mask_mod = library.document_mask(torch.randint(0, 3, (4, 33), generator=gen).sort(1).values.to(device))
+    out = torch.full_like(q, math.nan)
+    _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), out=out, return_lse=True,
+                                      score_mod=score_mod, mask_mod=mask_mod)
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), score_mod=score_mod, mask_mod=mask_mod)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, ref)[0] < TOL[dtype]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+def _spec(score_mod=None, mask_mod=None):
+    return AttentionSpec(head_dim=64, dtype="fp32", score_mod=score_mod and trace(score_mod, "score_mod").canonical,
+                         mask_mod=mask_mod and trace(mask_mod, "mask_mod").canonical)
+
+
+def test_equivalent_functions_share_a_spec_and_a_changed_constant_does_not():
+    slopes, other = torch.rand(8), torch.rand(8)
+
+    def alibi_def(score, b, h, q_idx, kv_idx):
+        unused = q_idx * 3  # noqa: F841  (dead code does not count)
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    spec = _spec(alibi_def)
+    assert _spec(lambda s, bb, hh, qi, ki: s + other[hh] * (ki - qi)).hash == spec.hash
+    assert _spec(library.alibi(slopes)).hash == spec.hash
+    assert _spec(library.alibi(slopes.double().float().half())).hash != spec.hash  # another dtype
+    assert _spec(library.softcap(20.0)).hash != _spec(library.softcap(30.0)).hash
+    assert _spec(mask_mod=library.sliding_window(4)).hash != _spec(mask_mod=library.sliding_window(5)).hash
+    assert _spec().hash == AttentionSpec(head_dim=64, dtype="fp32").hash  # no mods: the hash of before
+
+
+def test_mod_specs_round_trip_through_json_and_render_the_mod_inline():
+    spec = _spec(library.alibi(torch.rand(2)), library.document_mask(torch.zeros(4, dtype=torch.int64)))
+    again = spec_from_json(spec.to_json())
+    assert again == spec and again.hash == spec.hash and hash(again) == hash(spec)
+    source = source_for(spec)
+    assert "def _score_mod(" in source and "def _mask_mod(" in source and "mm_t0_s0" in source
+    # The Gluon kernels take no mods: the spec lowers without them.
+    assert wgmma_unsupported(spec) is not None and lower(spec)["wgmma"] is False
+
+
+def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
+    table = torch.rand(2, 4)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, kv_idx % 4]
+
+    first = traced(bias, "score_mod")
+    assert traced(bias, "score_mod") is first
+    table = torch.rand(2, 4, dtype=torch.float16)  # noqa: F841  (read by bias through its closure)
+    second = traced(bias, "score_mod")
+    assert second is not first and "float16" in second.canonical
+
+
+@pytest.mark.parametrize("fn, kind, error, needle", [
+    (lambda s, b, h, q, k: torch.sin(s), "score_mod", TypeError, "sin"),
+    (lambda s, b, h, q, k: s ** 2, "score_mod", TypeError, "pow"),
+    (lambda b, h, q, k: q >= k if q > 3 else q < k, "mask_mod", TypeError, "cannot be traced"),
+    (lambda b, h, q, k: (q - k).to(torch.float32), "mask_mod", TypeError, "expected torch.bool"),
+    (lambda s, b, h, q, k: s > 0, "score_mod", TypeError, "expected a floating score"),
+    (lambda s, b, h, q, k: s.to(torch.float64), "score_mod", TypeError, "float64"),
+    (lambda s, b, h, q, k: s + _TABLE[h], "score_mod", ValueError, "'_TABLE'.*one integer expression per dim"),
+    (lambda s, b, h, q, k: s + _TABLE[h, q * 0.5], "score_mod", ValueError, "not an integer"),
+    (lambda s, b, h, q, k: s * _TABLE, "score_mod", ValueError, "without indexing"),
+    (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
+], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
+        "partial-index", "float-index", "bare-tensor", "arity"])
+def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
+    with pytest.raises(error, match=needle):
+        trace(fn, kind)
+
+
+_TABLE = torch.rand(2, 5)
+
+
+def test_bad_calls_are_refused_before_any_kernel_runs(device):
+    q, k, v = _inputs(1, 4, 2, 5, 7, torch.float32, device)
+    with pytest.raises(ValueError, match=r"'slopes' \(shape \(2,\)\), dim 0: h ranges over \[0, 3\]"):
+        tilegen.attention(q, k, v, score_mod=library.alibi(torch.rand(2)))
+    ids = torch.zeros(6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="'doc_ids'.*dim 0: kv_idx ranges over"):
+        tilegen.attention(q, k, v, mask_mod=library.document_mask(ids))
+    meta_slopes = torch.rand(4, device="meta")
+    with pytest.raises(ValueError, match="'slopes' is on meta"):
+        tilegen.attention(q, k, v, score_mod=library.alibi(meta_slopes))
+    with pytest.raises(ValueError, match="softcap"):
+        tilegen.attention(q, k, v, softcap=5.0, score_mod=library.softcap(3.0))
+    with pytest.raises(NotImplementedError, match="score_mod/mask_mod: the backward through mods is not built yet"):
+        tilegen.attention(q.requires_grad_(), k, v, mask_mod=library.causal())
+
+
+def test_every_supported_operation_matches_torch(device):
+    """The documented subset in one pair of mods: casts, unary math, min/max/clamp, floor // and % with a
+    negative divisor, scalar and block conditions mixed, a bool and an fp16 captured tensor."""
+    keep = torch.tensor([True, False, True])
+    table = torch.randn(3, 4).half()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-torch.abs(score)) + torch.log(kv_idx.to(torch.float32) + 2)
+        x = torch.minimum(x, torch.maximum(score, -score / 2)) + torch.clamp(score, -0.5, 0.25)
+        x = torch.tanh(x).to(torch.bfloat16).to(torch.float32) * 3 + table[h % 3, (q_idx - kv_idx) // -5 % 4]
+        return torch.where((h == 1) & (q_idx > kv_idx), -x, x + (q_idx % -3))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return keep[kv_idx % 3] | ~(h == 0) | (q_idx - kv_idx == 0)
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=5)
+    _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_constant_mods(device):
+    q, k, v = _inputs(1, 2, 2, 17, 17, torch.float32, device, seed=6)
+    _check(q, k, v, score_mod=lambda s, b, h, qi, ki: (qi - ki).to(torch.float32) * 0.25,
+           mask_mod=lambda b, h, qi, ki: h < 5)
+
+
+def test_cast_methods_are_the_to_they_spell():
+    slopes = torch.rand(2)
+    with_to = trace(lambda s, b, h, q, k: s + slopes[h] * (k - q).to(torch.float32), "score_mod")
+    with_float = trace(lambda s, b, h, q, k: s + slopes[h] * (k - q).float(), "score_mod")
+    assert with_to.canonical == with_float.canonical
+
+
+def test_emit_shows_the_mod_inlined(capsys):
+    from tilegen.cli import main
+
+    spec = _spec(library.alibi(torch.rand(2)), library.sliding_window(16))
+    try:
+        main(["emit", "--spec", spec.to_json()])
+    except SystemExit as exit:
+        assert exit.code in (0, None)
+    out = capsys.readouterr().out
+    assert f"Spec {spec.hash}" in out and "def _score_mod(score, b, h, q_idx, kv_idx, sm_t0, sm_t0_s0, sm_t0_n0)" in out
+    assert "v1 = v0 <= 16" in out
+
+
+def test_matches_torch_flex_attention(device):
+    """Against torch's own FlexAttention (its eager path, in float64): the same mods give the same output and
+    LSE, so the conventions (scaled logit in, softmax after, top-left indices, GQA's query head) agree."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = _inputs(2, 4, 2, 17, 33, torch.float32, device, seed=7)
+    score_mod = library.alibi(torch.rand(4, device=device))
+    mask_mod = library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32, device=device))
+    out, lse = tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+    block_mask = flex.create_block_mask(mask_mod, 2, 4, 17, 33, device=device)
+    with _quiet():
+        ref, ref_lse = flex.flex_attention(q.double(), k.double(), v.double(), score_mod=score_mod,
+                                           block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert (lse.double() - ref_lse).abs().max() < 1e-5
+
+
+@contextlib.contextmanager
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        yield
+
+
+@pytest.mark.parametrize("text", [
+    "score_mod;v0:float32=add(score,__import__('os').getpid());return v0",
+    "score_mod;v0:float32=add(score,1.0);return v0)\nimport os",
+    "score_mod;t0=float32[1];v0:float32=add(score,t0);return v0",
+    "score_mod;t0=float32[2];v0:float32=getitem(t0,h);return v0",
+    "score_mod;v0:float32=to(score,os);return v0",
+    "score_mod;v0:float32=add(score,q_idx);return exec",
+    "mask_mod;v0:float32=add(score,1.0);return v0",
+], ids=["call", "newline", "bare-tensor", "partial-index", "bad-dtype", "bad-result", "score-in-mask"])
+def test_a_spec_read_from_json_cannot_put_code_into_the_module(text):
+    """Specs come back from databases and exports: their mod texts are parsed strictly before any rendering."""
+    field = "score_mod" if text.startswith("score") else "mask_mod"
+    with pytest.raises(tilegen.SpecError, match=field):
+        AttentionSpec(head_dim=64, **{field: text})
+
+
+def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
+    """Where the plain spec's default and search space take the wgmma kernels, the mod spec's do not."""
+    import triton
+
+    from tilegen.device import DeviceInfo
+    from tilegen.families.attention_fwd import FAMILY
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")  # the version the Gluon kernels are written for
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
+    plain = AttentionSpec(head_dim=128, mask="causal")
+    modded = plain.replace(score_mod=trace(library.alibi(torch.rand(8)), "score_mod").canonical)
+    assert any(c.wgmma for _, c in FAMILY.default_rule(plain, h200)) and FAMILY.search_space(plain, h200)["wgmma"] != [0]
+    assert not any(c.wgmma for _, c in FAMILY.default_rule(modded, h200))
+    assert FAMILY.search_space(modded, h200)["wgmma"] == [0]
+
+
+def _every_operation():
+    keep, table, slopes, doc = torch.tensor([True, False, True]), torch.randn(3, 4).half(), torch.rand(8), torch.zeros(
+        64, dtype=torch.int64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-score) + torch.log(kv_idx.to(torch.float32) + 2)
+        x = torch.minimum(x, torch.maximum(score, -score / 2)) + torch.clamp(score, -0.5, 0.25)
+        x = torch.tanh(x).to(torch.bfloat16).float() * 3 + table[h % 3, (q_idx - kv_idx) // -5 % 4]
+        return torch.where((h == 1) & (q_idx > kv_idx), -x, x + (q_idx % -3)) + slopes[h] * (kv_idx - q_idx)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (keep[kv_idx % 3] | ~(h == 0)) & (doc[q_idx] == doc[kv_idx])
+
+    pointers = {"sm_t0": "*fp16", "sm_t1": "*fp32", "mm_t0": "*i1", "mm_t1": "*i64"}
+    return trace(score_mod, "score_mod").canonical, trace(mask_mod, "mask_mod").canonical, pointers
+
+
+@pytest.mark.parametrize("family", ["dense"])  # the ragged kernel calls the same _attend_blocks; ~7 s more
+def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept: every supported operation, bool, fp16, fp32 and
+    int64 captured tensors, in the dense kernel (causal, GQA, LSE); ``family="varlen"`` compiles the ragged one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
+
+    score_mod, mask_mod, pointers = _every_operation()
+    if family == "dense":
+        spec = AttentionSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", return_lse=True,
+                             score_mod=score_mod, mask_mod=mask_mod)
+        constexprs = {"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}
+    else:
+        spec = VarlenAttentionSpec(head_dim=64, mask="window", dtype="bf16", score_mod=score_mod, mask_mod=mask_mod)
+        constexprs = {"BLOCK_M": 64, "BLOCK_N": 32}
+        pointers = {**pointers, "CuQ": "*i32", "CuK": "*i32"}
+    pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
+                "softcap_scale": "fp32"}
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [{**constexprs, "num_warps": 4}]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    # This checkout's tilegen, whichever one is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == 1
+
+
+def test_mod_specs_are_not_tuned_yet():
+    from tilegen.families.attention_fwd import Problem
+    from tilegen.families.attention_varlen import VarlenAttentionSpec
+    from tilegen.families.attention_varlen.problem import VarlenProblem
+
+    mask_mod = trace(library.causal(), "mask_mod").canonical
+    with pytest.raises(NotImplementedError, match="not tuned yet"):
+        Problem.for_bucket(AttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
+    with pytest.raises(NotImplementedError, match="not tuned yet"):
+        VarlenProblem.for_bucket(VarlenAttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)

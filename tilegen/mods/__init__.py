@@ -1,0 +1,50 @@
+"""Score and mask mods: FlexAttention's ``score_mod``/``mask_mod`` as a field of the attention spec.
+
+A mod is a small torch function, traced once with ``torch.fx`` (``trace``), written down as a
+canonical text that the spec holds (so it enters the spec's hash, tuning key and rows), and
+lowered from that text into Triton statements that the forward templates inline (``lower``).
+``library`` holds ready-made mods.
+
+``score_mod(score, b, h, q_idx, kv_idx) -> score`` receives the scaled logit ``q . k * scale`` in
+fp32 (as FlexAttention does); its result is softmaxed. ``mask_mod(b, h, q_idx, kv_idx) -> bool``
+keeps a score where it is True. ``b``, ``h``, ``q_idx`` and ``kv_idx`` are int32 scalars: the batch
+(or, in ``varlen_attention``, the sequence), the query head, and the query and key positions (in
+``varlen_attention`` within their sequence). A row that keeps no key gives 0 and an LSE of -inf.
+
+The supported operations (anything else is refused when the mod is traced, naming it):
+
+- arithmetic ``+ - * /``, unary ``-``, ``abs``; integer ``//`` and ``%`` with Python's (and
+  torch's) floor semantics;
+- comparisons ``< <= > >= == !=``; ``&``, ``|`` and ``~`` (logical on bools);
+- ``torch.where``, ``torch.tanh``, ``torch.exp``, ``torch.log``, ``torch.sqrt``,
+  ``torch.minimum``, ``torch.maximum``, ``torch.clamp`` (and the methods of those names);
+- ``.to(dtype)`` to float32/float16/bfloat16/int32/int64/bool (and ``.float()``, ``.int()``,
+  ``.long()``, ``.bool()``); Python numbers;
+- indexing a captured tensor (a tensor the function closes over or reads from its module)
+  with one index expression per dimension: ``bias[h, q_idx - kv_idx + n]``, ``slopes[h]``,
+  ``doc_ids[q_idx] == doc_ids[kv_idx]``. Captured tensors are kernel arguments (pointer,
+  strides, sizes), read at every call, so their values may change between calls without a new
+  kernel; a new shape or dtype traces the function again.
+
+Out-of-range indices: an index that is a plain role or a role plus or minus a constant
+(``q_idx``, ``kv_idx + 1``) or a constant is checked on the host at every call against the
+role's range (``b`` in [0, batch), ``h`` in [0, heads_q), ``q_idx`` in [0, n_q), ``kv_idx`` in
+[0, n_k); for ``varlen_attention`` the longest sequences') and a ``ValueError`` names the tensor
+and dimension. Any other index expression is masked in the kernel: an element outside the
+tensor (a negative index included: there is no wrap-around) reads as 0 (False for bools).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# The library's factories, imported on first use: the spec and its lowering import this package
+# (tilegen.mods.lower), and tracing brings torch.fx, which they need not load.
+_LIBRARY = ("alibi", "relative_bias", "document_mask", "prefix_lm", "sliding_window", "softcap", "causal")
+__all__ = list(_LIBRARY)
+
+
+def __getattr__(name: str):
+    if name in _LIBRARY:
+        return getattr(importlib.import_module("tilegen.mods.library"), name)
+    raise AttributeError(f"module 'tilegen.mods' has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""Ready-made mods, each a factory returning the function(s) to pass as ``score_mod``/``mask_mod``.
+
+Tensors a factory takes are captured: they are kernel arguments, so their values may change
+between calls without a new kernel. Numbers a factory takes are baked into the mod's canonical
+text (a new value is a new spec, tuned apart).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["alibi", "relative_bias", "document_mask", "prefix_lm", "sliding_window", "softcap", "causal"]
+
+
+def alibi(slopes: torch.Tensor):
+    """ALiBi (Press et al.): ``score + slopes[h] * (kv_idx - q_idx)``; ``slopes`` fp32 ``[heads_q]``."""
+
+    def alibi_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi_mod
+
+
+def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+    """T5's relative position bias: ``score + table[h, bucket(kv_idx - q_idx)]``, ``table`` ``[heads, num_buckets]``.
+
+    The bucket is T5's (``_relative_position_bucket``): exact below half the buckets (per direction when
+    bidirectional), logarithmic up to ``max_distance``, the last bucket beyond.
+    """
+    half = num_buckets // 2 if bidirectional else num_buckets
+    exact = half // 2
+    if exact < 1 or max_distance <= exact:
+        raise ValueError(f"relative_bias: needs num_buckets >= {4 if bidirectional else 2} and max_distance above "
+                         f"the exact buckets ({exact}), got {num_buckets}, {max_distance}")
+    log_span = math.log(max_distance / exact)
+
+    def relative_bias_mod(score, b, h, q_idx, kv_idx):
+        rel = kv_idx - q_idx
+        if bidirectional:
+            offset = (rel > 0).to(torch.int32) * half
+            distance = torch.abs(rel)
+        else:
+            offset = 0
+            distance = torch.clamp(-rel, min=0)
+        # Clamped to 1 so that the log branch, which where() drops below ``exact``, stays finite.
+        log_ratio = torch.log(torch.clamp(distance, min=1).to(torch.float32) / exact) / log_span
+        far = exact + (log_ratio * (half - exact)).to(torch.int32)
+        far = torch.clamp(far, max=half - 1)
+        bucket = offset + torch.where(distance < exact, distance, far)
+        return score + table[h, bucket]
+
+    return relative_bias_mod
+
+
+def document_mask(doc_ids: torch.Tensor):
+    """Packed documents: a query sees keys of its own document only; ``doc_ids`` int ``[n]`` (one packed sequence,
+    ``n_q == n_k``) or ``[batch, n]``."""
+    if doc_ids.dim() == 1:
+        def document_mask_mod(b, h, q_idx, kv_idx):
+            return doc_ids[q_idx] == doc_ids[kv_idx]
+    else:
+        def document_mask_mod(b, h, q_idx, kv_idx):
+            return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+    return document_mask_mod
+
+
+def prefix_lm(prefix_len: torch.Tensor):
+    """Prefix-LM: the first ``prefix_len[b]`` keys are seen by every query, the rest causally
+    (``q_idx >= kv_idx``); ``prefix_len`` int ``[batch]``."""
+
+    def prefix_lm_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_len[b]) | (q_idx >= kv_idx)
+
+    return prefix_lm_mod
+
+
+def sliding_window(window: int, global_tokens: int = 0, causal: bool = True):
+    """A query sees keys at most ``window`` positions before it (and after it unless ``causal``), plus the
+    first ``global_tokens`` keys, which every query sees, and which see every key (Longformer's global tokens)."""
+    if window < 0 or global_tokens < 0:
+        raise ValueError(f"sliding_window: window and global_tokens must be >= 0, got {window}, {global_tokens}")
+
+    def sliding_window_mod(b, h, q_idx, kv_idx):
+        near = (q_idx - kv_idx <= window) & (q_idx >= kv_idx) if causal else torch.abs(q_idx - kv_idx) <= window
+        if global_tokens:
+            return near | (kv_idx < global_tokens) | (q_idx < global_tokens)
+        return near
+
+    return sliding_window_mod
+
+
+def softcap(cap: float):
+    """Gemma-2's logit softcap as a score mod: ``cap * tanh(score / cap)``."""
+    if not (isinstance(cap, (int, float)) and 0 < cap < math.inf):
+        raise ValueError(f"softcap: expected a finite positive number, got {cap!r}")
+    cap = float(cap)
+
+    def softcap_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap_mod
+
+
+def causal():
+    """Causal as a mask mod: ``q_idx >= kv_idx``, aligned top-left as FlexAttention's indices are (the op's
+    ``causal=True`` aligns bottom-right when ``n_q != n_k``)."""
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return causal_mod

@@ -1,0 +1,343 @@
+"""Trace a mod with ``torch.fx`` into the canonical text the spec holds, and bind its tensors to a call.
+
+The canonical text is the mod's identity: argument names become their roles, captured tensors
+``t0, t1, ...`` described by dtype and ndim, every value ``v0, v1, ...`` carries its dtype, and
+constants are kept. Two functions that trace to the same graph share a spec; a changed constant
+makes a new one. Format (``;``-separated, parsed back by ``tilegen.mods.lower.parse``)::
+
+    score_mod;t0=float32[1];v0:float32=getitem(t0,h);v1:int32=sub(kv_idx,q_idx);...;return v3
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "refuse_training", "ROLES", "DTYPE_NAMES"]
+
+#: The arguments of each kind of mod, by position (their names in the user's function do not matter).
+ROLES = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
+# FlexAttention traces with an fp32 score and int32 indices; so does the kernel.
+_ROLE_DTYPES = {"score": torch.float32, "b": torch.int32, "h": torch.int32, "q_idx": torch.int32,
+                "kv_idx": torch.int32}
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.int32: "int32", torch.int64: "int64", torch.int16: "int16", torch.int8: "int8",
+               torch.uint8: "uint8", torch.bool: "bool"}
+# What .to() may cast to: the types Triton computes in.
+_CASTS = ("float32", "float16", "bfloat16", "int32", "int64", "bool")
+
+_FUNCTIONS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.neg: "neg", operator.abs: "abs", operator.floordiv: "floordiv", operator.mod: "mod",
+    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.eq: "eq",
+    operator.ne: "ne", operator.and_: "and", operator.or_: "or", operator.invert: "not",
+    operator.getitem: "getitem",
+    torch.where: "where", torch.tanh: "tanh", torch.exp: "exp", torch.log: "log", torch.sqrt: "sqrt",
+    torch.minimum: "minimum", torch.maximum: "maximum", torch.clamp: "clamp", torch.abs: "abs",
+    torch.neg: "neg",
+}
+_METHODS = {"abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh",
+            "clamp": "clamp", "to": "to", "__getitem__": "getitem", "float": "to", "int": "to", "long": "to",
+            "bool": "to"}
+# The cast methods, as the .to() they are.
+_CAST_METHODS = {"float": torch.float32, "int": torch.int32, "long": torch.int64, "bool": torch.bool}
+SUPPORTED = ("+ - * / // % unary-, abs, < <= > >= == !=, & | ~, torch.where, torch.tanh, torch.exp, torch.log, "
+             "torch.sqrt, torch.minimum, torch.maximum, torch.clamp, .to(dtype), indexing a captured tensor")
+
+
+@dataclass(frozen=True)
+class TracedMod:
+    """A traced mod: its canonical text, its captured tensors (in ``t0, t1, ...`` order) and their names,
+    and the index expressions the host can range-check: ``(tensor, dim, role or None, offset)``."""
+
+    kind: str
+    canonical: str
+    tensors: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    checks: tuple[tuple[int, int, str | None, int], ...]
+
+    def check_ranges(self, ranges: dict[str, int]) -> None:
+        """Raise a ``ValueError`` naming the tensor and dimension that an index can leave."""
+        for t, dim, role, offset in self.checks:
+            size = self.tensors[t].shape[dim]
+            if role is None:
+                low = high = offset
+            else:
+                if ranges[role] <= 0:
+                    continue
+                low, high = offset, ranges[role] - 1 + offset
+            if low < 0 or high >= size:
+                index = str(offset) if role is None else role + (f" {'+' if offset > 0 else '-'} {abs(offset)}"
+                                                                 if offset else "")
+                span = f"{index} = {low}" if role is None else f"{index} ranges over [{low}, {high}]"
+                shape = tuple(self.tensors[t].shape)
+                raise ValueError(f"{self.kind}: captured tensor {self.names[t]!r} (shape {shape}), dim {dim}: {span}, "
+                                 f"outside [0, {size - 1}]")
+
+
+def _fail(kind: str, message: str, error=TypeError):
+    raise error(f"{kind}: {message}")
+
+
+def trace(fn: Callable, kind: str) -> TracedMod:
+    """Trace ``fn`` as a ``score_mod`` or ``mask_mod``; a ``TypeError``/``ValueError`` names what is refused."""
+    roles = ROLES[kind]
+    if not callable(fn):
+        _fail(kind, f"expected a function, got {type(fn).__name__}")
+    try:
+        graph_module = fx.symbolic_trace(fn)
+    except Exception as e:  # control flow on a traced value, an unsupported Python function, a wrong arity
+        _fail(kind, f"cannot be traced with torch.fx ({type(e).__name__}: {e}); mods must be straight-line code over "
+                    f"the supported operations: {SUPPORTED}")
+    graph = graph_module.graph
+    graph.eliminate_dead_code()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(roles):
+        _fail(kind, f"expected {len(roles)} arguments ({', '.join(roles)}), got {len(placeholders)}")
+    names: dict[fx.Node, str] = dict(zip(placeholders, roles))
+    tensors: list[torch.Tensor] = []
+    attr_index: dict[str, int] = {}
+    meta: dict[fx.Node, Any] = {n: torch.empty((), dtype=_ROLE_DTYPES[r], device="meta")
+                                for n, r in names.items()}
+    lines: list[str] = []
+    checks: list[tuple[int, int, str | None, int]] = []
+    values = 0
+
+    def arg(a, node) -> str:
+        if isinstance(a, fx.Node):
+            return names[a]
+        if isinstance(a, bool):
+            return repr(a)
+        if isinstance(a, (int, float)):
+            return repr(a)
+        if isinstance(a, torch.dtype):
+            if DTYPE_NAMES.get(a) not in _CASTS:
+                _fail(kind, f".to({a}): expected one of {', '.join(_CASTS)}")
+            return DTYPE_NAMES[a]
+        if a is None:
+            return "None"
+        _fail(kind, f"argument {a!r} of {node.target} is not supported (Python numbers and dtypes only)")
+
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            t = getattr(graph_module, node.target)
+            if not isinstance(t, torch.Tensor):
+                _fail(kind, f"captured {type(t).__name__} {node.target!r} is not a tensor")
+            if t.dtype not in DTYPE_NAMES:
+                _fail(kind, f"captured tensor {_name_of(fn, t)!r}: dtype {t.dtype} is not supported")
+            if node.target not in attr_index:
+                attr_index[node.target] = len(tensors)
+                tensors.append(t)
+            names[node] = f"t{attr_index[node.target]}"
+            meta[node] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            continue
+        op = _op_of(node)
+        if op is None:
+            target = getattr(node.target, "__name__", node.target)
+            _fail(kind, f"{'.' if node.op == 'call_method' else ''}{target} is not supported; supported: {SUPPORTED}")
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if op == "clamp":
+            args = [args[0], *args[1:], *[None] * (3 - len(args))]
+            args[1] = kwargs.pop("min", args[1])
+            args[2] = kwargs.pop("max", args[2])
+        elif op == "to":
+            if node.target in _CAST_METHODS and len(args) == 1:
+                args.append(_CAST_METHODS[node.target])
+            if "dtype" in kwargs:
+                args.append(kwargs.pop("dtype"))
+            if len(args) != 2 or not isinstance(args[1], torch.dtype):
+                _fail(kind, ".to() takes a dtype only (no device, no other tensor)")
+        elif op == "getitem":
+            base, index = args
+            if not (isinstance(base, fx.Node) and base.op == "get_attr"):
+                _fail(kind, "only captured tensors may be indexed", ValueError)
+            index = index if isinstance(index, tuple) else (index,)
+            t = tensors[attr_index[base.target]]
+            if len(index) != t.dim() or not all(isinstance(i, (fx.Node, int)) and not isinstance(i, bool)
+                                                for i in index):
+                _fail(kind, f"captured tensor {_name_of(fn, t)!r} ({t.dim()} dims) must be indexed by one integer "
+                            f"expression per dimension, got {len(index)}", ValueError)
+            for dim, i in enumerate(index):
+                if isinstance(i, fx.Node) and meta[i].dtype.is_floating_point or (
+                        isinstance(i, fx.Node) and meta[i].dtype == torch.bool):
+                    _fail(kind, f"captured tensor {_name_of(fn, t)!r}, dim {dim}: the index is {meta[i].dtype}, "
+                                "not an integer", ValueError)
+                found = _plain_index(i, names)
+                if found is not None:
+                    checks.append((attr_index[base.target], dim, *found))
+            args = [base, *index]
+        if kwargs:
+            _fail(kind, f"{node.target}: keyword arguments {sorted(kwargs)} are not supported")
+        for a in args[1:] if op == "getitem" else args:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                _fail(kind, f"captured tensor {_name_of(fn, tensors[attr_index[a.target]])!r} is used without "
+                            "indexing; index it with one expression per dimension", ValueError)
+        try:
+            result = _run_meta(op, [meta[a] if isinstance(a, fx.Node) else a for a in args])
+        except Exception as e:
+            _fail(kind, f"{op} fails on its arguments ({type(e).__name__}: {e})")
+        if not isinstance(result, torch.Tensor) or result.shape != ():
+            _fail(kind, f"{op} gives shape {tuple(getattr(result, 'shape', ()))}, not a scalar per score", ValueError)
+        if result.dtype not in DTYPE_NAMES:
+            _fail(kind, f"{op} gives dtype {result.dtype}, which the kernel does not compute in")
+        meta[node] = result
+        names[node] = f"v{values}"
+        values += 1
+        lines.append(f"{names[node]}:{DTYPE_NAMES[result.dtype]}={op}({','.join(arg(a, node) for a in args)})")
+
+    output = next(n for n in graph.nodes if n.op == "output").args[0]
+    if isinstance(output, fx.Node):
+        if output.op == "get_attr":
+            _fail(kind, "returns a captured tensor itself", ValueError)
+        dtype = meta[output].dtype
+        returned = names[output]
+    elif isinstance(output, (bool, int, float)):
+        dtype = torch.bool if isinstance(output, bool) else torch.float32 if isinstance(output, float) else torch.int64
+        returned = repr(output)
+    else:
+        _fail(kind, f"returns {type(output).__name__}, expected a scalar tensor")
+    if kind == "mask_mod" and dtype != torch.bool:
+        _fail(kind, f"returns {dtype}, expected torch.bool (True keeps the score)")
+    if kind == "score_mod" and not dtype.is_floating_point:
+        _fail(kind, f"returns {dtype}, expected a floating score")
+    header = [kind] + [f"t{i}={DTYPE_NAMES[t.dtype]}[{t.dim()}]" for i, t in enumerate(tensors)]
+    canonical = ";".join(header + lines + [f"return {returned}"])
+    return TracedMod(kind, canonical, tuple(tensors), tuple(_name_of(fn, t) for t in tensors), tuple(checks))
+
+
+def _op_of(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    return None
+
+
+def _plain_index(i, names) -> tuple[str | None, int] | None:
+    """``(role, offset)`` for an index that is a constant, a role, or a role plus or minus a constant."""
+    if isinstance(i, int):
+        return None, i
+    if i.op == "placeholder":
+        return names[i], 0
+    op = _op_of(i)
+    if op in ("add", "sub") and len(i.args) == 2:
+        a, c = i.args
+        if op == "add" and isinstance(a, int):
+            a, c = c, a
+        if isinstance(a, fx.Node) and a.op == "placeholder" and isinstance(c, int) and not isinstance(c, bool):
+            return names[a], c if op == "add" else -c
+    return None
+
+
+def _run_meta(op: str, args: list) -> Any:
+    """The op on meta tensors: its result's dtype and shape with torch's own promotion rules."""
+    simple = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+              "neg": operator.neg, "abs": operator.abs, "floordiv": operator.floordiv, "mod": operator.mod,
+              "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+              "ne": operator.ne, "and": operator.and_, "or": operator.or_, "not": operator.invert,
+              "where": torch.where, "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
+              "minimum": torch.minimum, "maximum": torch.maximum}
+    if op in simple:
+        return simple[op](*args)
+    if op == "clamp":
+        return torch.clamp(args[0], min=args[1], max=args[2])
+    if op == "to":
+        return args[0].to(args[1])
+    if op == "getitem":
+        # One integer per dimension (checked by the caller): a scalar of the tensor's type. Meta tensors
+        # cannot be indexed by tensors (that reads their values).
+        return torch.empty((), dtype=args[0].dtype, device="meta")
+    raise AssertionError(op)
+
+
+def _name_of(fn, t: torch.Tensor) -> str:
+    """The name the function knows a captured tensor by (a closure variable or a global)."""
+    for name, value in _captured_values(fn):
+        if value is t:
+            return name
+    return "<captured tensor>"
+
+
+def _captured_values(fn, depth: int = 0):
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        yield name, value
+        if callable(value) and depth < 2:  # helpers the mod calls may capture tensors of their own
+            yield from _captured_values(value, depth + 1)
+    for name in code.co_names:
+        if name in fn.__globals__:
+            yield name, fn.__globals__[name]
+    for value in fn.__defaults__ or ():
+        yield "<default>", value
+
+
+def _signature(fn) -> tuple:
+    """What invalidates a trace: the captured tensors' identities, shapes and dtypes."""
+    return tuple((name, id(v), tuple(v.shape), v.dtype) for name, v in _captured_values(fn)
+                 if isinstance(v, torch.Tensor))
+
+
+_traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def traced(fn: Callable, kind: str) -> TracedMod:
+    """``trace``, cached per function object while its captured tensors keep their identity, shape and dtype."""
+    signature = _signature(fn)
+    try:
+        cached = _traced.get(fn, {}).get(kind)
+    except TypeError:  # not weak-referenceable: trace every call
+        return trace(fn, kind)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    result = trace(fn, kind)
+    _traced.setdefault(fn, {})[kind] = (signature, result)
+    return result
+
+
+@dataclass(frozen=True)
+class ModCall:
+    """A call's mods: the canonical texts for the spec and the tensors the launcher passes (score mod's first)."""
+
+    score_mod: str | None
+    mask_mod: str | None
+    tensors: tuple[torch.Tensor, ...]
+
+
+def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int]) -> ModCall:
+    """Trace (or reuse) both mods and check them against a call: device of every captured tensor, index ranges."""
+    mods = [traced(fn, kind) if fn is not None else None
+            for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    tensors: list[torch.Tensor] = []
+    for mod in mods:
+        if mod is None:
+            continue
+        for name, t in zip(mod.names, mod.tensors):
+            if t.device != device:
+                raise ValueError(f"{mod.kind}: captured tensor {name!r} is on {t.device}, the inputs on {device}")
+        mod.check_ranges(ranges)
+        tensors.extend(mod.tensors)
+    return ModCall(mods[0].canonical if mods[0] else None, mods[1].canonical if mods[1] else None, tuple(tensors))
+
+
+def refuse_training(trains: bool) -> None:
+    """Mods run forward only, eagerly: a ``NotImplementedError`` says so before anything is traced or launched."""
+    if trains:
+        raise NotImplementedError("score_mod/mask_mod: the backward through mods is not built yet; call under "
+                                  "torch.no_grad() or pass tensors that do not require grad")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("score_mod/mask_mod: not under torch.compile yet (the custom op takes no mods); "
+                                  "call the op eagerly")
