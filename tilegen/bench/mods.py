@@ -1,0 +1,127 @@
+"""Score and mask mods on a GPU: ``tilegen.attention(score_mod=..., mask_mod=...)`` against compiled
+FlexAttention with the same mod, and against tilegen's built-in variant where one exists.
+
+    python -m tilegen.bench.mods --out mods.json
+
+bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128, forward only
+(the backward through mods is not built). Each mod of ``tilegen.mods`` (ALiBi, T5 relative bias,
+document mask, prefix-LM, sliding window with global tokens, softcap, causal) is timed as
+tilegen runs it, as FlexAttention runs it (``torch.compile(flex_attention)``, its block mask made
+once outside the timing, as a user would), and, for causal, window and softcap, as tilegen's
+built-in mask or softcap. ``do_bench`` medians; TFLOP/s count the score pairs the mask keeps
+(4 x pairs x head dim x heads). Each output is checked against FlexAttention's before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+import tilegen
+from tilegen.families import relative_error
+from tilegen.mods import library
+
+B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
+
+
+def _bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _mods(gen):
+    """name -> (score_mod, mask_mod, tilegen built-in kwargs or None)."""
+    slopes = torch.exp2(-8.0 * torch.arange(1, HQ + 1, device="cuda") / HQ)
+    table = torch.randn(HQ, 32, device="cuda", generator=gen)
+    lengths = torch.tensor([1500, 700, 1200, 696], device="cuda")
+    doc_ids = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths).to(torch.int32)
+    prefix = torch.tensor([512, 1024, 2048, 100], device="cuda", dtype=torch.int32)
+    return {
+        "alibi": (library.alibi(slopes), None, None),
+        "alibi+causal": (library.alibi(slopes), library.causal(), None),
+        "relative-bias": (library.relative_bias(table), None, None),
+        "document": (None, library.document_mask(doc_ids), None),
+        "prefix-lm": (None, library.prefix_lm(prefix), None),
+        "window-1024": (None, library.sliding_window(1024), {"window": (1024, 0)}),
+        "window-1024+64-global": (None, library.sliding_window(1024, 64), None),
+        "softcap-30": (library.softcap(30.0), None, {"softcap": 30.0}),
+        "causal": (None, library.causal(), {"causal": True}),
+    }
+
+
+def _pairs(mask_mod) -> float:
+    if mask_mod is None:
+        return float(B * N * N)
+    b, q, k = (torch.arange(n, device="cuda") for n in (B, N, N))
+    keep = mask_mod(b[:, None, None], torch.zeros((), dtype=torch.long, device="cuda"), q[None, :, None],
+                    k[None, None, :])
+    return float(keep.expand(B, N, N).sum())
+
+
+def case(name, score_mod, mask_mod, builtin, q, k, v) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flops = 4.0 * _pairs(mask_mod) * D * HQ
+    row = {"mod": name}
+    flex = torch.compile(flex_attention)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, B, None, N, N, device="cuda")
+    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "enable_gqa": True}
+    expected = flex(q, k, v, **kwargs)
+    row["flex us"] = _bench(lambda: flex(q, k, v, **kwargs)) * 1e3
+    try:
+        out = tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+        error = relative_error(out.float(), expected.float())[0]
+        row["error vs flex"] = error
+        if error < 1e-2:
+            row["tilegen us"] = _bench(lambda: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)) * 1e3
+        else:
+            row["tilegen us"] = f"wrong: relative error {error:.2e} against FlexAttention"
+    except Exception as e:  # a mod that fails is reported, the others still run
+        row["tilegen us"] = f"{type(e).__name__}: {str(e)[:160]}"
+    if builtin is not None:
+        out = tilegen.attention(q, k, v, **builtin)
+        row["builtin error vs flex"] = relative_error(out.float(), expected.float())[0]
+        row["builtin us"] = _bench(lambda: tilegen.attention(q, k, v, **builtin)) * 1e3
+    for key in ("flex", "tilegen", "builtin"):
+        t = row.get(f"{key} us")
+        if isinstance(t, float):
+            row[f"{key} TFLOP/s"] = flops / t / 1e6
+    t = row.get("tilegen us")
+    if isinstance(t, float):
+        row["flex / tilegen"] = row["flex us"] / t
+        if isinstance(row.get("builtin us"), float):
+            row["builtin / tilegen"] = row["builtin us"] / t
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mods", default="", help="comma-separated names (default: every one)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    mods = _mods(gen)
+    chosen = [m for m in args.mods.split(",") if m] or list(mods)
+    rows = []
+    for name in chosen:
+        rows.append(case(name, *mods[name], q, k, v))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": [B, HQ, HKV, N, D], "rows": rows}, f, indent=1)
+    print(f"\n{'mod':>22} {'flex us':>9} {'tilegen us':>11} {'builtin us':>11} {'flex/tilegen':>13} {'builtin/tilegen':>16}")
+    for r in rows:
+        def show(key, digits=1):
+            value = r.get(key)
+            return f"{value:.{digits}f}" if isinstance(value, float) else ("-" if value is None else "error")
+        print(f"{r['mod']:>22} {show('flex us'):>9} {show('tilegen us'):>11} {show('builtin us'):>11} "
+              f"{show('flex / tilegen', 2):>13} {show('builtin / tilegen', 2):>16}")
+
+
+if __name__ == "__main__":
+    main()
