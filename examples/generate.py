@@ -100,14 +100,14 @@ class _Bucket:
         self.indptr, self.indices = self.meta[3 * s:4 * s + 1], self.meta[4 * s + 1:]
         self.cu = torch.arange(size + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self.caches = [tilegen.PagedKVCache(engine.k_pages[i], engine.v_pages[i], self.indptr, self.indices,
-                                            self.last) for i in range(engine.n_layers)]
+                                            self.last, **engine.scales) for i in range(engine.n_layers)]
         # Until a step fills them, every slot is a padded one: a length-1 sequence on the scratch page.
         engine._fill(self, [])
         self.meta.copy_(self.host)
         self.decode = tilegen.PagedDecode()
         # Planned for the longest sequence the engine holds: the split count and chunk stay valid as
         # sequences grow, so the plan (and a graph of it) serves every step of this batch size.
-        self.decode.plan(self.caches[0], heads_q=engine.heads, max_seqlen_k=engine.max_seq_len)
+        self.decode.plan(self.caches[0], heads_q=engine.heads, max_seqlen_k=engine.max_seq_len, q_dtype=engine.dtype)
         self.next = torch.zeros(size, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -128,11 +128,15 @@ class Engine:
         buckets: padded decode batch sizes; default powers of two below ``max_batch``, and it.
         cuda_graphs: capture each bucket's decode step in a CUDA graph (default: on a GPU).
         eos_token_id: stop a request when it generates this token (default: never).
+        kv_dtype: the pages' dtype when not the model's: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``,
+            quantized by ``append_kv`` with one scale per tensor, ``kv_scale`` (vLLM's default of 1.0 when
+            nothing is calibrated).
     """
 
     def __init__(self, model, *, page_size: int = 16, num_pages: int | None = None, max_batch: int = 8,
                  max_seq_len: int | None = None, prefill_tokens: int = 16384, buckets=None,
-                 cuda_graphs: bool | None = None, eos_token_id: int | None = None):
+                 cuda_graphs: bool | None = None, eos_token_id: int | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0):
         inner = model.model
         config = model.config
         rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -175,8 +179,10 @@ class Engine:
             raise ValueError(f"buckets: expected sizes >= 1 whose largest covers max_batch {max_batch}, got {buckets}")
         # The pool, and a scratch page (the last) for padded decode slots.
         shape = (self.n_layers, self.num_pages + 1, page_size, self.kv_heads, self.head_dim)
-        self.k_pages = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_pages = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_pages = torch.zeros(shape, dtype=kv_dtype or self.dtype, device=self.device)
+        self.v_pages = torch.zeros(shape, dtype=kv_dtype or self.dtype, device=self.device)
+        scale = torch.full((1,), float(kv_scale), dtype=torch.float32, device=self.device)
+        self.scales = {} if kv_dtype is None else {"k_scale": scale, "v_scale": scale}
         self.scratch = self.num_pages
         self.free: deque[int] = deque(range(self.num_pages))
         self.unreserved = self.num_pages
@@ -320,10 +326,11 @@ class Engine:
                             dtype=torch.int32, device=dev)
         tokens = torch.tensor([t for r in admitted for t in r.prompt], dtype=torch.int64, device=dev)
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        caches = [tilegen.PagedKVCache(self.k_pages[i], self.v_pages[i], indptr, page_ids, last)
+        caches = [tilegen.PagedKVCache(self.k_pages[i], self.v_pages[i], indptr, page_ids, last, **self.scales)
                   for i in range(self.n_layers)]
         paged = tilegen.PagedAttention()
-        paged.plan(cu, caches[0], heads_q=self.heads, causal=True, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        paged.plan(cu, caches[0], heads_q=self.heads, causal=True, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                   q_dtype=self.dtype)
 
         def attend(q, k, v, cache):
             tilegen.append_kv(cache, k, v, cu)
@@ -521,6 +528,21 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
                       "tokens_per_s": batch * new / statistics.median(times), "page_size": args.page_size,
                       "buckets": engine.buckets, "stats": dict(engine.stats)}
     assert len(engine.free) == engine.num_pages, "pages leaked"
+    if args.kv_dtype:
+        # The same requests over FP8 pages: speed, and greedy agreement with the unquantized cache's tokens.
+        fp8 = Engine(model, page_size=args.page_size, max_batch=batch, max_seq_len=prompt_len + new,
+                     prefill_tokens=max(args.prefill_tokens, prompt_len), cuda_graphs=engine.cuda_graphs,
+                     kv_dtype=KV_DTYPES[args.kv_dtype])
+        fp8.warmup()
+        quantized = fp8.generate([Request(p, new) for p in plist])
+        times = time_runs(lambda: fp8.generate([Request(p, new) for p in plist]), device, args.runs)
+        row["fp8"] = {"kv_dtype": args.kv_dtype, "s": statistics.median(times),
+                      "tokens_per_s": batch * new / statistics.median(times),
+                      "match_first32_vs_unquantized": match_share(quantized, ours, 32),
+                      "match_all_vs_unquantized": match_share(quantized, ours),
+                      "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                           for x, y in zip(quantized, ours)]}
+        del fp8
     if ref is not None:
         row["match_first32"] = match_share(ours, ref, 32)
         row["match_all"] = match_share(ours, ref)
@@ -530,6 +552,9 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+KV_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -548,6 +573,11 @@ def _print_table(rows: list[dict]) -> None:
             if stats["graph_replays"] else "eager"
         print(f"{r['batch']:>5} {r['prompt']:>6} {r['new']:>5} {ours['tokens_per_s']:14.1f} {hf_rate} "
               f"{hf_mode:>16} {speed} {m32} {mall} {decode:>7}")
+        if "fp8" in r:
+            f = r["fp8"]
+            print(f"      {f['kv_dtype']} pages: {f['tokens_per_s']:.1f} tok/s, greedy tokens identical to the "
+                  f"unquantized cache's: {f['match_first32_vs_unquantized']:.3f} of the first 32, "
+                  f"{f['match_all_vs_unquantized']:.3f} of all")
         for e in ours["graph_errors"]:
             print(f"      CUDA graph: {e}")
         for e in r.get("hf_errors", []):
@@ -570,6 +600,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-cache", choices=("auto", "static", "dynamic"), default="auto",
                         help="transformers' cache: auto tries static (compiled on a GPU), then dynamic")
     parser.add_argument("--no-graphs", action="store_true", help="decode steps eagerly, without CUDA graphs")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
+                        help="also generate over FP8 pages (scale 1.0) and report their greedy agreement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)

@@ -151,3 +151,17 @@ def test_the_command_runs_and_matches_transformers(tmp_path, capsys):
     assert row["match_first32"] == 1.0 and row["match_all"] == 1.0
     assert row["tilegen"]["tokens_per_s"] > 0 and row["tilegen"]["stats"]["decode_steps"] == 2
     assert "match@32" in capsys.readouterr().out
+
+
+def test_fp8_pages_serve_the_same_requests(served):
+    """The engine over FP8 pages (e4m3, scale 1.0): every request is served from float8 pages through
+    append_kv's quantization, and greedy decoding mostly keeps the unquantized cache's tokens (the tiny
+    model's random weights make a flip at a near tie possible, not a different answer)."""
+    model, _, _, outputs, _ = served
+    engine = gen.Engine(model, page_size=8, num_pages=6, max_batch=4, max_seq_len=32, buckets=(2, 4),
+                        kv_dtype=torch.float8_e4m3fn)
+    assert engine.k_pages.dtype == torch.float8_e4m3fn
+    prompts = _prompts(LENGTHS)
+    quantized = engine.generate([gen.Request(p, n, a) for p, n, a in zip(prompts, NEW, ARRIVAL)])
+    assert [len(o) for o in quantized] == list(NEW)
+    assert gen.match_share(quantized, outputs) >= 0.75
