@@ -316,7 +316,7 @@ def test_specs_keep_fp8_rows_apart():
         append.replace(page_dtype="fp8")
 
 
-def test_bench_decode_fp8_case_and_arguments(monkeypatch):
+def test_bench_decode_fp8_case_and_arguments(monkeypatch, device):
     """The benchmark's FP8 row on a small CPU case (timing stubbed): it reads FP8 bytes and agrees
     with SDPA on the dequantized K and V; its argument checks run before any GPU work."""
     from tilegen.bench import decode as bench
@@ -326,11 +326,12 @@ def test_bench_decode_fp8_case_and_arguments(monkeypatch):
     monkeypatch.setattr(bench, "HKV", 1)
     monkeypatch.setattr(bench, "D", DIM)
     gen = torch.Generator().manual_seed(2)
-    k, v = (torch.randn(1, 1, 48, DIM, generator=gen).bfloat16() for _ in "kv")
-    q = torch.randn(1, 4, 1, DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 1, 48, DIM, generator=gen).bfloat16().to(device) for _ in "kv")
+    q = torch.randn(1, 4, 1, DIM, generator=gen).bfloat16().to(device)
     cache = tilegen.PagedKVCache.from_block_table(k[0].transpose(0, 1).reshape(3, 16, 1, DIM),
                                                   v[0].transpose(0, 1).reshape(3, 16, 1, DIM),
-                                                  torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([48]))
+                                                  torch.tensor([[0, 1, 2]], dtype=torch.int32, device=device),
+                                                  torch.tensor([48], device=device))
     row = bench._fp8_case(q, k, v, cache, "fp8e4m3")
     assert row["fp8e4m3_rel_err"] < 1e-2
     assert row["tilegen-paged-fp8e4m3"] == pytest.approx(2 * 48 * DIM / 1e9 * 1e3)  # one byte a value
