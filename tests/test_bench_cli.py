@@ -27,8 +27,8 @@ def test_an_unknown_benchmark_fails_in_one_line_naming_the_choices():
     result = runner.invoke(app, ["bench", "prefil"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: NAME: no benchmark 'prefil'; choose one of attention, backward, blockwise, bookkeeping, coldstart, "
-        "decode, hosttime, scaleout, serving, serving_kernels, tuning"]
+        "error: NAME: no benchmark 'prefil'; choose one of attention, backward, blockwise, bookkeeping, cascade, "
+        "coldstart, decode, hosttime, mods, scaleout, serving, serving_kernels, tuning"]
 
 
 def test_a_benchmark_gets_the_flags_after_its_name():
