@@ -250,7 +250,7 @@ def test_tuning_problem_checks_fp8_and_causal(device):
     family = get("attention_cascade")
     for spec in (CascadeSpec(head_dim=32, q_per_kv=2, dtype="fp32", page_size=8, mask="causal", return_lse=True),
                  CascadeSpec(head_dim=32, q_per_kv=2, dtype="bf16", page_size=8, kv_dtype="fp8e4m3")):
-        problem = family.problem(spec, family.buckets.of((40, 3)), on_gpu=False)
+        problem = family.problem(spec, family.buckets.of((40, 3)), on_gpu=device == "cuda")
         config = family.default_rule(spec, problem.device)[0][1]
         assert measure(problem, config, 0)["status"] == "ok"
         assert measure(problem, config, 0, perturb=True)["status"] == "wrong"

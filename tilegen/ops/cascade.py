@@ -139,8 +139,7 @@ class CascadeAttention:
         def make(choice: dispatch.Choice) -> _Plan:
             values = device_schedule(host, tokens, spec=spec, heads_q=heads_q, kv_heads=cache.kv_heads,
                                      config=choice.config, device_info=info, device=device)
-            launch_args = {"shared_items": values["shared_items"], "shared_programs": values["shared_programs"],
-                           "own_items": values["own_items"],
+            launch_args = {"shared_items": values["shared_items"], "own_items": values["own_items"],
                            "direct": values["direct"], "fused": values["fused"], "states_pad": values["states_pad"],
                            "own_block_m": values["own_block_m"], "scale": scale_value, "softcap": softcap_value,
                            **choice.config.to_dict()}

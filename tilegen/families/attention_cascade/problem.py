@@ -43,8 +43,7 @@ def device_schedule(levels: list[HostLevel], tokens: int, *, spec: CascadeSpec, 
                     config=config, sm_count=device_info.sm_count)
     part_o, part_lse = cascade_buffers(0 if plan.direct else plan.states, heads_q, spec.dv, device)
     return {"work": plan.work.to(device), "state_base": plan.state_base.to(device), "part_o": part_o,
-            "part_lse": part_lse, "shared_items": plan.shared_items,
-            "shared_programs": plan.shared_programs, "own_items": plan.items - plan.shared_items,
+            "part_lse": part_lse, "shared_items": plan.shared_items, "own_items": plan.items - plan.shared_items,
             "direct": plan.direct, "fused": plan.fused,
             "states_pad": max(2, 1 << max(0, plan.max_states - 1).bit_length()), "own_block_m": plan.own_block_m}
 
@@ -150,8 +149,7 @@ class CascadeProblem(base.Problem):
                 config=config, device_info=self.device or device_info(), device=inputs["q"].device)
         launcher.launch(inputs["q"], inputs["k"], inputs["v"], out, out if lse is None else lse, values["part_o"],
                         values["part_lse"], values["state_base"], values["work"], inputs["indices"], *inputs["scales"],
-                        shared_items=values["shared_items"], shared_programs=values["shared_programs"],
-                        own_items=values["own_items"], direct=values["direct"],
+                        shared_items=values["shared_items"], own_items=values["own_items"], direct=values["direct"],
                         fused=values["fused"],
                         states_pad=values["states_pad"],
                         own_block_m=values["own_block_m"], scale=1.0 / math.sqrt(self.spec.head_dim),

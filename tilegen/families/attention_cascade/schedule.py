@@ -46,7 +46,6 @@ class Schedule:
     state_base: torch.Tensor  # int32 [tokens + 1]: token t's states are state_base[t]:state_base[t + 1]
     states: int
     shared_items: int  # the first ones, the shared levels'; the rest are the last level's
-    shared_programs: int  # the persistent shared launch's programs per KV head
     direct: bool  # every token has exactly one state: items write the output, no merge
     fused: bool  # each token's last state is one unsplit last-level item's, which merges the others
     own_block_m: int
@@ -78,9 +77,7 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
         return own_m if level == last else config.block_m
 
     chunks = {}
-    # The shared launch is persistent (ctas_per_sm programs per SM loop over its items): its items come
-    # at twice that count, for balance. The last level's launch takes one program per item.
-    for kind, block_n, programs in ((False, config.block_n, 2 * sm_count * config.ctas_per_sm),
+    for kind, block_n, programs in ((False, config.block_n, sm_count * config.ctas_per_sm),
                                     (True, config.own_block_n, sm_count * config.own_ctas_per_sm)):
         work = sum(math.ceil(n_q * q_per_kv / tile_rows(lv)) * n_k
                    for lv, _, n_k, _, n_q in nodes if (lv == last) == kind) * kv_heads
@@ -110,7 +107,5 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
     max_states = int(counts.max()) if tokens else 0
     direct = bool(tokens) and bool((counts == 1).all())
     shared = sum(1 for it in items if not it[8])
-    resident = math.ceil(sm_count * config.ctas_per_sm / kv_heads)
     return Schedule(work=work, state_base=state_base, states=int(counts.sum()), shared_items=shared,
-                    shared_programs=min(shared, resident),
                     direct=direct, fused=not direct and all(owned), own_block_m=own_m, max_states=max_states)
