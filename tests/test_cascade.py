@@ -128,7 +128,8 @@ def test_no_sharing_writes_directly_and_matches_decode(device):
                                    cache.last_page_len)]
     q = _randn(gen, cache.batch, 8, DIM, dtype=torch.bfloat16, device=device)
     cascade = tilegen.CascadeAttention()
-    cascade.plan(cache, levels, heads_q=8)
+    choice = cascade.plan(cache, levels, heads_q=8)
+    assert "attention_decode" in choice.source, "nothing shared: batch decode's knobs"
     decode = tilegen.PagedDecode()
     decode.plan(cache, heads_q=8)
     expected = decode.run(q, cache)

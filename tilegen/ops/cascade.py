@@ -23,6 +23,7 @@ can be captured in a CUDA graph. Every cache a plan serves must have the planned
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from tilegen.env import interpreting
 from tilegen.families.attention_cascade import CascadeSpec
 from tilegen.families.attention_cascade.problem import device_schedule
 from tilegen.families.attention_cascade.schedule import HostLevel
+from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache
@@ -148,7 +150,15 @@ class CascadeAttention:
                          indices=indices, part_o=values["part_o"], part_lse=values["part_lse"], choice=choice,
                          q_dtype=q_dtype, cache_layout=_layout(cache))
 
-        self._plan = dispatch.planned(table, _bucket_size(host, cache.page_size), make)
+        if _shares(host):
+            self._plan = dispatch.planned(table, _bucket_size(host, cache.page_size), make)
+        else:
+            # Nothing shared: the last level alone is batch decode's work (one launch, no merge), so it takes
+            # batch decode's knobs (its tuned row, or default) rather than a cascade row tuned on the memory
+            # left over beside a shared pass (on the H200, 64 x 4096 unshared took 296 us with the 64 x 4096 +
+            # 256 cascade row against PagedDecode's 252).
+            self._plan = make(_decode_choice(spec, table.choose(_bucket_size(host, cache.page_size)), info,
+                                             host, cache.page_size))
         return self._plan.choice
 
     @property
@@ -369,6 +379,28 @@ def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
             raise ValueError(f"levels: sequence {b}'s pages through the levels ({len(pages)} pages, {keys} tokens) "
                              f"differ from the cache's page table ({indptr[b + 1] - indptr[b]} pages, {lens[b]} "
                              f"tokens): a level lists a request that does not hold its pages")
+
+
+def _shares(host: list[HostLevel]) -> bool:
+    """Whether a shared level has a node with both tokens and pages: work for the shared launch."""
+    return any(level.qo_indptr[n + 1] > level.qo_indptr[n] and level.kv_indptr[n + 1] > level.kv_indptr[n]
+               for level in host[:-1] for n in range(len(level.qo_indptr) - 1))
+
+
+def _decode_choice(spec: CascadeSpec, cascade: dispatch.Choice, info, host: list[HostLevel],
+                   page_size: int) -> dispatch.Choice:
+    """``cascade`` with the last level's knobs taken from batch decode's choice for the same pages,
+    context and batch (its row, or its default)."""
+    last = host[-1]
+    context = max((last.keys(n, page_size) for n in range(len(last.qo_indptr) - 1)), default=0)
+    decode = DecodeSpec(head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, q_per_kv=spec.q_per_kv,
+                        softcap=spec.softcap, dtype=spec.dtype, page_size=page_size, kv_dtype=spec.kv_dtype)
+    chosen = dispatch.table_for(decode, info).choose((max(context, 1), max(1, len(last.qo_indptr) - 1)))
+    c = chosen.config
+    config = dataclasses.replace(cascade.config, own_block_n=c.block_n, own_warps=c.num_warps,
+                                 own_stages=c.num_stages, own_ctas_per_sm=c.ctas_per_sm)
+    source = f"{chosen.source} (attention_decode's {'row' if chosen.tuned_bucket is not None else 'default'})"
+    return dataclasses.replace(cascade, config=config, source=source, tuned_bucket=None)
 
 
 def _bucket_size(host: list[HostLevel], page_size: int) -> tuple[int, int]:
