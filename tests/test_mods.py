@@ -347,7 +347,7 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
         spec = AttentionSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", return_lse=True,
                              score_mod=score_mod, mask_mod=mask_mod)
         constexprs = {"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}
-        pointers = {**pointers, "KV_COUNT": "*i32", "KV_INDICES": "*i32", "KV_FULL": "*i8"}  # the block table
+        pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8"}  # the block table
     else:
         spec = VarlenAttentionSpec(head_dim=64, mask="window", dtype="bf16", score_mod=score_mod, mask_mod=mask_mod)
         constexprs = {"BLOCK_M": 64, "BLOCK_N": 32}
@@ -418,6 +418,11 @@ def test_block_sparse_masks_match_the_reference_and_skip_blocks(case, device):
         listed = table.indices[row, :count].tolist()
         assert listed == [kb for kb in range(k_blocks) if blocks[kb].any()]
         assert table.full[row, :count].tolist() == [int(blocks[kb].all()) for kb in listed]
+        # The runs the kernel walks: the same blocks, each run of one kind.
+        runs = int(table.run_count[row])
+        starts, ends = table.run_start[row, :runs].tolist(), table.run_end[row, :runs].tolist()
+        assert [(kb, f) for s, e, f in zip(starts, ends, table.run_full[row, :runs].tolist()) for kb in range(s, e)] \
+            == list(zip(listed, table.full[row, :count].tolist()))
 
 
 def test_block_tables_per_head_emptied_rows_and_recomputed_when_a_tensor_changes(device):
@@ -435,7 +440,7 @@ def test_block_tables_per_head_emptied_rows_and_recomputed_when_a_tensor_changes
     assert table.count[0] == 0 and torch.isneginf(lse[0, 0, :40]).all()
     tilegen.attention(q, k, v, mask_mod=late_rows)
     assert _last_table() is table
-    table.count.zero_()  # the kernel walks the table: with no block listed every row is empty
+    table.run_count.zero_()  # the kernel walks the table: with no block listed every row is empty
     assert (tilegen.attention(q, k, v, mask_mod=late_rows) == 0).all()
     starts[0] = 70
     _, lse = _check(q, k, v, mask_mod=late_rows)

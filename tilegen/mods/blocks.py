@@ -3,8 +3,9 @@
 The mask is evaluated with torch on the device, from the mod's canonical text (so exactly the function
 the kernel runs, out-of-range reads as 0 included), over the whole (query, key) grid, and reduced per
 (BLOCK_M, BLOCK_N) block to empty (skipped), full (every real pair kept) or partial. Per query block the
-kernel walks the non-empty key blocks in order: ``kv_count[row]`` of them, ``kv_indices[row, :]`` the
-blocks, ``kv_full[row, :]`` whether the mask may be left out there. A row is a (b, h, query block); a
+non-empty key blocks are listed in order (``count``, ``indices``, ``full``: Flex's ``kv_num_blocks`` and
+``kv_indices``), and the kernel walks them as runs of neighbouring blocks of one kind, leaving the mask out
+of the full ones. A row is a (b, h, query block); a
 mod whose graph reads neither ``b`` nor ``h`` gets one row per query block, shared by every head.
 
 Tables are cached per (canonical text, captured tensors' identity and version, the sizes the mod reads,
@@ -33,19 +34,32 @@ _KEPT = 32
 
 @dataclass(frozen=True, eq=False)
 class BlockTable:
-    """The kernel's arguments: int32 ``count`` [rows], int32 ``indices`` and int8 ``full`` [rows, k_blocks];
-    ``stride_b``/``stride_h`` are the rows between batches/heads (0 where the mod reads neither)."""
+    """Per row: int32 ``count`` [rows] non-empty key blocks, listed in int32 ``indices`` [rows, k_blocks] with
+    int8 ``full`` (the mod keeps the block whole); and the same as runs of neighbouring blocks of one kind, which
+    the kernel reads (``run_count`` [rows]; ``run_start``, ``run_end`` (block indices, end excluded) and
+    ``run_full`` [rows, k_blocks]). ``stride_b``/``stride_h``: rows between batches/heads (0 where the mod reads
+    neither)."""
 
     count: torch.Tensor
     indices: torch.Tensor
     full: torch.Tensor
+    run_count: torch.Tensor
+    run_start: torch.Tensor
+    run_end: torch.Tensor
+    run_full: torch.Tensor
     stride_b: int
     stride_h: int
     block_m: int
     block_n: int
 
     def kernel_args(self) -> tuple:
-        return self.count, self.indices, self.full, self.stride_b, self.stride_h, self.indices.shape[1]
+        return (self.run_count, self.run_start, self.run_end, self.run_full, self.stride_b, self.stride_h,
+                self.indices.shape[1])
+
+
+def _first(flags: torch.Tensor) -> torch.Tensor:
+    """Per row, the columns where ``flags`` holds, in order, then the others (a stable sort)."""
+    return torch.sort((~flags).to(torch.int8), dim=1, stable=True).indices
 
 
 def _number(token: str, device):
@@ -146,11 +160,22 @@ def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device) -> B
             parts.append(m.any(dim=(3, 5)) if not fill else m.all(dim=(3, 5)))
     nonempty = torch.cat(any_parts, dim=2).reshape(rows_b * rows_h * q_blocks, k_blocks)
     full = torch.cat(all_parts, dim=2).reshape(nonempty.shape) & nonempty
-    # Non-empty blocks first, each group in key order (a stable sort): the kernel reads count of them.
-    order = torch.sort((~nonempty).to(torch.int8), dim=1, stable=True).indices
+    # Non-empty blocks first, each group in key order: the kernel reads count of them.
+    order = _first(nonempty)
     count = nonempty.sum(dim=1, dtype=torch.int32)
+    # Runs: the kernel gives a run one loop (three, for the ranges' masked edges), whose iterations the compiler
+    # can software-pipeline; a loop per block has one iteration, nothing to overlap (not yet timed on a GPU).
+    kind = nonempty.to(torch.int8) + full.to(torch.int8)  # 0 empty, 1 partial, 2 full
+    edge = torch.ones_like(kind[:, :1], dtype=torch.bool)
+    changes = kind[:, 1:] != kind[:, :-1]
+    starts = (kind != 0) & torch.cat([edge, changes], dim=1)
+    ends = (kind != 0) & torch.cat([changes, edge], dim=1)
+    first_of, last_of = _first(starts), _first(ends)
     return BlockTable(count.contiguous(), order.to(torch.int32).contiguous(),
                       torch.gather(full, 1, order).to(torch.int8).contiguous(),
+                      starts.sum(dim=1, dtype=torch.int32).contiguous(), first_of.to(torch.int32).contiguous(),
+                      (last_of + 1).to(torch.int32).contiguous(),
+                      (torch.gather(kind, 1, first_of) == 2).to(torch.int8).contiguous(),
                       rows_h * q_blocks if rows_b > 1 else 0, q_blocks if rows_h > 1 else 0, block_m, block_n)
 
 
