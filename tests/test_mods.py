@@ -467,3 +467,17 @@ def test_block_table_evaluates_what_the_kernel_runs(device):
     want = torch.where(inside, ids[index.clamp(0, 4)], 0) > 1
     want = want | ((torch.remainder(d, 3) == 2) & (ki * 0.5 < 4.0))
     assert torch.equal(got, want)
+
+
+def test_block_tables_of_inference_tensors_are_built_at_every_call(device):
+    """An inference tensor has no version counter: its table is never cached, so new values are always seen."""
+    from tilegen.mods.blocks import _tables
+
+    with torch.inference_mode():
+        docs = torch.tensor([0] * 30 + [1] * 15, device=device)
+        q, k, v = _inputs(1, 1, 1, 45, 45, torch.float32, device)
+        kept = len(_tables)
+        _check(q, k, v, mask_mod=library.document_mask(docs))
+        docs[20:] = 2
+        _check(q, k, v, mask_mod=library.document_mask(docs))
+        assert len(_tables) == kept

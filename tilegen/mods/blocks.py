@@ -9,7 +9,9 @@ of the full ones. A row is a (b, h, query block); a
 mod whose graph reads neither ``b`` nor ``h`` gets one row per query block, shared by every head.
 
 Tables are cached per (canonical text, captured tensors' identity and version, the sizes the mod reads,
-block sizes, device): new values written into a captured tensor (its version moves) recompute it.
+block sizes, device): new values written into a captured tensor (its version moves) recompute it. Not
+cached: tables of inference tensors (which have no version); and while a CUDA graph is captured the table
+is always built inside the graph, so that every replay rebuilds it from the tensors' values then.
 """
 
 from __future__ import annotations
@@ -186,15 +188,25 @@ def block_table(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, 
                 device) -> BlockTable:
     """The cached table of a mask mod for a call's sizes and the kernel's blocks (module docstring)."""
     reads = _reads(text)
-    key = (text, tuple((id(t), t._version) for t in tensors), batch if "b" in reads else 1,
-           heads if "h" in reads else 1, n_q, n_k, block_m, block_n, str(device))
-    hit = _tables.get(key)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    try:
+        versions = tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # an inference tensor has no version: its new values could not be told apart
+        versions = None
+    key = (text, versions, batch if "b" in reads else 1, heads if "h" in reads else 1, n_q, n_k, block_m, block_n,
+           str(device))
+    # While a CUDA graph is captured the table is built inside it, never taken from the cache: a replay then
+    # rebuilds it from the captured tensors' values of that moment (as the kernel reads them), and the graph
+    # holds no tensor the cache could drop.
+    hit = _tables.get(key) if versions is not None and not capturing else None
     # The entry holds its tensors, so an id in the key cannot be a later tensor's while the entry lives.
     if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         _tables.move_to_end(key)
         return hit[1]
     table = _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device)
-    _tables[key] = (tuple(tensors), table)
-    while len(_tables) > _KEPT:
-        _tables.popitem(last=False)
+    # One built while a graph is captured holds its values only once the graph replays: no eager call may read it.
+    if versions is not None and not capturing:
+        _tables[key] = (tuple(tensors), table)
+        while len(_tables) > _KEPT:
+            _tables.popitem(last=False)
     return table
