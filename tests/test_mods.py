@@ -347,11 +347,11 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
         spec = AttentionSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", return_lse=True,
                              score_mod=score_mod, mask_mod=mask_mod)
         constexprs = {"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False}
-        pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8"}  # the block table
     else:
         spec = VarlenAttentionSpec(head_dim=64, mask="window", dtype="bf16", score_mod=score_mod, mask_mod=mask_mod)
         constexprs = {"BLOCK_M": 64, "BLOCK_N": 32}
         pointers = {**pointers, "CuQ": "*i32", "CuK": "*i32"}
+    pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8"}  # block table
     pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
                 "softcap_scale": "fp32"}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [{**constexprs, "num_warps": 4}]}
@@ -481,3 +481,30 @@ def test_block_tables_of_inference_tensors_are_built_at_every_call(device):
         docs[20:] = 2
         _check(q, k, v, mask_mod=library.document_mask(docs))
         assert len(_tables) == kept
+
+
+@pytest.mark.parametrize("mask_mod, causal", [(library.sliding_window(7), False), (library.causal(), True)],
+                         ids=["window", "causal-and-causal-mod"])
+def test_varlen_block_table_over_the_longest_sequences_holds_for_every_one(mask_mod, causal, device):
+    """One table over max_seqlen positions (the mod reads no b), for sequences shorter than it and of unequal
+    query and key lengths: blocks skipped, the result the reference's."""
+    lengths, k_lens = [70, 3, 41], [75, 9, 41]
+    cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lengths), 2, D, generator=gen).to(device)
+    k, v = (torch.randn(sum(k_lens), 1, D, generator=gen).to(device) for _ in range(2))
+    out = torch.full_like(q, math.nan)
+    _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), out=out, return_lse=True,
+                                      causal=causal, mask_mod=mask_mod)
+    table = _last_table()
+    assert table.stride_b == table.stride_h == 0
+    assert table.count.sum() < table.count.numel() * table.indices.shape[1], "some key block must be skipped"
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), causal=causal, mask_mod=mask_mod)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, ref)[0] < TOL[torch.float32]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
