@@ -16,6 +16,7 @@ is always built inside the graph, so that every replay rebuilds it from the tens
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -130,11 +131,12 @@ def evaluate_mask(text: str, tensors, b, h, q_idx, kv_idx) -> torch.Tensor:
     return result != 0
 
 
-def _reads(text: str) -> set[str]:
+@functools.lru_cache(maxsize=256)  # read at every call, before the cache lookup
+def _reads(text: str) -> frozenset[str]:
     """The roles the mod's graph reads (the tracer dropped dead code, so a role named is a role used)."""
     graph = parse(text)
     used = {a for _, _, _, args in graph.values for a in args} | {graph.result}
-    return used & {"b", "h", "q_idx", "kv_idx"}
+    return frozenset(used & {"b", "h", "q_idx", "kv_idx"})
 
 
 def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device) -> BlockTable:
