@@ -351,6 +351,7 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
         spec = VarlenAttentionSpec(head_dim=64, mask="window", dtype="bf16", score_mod=score_mod, mask_mod=mask_mod)
         constexprs = {"BLOCK_M": 64, "BLOCK_N": 32}
         pointers = {**pointers, "CuQ": "*i32", "CuK": "*i32"}
+    pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8"}  # block table
     pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
                 "softcap_scale": "fp32"}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [{**constexprs, "num_warps": 4}]}
@@ -375,3 +376,135 @@ def test_mod_specs_are_not_tuned_yet():
         Problem.for_bucket(AttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
     with pytest.raises(NotImplementedError, match="not tuned yet"):
         VarlenProblem.for_bucket(VarlenAttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
+
+
+# Block sparsity (tilegen.mods.blocks): the key blocks a mask mod empties are skipped, its whole blocks run
+# without it. The shapes are odd so that the last query and key blocks are partial.
+def _last_table():
+    from tilegen.mods.blocks import _tables
+
+    return next(reversed(_tables.values()))[1]
+
+
+def _sparse_cases():
+    docs = torch.tensor([0] * 20 + [1] * 37 + [2] * 18)  # 75 keys and queries
+    return [
+        ("document", library.document_mask(docs), 75, 75, {}),
+        ("window", library.sliding_window(9), 75, 75, {}),
+        ("prefix-lm", library.prefix_lm(torch.tensor([21, 50])), 75, 75, {}),  # reads b: a table per batch
+        ("causal-as-mod", library.causal(), 45, 75, {}),
+        ("document-and-window", library.document_mask(docs), 75, 75, {"window": (30, 0)}),
+    ]
+
+
+@pytest.mark.parametrize("case", _sparse_cases(), ids=lambda c: c[0])
+def test_block_sparse_masks_match_the_reference_and_skip_blocks(case, device):
+    _, mask_mod, n_q, n_k, kwargs = case
+    batch = 2
+    q, k, v = _inputs(batch, 2, 1, n_q, n_k, torch.float32, device)
+    _check(q, k, v, mask_mod=mask_mod, **kwargs)
+    table = _last_table()
+    q_blocks, k_blocks = -(-n_q // table.block_m), table.indices.shape[1]
+    assert table.stride_h == 0, "a mod reading neither b nor h has one row per query block"
+    assert table.count.shape[0] == (batch if table.stride_b else 1) * q_blocks
+    assert table.count.sum() < table.count.shape[0] * k_blocks, "some key block must be skipped"
+    # The listed blocks: in key order, each non-empty; the full ones wholly kept by the mod as torch runs it.
+    qi, ki = torch.arange(n_q, device=device)[:, None], torch.arange(n_k, device=device)[None, :]
+    for row, count in enumerate(table.count.tolist()):
+        b, qb = divmod(row, q_blocks)
+        keep = mask_mod(torch.tensor(b, device=device), torch.zeros((), dtype=torch.long, device=device), qi, ki)
+        rows = keep[qb * table.block_m:(qb + 1) * table.block_m]
+        blocks = [rows[:, kb * table.block_n:(kb + 1) * table.block_n] for kb in range(k_blocks)]
+        listed = table.indices[row, :count].tolist()
+        assert listed == [kb for kb in range(k_blocks) if blocks[kb].any()]
+        assert table.full[row, :count].tolist() == [int(blocks[kb].all()) for kb in listed]
+        # The runs the kernel walks: the same blocks, each run of one kind.
+        runs = int(table.run_count[row])
+        starts, ends = table.run_start[row, :runs].tolist(), table.run_end[row, :runs].tolist()
+        assert [(kb, f) for s, e, f in zip(starts, ends, table.run_full[row, :runs].tolist()) for kb in range(s, e)] \
+            == list(zip(listed, table.full[row, :count].tolist()))
+
+
+def test_block_tables_per_head_emptied_rows_and_recomputed_when_a_tensor_changes(device):
+    """A mod reading h gets a table per head; query blocks it empties give 0 and -inf; writing into a captured
+    tensor (its version moves) recomputes the table, calling again with nothing changed reuses it."""
+    starts = torch.tensor([40, 0], device=device)
+
+    def late_rows(b, h, q_idx, kv_idx):
+        return (q_idx >= starts[h]) & (kv_idx <= q_idx)
+
+    q, k, v = _inputs(1, 2, 2, 75, 75, torch.float32, device)
+    _, lse = _check(q, k, v, mask_mod=late_rows)
+    table = _last_table()
+    assert table.stride_b == 0 and table.stride_h == table.count.shape[0] // 2
+    assert table.count[0] == 0 and torch.isneginf(lse[0, 0, :40]).all()
+    tilegen.attention(q, k, v, mask_mod=late_rows)
+    assert _last_table() is table
+    table.run_count.zero_()  # the kernel walks the table: with no block listed every row is empty
+    assert (tilegen.attention(q, k, v, mask_mod=late_rows) == 0).all()
+    starts[0] = 70
+    _, lse = _check(q, k, v, mask_mod=late_rows)
+    assert _last_table() is not table and torch.isneginf(lse[0, 0, :70]).all()
+
+
+def test_block_table_evaluates_what_the_kernel_runs(device):
+    """The host's evaluation of the canonical text: floor // and %, out-of-range reads as 0, casts."""
+    from tilegen.mods.blocks import evaluate_mask
+
+    ids = torch.tensor([3, 1, 4, 1, 5], device=device)
+
+    def mod(b, h, q_idx, kv_idx):
+        wrapped = ids[(q_idx - kv_idx) // 2] > 1  # negative and too-large indices read 0
+        return wrapped | (((q_idx - kv_idx) % 3 == 2) & (kv_idx.to(torch.float32) * 0.5 < 4.0))
+
+    text = traced(mod, "mask_mod")
+    qi, ki = torch.arange(20, device=device)[:, None], torch.arange(20, device=device)[None, :]
+    z = torch.zeros((), dtype=torch.int32, device=device)
+    got = evaluate_mask(text.canonical, text.tensors, z, z, qi.int(), ki.int())
+    d = qi - ki
+    index = torch.div(d, 2, rounding_mode="floor")
+    inside = (index >= 0) & (index < 5)
+    want = torch.where(inside, ids[index.clamp(0, 4)], 0) > 1
+    want = want | ((torch.remainder(d, 3) == 2) & (ki * 0.5 < 4.0))
+    assert torch.equal(got, want)
+
+
+def test_block_tables_of_inference_tensors_are_built_at_every_call(device):
+    """An inference tensor has no version counter: its table is never cached, so new values are always seen."""
+    from tilegen.mods.blocks import _tables
+
+    with torch.inference_mode():
+        docs = torch.tensor([0] * 30 + [1] * 15, device=device)
+        q, k, v = _inputs(1, 1, 1, 45, 45, torch.float32, device)
+        kept = len(_tables)
+        _check(q, k, v, mask_mod=library.document_mask(docs))
+        docs[20:] = 2
+        _check(q, k, v, mask_mod=library.document_mask(docs))
+        assert len(_tables) == kept
+
+
+@pytest.mark.parametrize("mask_mod, causal", [(library.sliding_window(7), False), (library.causal(), True)],
+                         ids=["window", "causal-and-causal-mod"])
+def test_varlen_block_table_over_the_longest_sequences_holds_for_every_one(mask_mod, causal, device):
+    """One table over max_seqlen positions (the mod reads no b), for sequences shorter than it and of unequal
+    query and key lengths: blocks skipped, the result the reference's."""
+    lengths, k_lens = [70, 3, 41], [75, 9, 41]
+    cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lengths), 2, D, generator=gen).to(device)
+    k, v = (torch.randn(sum(k_lens), 1, D, generator=gen).to(device) for _ in range(2))
+    out = torch.full_like(q, math.nan)
+    _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(k_lens), out=out, return_lse=True,
+                                      causal=causal, mask_mod=mask_mod)
+    table = _last_table()
+    assert table.stride_b == table.stride_h == 0
+    assert table.count.sum() < table.count.numel() * table.indices.shape[1], "some key block must be skipped"
+    cu = cu_k.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                                    cu_q.cpu(), causal=causal, mask_mod=mask_mod)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, ref)[0] < TOL[torch.float32]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4

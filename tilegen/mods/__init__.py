@@ -3,7 +3,8 @@
 A mod is a small torch function, traced once with ``torch.fx`` (``trace``), written down as a
 canonical text that the spec holds (so it enters the spec's hash, tuning key and rows), and
 lowered from that text into Triton statements that the forward templates inline (``lower``).
-``library`` holds ready-made mods.
+``blocks`` evaluates a mask mod per (query block, key block) for the dense kernel, which skips the
+blocks it empties. ``library`` holds ready-made mods.
 
 ``score_mod(score, b, h, q_idx, kv_idx) -> score`` receives the scaled logit ``q . k * scale`` in
 fp32 (as FlexAttention does); its result is softmaxed. ``mask_mod(b, h, q_idx, kv_idx) -> bool``

@@ -209,6 +209,8 @@ def mod_values(score_mod: str | None, mask_mod: str | None) -> dict:
         "mod_params": score.params + mask.params,
         "score_mod_lines": list(score.lines), "mask_mod_lines": list(mask.lines),
         "mod_helpers": sorted(score.helpers | mask.helpers),
+        # Set by the dense kernel's lowering, the one whose launch takes a block table (tilegen.mods.blocks).
+        "mask_mod_blocks": False,
     }
 
 

@@ -315,6 +315,7 @@ class ModCall:
     score_mod: str | None
     mask_mod: str | None
     tensors: tuple[torch.Tensor, ...]
+    mask_tensors: tuple[torch.Tensor, ...] = ()  # the mask mod's, the last of ``tensors``
 
 
 def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int]) -> ModCall:
@@ -330,7 +331,8 @@ def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int])
                 raise ValueError(f"{mod.kind}: captured tensor {name!r} is on {t.device}, the inputs on {device}")
         mod.check_ranges(ranges)
         tensors.extend(mod.tensors)
-    return ModCall(mods[0].canonical if mods[0] else None, mods[1].canonical if mods[1] else None, tuple(tensors))
+    return ModCall(mods[0].canonical if mods[0] else None, mods[1].canonical if mods[1] else None, tuple(tensors),
+                   mods[1].tensors if mods[1] else ())
 
 
 def refuse_training(trains: bool) -> None:

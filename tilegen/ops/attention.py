@@ -37,6 +37,7 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
+from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
@@ -160,7 +161,8 @@ def attention(
 
 def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains, score_mod, mask_mod):
     """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
-    mods), its config from the mod spec's own table, the mods' tensors passed at every launch."""
+    mods), its config from the mod spec's own table, the mods' tensors passed at every launch, and a mask mod's
+    block table for that config's blocks (tilegen.mods.blocks, cached)."""
     refuse_training(trains)
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     batch, heads, n_q, _ = q.shape
@@ -176,8 +178,13 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if math.prod(out_shape) > 0:
         config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
+        blocks = {}
+        if mods.mask_mod is not None:
+            blocks["mod_blocks"] = block_table(mods.mask_mod, mods.mask_tensors, batch, heads, n_q, n_k,
+                                               config.block_m, config.block_n, q.device)
         launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, scale=scale, softcap=softcap,
-                                window_left=left, window_right=right, mod_tensors=mods.tensors, **config.to_dict())
+                                window_left=left, window_right=right, mod_tensors=mods.tensors, **blocks,
+                                **config.to_dict())
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out

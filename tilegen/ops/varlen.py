@@ -37,6 +37,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
+from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
@@ -132,8 +133,13 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if plan.launches:
         config = _table(spec, q.device).choose(max(max_q, max_k)).config
         launch_args = {**plan.launch_args, **config.to_dict()}
+        blocks = {}
+        if mods.mask_mod is not None:
+            # Over the longest sequences' positions: valid for every shorter one (tilegen.mods.blocks).
+            blocks["mod_blocks"] = block_table(mods.mask_mod, mods.mask_tensors, cu_q.numel() - 1, q.shape[1], max_q,
+                                               max_k, config.block_m, config.block_n, q.device)
         launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, cu_q, cu_k, max_q,
-                                mod_tensors=mods.tensors, **launch_args)
+                                mod_tensors=mods.tensors, **blocks, **launch_args)
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out

@@ -25,6 +25,8 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         )
     wgmma = wgmma_unsupported(spec) is None
     return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
+            # Its launch takes the mask mod's block table: empty blocks skipped, whole ones unmasked.
+            "mask_mod_blocks": spec.mask_mod is not None,
             # Gluon names its dtypes as torch does.
             "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch.")}
 
