@@ -6,8 +6,8 @@ rejects what its CPU interpreter lets through (types, block shapes, constexpr ru
 Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` makes compilable
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
 argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
-``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` is passed as that option.
-Prints one line per compiled config; with ``"ptxas": true`` the line also gives the bytes of spill
+``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` and ``num_stages`` are passed as those options.
+Prints one line per compiled config, with its cubin's size and the shared memory it needs; with ``"ptxas": true`` the line also gives the bytes of spill
 stores ptxas reports and says whether it serialized the kernel's wgmma instructions (its C7514
 warning), assembling the PTX once more.
 """
@@ -41,7 +41,8 @@ def main(request: dict) -> None:
     for config in request["configs"]:
         config = dict(config)
         warps = config.pop("num_warps")
-        options = {"num_warps": warps, **({"launch_pdl": config.pop("launch_pdl")} if "launch_pdl" in config else {})}
+        options = {"num_warps": warps, **({"launch_pdl": config.pop("launch_pdl")} if "launch_pdl" in config else {}),
+                   **({"num_stages": config.pop("num_stages")} if "num_stages" in config else {})}
         signature = {
             name: "constexpr" if name in config else request["pointers"].get(name, "i32") for name in kernel.arg_names
         }
@@ -54,7 +55,8 @@ def main(request: dict) -> None:
                 config["num_warps"] = warps
         compiled = triton.compile(source(kernel, signature, constexprs=config), target=GPUTarget("cuda", 90, 32),
                                   options=options)
-        line = [spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"])]
+        line = [spec.name, config, warps, "cubin bytes", len(compiled.asm["cubin"]), "shared bytes",
+                compiled.metadata.shared]
         if request.get("ptxas"):
             serialized, spilled = _ptxas(compiled.asm["ptx"])
             line += ["spill stores bytes", spilled, "wgmma serialized" if serialized else "wgmma async"]

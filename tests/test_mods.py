@@ -312,6 +312,26 @@ def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
     assert FAMILY.search_space(modded, h200)["wgmma"] == [0]
 
 
+def test_a_gather_by_both_positions_takes_a_tile_that_fits_the_h200():
+    """T5's relative bias reads ``table[h, bucket(kv_idx - q_idx)]``, a gather over the whole score tile: under
+    Triton 3.6 its BM128-BN128-s3 kernel needed 288 KiB of shared memory (the H200 has 227), so its default is a
+    smaller tile; ALiBi (``slopes[h]``) and a document mask (``doc[q_idx]``, ``doc[kv_idx]``) keep the usual rule."""
+    from tilegen.device import DeviceInfo
+    from tilegen.families.attention_fwd import FAMILY
+    from tilegen.mods.lower import gathers_per_score
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
+    bias = trace(library.relative_bias(torch.randn(8, 32)), "score_mod").canonical
+    alibi = trace(library.alibi(torch.rand(8)), "score_mod").canonical
+    document = trace(library.document_mask(torch.zeros(64, dtype=torch.int32)), "mask_mod").canonical
+    assert gathers_per_score(bias) and not gathers_per_score(alibi) and not gathers_per_score(document)
+    tiles = [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
+        AttentionSpec(head_dim=128, score_mod=bias), h200)]
+    assert tiles[-1] == (128, 64, 2)
+    assert (128, 64, 2) not in [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
+        AttentionSpec(head_dim=128, score_mod=alibi), h200)]
+
+
 def _every_operation():
     keep, table, slopes, doc = torch.tensor([True, False, True]), torch.randn(3, 4).half(), torch.rand(8), torch.zeros(
         64, dtype=torch.int64)

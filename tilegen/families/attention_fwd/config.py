@@ -14,6 +14,7 @@ import triton
 from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.mods.lower import gathers_per_score
 
 __all__ = ["Config", "TileConfig", "search_space", "tile_space", "feasible", "default_rule", "has_tma", "has_wgmma",
            "wgmma_unsupported", "WGMMA_KERNELS"]
@@ -196,6 +197,11 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if spec.dtype == "fp32":
         return [(None, Config(64, 32, 4, 2))]
     dim = max(spec.head_dim, spec.dv)
+    if dim <= 128 and any(gathers_per_score(getattr(spec, f, None)) for f in ("score_mod", "mask_mod")):
+        # A gather indexed by both positions is staged through shared memory a whole score tile at a time:
+        # under Triton 3.6, T5's relative bias at d128 needs 288 KiB at BM128-BN128-s3 (the H200 has 227),
+        # 128 KiB at BM128-BN64-s2.
+        return [(256, Config(64, 32, 4, 2)), (None, Config(128, 64, 8, 2))]
     # TMA from 512 keys on: on the H200 it matched or beat pointer loads at every shape tried (d128
     # causal 1k 348 against 298 TFLOP/s, 16k 499 against 478). Up to 256 keys it was never measured;
     # small calls keep pointers in the launcher anyway (TMA_MIN_WORK), as descriptors cost host time.
