@@ -209,7 +209,8 @@ def test_split_chunks_merge_to_the_same_answer(device, monkeypatch):
 
     monkeypatch.setattr(schedule, "chunk_keys", lambda block_n, work, programs, floor: block_n)
     gen = torch.Generator().manual_seed(12)
-    cache = tree_cache(8, 2, torch.float32, device, gen)
+    # Own tails past 128 keys: split at any key block a config takes, on the interpreter's 16 or a GPU row's 128.
+    cache = tree_cache(8, 2, torch.float32, device, gen, tails=(1, 9, 140, 4, 133, 12, 1))
     q = _randn(gen, cache.batch, 4, DIM, dtype=torch.float32, device=device)
     cascade = tilegen.CascadeAttention()
     cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4, return_lse=True)
