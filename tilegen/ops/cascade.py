@@ -32,7 +32,7 @@ import torch
 
 from tilegen import dispatch, env
 from tilegen.device import device_info
-from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
+from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_cascade import CascadeSpec
 from tilegen.families.attention_cascade.problem import device_schedule
@@ -40,7 +40,7 @@ from tilegen.families.attention_cascade.schedule import HostLevel
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
-from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.tensors import check_out, refuse_grad
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
@@ -101,21 +101,11 @@ class CascadeAttention:
         dtype, the pages' unless they are FP8 (then float16, bfloat16 or float32; bfloat16 when left out)."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
-        if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
-            raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
-                             f"got {heads_q!r}")
+        check_heads_q(cache, heads_q)
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {causal!r}")
         pages = cache.k_pages
-        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
-        if pages.dtype not in SPEC_DTYPES and kv_dtype is None:
-            raise TypeError(f"cache: expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 pages, "
-                            f"got {pages.dtype}")
-        if q_dtype is None:
-            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
-        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
-            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
-                             f"for {pages.dtype} pages, got {q_dtype!r}")
+        kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         device = pages.device
         if device.type == "cpu" and not interpreting():
             raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "

@@ -22,7 +22,7 @@ import torch
 
 from tilegen import dispatch, env
 from tilegen.device import device_info
-from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
+from tilegen.dtypes import SPEC_DTYPES
 from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_decode.config import MAX_SPLITS, split_count
@@ -35,7 +35,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
-from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.tensors import check_out, refuse_grad
 
 __all__ = ["PagedDecode"]
@@ -90,9 +90,7 @@ class PagedDecode:
         """
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
-        if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
-            raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
-                             f"got {heads_q!r}")
+        check_heads_q(cache, heads_q)
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")
@@ -101,15 +99,7 @@ class PagedDecode:
         if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
             raise ValueError(f"max_seqlen_k: expected a host int >= 0, got {max_seqlen_k!r}")
         pages = cache.k_pages
-        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
-        if pages.dtype not in SPEC_DTYPES and kv_dtype is None:
-            raise TypeError(f"cache: expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 pages, "
-                            f"got {pages.dtype}")
-        if q_dtype is None:
-            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
-        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
-            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
-                             f"for {pages.dtype} pages, got {q_dtype!r}")
+        kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
         left, right = window_bounds(window, False)
         mask = mask_kind(left, right)

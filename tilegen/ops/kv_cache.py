@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tilegen import env
-from tilegen.dtypes import SPEC_KV_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 
 __all__ = ["PagedKVCache", "PAGE_SIZES"]
 
@@ -235,6 +235,30 @@ def _check_scale_values(name: str, t: torch.Tensor) -> None:
     bad = ~(torch.isfinite(t) & (t > 0))
     if bool(bad.any()):
         raise ValueError(f"{name}: expected finite positive scales, got {t.tolist()}")
+
+
+def check_heads_q(cache: PagedKVCache, heads_q) -> None:
+    """``heads_q``, as a plan over ``cache`` takes it: a positive multiple of the cache's KV heads."""
+    if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
+        raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
+                         f"got {heads_q!r}")
+
+
+def page_dtypes(cache: PagedKVCache, q_dtype: torch.dtype | None) -> tuple[str | None, torch.dtype]:
+    """``(kv_dtype, q_dtype)`` of a plan over ``cache``: the FP8 format of its pages (None for 16- and
+    32-bit pages), and the query's dtype, which is the pages' unless they are FP8 (then float16,
+    bfloat16 or float32; bfloat16 when left out)."""
+    pages = cache.k_pages
+    kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
+    if pages.dtype not in SPEC_DTYPES and kv_dtype is None:
+        raise TypeError(f"cache: expected float16, bfloat16, float32, float8_e4m3fn or float8_e5m2 pages, "
+                        f"got {pages.dtype}")
+    if q_dtype is None:
+        q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
+    if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
+        raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
+                         f"for {pages.dtype} pages, got {q_dtype!r}")
+    return kv_dtype, q_dtype
 
 
 def _describe(t: object) -> str:

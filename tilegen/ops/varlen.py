@@ -41,7 +41,7 @@ from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
@@ -241,19 +241,12 @@ class PagedAttention:
         if cu_seqlens_q.numel() != cache.batch + 1:
             raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.numel()} entries, but the cache's page table has "
                              f"{cache.batch} sequences (expected {cache.batch + 1})")
-        if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
-            raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
-                             f"got {heads_q!r}")
+        check_heads_q(cache, heads_q)
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
             raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
         pages = cache.k_pages
-        kv_dtype = SPEC_KV_DTYPES.get(pages.dtype)
-        if q_dtype is None:
-            q_dtype = torch.bfloat16 if kv_dtype else pages.dtype
-        if (q_dtype not in SPEC_DTYPES) if kv_dtype else (q_dtype != pages.dtype):
-            raise ValueError(f"q_dtype: expected {'float16, bfloat16 or float32' if kv_dtype else pages.dtype} "
-                             f"for {pages.dtype} pages, got {q_dtype!r}")
+        kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         seq_lens = cache.seq_lens()
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cache.batch else 0
