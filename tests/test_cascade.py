@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_varlen import paged_reference
 
 import tilegen
@@ -89,12 +91,12 @@ def test_derived_levels_share_only_what_is_shared(device):
     gen = torch.Generator().manual_seed(3)
     cache = tree_cache(8, 1, torch.float32, device, gen)
     root, deep, own = tilegen.cascade_levels(cache)
-    # Root: sequences 0-4 (five tokens) over 3 pages, 5 alone without pages, 6 shares the root as well
-    # but is not a neighbour of 0-4 past the unrelated sequence 5: its pages stay its own.
-    assert root.qo_indptr.tolist() == [0, 5, 7]
-    assert root.kv_indptr.tolist() == [0, 3, 3]
-    assert deep.qo_indptr.tolist() == [0, 3, 5, 7]
-    assert deep.kv_indptr.tolist() == [0, 2, 3, 3]
+    # Root: sequences 0-4 (five tokens) over 3 pages, then 5 and 6 each in a node without pages: 6 lists the
+    # root's pages too, but is not a neighbour of 0-4 past the unrelated sequence 5, so they stay its own.
+    assert root.qo_indptr.tolist() == [0, 5, 6, 7]
+    assert root.kv_indptr.tolist() == [0, 3, 3, 3]
+    assert deep.qo_indptr.tolist() == [0, 3, 5, 6, 7]
+    assert deep.kv_indptr.tolist() == [0, 2, 3, 3, 3]
     assert own.qo_indptr.tolist() == list(range(8))
     pages = (cache.indptr[1:] - cache.indptr[:-1]).tolist()
     shared = [5, 5, 5, 4, 4, 0, 0]
@@ -180,7 +182,7 @@ def test_a_level_over_requests_that_do_not_hold_it_is_refused_in_debug(device, m
     cache = tree_cache(8, 1, torch.float32, device, gen)
     root, deep, own = _levels(cache)
     # The deeper node of sequences 0-2 claims sequence 3 too, which holds other pages there.
-    deep = tilegen.CascadeLevel(torch.tensor([0, 4, 5, 7], dtype=torch.int32, device=device), deep.kv_indptr,
+    deep = tilegen.CascadeLevel(torch.tensor([0, 4, 5, 6, 7], dtype=torch.int32, device=device), deep.kv_indptr,
                                 deep.kv_indices, deep.kv_last_page_len)
     with pytest.raises(ValueError, match=r"sequence 3's pages through the levels"):
         tilegen.CascadeAttention().plan(cache, [root, deep, own], heads_q=2)
@@ -256,3 +258,51 @@ def test_tuning_problem_checks_fp8_and_causal(device):
         config = family.default_rule(spec, problem.device)[0][1]
         assert measure(problem, config, 0)["status"] == "ok"
         assert measure(problem, config, 0, perturb=True)["status"] == "wrong"
+
+
+@st.composite
+def _shared_batches(draw):
+    """A batch of sequences that share runs of pages with their neighbours: each sequence starts by
+    re-listing the first pages of the one before it (any number of them, none included), then adds pages
+    and a partial last page of its own."""
+    page_size = draw(st.sampled_from([1, 8]))
+    batch = draw(st.integers(1, 5))
+    sequences, lasts = [], []
+    next_page = 0
+    for b in range(batch):
+        prev = sequences[-1] if sequences else []
+        full_prev = prev if not prev or lasts[-1] == page_size else prev[:-1]
+        keep = draw(st.integers(0, len(full_prev)))
+        own = draw(st.integers(0 if keep else 1, 3))
+        pages = full_prev[:keep] + list(range(next_page, next_page + own))
+        next_page += own
+        sequences.append(pages)
+        lasts.append(draw(st.integers(1, page_size)) if own else page_size)
+    return page_size, sequences, lasts, draw(st.integers(1, 3)), draw(st.booleans())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_shared_batches())
+def test_any_shared_batch_matches_decode_over_its_page_tables(case, device):
+    """Whatever the neighbours share, the derived levels give the answer of each sequence over its whole
+    page list (the float64 reference on gathered pages)."""
+    page_size, sequences, lasts, group, fp32 = case
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    gen = torch.Generator().manual_seed(len(sequences) * 31 + page_size)
+    num_pages = max([p for s in sequences for p in s], default=0) + 2
+    k_pages = _randn(gen, num_pages, page_size, 1, DIM, dtype=dtype, device=device)
+    v_pages = _randn(gen, num_pages, page_size, 1, DIM, dtype=dtype, device=device)
+    indptr = [0]
+    for s in sequences:
+        indptr.append(indptr[-1] + len(s))
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cache = tilegen.PagedKVCache(k_pages, v_pages, ints(indptr), ints([p for s in sequences for p in s]), ints(lasts))
+    q = _randn(gen, cache.batch, group, DIM, dtype=dtype, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=group, return_lse=True)
+    out, lse = cascade.run(q, cache)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    _check(out, lse, ref, ref_lse, dtype)

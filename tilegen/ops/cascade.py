@@ -253,14 +253,19 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
         q_ptr.append(q_ptr[-1] + n)
     levels = []
     for tier in tiers:
-        # The nodes of this depth, with a pageless node over each run of sequences between them.
+        # The nodes of this depth, and a pageless node for each sequence between them: one node over several
+        # such sequences could span two nodes of the depth above.
         qo, kv, pages, last_len = [0], [0], [], []
-        b = 0
-        for first, end, page, stop in tier:
-            if first > b:
-                qo.append(q_ptr[first])
+
+        def pageless(first: int, end: int) -> None:
+            for s in range(first, end):
+                qo.append(q_ptr[s + 1])
                 kv.append(kv[-1])
                 last_len.append(0)
+
+        b = 0
+        for first, end, page, stop in tier:
+            pageless(b, first)
             pages.extend(seqs[first][page:stop])
             qo.append(q_ptr[end])
             kv.append(len(pages))
@@ -268,10 +273,7 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
             for s in range(first, end):
                 consumed[s] = stop
             b = end
-        if b < batch:
-            qo.append(q_ptr[batch])
-            kv.append(kv[-1])
-            last_len.append(0)
+        pageless(b, batch)
         levels.append((qo, kv, pages, last_len))
     own_kv, own_pages = [0], []
     for b in range(batch):
