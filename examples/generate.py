@@ -52,6 +52,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before tilegen imports Triton
 
 import tilegen  # noqa: E402
+from tilegen.dtypes import KV_DTYPES  # noqa: E402
 from tilegen.env import interpreting  # noqa: E402
 from tilegen.ops.kv_cache import PAGE_SIZES  # noqa: E402
 
@@ -552,9 +553,6 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
-
-
-KV_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -22,6 +22,7 @@ import triton
 
 import tilegen
 from tilegen.families import relative_error
+from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.mods import library
 
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
@@ -60,23 +61,6 @@ def _pairs(mask_mod) -> float:
     return float(keep.expand(B, N, N).sum())
 
 
-def _reference(q, k, v, score_mod, mask_mod):
-    """Float32 attention over the full score matrix with the mods applied, one batch at a time."""
-    group = HQ // HKV
-    out = torch.empty_like(q)
-    qi, ki = torch.arange(N, device="cuda")[:, None], torch.arange(N, device="cuda")[None, :]
-    for b in range(B):
-        for h in range(HQ):
-            s = (q[b, h].float() @ k[b, h // group].float().T) * D ** -0.5
-            bt, ht = torch.tensor(b, device="cuda"), torch.tensor(h, device="cuda")
-            if score_mod is not None:
-                s = score_mod(s, bt, ht, qi, ki)
-            if mask_mod is not None:
-                s = s.masked_fill(~mask_mod(bt, ht, qi, ki), float("-inf"))
-            out[b, h] = (torch.softmax(s, -1).nan_to_num(0.0) @ v[b, h // group].float()).to(q.dtype)
-    return out
-
-
 def case(name, score_mod, mask_mod, builtin, q, k, v) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -94,7 +78,8 @@ def case(name, score_mod, mask_mod, builtin, q, k, v) -> dict:
         row["flex us"] = _bench(lambda: flex(q, k, v, **kwargs)) * 1e3
     except Exception as e:  # reported; tilegen is then checked against the float32 reference instead
         row["flex us"] = f"{type(e).__name__}: {str(e)[:600]}"
-        expected = _reference(q, k, v, score_mod, mask_mod)
+        expected = attention_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
+                                       compute_dtype=torch.float32)[0].to(q.dtype)
     try:
         out = tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
         error = relative_error(out.float(), expected.float())[0]

@@ -11,6 +11,4 @@ __all__ = ["lower"]
 
 
 def lower(spec: CascadeSpec) -> dict[str, Any]:
-    return {**attention_values(spec), "layout": "paged", "page_size": spec.page_size,
-            "kv_fp8": spec.kv_dtype is not None,
-            "fp8_dot_fp16": spec.kv_dtype is not None and spec.dtype == "bf16"}
+    return {**attention_values(spec), "layout": "paged", "page_size": spec.page_size}

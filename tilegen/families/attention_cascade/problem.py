@@ -82,9 +82,6 @@ class CascadeProblem(base.Problem):
     def softcap(self) -> float | None:
         return _SOFTCAP if self.spec.softcap else None
 
-    def levels(self, inputs: dict) -> list[HostLevel]:
-        return inputs["levels"]
-
     def inputs(self, seed: int) -> dict:
         device = "cuda" if self.on_gpu else "cpu"
         gen = torch.Generator(device).manual_seed(seed)

@@ -60,8 +60,8 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
              config: CascadeConfig, sm_count: int) -> Schedule:
     """The work list of ``levels`` (the last one is the per-request level) for ``tokens`` query tokens."""
     last = len(levels) - 1
-    own_tokens = max((lv.qo_indptr[n + 1] - lv.qo_indptr[n] for lv in levels[last:]
-                      for n in range(len(lv.qo_indptr) - 1)), default=1)
+    qo = levels[last].qo_indptr
+    own_tokens = max((b - a for a, b in zip(qo, qo[1:])), default=1)
     own_m = own_block_m(q_per_kv, own_tokens)
     nodes = []  # (level, page start, keys, first token, tokens)
     page_offset = 0

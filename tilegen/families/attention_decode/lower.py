@@ -12,5 +12,4 @@ __all__ = ["lower"]
 
 def lower(spec: DecodeSpec) -> dict[str, Any]:
     return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size,
-            "q_tokens": spec.q_tokens, "kv_fp8": spec.kv_dtype is not None,
-            "fp8_dot_fp16": spec.kv_dtype is not None and spec.dtype == "bf16"}
+            "q_tokens": spec.q_tokens}

@@ -45,8 +45,10 @@ def attention_values(spec) -> dict[str, Any]:
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
         # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
         "tma": False,
-        # FP8 pages (the paged families' kv_dtype): loaded as fp8, converted to the query's dtype.
-        "kv_fp8": False,
+        # FP8 pages (the paged families' kv_dtype): loaded as fp8 and widened for the dots, in fp16 for a
+        # bf16 query (common/kv_fp8_query). Families whose specs have no kv_dtype read none.
+        "kv_fp8": getattr(spec, "kv_dtype", None) is not None,
+        "fp8_dot_fp16": getattr(spec, "kv_dtype", None) is not None and spec.dtype == "bf16",
         # Families whose specs have no mods render none.
         **mod_values(getattr(spec, "score_mod", None), getattr(spec, "mask_mod", None)),
     }

@@ -15,7 +15,5 @@ def lower(spec: VarlenAttentionSpec) -> dict[str, Any]:
         raise NotImplementedError("score_mod/mask_mod: paged KV (tilegen.PagedAttention) takes no mods yet; "
                                   "tilegen.varlen_attention over ragged KV does")
     return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size,
-            "kv_fp8": spec.kv_dtype is not None,
-            "fp8_dot_fp16": spec.kv_dtype is not None and spec.dtype == "bf16",
             # Its launch takes the mask mod's block table, over the longest sequences' positions.
             "mask_mod_blocks": spec.mask_mod is not None}
