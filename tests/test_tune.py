@@ -793,3 +793,35 @@ def test_the_bookkeeping_benchmark_times_a_grid_of_instant_trials():
     bad = subprocess.run([sys.executable, "-m", "tilegen.bench.bookkeeping", "--dbs", "mysql"],
                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--dbs: expected sqlite and/or postgresql, got 'mysql'" in bad.stderr
+
+
+def _take_queued(db_path: str, study_name: str, results, count: int) -> None:
+    from tilegen.tuning.tuner import _storage
+
+    optuna.logging.set_verbosity(optuna.logging.CRITICAL)
+    with TuningDB(db_path) as tdb:
+        storage, _ = _storage(tdb, 60)
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        results.put([study._pop_waiting_trial_id() for _ in range(count)])
+
+
+def test_processes_taking_queued_trials_never_take_one_twice(tmp_path):
+    """Optuna takes a queued trial by a read and a write; on SQLite three processes taking them at once
+    took some twice (300 queued, 315-318 taken) until the studies' lock made the take one step."""
+    import multiprocessing
+
+    db = tmp_path / "tuning.sqlite"
+    with TuningDB(db) as tdb:
+        study = optuna.create_study(study_name="queue", storage=optuna.storages.RDBStorage(
+            tdb.studies_url(), engine_kwargs=tdb.studies_engine()))
+        for x in range(150):
+            study.enqueue_trial({"x": x})
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    procs = [context.Process(target=_take_queued, args=(str(db), "queue", results, 150)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    taken = [t for _ in procs for t in results.get(timeout=120) if t is not None]
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(taken) == sorted({t._trial_id for t in study.get_trials(deepcopy=False)}), Counter(taken).most_common(3)

@@ -712,6 +712,21 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
             beat(trial_id)
 
     storage.record_heartbeat = record_heartbeat
+    if not db.is_server:
+        # Optuna takes a queued trial by reading that it is WAITING and then writing RUNNING, and
+        # counts on the read's FOR UPDATE to make the two one step. SQLite's dialect drops FOR
+        # UPDATE and its driver begins the transaction only at the write, so two processes could
+        # both take one trial and the second's result meet "Cannot tell a COMPLETE trial". The
+        # studies' file lock makes the take one step; a server's FOR UPDATE already does.
+        set_state = storage.set_trial_state_values
+
+        def set_trial_state_values(trial_id, state, values=None):
+            if state != optuna.trial.TrialState.RUNNING:
+                return set_state(trial_id, state, values)
+            with db.studies_lock():
+                return set_state(trial_id, state, values)
+
+        storage.set_trial_state_values = set_trial_state_values
     return storage, retry
 
 
