@@ -26,6 +26,7 @@ from tilegen.families import BUILTIN, families, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
 from tilegen.layers import LAYER_FAMILY
+from tilegen.tuning.interrupt import interrupt
 
 _GPU_TRIALS = 30
 _INTERPRETER_TRIALS = 6
@@ -141,9 +142,9 @@ def _interrupts():
     Yields the signals received, newest last."""
     received: list[int] = []
 
-    def on_signal(signum, _frame):
+    def on_signal(signum, frame):
         received.append(signum)
-        raise KeyboardInterrupt
+        interrupt(frame)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:

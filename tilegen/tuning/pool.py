@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
+from tilegen.tuning.interrupt import interrupt
 
 if TYPE_CHECKING:  # the tune processes import this module first thing: the tuner, with Optuna, comes later
     from tilegen.tuning.tuner import Reporter
@@ -322,13 +323,13 @@ def _work(slot: int | None, index: int, events, plans, level: int = logging.WARN
 _asked_to_stop = False
 
 
-def _stop(signum, _frame) -> None:
+def _stop(signum, frame) -> None:
     """The parent asks this tune process to stop: once, as Ctrl-C would (the tuner queues its trial
     in flight again on ``KeyboardInterrupt``)."""
     global _asked_to_stop
     _asked_to_stop = True
     signal.signal(signum, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    interrupt(frame)
 
 
 def _tune(slot: int | None, index: int, events, plans, level: int, share: int, compile_ahead: int | None) -> int:
