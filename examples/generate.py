@@ -29,7 +29,9 @@ The command times, per batch size, the engine and transformers' own ``model.gene
 static cache, which transformers compiles with ``torch.compile`` on a GPU, else a dynamic cache:
 the JSON says which ran) on the same prompts in the same run, whole generation runs timed with CUDA
 events after a warm-up run, and reports the share of generated tokens identical to transformers'
-greedy output (the first 32 per request, and all).
+greedy output (the first 32 per request, and all). With ``--kv-dtype`` it also serves the same
+requests over FP8 pages, and compares their logits with the unquantized cache's teacher-forced (both fed
+the unquantized cache's greedy tokens, so every step sees the same context).
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class Request:
     reserved: int = 0  # pages reserved for the whole request (taken from the free list as it grows)
     joined: int | None = None  # the step it was prefilled at
     finished: int | None = None  # the step it finished at
+    # Teacher forcing: the tokens fed back instead of the engine's own argmax (output then holds these).
+    forced: list[int] | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # each step's, with the engine's keep_logits
 
 
 class _Bucket:
@@ -110,6 +115,9 @@ class _Bucket:
         # sequences grow, so the plan (and a graph of it) serves every step of this batch size.
         self.decode.plan(self.caches[0], heads_q=engine.heads, max_seqlen_k=engine.max_seq_len, q_dtype=engine.dtype)
         self.next = torch.zeros(size, dtype=torch.int64, device=device)
+        # A static buffer, so that a captured step writes it too.
+        self.logits = torch.zeros(size, engine.vocab, dtype=engine.dtype, device=device) if engine.keep_logits \
+            else None
         self.graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -132,12 +140,14 @@ class Engine:
         kv_dtype: the pages' dtype when not the model's: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``,
             quantized by ``append_kv`` with one scale per tensor, ``kv_scale`` (vLLM's default of 1.0 when
             nothing is calibrated).
+        keep_logits: keep every step's logits in each request's ``logits`` (on the device, in the model's
+            dtype), to compare two caches' logits over the same tokens (``Request.forced``).
     """
 
     def __init__(self, model, *, page_size: int = 16, num_pages: int | None = None, max_batch: int = 8,
                  max_seq_len: int | None = None, prefill_tokens: int = 16384, buckets=None,
                  cuda_graphs: bool | None = None, eos_token_id: int | None = None,
-                 kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0):
+                 kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0, keep_logits: bool = False):
         inner = model.model
         config = model.config
         rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -170,6 +180,7 @@ class Engine:
             raise ValueError(f"num_pages: expected at least 1, got {self.num_pages}")
         self.prefill_tokens = prefill_tokens
         self.eos_token_id = eos_token_id
+        self.keep_logits = keep_logits
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs: the model is not on a CUDA device")
@@ -213,6 +224,10 @@ class Engine:
         if held > self.max_seq_len:
             raise ValueError(f"prompt: {n} tokens and max_new_tokens {request.max_new_tokens} need {held} cache "
                              f"positions, past the engine's capacity of {self.max_seq_len} per sequence")
+        if request.forced is not None and len(request.forced) < request.max_new_tokens:
+            raise ValueError(f"forced: {len(request.forced)} tokens for max_new_tokens {request.max_new_tokens}")
+        if request.forced is not None and any(not 0 <= int(t) < self.vocab for t in request.forced):
+            raise ValueError(f"forced: token ids outside the vocabulary of {self.vocab}")
         if self._pages_for(held) > self.num_pages:
             raise ValueError(f"prompt: {n} tokens and max_new_tokens {request.max_new_tokens} need "
                              f"{self._pages_for(held)} pages, past the cache capacity of {self.num_pages} pages of "
@@ -243,6 +258,7 @@ class Engine:
         for r in requests:
             self.check(r)
             r.output, r.pages, r.length, r.reserved, r.joined, r.finished = [], [], 0, 0, None, None
+            r.logits = []
         self.stats = {"steps": 0, "prefills": 0, "decode_steps": 0, "graph_replays": 0, "padded_slots": 0,
                       "peak_pages": 0}  # of this call
         self.page_log = []
@@ -266,13 +282,13 @@ class Engine:
             if admitted:
                 first = self._prefill(admitted, [index[id(r)] for r in admitted])
                 for r, token in zip(admitted, first):
-                    r.output.append(token)
+                    r.output.append(_fed(r, token))
                 running += admitted
             running = self._retire(running, step)
             if running:
                 tokens = self._decode(running, [index[id(r)] for r in running])
                 for r, token in zip(running, tokens):
-                    r.output.append(token)
+                    r.output.append(_fed(r, token))
                 running = self._retire(running, step)
             step += 1
         self.stats["steps"] = step
@@ -342,7 +358,11 @@ class Engine:
         for layer, cache in zip(self.layers, caches):
             h = self._layer(layer, h, cos, sin, cache, attend)
         ends = cu[1:].to(torch.int64) - 1
-        return self._logits(h[ends]).argmax(-1).tolist()
+        logits = self._logits(h[ends])
+        if self.keep_logits:
+            for r, row in zip(admitted, logits):
+                r.logits.append(row)
+        return logits.argmax(-1).tolist()
 
     def _bucket(self, batch: int) -> _Bucket:
         size = next(b for b in self.buckets if b >= batch)
@@ -363,7 +383,10 @@ class Engine:
         cos, sin = self.cos.index_select(0, b.positions), self.sin.index_select(0, b.positions)
         for layer, cache in zip(self.layers, b.caches):
             h = self._layer(layer, h, cos, sin, cache, attend)
-        b.next.copy_(self._logits(h).argmax(-1))
+        logits = self._logits(h)
+        b.next.copy_(logits.argmax(-1))
+        if b.logits is not None:
+            b.logits.copy_(logits)
 
     def _capture(self, b: _Bucket) -> None:
         # Warm up on a side stream (Triton compiles, the plans' first launches choose their configs), then
@@ -428,7 +451,15 @@ class Engine:
             self.stats["graph_replays"] += 1
         else:
             self._decode_step(b)
+        if b.logits is not None:
+            for r, row in zip(running, b.logits.clone()):
+                r.logits.append(row)
         return b.next[:len(running)].tolist()
+
+
+def _fed(r: Request, token: int) -> int:
+    """The token ``r`` feeds back: its forced one, else the engine's own."""
+    return token if r.forced is None else int(r.forced[len(r.output)])
 
 
 # --------------------------------------------------------------------- the command
@@ -492,6 +523,29 @@ def match_share(ours: list[list[int]], ref: list[list[int]], first: int | None =
     return same / total if total else float("nan")
 
 
+#: Most bytes the teacher-forced comparison keeps in logits (both runs', in the model's dtype).
+_LOGIT_BYTES = 4 << 30
+
+
+def logit_agreement(model, prompts: list[list[int]], new: int, kv_dtype: torch.dtype, **engine_args) -> dict:
+    """Teacher-forced comparison of a quantized cache with the model's own: the unquantized cache's greedy
+    tokens are fed to both, so every step sees the same context, and each (request, step) gives whether the
+    quantized cache's top-1 token is the unquantized one's and max |logit difference| / max |logit|."""
+    runs = []
+    for kv in (None, kv_dtype):
+        forced = [None] * len(prompts) if not runs else [r.output for r in runs[0]]
+        requests = [Request(p, new, forced=f) for p, f in zip(prompts, forced)]
+        Engine(model, kv_dtype=kv, keep_logits=True, **engine_args).generate(requests)
+        runs.append(requests)
+    same, errors = 0, []
+    for ref, got in zip(*runs):
+        a, b = torch.stack(ref.logits).float(), torch.stack(got.logits).float()
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        errors += ((b - a).abs().amax(-1) / a.abs().amax(-1)).tolist()
+    return {"requests": len(prompts), "steps": new, "top1_agreement": same / len(errors),
+            "rel_error_median": statistics.median(errors), "rel_error_max": max(errors)}
+
+
 def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(args.seed + batch)
     vocab = model.config.vocab_size
@@ -544,6 +598,14 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
                       "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                            for x, y in zip(quantized, ours)]}
         del fp8
+        logit_bytes = 2 * batch * new * model.config.vocab_size * torch.finfo(model.dtype).bits // 8
+        if logit_bytes <= _LOGIT_BYTES:
+            row["fp8"]["teacher_forced"] = logit_agreement(
+                model, plist, new, KV_DTYPES[args.kv_dtype], page_size=args.page_size, max_batch=batch,
+                max_seq_len=prompt_len + new, prefill_tokens=max(args.prefill_tokens, prompt_len),
+                cuda_graphs=engine.cuda_graphs)
+        else:
+            row["fp8"]["teacher_forced"] = {"skipped": f"{logit_bytes / 2**30:.1f} GiB of logits"}
     if ref is not None:
         row["match_first32"] = match_share(ours, ref, 32)
         row["match_all"] = match_share(ours, ref)
@@ -576,6 +638,13 @@ def _print_table(rows: list[dict]) -> None:
             print(f"      {f['kv_dtype']} pages: {f['tokens_per_s']:.1f} tok/s, greedy tokens identical to the "
                   f"unquantized cache's: {f['match_first32_vs_unquantized']:.3f} of the first 32, "
                   f"{f['match_all_vs_unquantized']:.3f} of all")
+            t = f["teacher_forced"]
+            if "skipped" in t:
+                print(f"      teacher-forced logits: skipped ({t['skipped']})")
+            else:
+                print(f"      teacher-forced over {t['steps']} steps x {t['requests']} requests: top-1 agreement "
+                      f"{t['top1_agreement']:.4f}, max |logit error| / max |logit| median {t['rel_error_median']:.2e}, "
+                      f"worst {t['rel_error_max']:.2e}")
         for e in ours["graph_errors"]:
             print(f"      CUDA graph: {e}")
         for e in r.get("hf_errors", []):
@@ -599,7 +668,8 @@ def main(argv=None) -> int:
                         help="transformers' cache: auto tries static (compiled on a GPU), then dynamic")
     parser.add_argument("--no-graphs", action="store_true", help="decode steps eagerly, without CUDA graphs")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
-                        help="also generate over FP8 pages (scale 1.0) and report their greedy agreement")
+                        help="also generate over FP8 pages (scale 1.0) and report their greedy agreement, and, "
+                        "teacher-forced on the unquantized cache's tokens, their logits' top-1 agreement and error")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)

@@ -165,3 +165,23 @@ def test_fp8_pages_serve_the_same_requests(served):
     quantized = engine.generate([gen.Request(p, n, a) for p, n, a in zip(prompts, NEW, ARRIVAL)])
     assert [len(o) for o in quantized] == list(NEW)
     assert gen.match_share(quantized, outputs) >= 0.75
+
+
+def test_teacher_forced_logits_compare_two_caches_over_the_same_tokens(served):
+    """The FP8 report's machinery: forced tokens are what each request feeds back, every step's logits are
+    kept, and FP8 pages' logits differ from the unquantized cache's within FP8's precision."""
+    model, _, _, outputs, _ = served
+    prompts = _prompts(LENGTHS[:2])
+    args = dict(page_size=8, num_pages=6, max_batch=2, max_seq_len=32, buckets=(2,))
+    forced = [[(t + 1) % model.config.vocab_size for t in o] for o in outputs[:2]]  # not the argmax
+    requests = [gen.Request(p, n, forced=f) for p, n, f in zip(prompts, NEW[:2], forced)]
+    outs = gen.Engine(model, keep_logits=True, **args).generate(requests)
+    assert outs == [f[:n] for f, n in zip(forced, NEW[:2])]
+    assert [len(r.logits) for r in requests] == list(NEW[:2])
+    assert all(row.shape == (model.config.vocab_size,) and torch.isfinite(row).all() for r in requests
+               for row in r.logits)
+    fp8 = gen.logit_agreement(model, prompts, 3, torch.float8_e4m3fn, **args)
+    assert fp8["requests"] == 2 and fp8["steps"] == 3
+    assert 0 < fp8["rel_error_median"] < 0.25 and 0.5 <= fp8["top1_agreement"] <= 1
+    with pytest.raises(ValueError, match="forced"):
+        gen.Engine(model, **args).generate([gen.Request(prompts[0], 3, forced=[1])])
