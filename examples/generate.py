@@ -587,11 +587,11 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
         # The same requests over FP8 pages: speed, and greedy agreement with the unquantized cache's tokens.
         fp8 = Engine(model, page_size=args.page_size, max_batch=batch, max_seq_len=prompt_len + new,
                      prefill_tokens=max(args.prefill_tokens, prompt_len), cuda_graphs=engine.cuda_graphs,
-                     kv_dtype=KV_DTYPES[args.kv_dtype])
+                     kv_dtype=KV_DTYPES[args.kv_dtype], kv_scale=args.kv_scale)
         fp8.warmup()
         quantized = fp8.generate([Request(p, new) for p in plist])
         times = time_runs(lambda: fp8.generate([Request(p, new) for p in plist]), device, args.runs)
-        row["fp8"] = {"kv_dtype": args.kv_dtype, "s": statistics.median(times),
+        row["fp8"] = {"kv_dtype": args.kv_dtype, "kv_scale": args.kv_scale, "s": statistics.median(times),
                       "tokens_per_s": batch * new / statistics.median(times),
                       "match_first32_vs_unquantized": match_share(quantized, ours, 32),
                       "match_all_vs_unquantized": match_share(quantized, ours),
@@ -603,7 +603,7 @@ def bench_batch(model, batch: int, prompt_len: int, new: int, args, device: torc
             row["fp8"]["teacher_forced"] = logit_agreement(
                 model, plist, new, KV_DTYPES[args.kv_dtype], page_size=args.page_size, max_batch=batch,
                 max_seq_len=prompt_len + new, prefill_tokens=max(args.prefill_tokens, prompt_len),
-                cuda_graphs=engine.cuda_graphs)
+                cuda_graphs=engine.cuda_graphs, kv_scale=args.kv_scale)
         else:
             row["fp8"]["teacher_forced"] = {"skipped": f"{logit_bytes / 2**30:.1f} GiB of logits"}
     if ref is not None:
@@ -670,6 +670,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="also generate over FP8 pages (scale 1.0) and report their greedy agreement, and, "
                         "teacher-forced on the unquantized cache's tokens, their logits' top-1 agreement and error")
+    parser.add_argument("--kv-scale", type=float, default=1.0,
+                        help="the FP8 pages' scale (one per tensor; default 1.0, vLLM's when nothing is calibrated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -686,6 +688,8 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     args.page_size = args.page_size or (16 if on_gpu else 8)
     args.runs = args.runs or (3 if on_gpu else 1)
+    if not (0 < args.kv_scale < math.inf):
+        raise SystemExit(f"--kv-scale: expected a finite positive number, got {args.kv_scale}")
     if min(batches) < 1 or prompt_len < 1 or new < 1 or layers < 1 or args.runs < 1:
         raise SystemExit("--batch, --prompt, --new, --layers, --runs: expected positive numbers")
     dims = TINY if args.tiny or not on_gpu else LLAMA3_8B
