@@ -206,6 +206,27 @@ def test_public_op_writes_every_element(request, monkeypatch, case, device):
     check_against_reference(out, lse, q, k, v, **case.mask_kwargs())
 
 
+@pytest.mark.parametrize("n_q, n_k, kwargs", [
+    (70, 90, {"causal": True}),  # the dense kernel, GQA, a separate V dim
+    (3, 33, {"window": (5, 0), "softcap": 20.0}),  # the decode route
+    (0, 9, {}),
+])
+def test_seq_major_output_is_written_in_place_of_every_element(device, monkeypatch, n_q, n_k, kwargs):
+    """attention_seq_major: a contiguous [batch, n_q, heads, dv] output, every element written (the buffer is
+    NaN when the kernel starts), equal to the op's output transposed; the second call takes the cached plan."""
+    case = Case(n_q, n_k, dtype="bf16", head_dim=64, head_dim_v=32, heads_q=4, heads_kv=2, batch=2)
+    q, k, v = case.inputs(device)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(attention_module.torch, "empty_like", lambda t: empty_like(t).fill_(math.nan))
+    for _ in range(2):
+        out = attention_module.attention_seq_major(q, k, v, **kwargs)
+        assert out.shape == (2, n_q, 4, 32) and out.is_contiguous()
+        monkeypatch.undo()
+        want = tilegen.attention(q, k, v, **kwargs).transpose(1, 2)
+        monkeypatch.setattr(attention_module.torch, "empty_like", lambda t: empty_like(t).fill_(math.nan))
+        assert not torch.isnan(out).any() and torch.equal(out, want)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
 def test_out_argument_is_written_and_returned(device, layout):
     case = Case(70, 90, dtype="bf16", causal=True, head_dim=64, head_dim_v=32, heads_q=4, heads_kv=2)

@@ -69,11 +69,12 @@ class _Calls:
 
     def __init__(self, monkeypatch):
         self.ops = []
-        for name in ("attention", "varlen_attention"):
+        # The dense calls go through attention_seq_major (tilegen.attention writing transformers' layout).
+        for name, op in (("attention_seq_major", "attention"), ("varlen_attention", "varlen_attention")):
             real = getattr(tilegen_hf, name)
 
-            def spy(*args, _real=real, _name=name, **kwargs):
-                self.ops.append(_name)
+            def spy(*args, _real=real, _op=op, **kwargs):
+                self.ops.append(_op)
                 return _real(*args, **kwargs)
 
             monkeypatch.setattr(tilegen_hf, name, spy)

@@ -107,13 +107,13 @@ def test_llama_trains_with_tilegen_attention_at_the_bf16_noise_floor(monkeypatch
     for impl in ("eager", "sdpa", "tilegen"):
         calls = []
         if impl == "tilegen":
-            real = tilegen_hf.attention
+            real = tilegen_hf.attention_seq_major
 
             def counting(*args, **kwargs):
                 calls.append(kwargs["causal"])
                 return real(*args, **kwargs)
 
-            monkeypatch.setattr(tilegen_hf, "attention", counting)
+            monkeypatch.setattr(tilegen_hf, "attention_seq_major", counting)
         loss, grads = _loss_and_grads(_model(impl, state, torch.bfloat16), ids)
         if impl == "tilegen":
             # tilegen ran every layer, causal: the model did not fall back to another implementation.

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tilegen.ops.attention import attention
+from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.varlen import varlen_attention
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
@@ -70,12 +70,9 @@ _EMPTY: Any = {}  # a missing instance dict, and the marker of a missing attribu
 
 
 def _dense(query, key, value, causal, window, softcap, scale) -> torch.Tensor:
-    """``tilegen.attention`` in transformers' output layout ``[batch, n_q, heads, head_dim_v]``. The op lays
-    its output out as ``query`` (``empty_like``), and transformers hands over ``query`` as a transposed view
-    of its ``[batch, n, heads, head_dim]`` projection: the transpose back is then contiguous already, and
-    only another layout pays for a copy."""
-    out = attention(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale).transpose(1, 2)
-    return out if out.is_contiguous() else out.contiguous()
+    """``tilegen.attention`` in transformers' output layout ``[batch, n_q, heads, head_dim_v]``, written there by
+    the kernel (``attention_seq_major``), not transposed after it."""
+    return attention_seq_major(query, key, value, causal=causal, window=window, softcap=softcap, scale=scale)
 
 
 def attention_forward(

@@ -44,7 +44,7 @@ from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_out
 
-__all__ = ["attention", "explain", "prepare_call", "run_with_config"]
+__all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
 _MAX_SEQLEN = 1 << 29
 
@@ -190,6 +190,48 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     return (out, lse) if return_lse else out
 
 
+def attention_seq_major(q, k, v, *, causal=False, window=None, softcap=None, scale=None) -> torch.Tensor:
+    """``attention(q, k, v, ...)`` with its output laid out ``[batch, n_q, heads, head_dim_v]``, contiguous: the
+    layout transformers' attention functions return, and FlashAttention's. The kernel writes that layout
+    directly (its launch takes the output through a transposing view, ``Replay``'s ``views``), where transposing
+    the op's output would cost a dispatcher call, about a microsecond of host time a call. Under autograd or
+    ``torch.compile`` it is the op's output transposed (and made contiguous where it is not)."""
+    try:
+        plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        key = (
+            q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale,
+            window if window is None else (window.__class__, *map(type, window), *window),
+        )
+        planned = _seq_major_plans.get(key) if plain else None
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the op's checks say which
+        plain, key, planned = False, None, None
+    if not plain or torch.compiler.is_compiling():
+        out = attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale).transpose(1, 2)
+        return out if out.is_contiguous() else out.contiguous()
+    if planned is None:
+        plan = _plan(q, k, v, causal, window, softcap, scale, False, out_view=_heads_first)
+        batch, heads, n_q, dv = plan.out_shape
+        planned = plan, _empty_like_template((batch, n_q, heads, dv), q.dtype, q.device)
+        _seq_major_plans.put(key, planned)
+    plan, out_like = planned
+    out = torch.empty_like(out_like)
+    if plan.launches:
+        plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out)
+    return out
+
+
+def _heads_first(out: torch.Tensor) -> torch.Tensor:
+    """The launcher's ``[batch, heads, n, dim]`` view of a ``[batch, n, heads, dim]`` output (same data pointer)."""
+    return out.transpose(1, 2)
+
+
+def _empty_like_template(shape, dtype, device) -> torch.Tensor:
+    """One element expanded to ``shape``: ``empty_like`` of it is a contiguous tensor of that shape, in about
+    half ``new_empty``'s host time, and the template holds no storage of that size."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """Everything a checked call decided: its output shapes and launch arguments."""
@@ -207,20 +249,23 @@ class _Plan:
 
 
 _plans = dispatch.plan_cache()
+_seq_major_plans = dispatch.plan_cache()  # attention_seq_major's: (plan, output template)
 _op_plans = dispatch.plan_cache()  # the compiled custom op's, keyed by its (already checked) arguments
 
 
-def _plan(q, k, v, causal, window, softcap, scale, return_lse) -> _Plan:
-    return _plan_for(q, k, v, *prepare_call(q, k, v, causal, window, softcap, scale, return_lse))
+def _plan(q, k, v, causal, window, softcap, scale, return_lse, out_view=None) -> _Plan:
+    return _plan_for(q, k, v, *prepare_call(q, k, v, causal, window, softcap, scale, return_lse), out_view=out_view)
 
 
-def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Plan:
-    """The plan of checked arguments: eager calls and the compiled custom op both launch through it."""
+def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap, out_view=None) -> _Plan:
+    """The plan of checked arguments: eager calls and the compiled custom op both launch through it.
+    ``out_view``: the launch takes its caller's output through this view (``attention_seq_major``)."""
     batch, heads, n_q, _ = q.shape
     out_shape = (batch, heads, n_q, spec.dv)
+    views = {} if out_view is None else {3: out_view}
     # The route first: a decode-sized call never loads the dense table nor renders the dense module.
     if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64:
-        return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
+        return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap, views)
     lse_shape = (batch, heads, n_q) if spec.return_lse else None
     launches = math.prod(out_shape) > 0
     out_like_q = out_shape == tuple(q.shape)
@@ -231,16 +276,16 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
         launch_args = {**fixed, **choice.config.to_dict()}
         return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=launches, out_like_q=out_like_q,
                      lse_like=_lse_like(lse_shape, q.device),
-                     launch=launcher.replay(launch_args), launch_args=launch_args, choice=choice)
+                     launch=launcher.replay(launch_args, views=views), launch_args=launch_args, choice=choice)
 
     return dispatch.planned(dispatch.table_on(spec, q.device), max(n_q, k.shape[2]), make)
 
 
 def _lse_like(shape, device) -> torch.Tensor | None:
-    return None if shape is None else torch.empty((), dtype=torch.float32, device=device).expand(shape)
+    return None if shape is None else _empty_like_template(shape, torch.float32, device)
 
 
-def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
+def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap, views) -> _Plan:
     """A few query rows (decode, speculative decoding): the decode family's kernel, whose
     query-head groups and key splits fill the GPU where the prefill kernel would run one
     mostly empty query tile per head."""
@@ -261,7 +306,7 @@ def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softc
         launch_args = {"chunk": math.ceil(n_k / splits / config.block_n) * config.block_n, "num_splits": splits,
                        "scale": scale, "softcap": softcap, "window_left": left, "window_right": right,
                        "block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
-        replay = launcher.replay(launch_args)
+        replay = launcher.replay(launch_args, views=views)
         if splits == 1:  # no partials to write: the empty placeholders serve every call
             unused = decode_buffers(batch, rows, dv, 1, device)
 
