@@ -11,6 +11,7 @@ from tilegen.device import DeviceInfo, device_info
 from tilegen.dtypes import KV_DTYPES
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.problem import refuse_mods
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
 from tilegen.families.buckets import ContextBatchBuckets
 from tilegen.triton_internals.launch import Launcher
@@ -58,6 +59,7 @@ class DecodeProblem(VarlenProblem):
         the longest lost up to 14% on full ones on the H200 (BN32-w2-s3-c6 at 4096 x 64: 3580
         GB/s against the default's 4179). Under the interpreter paged contexts are ragged, mixing in
         0, 1 and page_size + 1 tokens, for the checks' sake."""
+        refuse_mods(spec)
         context, batch = BUCKETS.unpack(bucket)
         heads = heads_q or (32 if on_gpu else 4)
         if k_lens is None:
