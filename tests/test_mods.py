@@ -396,9 +396,9 @@ def test_mod_specs_are_tuned_only_with_their_functions_named():
     # A trial needs the function: tilegen tune --mask-mod names it (tests/test_mods_tune.py).
     with pytest.raises(NotImplementedError, match="tuned through tilegen tune --mask-mod pkg.module:function"):
         Problem.for_bucket(AttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
-    with pytest.raises(NotImplementedError, match="attention_varlen specs with mods are not tuned yet"):
+    with pytest.raises(NotImplementedError, match="tuned through tilegen tune --mask-mod pkg.module:function"):
         VarlenProblem.for_bucket(VarlenAttentionSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
-    with pytest.raises(NotImplementedError, match="attention_decode specs with mods are not tuned yet"):
+    with pytest.raises(NotImplementedError, match="tuned through tilegen tune --mask-mod pkg.module:function"):
         DecodeProblem.for_bucket(DecodeSpec(head_dim=64, page_size=16, mask_mod=mask_mod), 16, on_gpu=False)
 
 

@@ -48,6 +48,15 @@ MODS = textwrap.dedent("""
     def near(b, h, q_idx, kv_idx):  # a mod itself
         return q_idx - kv_idx < 8
 
+    def make_documents(*, batch, heads, n_q, n_k, device):
+        # Document ids per request and position; on the paged families positions run over the keys.
+        docs = torch.arange(n_k, device=device) // 7 + torch.arange(batch, device=device)[:, None]
+
+        def same_document(b, h, q_idx, kv_idx):
+            return docs[b, q_idx] == docs[b, kv_idx]
+
+        return same_document
+
     not_a_function = 3
 """)
 
@@ -137,3 +146,34 @@ def test_emit_takes_the_mod_options(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["emit", "--preset", "default", "--mask-mod", "tune_mods:near"])
     assert result.exit_code == 0, result.stderr
     assert "def _mask_mod(b, h, q_idx, kv_idx):" in result.stdout and "_mmod" in result.stdout
+
+
+@pytest.mark.parametrize("family_spec", [
+    {"family": "attention_varlen", "head_dim": 32, "q_per_kv": 2, "mask": "causal", "kv_layout": "paged",
+     "page_size": 16},
+    {"family": "attention_varlen", "head_dim": 32, "q_per_kv": 2, "mask": "causal"},
+    {"family": "attention_decode", "head_dim": 32, "q_per_kv": 2, "page_size": 16},
+], ids=["paged", "ragged", "decode"])
+def test_the_serving_families_trials_run_and_check_the_mods(tmp_path, monkeypatch, family_spec):
+    """A trial of each serving family builds the mods from their paths (as the tune's processes do), runs
+    the default config with them and passes the reference's check at the family's positions; without
+    the mods the same output fails it."""
+    from tilegen.families import family_of, spec_from_json
+    from tilegen.mods import sources
+    from tilegen.tuning.measure import measure
+
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    _importable(tmp_path, monkeypatch)
+    monkeypatch.setenv(sources.ENV, '{"score_mod": "tune_mods:make_alibi", "mask_mod": "tune_mods:make_documents"}')
+    spec = spec_from_json(family_spec).replace(score_mod=sources.canonical_text("tune_mods:make_alibi", "score_mod"),
+                                               mask_mod=sources.canonical_text("tune_mods:make_documents", "mask_mod"))
+    family = family_of(spec)
+    bucket = family.buckets.of((40, 3)) if family.buckets.batch_unit is not None else 40
+    problem = family.problem(spec, bucket, on_gpu=False)
+    config = family.default_config(spec, CPU_INTERPRETER, bucket)
+    assert measure(problem, config, 0)["status"] == "ok"
+    inputs = problem.inputs(0)
+    outputs = problem.outputs(inputs)
+    problem.launch(tilegen.dispatch.launcher_for(spec), config, inputs, outputs)
+    inputs["mods"].score_mod = inputs["mods"].mask_mod = None  # the reference without the mods
+    assert problem.check(inputs, outputs)[0] > problem.tolerance

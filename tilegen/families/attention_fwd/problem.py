@@ -52,14 +52,6 @@ def attention_flops(
     return 2.0 * batch * heads_q * visible_pairs(n_q, n_k, left, right) * (spec.head_dim + spec.dv)
 
 
-def refuse_mods(spec) -> None:
-    """The families whose problems build no mods yet: a mod spec of theirs runs the default config."""
-    if getattr(spec, "score_mod", None) is not None or getattr(spec, "mask_mod", None) is not None:
-        raise NotImplementedError(f"score_mod/mask_mod: {spec.family} specs with mods are not tuned yet (only "
-                                  "attention_fwd's are, with tilegen tune --score-mod/--mask-mod); their calls run "
-                                  "the default config")
-
-
 @dataclass(frozen=True)
 class Problem(base.Problem):
     """Self-attention of ``batch`` sequences of ``seq`` tokens, with the spec's mask at that length."""
