@@ -11,9 +11,9 @@ from tilegen.device import DeviceInfo, device_info
 from tilegen.dtypes import KV_DTYPES
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
-from tilegen.mods.sources import sources_for
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
 from tilegen.families.buckets import ContextBatchBuckets
+from tilegen.mods.sources import sources_for
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["BUCKETS", "DecodeProblem", "decode_buffers"]
