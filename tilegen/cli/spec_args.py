@@ -142,8 +142,9 @@ MOD_HELP = (
     "A {kind} for the spec, named as pkg.module:attr (importable from the current folder or PYTHONPATH): the mod "
     "function itself, used as it is, or a factory, a callable without positional parameters that is called with "
     "the keywords batch, heads, n_q, n_k and device of each tuned problem and returns the mod built for that shape "
-    "(so that captured tensors such as document ids fit every bucket). The spec holds the mod's canonical text, "
-    "which keys its rows: a call with a mod that traces the same dispatches to them (docs/mods.md)."
+    "(so that captured tensors such as document ids fit every bucket; in the paged families both positions run "
+    "over n_k). The spec holds the mod's canonical text, which keys its rows: a call with a mod that traces the "
+    "same dispatches to them (docs/mods.md)."
 )
 
 
@@ -164,9 +165,8 @@ def with_mods(specs: list[Spec], score_mod: str | None, mask_mod: str | None) ->
         options[kind] = option
     if not texts:
         return specs
-    modded = []
+    option, modded = next(iter(options.values())), []
     for spec in specs:
-        option = next(iter(options.values()))
         if not all(hasattr(spec, kind) for kind in texts):
             fail(f"{option}: {spec.family} specs take no mods; the attention families' do (attention_fwd, "
                  "attention_varlen, attention_decode)")
