@@ -14,7 +14,7 @@ import triton
 import typer
 
 from tilegen.cli.app import app, fail
-from tilegen.cli.spec_args import takes_spec
+from tilegen.cli.spec_args import MOD_HELP, takes_spec, with_mods
 from tilegen.codegen import source_for
 from tilegen.codegen.render import template_hash
 from tilegen.db import DatabaseError, TuningDB, tuned_rows
@@ -35,8 +35,11 @@ def emit(
     db: Optional[Path] = typer.Option(
         None, "--db", help="With --tuned: the tuning database to read (default: $TILEGEN_DB, else the user's).",
     ),
+    score_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="score mod")),
+    mask_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="mask mod")),
 ) -> None:
     """Print the Triton kernel and launcher generated for a spec."""
+    spec = with_mods([spec], score_mod, mask_mod)[0]
     if db is not None and not tuned:
         fail("--db: read only with --tuned")
     if output is not None:

@@ -20,7 +20,7 @@ from tilegen.families import families
 from tilegen.ir import Spec, SpecError
 from tilegen.families import spec_from_json
 
-__all__ = ["presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs"]
+__all__ = ["MOD_HELP", "presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs", "with_mods"]
 
 
 def presets() -> dict[str, Spec]:
@@ -135,3 +135,43 @@ def resolve_specs(spec: str | None, preset: str | None, head_dim: int | None = N
                     raise typer.BadParameter(f"item {index}: {e}", param_hint="--spec") from None
             return list(dict.fromkeys(specs))
     return [resolve_spec(spec, preset, head_dim, **flags)]
+
+
+#: The help of ``--score-mod``/``--mask-mod`` (``{kind}``: which one), shared by the commands that take them.
+MOD_HELP = (
+    "A {kind} for the spec, named as pkg.module:attr (importable from the current folder or PYTHONPATH): the mod "
+    "function itself, used as it is, or a factory, a callable without positional parameters that is called with "
+    "the keywords batch, heads, n_q, n_k and device of each tuned problem and returns the mod built for that shape "
+    "(so that captured tensors such as document ids fit every bucket; in the paged families both positions run "
+    "over n_k). The spec holds the mod's canonical text, which keys its rows: a call with a mod that traces the "
+    "same dispatches to them (docs/mods.md)."
+)
+
+
+def with_mods(specs: list[Spec], score_mod: str | None, mask_mod: str | None) -> list[Spec]:
+    """``specs`` with the canonical texts of the mods ``--score-mod``/``--mask-mod`` name; a bad path or a
+    family without mods ends the command in one line naming the option."""
+    from tilegen.cli.app import fail
+    from tilegen.mods.sources import canonical_text
+
+    texts, options = {}, {}
+    for kind, path, option in (("score_mod", score_mod, "--score-mod"), ("mask_mod", mask_mod, "--mask-mod")):
+        if path is None:
+            continue
+        try:
+            texts[kind] = canonical_text(path, kind)
+        except ValueError as e:
+            fail(str(e))
+        options[kind] = option
+    if not texts:
+        return specs
+    option, modded = next(iter(options.values())), []
+    for spec in specs:
+        if not all(hasattr(spec, kind) for kind in texts):
+            fail(f"{option}: {spec.family} specs take no mods; the attention families' do (attention_fwd, "
+                 "attention_varlen, attention_decode)")
+        try:
+            modded.append(spec.replace(**texts))
+        except SpecError as e:
+            fail(f"{options.get(e.field, option)}: {e}")
+    return modded

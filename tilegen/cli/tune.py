@@ -20,7 +20,7 @@ from rich.console import Console
 
 from tilegen import env
 from tilegen.cli.app import app, fail
-from tilegen.cli.spec_args import takes_specs
+from tilegen.cli.spec_args import MOD_HELP, takes_specs, with_mods
 from tilegen.device import device_info, host_gpu_models
 from tilegen.families import BUILTIN, families, family_of
 from tilegen.ir import Spec
@@ -97,8 +97,16 @@ def tune(
         "stored: one measurement moves by a few percent between moments and between GPUs; 0 stores the best "
         "first measurement (default: 1 on a GPU, 0 under the interpreter).",
     ),
+    score_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="score mod")),
+    mask_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="mask mod")),
 ) -> None:
     """Measure configs of a spec (or several) per size bucket; store the fastest correct one for dispatch."""
+    specs = with_mods(specs, score_mod, mask_mod)
+    if score_mod is not None or mask_mod is not None:
+        from tilegen.mods.sources import export
+
+        # Each trial builds the mods again, in the processes this one starts: they inherit the paths.
+        export({kind: path for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)) if path})
     lengths = _parse_seqlens(seqlens)
     batch_sizes = _parse_batches(batches, [family_of(spec) for spec in specs])
     if trials is not None and trials < 1:

@@ -10,7 +10,10 @@ blocks it empties. ``library`` holds ready-made mods.
 fp32 (as FlexAttention does); its result is softmaxed. ``mask_mod(b, h, q_idx, kv_idx) -> bool``
 keeps a score where it is True. ``b``, ``h``, ``q_idx`` and ``kv_idx`` are int32 scalars: the batch
 (or, in ``varlen_attention``, the sequence), the query head, and the query and key positions (in
-``varlen_attention`` within their sequence). A row that keeps no key gives 0 and an LSE of -inf.
+``varlen_attention`` within their sequence). On the paged paths (``PagedAttention``, ``PagedDecode``)
+``b`` is the request and both positions are in its cache: a query's ``q_idx`` is ``kv_len - q_len + i``
+(bottom-right), so a mod means the same in prefill and decode (docs/mods.md). A row that keeps no key
+gives 0 and an LSE of -inf.
 
 The supported operations (anything else is refused when the mod is traced, naming it):
 

@@ -37,6 +37,7 @@ from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.tensors import check_out, refuse_grad
+from tilegen.ops.varlen import paged_mods
 
 __all__ = ["PagedDecode"]
 
@@ -57,6 +58,7 @@ class _Plan:
     q_shape: tuple[int, int, int] = ()
     out_shape: tuple[int, int, int] = ()
     out_like_q: bool = False  # head_dim_v == head_dim: the output is allocated as empty_like(q), the cheapest way
+    mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time
 
 
 class PagedDecode:
@@ -77,6 +79,7 @@ class PagedDecode:
         self, cache: PagedKVCache, *, heads_q: int, window: tuple[int | None, int | None] | None = None,
         softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
         max_seqlen_k: int | None = None, num_splits: int | None = None, q_dtype: torch.dtype | None = None,
+        score_mod=None, mask_mod=None,
     ) -> dispatch.Choice:
         """Fix the step's layout; returns the dispatch choice (config and where it came from). A tuned
         row that fails to compile or launch at the first ``run`` is skipped with one warning and the
@@ -87,6 +90,9 @@ class PagedDecode:
         sequence's last key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last
         ``left + 1``. ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8
         (then float16, bfloat16 or float32; bfloat16 when left out).
+
+        ``score_mod``/``mask_mod``: as in ``PagedAttention.plan``, bound here: ``q_idx`` is the query's
+        position in its sequence, ``n_k - 1``, and ``h`` its query head.
         """
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
@@ -111,6 +117,9 @@ class PagedDecode:
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None
         device = pages.device
+        mod_tensors = ()
+        if score_mod is not None or mask_mod is not None:
+            spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, device, cache.batch, heads_q, max_seqlen_k)
         if device.type == "cpu" and not interpreting():
             raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
                              "TRITON_INTERPRET=1")
@@ -137,7 +146,7 @@ class PagedDecode:
             # whose data pointers those views share.
             launch = launcher.replay(launch_args, views={0: _token_dim, 3: _token_dim})
             return _Plan(spec=spec, launch=launch, part_o=part_o, part_lse=part_lse, choice=choice,
-                         launch_args=launch_args, **layout)
+                         launch_args=launch_args, mod_tensors=mod_tensors, **layout)
 
         self._plan = dispatch.planned(table, (context, batch), make)
         return self._plan.choice
@@ -190,7 +199,7 @@ class PagedDecode:
             # which its launches are replayed (tilegen.triton_internals.launch.Replay).
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride(), cache._bounds),
                         q, pages, v_pages, out, out if lse is None else lse, plan.part_o, plan.part_lse,
-                        cache.indptr, cache.indices, cache.last_page_len, *cache._scales)
+                        cache.indptr, cache.indices, cache.last_page_len, *cache._scales, *plan.mod_tensors)
         return (out, lse) if spec.return_lse else out
 
 

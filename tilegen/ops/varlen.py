@@ -230,11 +230,20 @@ class PagedAttention:
         self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
         causal: bool = False, window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
         scale: float | None = None, return_lse: bool = False, max_seqlen_q: int | None = None,
-        max_seqlen_k: int | None = None, q_dtype: torch.dtype | None = None,
+        max_seqlen_k: int | None = None, q_dtype: torch.dtype | None = None, score_mod=None, mask_mod=None,
     ) -> None:
         """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each.
         ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8 (then float16,
-        bfloat16 or float32; bfloat16 when left out)."""
+        bfloat16 or float32; bfloat16 when left out).
+
+        ``score_mod``/``mask_mod``: FlexAttention's mods (``tilegen.mods``), fixed with the rest of the
+        plan, as FlashInfer's plan fixes the mask and the logits' transforms. ``b`` is the sequence, ``h``
+        the query head, ``kv_idx`` the key's position in its sequence and ``q_idx`` the query's: a
+        sequence of ``n_k`` keys with ``n_q`` new tokens has its query ``i`` at ``n_k - n_q + i``, as
+        ``PagedDecode`` has its one at ``n_k - 1`` (docs/mods.md). The captured tensors are the ones the
+        mods reach at plan time; every ``run`` reads their values then, so they may change in place between
+        runs (a CUDA graph replay included), while a new tensor needs a new plan. Their indices are
+        range-checked here against the batch, ``heads_q`` and ``max_seqlen_k``."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         _check_lengths("cu_seqlens_q", cu_seqlens_q, cache.k_pages.device)
@@ -259,12 +268,16 @@ class PagedAttention:
             scale, return_lse, max_seqlen_q, max_seqlen_k, layout="paged", page_size=cache.page_size,
             kv_dtype=kv_dtype,
         )
+        mod_tensors = ()
+        if score_mod is not None or mask_mod is not None:
+            spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, pages.device, cache.batch, heads_q,
+                                           max_seqlen_k)
         self._plan = _planned(
             spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
             {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
-            q_dtype=q_dtype, scale_kinds=cache._scale_kinds,
+            q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
         )
         if env.debug():
             cache.validate()
@@ -307,7 +320,7 @@ class PagedAttention:
             v_pages = cache.v_pages
             plan.launch((q.shape[0], pages.shape[0], q.stride(), pages.stride(), v_pages.stride(), out.stride()),
                         q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q,
-                        *cache._scales)
+                        *cache._scales, *plan.mod_tensors)
         elif lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if spec.return_lse else out
@@ -323,6 +336,16 @@ class _Plan:
     extra: tuple = ()
     q_dtype: torch.dtype | None = None
     scale_kinds: tuple = ()  # the paged cache's scale sizes (one or per head), which the launch is keyed by
+    mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time (PagedAttention.plan)
+
+
+def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
+    """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
+    the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence)."""
+    refuse_training(False)
+    mods = bind_mods(score_mod, mask_mod, device,
+                     {"b": batch, "h": heads_q, "q_idx": max_seqlen_k, "kv_idx": max_seqlen_k})
+    return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors
 
 
 def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:

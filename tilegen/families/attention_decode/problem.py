@@ -13,6 +13,7 @@ from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_varlen.problem import VarlenProblem, ragged_lengths
 from tilegen.families.buckets import ContextBatchBuckets
+from tilegen.mods.sources import sources_for
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["BUCKETS", "DecodeProblem", "decode_buffers"]
@@ -58,6 +59,7 @@ class DecodeProblem(VarlenProblem):
         the longest lost up to 14% on full ones on the H200 (BN32-w2-s3-c6 at 4096 x 64: 3580
         GB/s against the default's 4179). Under the interpreter paged contexts are ragged, mixing in
         0, 1 and page_size + 1 tokens, for the checks' sake."""
+        mods = sources_for(spec)
         context, batch = BUCKETS.unpack(bucket)
         heads = heads_q or (32 if on_gpu else 4)
         if k_lens is None:
@@ -71,7 +73,7 @@ class DecodeProblem(VarlenProblem):
                 ragged = ragged_lengths(longest, longest * batch)
                 k_lens = (longest, 0, 1, spec.page_size + 1, *ragged[1:])[:batch]
         return cls(spec, tuple(spec.q_tokens for _ in k_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket,
-                   on_gpu, num_splits, device_info())
+                   on_gpu, mods=mods, num_splits=num_splits, device=device_info())
 
     @property
     def batch(self) -> int:
@@ -128,7 +130,8 @@ class DecodeProblem(VarlenProblem):
         table = (inputs["indptr"], inputs["indices"], inputs["last"]) if self.spec.kv_layout == "paged" else ()
         launcher.launch(
             q, inputs["k"], inputs["v"], out, out if lse is None else lse, part_o, part_lse, *table,
-            *inputs.get("scales", ()), chunk=chunk, num_splits=splits,
+            *inputs.get("scales", ()), *(inputs["mods"].tensors if "mods" in inputs else ()), chunk=chunk,
+            num_splits=splits,
             scale=1.0 / math.sqrt(self.spec.head_dim), softcap=self.softcap or 0.0, window_left=left,
             window_right=right, block_n=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
         )

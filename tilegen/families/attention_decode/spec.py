@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.families.attention_fwd.spec import AttentionFields, check_mods, mod_name_parts
 from tilegen.families.attention_varlen.spec import PAGE_SIZES, check_kv_dtype
 from tilegen.ir import Spec, SpecError, check_choice, check_int
 
@@ -22,7 +22,9 @@ class DecodeSpec(AttentionFields):
     (``[batch, kv_heads, n_k, dim]`` tensors, every sequence as long: ``tilegen.attention``
     with a few query rows); ``q_tokens`` query tokens per sequence, aligned bottom-right;
     ``kv_dtype``: the pages' dtype when it is not the query's, ``"fp8e4m3"`` or ``"fp8e5m2"``
-    (paged only: FP8 pages with their scales, dequantized in the kernel)."""
+    (paged only: FP8 pages with their scales, dequantized in the kernel); ``score_mod``/``mask_mod``
+    as in ``AttentionSpec`` (paged only), with ``b`` the sequence and ``q_idx`` the query's position in it
+    (its last, ``n_k - q_tokens + t``), ``kv_idx`` the key's."""
 
     family: ClassVar[str] = "attention_decode"
 
@@ -30,9 +32,12 @@ class DecodeSpec(AttentionFields):
     page_size: int | None = None
     q_tokens: int = 1
     kv_dtype: str | None = None
+    score_mod: str | None = None
+    mask_mod: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_mods(self)
         check_choice("kv_layout", self.kv_layout, ("paged", "dense"))
         check_int("q_tokens", self.q_tokens)
         if not 1 <= self.q_tokens <= MAX_Q_TOKENS:
@@ -43,6 +48,11 @@ class DecodeSpec(AttentionFields):
         elif isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
             raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
         check_kv_dtype(self)
+        if self.kv_layout == "dense" and (self.score_mod is not None or self.mask_mod is not None):
+            # Dense decode serves tilegen.attention's short queries, whose mods see top-left positions; calls
+            # with mods take the dense forward kernel instead.
+            raise SpecError("kv_layout", "mods are for paged decode (tilegen.PagedDecode); dense calls with mods "
+                                         "run the attention_fwd family")
 
     __hash__ = Spec.__hash__
 
@@ -59,4 +69,4 @@ class DecodeSpec(AttentionFields):
             parts.append("lse")
         if self.kv_dtype is not None:
             parts.append(f"kv{self.kv_dtype}")
-        return "_".join(parts)
+        return "_".join(parts + mod_name_parts(self))

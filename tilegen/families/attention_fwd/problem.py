@@ -12,6 +12,7 @@ from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.mods.sources import sources_for, tuning_mods
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "attention_flops", "visible_pairs"]
@@ -51,14 +52,6 @@ def attention_flops(
     return 2.0 * batch * heads_q * visible_pairs(n_q, n_k, left, right) * (spec.head_dim + spec.dv)
 
 
-def refuse_mods(spec) -> None:
-    """A mod's captured tensors are the caller's: a tuning problem has none to make up (nor a reference to
-    check them with), so tuning a mod spec waits for a way to name the mod's function (``--score-mod``)."""
-    if getattr(spec, "score_mod", None) is not None or getattr(spec, "mask_mod", None) is not None:
-        raise NotImplementedError("score_mod/mask_mod: specs with mods are not tuned yet (a trial needs the mods' "
-                                  "captured tensors); their calls run the default config")
-
-
 @dataclass(frozen=True)
 class Problem(base.Problem):
     """Self-attention of ``batch`` sequences of ``seq`` tokens, with the spec's mask at that length."""
@@ -68,17 +61,19 @@ class Problem(base.Problem):
     heads_kv: int
     seq: int
     on_gpu: bool
+    #: The import paths of the spec's mods (``tilegen.mods.sources``): a trial imports and builds them.
+    mods: tuple[str | None, str | None] = (None, None)
 
     @classmethod
     def for_bucket(
         cls, spec: AttentionSpec, bucket: int, *, on_gpu: bool, batch: int | None = None, heads_q: int | None = None
     ) -> Problem:
-        refuse_mods(spec)
+        mods = sources_for(spec)
         heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
         seq = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ)
         if batch is None:
             batch = max(1, _GPU_TOKENS // seq) if on_gpu else 1
-        return cls(spec, batch, max(1, heads // spec.q_per_kv), seq, on_gpu)
+        return cls(spec, batch, max(1, heads // spec.q_per_kv), seq, on_gpu, mods)
 
     @property
     def heads_q(self) -> int:
@@ -105,7 +100,12 @@ class Problem(base.Problem):
             (self.batch, self.heads_kv, self.seq, self.spec.head_dim),
             (self.batch, self.heads_kv, self.seq, self.spec.dv),
         )
-        return tuple(torch.randn(s, generator=gen, device=device, dtype=self.torch_dtype()) for s in shapes)
+        q, k, v = (torch.randn(s, generator=gen, device=device, dtype=self.torch_dtype()) for s in shapes)
+        if self.mods == (None, None):
+            return q, k, v
+        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq}
+        return q, k, v, tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
+                                    n_k=self.seq, device=device)
 
     def outputs(self, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = inputs[0]
@@ -114,19 +114,25 @@ class Problem(base.Problem):
         return out, lse
 
     def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
-        q, k, v = inputs
+        q, k, v, *mods = inputs
         out, lse = outputs
         left, right = launch_window(self.spec.mask, *self.bounds, self.seq, self.seq)
+        extra = {}
+        if mods:
+            extra["mod_tensors"] = mods[0].tensors
+            if mods[0].mask_mod is not None:
+                extra["mod_blocks"] = mods[0].block_table(self.batch, self.heads_q, self.seq, self.seq, config.block_m,
+                                                          config.block_n, q.device)
         launcher.launch(
             q, k, v, out, out if lse is None else lse, scale=self.scale, softcap=self.softcap or 0.0,
-            window_left=left, window_right=right, **config.to_dict(),
+            window_left=left, window_right=right, **extra, **config.to_dict(),
         )
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         """Against the reference; heads are independent, so it covers as many leading KV groups of
         batch 0 as the budget allows, and past one group only the last rows, which see the same keys
         as in the full problem because the diagonal is bottom-right aligned."""
-        q, k, v = inputs
+        q, k, v, *mods = inputs
         out, lse = outputs
         n, g = self.seq, self.spec.q_per_kv
         groups = max(1, min(self.heads_kv, _REFERENCE_BUDGET // (g * n * n)))
@@ -136,7 +142,8 @@ class Problem(base.Problem):
         ref, ref_lse = attention_reference(
             q[:1, : groups * g, n - rows :], k[:1, :groups], v[:1, :groups], causal=self.spec.mask == "causal",
             window=None if self.spec.mask != "window" else (left, right), softcap=self.softcap, scale=self.scale,
-            compute_dtype=compute,
+            compute_dtype=compute, score_mod=mods[0].score_mod if mods else None,
+            mask_mod=mods[0].mask_mod if mods else None, q_offset=n - rows,
         )
         error, max_error = base.relative_error(out[:1, : groups * g, n - rows :], ref)
         if lse is not None:

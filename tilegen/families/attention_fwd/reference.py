@@ -45,12 +45,14 @@ def attention_reference(
     score_mod=None,
     mask_mod=None,
     batch_ids: torch.Tensor | None = None,
+    q_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out, lse)`` in ``compute_dtype``; rows that see no key give 0 and -inf.
 
     ``score_mod``/``mask_mod`` (``tilegen.mods``) are applied as FlexAttention's reference does: once, to the
     whole score matrix, with broadcasting int64 index tensors; ``batch_ids`` are the ``b`` values of the
-    batch rows (default ``arange(batch)``; a varlen reference passes the sequence's index).
+    batch rows (default ``arange(batch)``; a varlen reference passes the sequence's index); the mods see
+    query row ``i`` at ``q_idx = q_offset + i`` (the paged ops' positions, or a slice of the rows).
     """
     n_q, n_k = q.shape[-2], k.shape[-2]
     group = q.shape[1] // k.shape[1]
@@ -65,7 +67,7 @@ def attention_reference(
     if score_mod is not None or mask_mod is not None:
         arange = lambda n: torch.arange(n, device=q.device)  # noqa: E731
         b = (arange(q.shape[0]) if batch_ids is None else batch_ids).view(-1, 1, 1, 1)
-        idx = (b, arange(q.shape[1]).view(1, -1, 1, 1), arange(n_q).view(1, 1, -1, 1), arange(n_k).view(1, 1, 1, -1))
+        idx = (b, arange(q.shape[1]).view(1, -1, 1, 1), (arange(n_q) + q_offset).view(1, 1, -1, 1), arange(n_k).view(1, 1, 1, -1))
         if score_mod is not None:
             s = torch.broadcast_to(score_mod(s, *idx), s.shape).to(compute_dtype)
         if mask_mod is not None:

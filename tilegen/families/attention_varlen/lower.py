@@ -11,9 +11,9 @@ __all__ = ["lower"]
 
 
 def lower(spec: VarlenAttentionSpec) -> dict[str, Any]:
-    if spec.kv_layout == "paged" and (spec.score_mod is not None or spec.mask_mod is not None):
-        raise NotImplementedError("score_mod/mask_mod: paged KV (tilegen.PagedAttention) takes no mods yet; "
-                                  "tilegen.varlen_attention over ragged KV does")
+    paged = spec.kv_layout == "paged"
     return {**attention_values(spec), "layout": spec.kv_layout, "page_size": spec.page_size,
-            # Its launch takes the mask mod's block table, over the longest sequences' positions.
-            "mask_mod_blocks": spec.mask_mod is not None}
+            # The ragged launch takes the mask mod's block table, over the longest sequences' positions. The
+            # paged one masks per element only: its table would follow each sequence's own bottom-right
+            # positions, which the plan never reads on the host.
+            "mask_mod_blocks": spec.mask_mod is not None and not paged}

@@ -14,9 +14,11 @@ from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families import base
 from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_fwd.masks import launch_window
-from tilegen.families.attention_fwd.problem import refuse_mods, visible_pairs
+from tilegen.families.attention_fwd.problem import visible_pairs
+from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
+from tilegen.mods.sources import sources_for, tuning_mods
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["VarlenProblem", "ragged_lengths"]
@@ -52,12 +54,14 @@ class VarlenProblem(base.Problem):
     heads_kv: int
     bucket: int
     on_gpu: bool
+    #: The import paths of the spec's mods (``tilegen.mods.sources``): a trial imports and builds them.
+    mods: tuple[str | None, str | None] = (None, None)
 
     @classmethod
     def for_bucket(cls, spec: VarlenAttentionSpec, bucket: int, *, on_gpu: bool,
                    q_lens: tuple[int, ...] | None = None, k_lens: tuple[int, ...] | None = None,
                    heads_q: int | None = None) -> VarlenProblem:
-        refuse_mods(spec)
+        mods = sources_for(spec)
         heads = heads_q or (_GPU_HEADS if on_gpu else _CPU_HEADS)
         if k_lens is None:
             longest = bucket if on_gpu else min(bucket, _CPU_MAX_SEQ)
@@ -67,7 +71,7 @@ class VarlenProblem(base.Problem):
         if q_lens is None:
             # Paged: chunked prefill, the second half of each sequence appended onto its first half.
             q_lens = tuple(n - n // 2 if spec.kv_layout == "paged" else n for n in k_lens)
-        return cls(spec, tuple(q_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu)
+        return cls(spec, tuple(q_lens), tuple(k_lens), max(1, heads // spec.q_per_kv), bucket, on_gpu, mods=mods)
 
     @property
     def heads_q(self) -> int:
@@ -82,9 +86,24 @@ class VarlenProblem(base.Problem):
     def softcap(self) -> float | None:
         return _SOFTCAP if self.spec.softcap else None
 
+    @property
+    def paged_positions(self) -> bool:
+        """Whether the mods see a query at its position among its sequence's keys (the paged ops'), not
+        at its row (``varlen_attention``'s)."""
+        return self.spec.kv_layout == "paged"
+
     def inputs(self, seed: int) -> dict:
-        if self.spec.kv_layout == "paged":
-            return self._paged_inputs(seed)
+        inputs = self._paged_inputs(seed) if self.spec.kv_layout == "paged" else self._ragged_inputs(seed)
+        if self.mods != (None, None):
+            device = inputs["q"].device
+            n_q, n_k = max(self.q_lens), max(self.k_lens)
+            ranges = {"b": len(self.k_lens), "h": self.heads_q, "q_idx": n_k if self.paged_positions else n_q,
+                      "kv_idx": n_k}
+            inputs["mods"] = tuning_mods(self.spec, self.mods, ranges, batch=len(self.k_lens), heads=self.heads_q,
+                                         n_q=n_q, n_k=n_k, device=device)
+        return inputs
+
+    def _ragged_inputs(self, seed: int) -> dict:
         device = "cuda" if self.on_gpu else "cpu"
         gen = torch.Generator(device).manual_seed(seed)
         dtype = self.torch_dtype()
@@ -175,9 +194,18 @@ class VarlenProblem(base.Problem):
               if self.spec.kv_layout == "ragged" else
               (inputs["k"], inputs["v"], out, out if lse is None else lse, inputs["cu_q"], inputs["indptr"],
                inputs["indices"], inputs["last"]))
-        launcher.launch(inputs["q"], *kv, inputs["max_q"], *inputs.get("scales", ()),
+        mods, extra = inputs.get("mods"), {}
+        if mods is not None and self.spec.kv_layout == "ragged":
+            extra["mod_tensors"] = mods.tensors
+            if mods.mask_mod is not None:
+                extra["mod_blocks"] = mods.block_table(len(self.k_lens), self.heads_q, max(self.q_lens),
+                                                       max(self.k_lens), config.block_m, config.block_n,
+                                                       inputs["q"].device)
+        # The paged launch takes the mods' tensors positionally, after the scales.
+        paged_mods = mods.tensors if mods is not None and self.spec.kv_layout == "paged" else ()
+        launcher.launch(inputs["q"], *kv, inputs["max_q"], *inputs.get("scales", ()), *paged_mods,
                         scale=1.0 / math.sqrt(self.spec.head_dim),
-                      softcap=self.softcap or 0.0, window_left=left, window_right=right, **config.to_dict())
+                        softcap=self.softcap or 0.0, window_left=left, window_right=right, **extra, **config.to_dict())
 
     def key_sequences(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each sequence's keys and values, contiguous."""
@@ -212,11 +240,21 @@ class VarlenProblem(base.Problem):
             # Queries sit bottom-right, so the last ``rows`` queries alone see the same keys.
             rows = min(end - start, max(1, _REFERENCE_BUDGET // (max(1, self.k_lens[b]) * self.heads_q)))
             sl = slice(end - rows, end)
-            ref, ref_lse = varlen_reference(
-                inputs["q"][sl], [k_seqs[b]], [v_seqs[b]], torch.tensor([0, rows]),
-                causal=self.spec.mask == "causal", window=(left, right) if self.spec.mask == "window" else None,
-                softcap=self.softcap, scale=1.0 / math.sqrt(self.spec.head_dim), compute_dtype=compute,
-            )
+            masks = {"causal": self.spec.mask == "causal",
+                     "window": (left, right) if self.spec.mask == "window" else None, "softcap": self.softcap,
+                     "scale": 1.0 / math.sqrt(self.spec.head_dim), "compute_dtype": compute}
+            mods = inputs.get("mods")
+            if mods is None:
+                ref, ref_lse = varlen_reference(inputs["q"][sl], [k_seqs[b]], [v_seqs[b]], torch.tensor([0, rows]),
+                                                **masks)
+            else:
+                # The mods see the sequence's index and the checked rows' own positions.
+                first = (self.k_lens[b] if self.paged_positions else end - start) - rows
+                ref, ref_lse = attention_reference(
+                    inputs["q"][sl].transpose(0, 1)[None], k_seqs[b].transpose(0, 1)[None],
+                    v_seqs[b].transpose(0, 1)[None], score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+                    batch_ids=torch.tensor([b], device=out.device), q_offset=first, **masks)
+                ref, ref_lse = ref[0].transpose(0, 1), ref_lse[0].transpose(0, 1)
             error, max_error = base.relative_error(out[sl], ref)
             if lse is not None:
                 seen = torch.isfinite(ref_lse)

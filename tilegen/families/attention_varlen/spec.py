@@ -27,7 +27,9 @@ class VarlenAttentionSpec(AttentionFields):
         kv_dtype: ``None`` (the pages have the query's dtype) or ``"fp8e4m3"``/``"fp8e5m2"``: FP8
             pages with per-tensor or per-KV-head scales, read as fp8 and dequantized in the kernel
             (paged only).
-        score_mod, mask_mod: as in ``AttentionSpec``; b is the sequence, q_idx and kv_idx positions in it.
+        score_mod, mask_mod: as in ``AttentionSpec``; b is the sequence, q_idx and kv_idx positions in it
+            (ragged: a query's row among the sequence's queries; paged: its position among the keys,
+            ``n_k - n_q + i``, as ``PagedAttention`` defines it).
     """
 
     family: ClassVar[str] = "attention_varlen"

@@ -1,0 +1,179 @@
+"""Tuning a mod spec: ``tilegen tune --score-mod pkg.module:fn --mask-mod pkg.module:fn`` under the
+interpreter stores a row keyed by the mod spec, whose trials ran the mods' captured tensors and were
+checked against the reference with the mods; a ``tilegen.attention`` call with the same mods then
+dispatches to that row. Bad paths end in one line naming the option.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import tilegen
+from tilegen import dispatch
+from tilegen.cli import app
+from tilegen.cli.spec_args import presets
+from tilegen.codegen.render import template_hash
+from tilegen.db import TuningDB
+from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.families import relative_error
+from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
+from tilegen.families.attention_fwd import Config
+from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.mods.trace import trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not device_info().is_interpreter, reason="CPU-interpreter tuning tests")
+
+MODS = textwrap.dedent("""
+    import torch
+
+    def make_alibi(*, batch, heads, n_q, n_k, device):
+        # A factory: the slopes fit each tuned problem's head count.
+        slopes = torch.linspace(0.1, 0.8, heads, device=device)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+
+        return alibi
+
+    def near(b, h, q_idx, kv_idx):  # a mod itself
+        return q_idx - kv_idx < 8
+
+    def make_documents(*, batch, heads, n_q, n_k, device):
+        # Document ids per request and position; on the paged families positions run over the keys.
+        docs = torch.arange(n_k, device=device) // 7 + torch.arange(batch, device=device)[:, None]
+
+        def same_document(b, h, q_idx, kv_idx):
+            return docs[b, q_idx] == docs[b, kv_idx]
+
+        return same_document
+
+    not_a_function = 3
+""")
+
+
+def _importable(folder: Path, monkeypatch) -> None:
+    """``folder``'s ``tune_mods`` importable for one test (another test's copy forgotten)."""
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "tune_mods", raising=False)
+
+
+def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path, monkeypatch):
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    db = tmp_path / "tuning.sqlite"
+    cmd = [sys.executable, "-m", "tilegen", "tune", "--preset", "default", "--db", str(db), "--seqlens", "32",
+           "--trials", "1", "--score-mod", "tune_mods:make_alibi", "--mask-mod", "tune_mods:near"]
+    # From the module's folder, as a user runs it: the folder is importable.
+    run = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+
+    _importable(tmp_path, monkeypatch)
+    import tune_mods
+
+    heads = 2
+    score_mod, mask_mod = tune_mods.make_alibi(batch=1, heads=heads, n_q=32, n_k=32, device="cpu"), tune_mods.near
+    spec = presets()["default"].replace(score_mod=trace(score_mod, "score_mod").canonical,
+                                        mask_mod=trace(mask_mod, "mask_mod").canonical)
+    key = dict(spec=spec, device=CPU_INTERPRETER, template_hash=template_hash(ATTENTION_FWD),
+               triton_version=__import__("triton").__version__)
+    with TuningDB(db) as tdb:
+        rows = tdb.best(**key)
+        assert sorted(rows) == [32]
+        (trial,) = [t for t in tdb.trials_for(spec.hash) if t.bucket == 32]
+        assert trial.status == "ok"
+    row = Config.from_dict(rows[32].config)
+
+    # The call's dispatch, from the database afresh: the row of the mod spec, with its config.
+    monkeypatch.setenv("TILEGEN_DB", str(db))
+    dispatch.reset()
+    assert dispatch.table_on(spec, torch.device("cpu")).choose(32).source == str(db)
+    launched = []
+    real = tilegen.ops.attention.launcher_for
+
+    def recording(launched_spec):
+        launcher = real(launched_spec)
+
+        class Recorder:
+            def jit(self, *args, **kwargs):
+                launched.append((launched_spec, kwargs))
+                return launcher.jit(*args, **kwargs)
+
+        return Recorder()
+
+    monkeypatch.setattr(tilegen.ops.attention, "launcher_for", recording)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 32, 64, generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    out = tilegen.attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    ((launched_spec, kwargs),) = launched
+    assert launched_spec == spec
+    assert {name: kwargs[name] for name in row.to_dict()} == row.to_dict()
+    ref, _ = attention_reference(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    assert relative_error(out, ref)[0] < 1e-2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--score-mod", "tune_mods"], "--score-mod: expected pkg.module:function"),
+    (["--score-mod", "no_such_module:fn"], "--score-mod: cannot import module 'no_such_module'"),
+    (["--mask-mod", "tune_mods:missing"], "--mask-mod: module 'tune_mods' has no attribute 'missing'"),
+    (["--mask-mod", "tune_mods:not_a_function"], "--mask-mod: tune_mods:not_a_function is a int, not callable"),
+    (["--mask-mod", "tune_mods:make_alibi"], "--mask-mod: tune_mods:make_alibi: mask_mod: expected 4 arguments"),
+    (["--preset", "rope-d128", "--score-mod", "tune_mods:make_alibi"], "--score-mod: rope specs take no mods"),
+    (["--preset", "gemma-softcap", "--score-mod", "tune_mods:make_alibi"], "--score-mod: softcap: with a score_mod"),
+], ids=["no-colon", "no-module", "no-attribute", "not-callable", "wrong-kind", "family-without-mods", "softcap"])
+def test_bad_mod_options_end_in_one_line_naming_the_option(tmp_path, monkeypatch, args, message):
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    monkeypatch.chdir(tmp_path)
+    _importable(tmp_path, monkeypatch)
+    result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "fresh.sqlite"), *args])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert message in result.stderr.splitlines()[-1], result.stderr
+    assert not (tmp_path / "fresh.sqlite").exists()
+
+
+def test_emit_takes_the_mod_options(tmp_path, monkeypatch):
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    _importable(tmp_path, monkeypatch)
+    result = CliRunner().invoke(app, ["emit", "--preset", "default", "--mask-mod", "tune_mods:near"])
+    assert result.exit_code == 0, result.stderr
+    assert "def _mask_mod(b, h, q_idx, kv_idx):" in result.stdout and "_mmod" in result.stdout
+
+
+@pytest.mark.parametrize("family_spec", [
+    {"family": "attention_varlen", "head_dim": 32, "q_per_kv": 2, "mask": "causal", "kv_layout": "paged",
+     "page_size": 16},
+    {"family": "attention_varlen", "head_dim": 32, "q_per_kv": 2, "mask": "causal"},
+    {"family": "attention_decode", "head_dim": 32, "q_per_kv": 2, "page_size": 16},
+], ids=["paged", "ragged", "decode"])
+def test_the_serving_families_trials_run_and_check_the_mods(tmp_path, monkeypatch, family_spec):
+    """A trial of each serving family builds the mods from their paths (as the tune's processes do), runs
+    the default config with them and passes the reference's check at the family's positions; without
+    the mods the same output fails it."""
+    from tilegen.families import family_of, spec_from_json
+    from tilegen.mods import sources
+    from tilegen.tuning.measure import measure
+
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    _importable(tmp_path, monkeypatch)
+    monkeypatch.setenv(sources.ENV, '{"score_mod": "tune_mods:make_alibi", "mask_mod": "tune_mods:make_documents"}')
+    spec = spec_from_json(family_spec).replace(score_mod=sources.canonical_text("tune_mods:make_alibi", "score_mod"),
+                                               mask_mod=sources.canonical_text("tune_mods:make_documents", "mask_mod"))
+    family = family_of(spec)
+    bucket = family.buckets.of((40, 3)) if family.buckets.batch_unit is not None else 40
+    problem = family.problem(spec, bucket, on_gpu=False)
+    config = family.default_config(spec, CPU_INTERPRETER, bucket)
+    assert measure(problem, config, 0)["status"] == "ok"
+    inputs = problem.inputs(0)
+    outputs = problem.outputs(inputs)
+    problem.launch(tilegen.dispatch.launcher_for(spec), config, inputs, outputs)
+    inputs["mods"].score_mod = inputs["mods"].mask_mod = None  # the reference without the mods
+    assert problem.check(inputs, outputs)[0] > problem.tolerance
