@@ -35,6 +35,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
+from tilegen.mods.builtin import absorb
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.tensors import check_out, refuse_grad
 from tilegen.ops.varlen import paged_mods
@@ -106,6 +107,8 @@ class PagedDecode:
             raise ValueError(f"max_seqlen_k: expected a host int >= 0, got {max_seqlen_k!r}")
         pages = cache.k_pages
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
+        if score_mod is not None or mask_mod is not None:  # the query sits at its last key's position: no shift
+            _, window, softcap, score_mod, mask_mod = absorb(score_mod, mask_mod, False, window, softcap)
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
         left, right = window_bounds(window, False)
         mask = mask_kind(left, right)

@@ -38,6 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
+from tilegen.mods.builtin import absorb
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
@@ -263,6 +264,8 @@ class PagedAttention:
             max_seqlen_k = int(seq_lens.max()) if cache.batch else 0
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             _check_max(name, value)
+        if score_mod is not None or mask_mod is not None:  # the positions are the keys': no shift
+            causal, window, softcap, score_mod, mask_mod = absorb(score_mod, mask_mod, causal, window, softcap)
         spec, left, right, scale, softcap = _prepare(
             q_dtype, dim, cache.v_pages.shape[3], heads_q // cache.kv_heads, causal, window, softcap,
             scale, return_lse, max_seqlen_q, max_seqlen_k, layout="paged", page_size=cache.page_size,
