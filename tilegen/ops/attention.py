@@ -42,7 +42,7 @@ from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import check_out
+from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_out, refuse_grad
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -129,7 +129,8 @@ def attention(
     try:
         key = (
             q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
+            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
+            return_lse,
             window if window is None else (window.__class__, *map(type, window), *window),
         )
         plan = _plans.get(key)
@@ -150,6 +151,8 @@ def attention(
             _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
         # A program reads only its own query rows, before it writes their output: out may be q itself.
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.attention", missing=NO_BACKWARD, out=out)
     # empty_like of the plan's storage-free template: about half new_empty's host time with a shape and dtype.
     lse = torch.empty_like(plan.lse_like) if plan.lse_like is not None else None
     if plan.launches:
@@ -175,6 +178,8 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     else:
         _check_out(out, out_shape, q)
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if math.prod(out_shape) > 0:
         config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
@@ -386,7 +391,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         dtype, device = q.dtype, q.device
         ok = (
             batch_k == batch == batch_v and dim_k == dim and heads_v == heads_kv and n_v == n_k
-            and heads_kv > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
+            and heads_kv > 0 and heads_q > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
             and dtype in SPEC_DTYPES and k.dtype == dtype and v.dtype == dtype
             and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
             and k.device == device and v.device == device
@@ -401,8 +406,9 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
 
     scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
+    check_bool("return_lse", return_lse)
     mask = mask_kind(left, right)
-    spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
+    spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, return_lse)
     return (spec, *launch_window(mask, left, right, n_q, n_k), scale_value, softcap_value)
 
 
@@ -453,6 +459,8 @@ def _check_tensors(q, k, v) -> None:
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
         raise ValueError(f"v: heads and seq {tuple(v.shape[1:3])} differ from k's {tuple(k.shape[1:3])}")
     heads_kv = k.shape[1]
+    if heads_q == 0 and heads_kv:
+        raise ValueError(f"q: no query head; expected a positive multiple of k's {heads_kv} KV heads")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"q: {heads_q} query heads is not a multiple of k's {heads_kv} KV heads")
     n_k = k.shape[2]

@@ -36,7 +36,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
-from tilegen.ops.tensors import check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_out, refuse_grad
 
 __all__ = ["PagedDecode"]
 
@@ -102,11 +102,12 @@ class PagedDecode:
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
         left, right = window_bounds(window, False)
+        check_bool("return_lse", return_lse)
         mask = mask_kind(left, right)
         try:
             spec = DecodeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
                               q_per_kv=heads_q // cache.kv_heads, mask=mask, softcap=softcap is not None,
-                              dtype=SPEC_DTYPES[q_dtype], page_size=cache.page_size, return_lse=bool(return_lse),
+                              dtype=SPEC_DTYPES[q_dtype], page_size=cache.page_size, return_lse=return_lse,
                               kv_dtype=kv_dtype)
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None

@@ -1,5 +1,6 @@
 """What several ops do with the tensors they are handed: check that the kernels can run on
-their device, refuse inputs that require grad, and write through a view of them."""
+their device, refuse inputs that require grad, and write through a view of them; and the check
+of their flags."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["check_device", "check_out", "refuse_grad", "writable"]
+__all__ = ["NO_BACKWARD", "check_bool", "check_device", "check_out", "refuse_grad", "writable"]
+
+#: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
+NO_BACKWARD = "a result written into `out` cannot be differentiated"
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -17,6 +21,12 @@ def check_device(name: str, device: torch.device) -> None:
                          "TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: device {device} is not supported; expected cuda")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise, naming ``name``, unless ``value`` is a bool: a truthy string or number would silently choose."""
+    if value.__class__ is not bool:
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def refuse_grad(op: str, /, *, missing: str | None = None, fix: str = "call it under torch.no_grad() or detach "

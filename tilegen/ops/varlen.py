@@ -43,7 +43,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import check_device, check_out, refuse_grad
+from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -92,8 +92,8 @@ def varlen_attention(
                cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.stride(), cu_seqlens_k.stride(),
                cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
                cu_seqlens_k.device, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
-               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
-               window if window is None else (window.__class__, *map(type, window), *window))
+               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
+               return_lse, window if window is None else (window.__class__, *map(type, window), *window))
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         plan = None
@@ -106,6 +106,8 @@ def varlen_attention(
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     out = _output(plan, q, out, {"k": k, "v": v})
+    if out.requires_grad and torch.is_grad_enabled():
+        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
@@ -129,6 +131,8 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
     out = _output(plan, q, out, {"k": k, "v": v})
+    if out.requires_grad and torch.is_grad_enabled():
+        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
     if plan.launches:
         config = _table(spec, q.device).choose(max(max_q, max_k)).config
@@ -336,6 +340,8 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
         raise ValueError(f"v: tokens and heads {tuple(v.shape[:2])} differ from k's {tuple(k.shape[:2])}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    if q.shape[1] == 0 and k.shape[1]:
+        raise ValueError(f"q: no query head; expected a positive multiple of k's {k.shape[1]} KV heads")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of k's {k.shape[1]} KV heads")
     _check_lengths("cu_seqlens_q", cu_q, q.device)
@@ -375,8 +381,9 @@ def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
     scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
+    check_bool("return_lse", return_lse)
     mask = mask_kind(left, right)
-    spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, bool(return_lse),
+    spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, return_lse,
                      layout, page_size, kv_dtype)
     return (spec, *launch_window(mask, left, right, max_q, max_k), scale_value, softcap_value)
 
