@@ -212,7 +212,10 @@ class PagedKVCache:
             raise ValueError(f"seq_lens: expected a [{block_table.shape[0]}] tensor, got {_describe(seq_lens)}")
         if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
             raise ValueError("block_table, seq_lens: expected integer tensors")
-        page_size = k_pages.shape[1] if isinstance(k_pages, torch.Tensor) and k_pages.dim() == 4 else 0
+        if not isinstance(k_pages, torch.Tensor) or k_pages.dim() != 4:
+            raise ValueError(f"k_pages: expected a [num_pages, page_size, kv_heads, head_dim] tensor, got "
+                             f"{_describe(k_pages)}")
+        page_size = k_pages.shape[1]
         if page_size not in PAGE_SIZES:
             raise ValueError(f"k_pages: page size {page_size} is not supported; expected one of {PAGE_SIZES}")
         device = k_pages.device

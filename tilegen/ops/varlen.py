@@ -396,7 +396,10 @@ def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, pa
                                    mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
                                    kv_layout=layout, page_size=page_size, kv_dtype=kv_dtype)
     except SpecError as e:
-        arg = {"head_dim": "q", "head_dim_v": "v", "page_size": "cache", "kv_dtype": "cache"}.get(e.field, e.field)
+        # A paged call's head dims are its cache's.
+        tensors = ("cache", "cache") if layout == "paged" else ("q", "v")
+        arg = {"head_dim": tensors[0], "head_dim_v": tensors[1], "page_size": "cache", "kv_dtype": "cache"}.get(
+            e.field, e.field)
         raise ValueError(f"{arg}: {e}") from None
 
 
