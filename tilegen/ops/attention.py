@@ -300,6 +300,7 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
             backward=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
     ``backward=True``: the config its backward runs."""
+    check_bool("backward", backward)
     if backward:
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
