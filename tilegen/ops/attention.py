@@ -313,6 +313,7 @@ def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, de
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
     checked before the forward runs."""
     attention_grad.check_training_args(out, deterministic)
+    check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, True)
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "dense")
     result, lse = torch.ops.tilegen.attention_fwd(
