@@ -507,6 +507,16 @@ def test_every_entry_point_names_the_bad_argument(call, exc, prefix, device):
         call(device)
 
 
+@pytest.mark.parametrize("op", PAGED_OPS, ids=lambda op: op.__name__)
+def test_debug_plans_refuse_a_max_seqlen_k_below_the_longest_sequence(op, device, monkeypatch):
+    """Keys past max_seqlen_k may go unread (a wrong answer): TILEGEN_DEBUG=1 checks it against the page table."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = tilegen.PagedKVCache(*_cache(device))  # sequences of 8 and 1 tokens
+    with raises(ValueError, "max_seqlen_k: 7, but the cache holds a sequence of 8 tokens"):
+        _plan(op, cache, max_seqlen_k=7)
+    _plan(op, cache, max_seqlen_k=8)
+
+
 def test_cascade_refuses_an_out_that_requires_grad(device):
     cache = tilegen.PagedKVCache(*_cache(device))
     cascade = tilegen.CascadeAttention()

@@ -35,7 +35,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.tensors import check_bool, check_out, refuse_grad
 
 __all__ = ["PagedDecode"]
@@ -82,8 +82,10 @@ class PagedDecode:
         row that fails to compile or launch at the first ``run`` is skipped with one warning and the
         plan is made again for the next choice (``tilegen.dispatch.planned``).
 
-        ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
-        split rule (1 to ``MAX_SPLITS``, 128), for tests and experiments. The query sits at its
+        ``max_seqlen_k`` (a host int) spares one synchronization; it must be at least the longest sequence
+        (keys past it may go unread: a wrong answer, never a read outside the cache; ``TILEGEN_DEBUG=1``
+        checks it). ``num_splits`` overrides the split rule (1 to ``MAX_SPLITS``, 128), for tests and
+        experiments. The query sits at its
         sequence's last key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last
         ``left + 1``. ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8
         (then float16, bfloat16 or float32; bfloat16 when left out).
@@ -120,6 +122,7 @@ class PagedDecode:
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)
         if env.debug():
             cache.validate()
+            check_max_seqlen_k(cache, max_seqlen_k)
         launcher = launcher_for(spec)
         batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
         layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout, "q_dtype": q_dtype,

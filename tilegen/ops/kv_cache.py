@@ -249,6 +249,15 @@ def check_heads_q(cache: PagedKVCache, heads_q) -> None:
                          f"got {heads_q!r}")
 
 
+def check_max_seqlen_k(cache: PagedKVCache, max_seqlen_k: int) -> None:
+    """``TILEGEN_DEBUG=1``'s check of a plan's ``max_seqlen_k`` against the cache's longest sequence (one
+    synchronization): the kernels may read no key past it, so a smaller one is a wrong answer, not an error."""
+    longest = int(cache.seq_lens().max()) if cache.batch else 0
+    if longest > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k: {max_seqlen_k}, but the cache holds a sequence of {longest} tokens; "
+                         f"expected at least {longest}")
+
+
 def page_dtypes(cache: PagedKVCache, q_dtype: torch.dtype | None) -> tuple[str | None, torch.dtype]:
     """``(kv_dtype, q_dtype)`` of a plan over ``cache``: the FP8 format of its pages (None for 16- and
     32-bit pages), and the query's dtype, which is the pages' unless they are FP8 (then float16,

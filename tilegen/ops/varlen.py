@@ -41,7 +41,7 @@ from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_out, refuse_grad
 
@@ -237,7 +237,9 @@ class PagedAttention:
         scale: float | None = None, return_lse: bool = False, max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None, q_dtype: torch.dtype | None = None,
     ) -> None:
-        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each.
+        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each;
+        each must be at least its longest sequence (a smaller one gives the longer sequences wrong answers, never
+        a read outside the tensors; ``TILEGEN_DEBUG=1`` checks both).
         ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8 (then float16,
         bfloat16 or float32; bfloat16 when left out)."""
         if not isinstance(cache, PagedKVCache):
@@ -276,6 +278,7 @@ class PagedAttention:
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
             if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
                 raise ValueError("cu_seqlens_q: a sequence has more new tokens than the cache holds for it")
+            check_max_seqlen_k(cache, max_seqlen_k)
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
