@@ -33,6 +33,7 @@ sequence, never an access outside the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -187,11 +188,17 @@ class PagedKVCache:
         With ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) ``k_scale`` and ``v_scale`` are needed:
         a float (one scale for the tensor) or a float32 tensor of one or ``kv_heads`` elements.
         """
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if not isinstance(block_table, torch.Tensor):
+            raise ValueError(f"block_table: expected a [batch, max_pages] tensor, got {_describe(block_table)}")
         device = torch.device(device) if device is not None else block_table.device
         shape = (num_pages, page_size, kv_heads)
         k_pages = torch.empty((*shape, head_dim), dtype=dtype, device=device)
         v_pages = torch.empty((*shape, head_dim if head_dim_v is None else head_dim_v), dtype=dtype, device=device)
-        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, (int, float))
+        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, Real)
                   and not isinstance(s, bool) else s for s in (k_scale, v_scale)]
         return cls.from_block_table(k_pages, v_pages, block_table, seq_lens, k_scale=scales[0], v_scale=scales[1])
 
@@ -221,13 +228,21 @@ class PagedKVCache:
         device = k_pages.device
         lens = seq_lens.to(device=device, dtype=torch.int64)
         pages = (lens + page_size - 1) // page_size
-        if bool((pages > block_table.shape[1]).any()) or bool((lens < 0).any()):
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages[:, None]
+        chosen = block_table.to(device)[used]  # row-major: sequence by sequence, in order
+        # Both checks in one synchronization: the entries used must be pages of the cache (before the int32 cast,
+        # which would wrap an int64 one into range), as the kernels read them unchecked.
+        bad_len, bad_page = torch.stack([((pages > block_table.shape[1]) | (lens < 0)).any(),
+                                         ((chosen < 0) | (chosen >= k_pages.shape[0])).any()]).tolist()
+        if bad_len:
             raise ValueError(f"seq_lens: a length is negative or needs more than the block table's "
                              f"{block_table.shape[1]} pages of {page_size}")
+        if bad_page:
+            raise ValueError(f"block_table: a page the sequences use lies outside the {k_pages.shape[0]} pages of "
+                             "k_pages")
         indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=device)
         indptr[1:] = torch.cumsum(pages, 0)
-        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages[:, None]
-        indices = block_table.to(device)[used].to(torch.int32)  # row-major: sequence by sequence, in order
+        indices = chosen.to(torch.int32)
         last = torch.where(pages > 0, lens - (pages - 1) * page_size, 0)
         return cls(k_pages, v_pages, indptr.to(torch.int32), indices, last.to(torch.int32), k_scale, v_scale)
 
