@@ -418,7 +418,7 @@ def test_append_refuses_strided_offsets(device):
 
 def _plan(op, cache, **options):
     planner = op()
-    planner.plan(*(((_offsets([1, 1], cache.k_pages.device),) if op is tilegen.PagedAttention else ())), cache,
+    planner.plan(*(((_offsets([1] * cache.batch, cache.k_pages.device),) if op is tilegen.PagedAttention else ())), cache,
                  **{"heads_q": 4, **options})
     return planner
 
@@ -436,6 +436,11 @@ def _layer_config(**changes):
 def _ragged_with(device, **changes):
     args = {**_ragged(device), **changes}
     return tilegen.varlen_attention(**args)
+
+
+def _no_tokens(batch, device):
+    """Offsets of ``batch`` sequences of no token."""
+    return torch.zeros(batch + 1, dtype=torch.int32, device=device)
 
 
 PAGED_OPS = [tilegen.PagedDecode, tilegen.PagedAttention]
@@ -466,6 +471,15 @@ ENTRY_POINT_CASES = [
                  TypeError, "return_lse: expected a bool", id="varlen-training-return-lse-int"),
     pytest.param(lambda d: _ragged_with(d, out=torch.empty(10, 4, 32, device=d, requires_grad=True)),
                  NotImplementedError, "tilegen.varlen_attention: out requires grad", id="varlen-out-requires-grad"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.zeros(0, 4, 32, device=d), k=torch.zeros(0, 2, 32, device=d),
+                                        v=torch.zeros(0, 2, 32, device=d), cu_seqlens_q=_no_tokens(65536, d),
+                                        cu_seqlens_k=_no_tokens(65536, d)),
+                 ValueError, "cu_seqlens_q: 65536 sequences exceed the 65535 one launch takes", id="varlen-65536-seqs"),
+    *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(
+        torch.zeros(1, 8, 2, 32, device=d), torch.zeros(1, 8, 2, 32, device=d), _no_tokens(65536, d),
+        torch.zeros(0, dtype=torch.int32, device=d), torch.zeros(65536, dtype=torch.int32, device=d))),
+        ValueError, "cache: 65536 sequences exceed the 65535 one launch takes", id=f"{op.__name__}-65536-seqs")
+      for op in PAGED_OPS),
     *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d, dim=0))), ValueError,
                    "cache: head_dim: expected", id=f"{op.__name__}-head-dim-0") for op in PAGED_OPS),
     *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d, heads=0))), ValueError,

@@ -36,7 +36,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
-from tilegen.ops.tensors import check_bool, check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
 
 __all__ = ["PagedDecode"]
 
@@ -93,6 +93,7 @@ class PagedDecode:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
+        check_grid("cache", cache.batch, "sequences")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")

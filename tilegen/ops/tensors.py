@@ -8,10 +8,14 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["NO_BACKWARD", "check_bool", "check_device", "check_out", "refuse_grad", "writable"]
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_grid", "check_out", "refuse_grad",
+           "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
+
+#: CUDA's bound on a launch grid's second and third axes.
+MAX_GRID_YZ = 65535
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -27,6 +31,13 @@ def check_bool(name: str, value: object) -> None:
     """Raise, naming ``name``, unless ``value`` is a bool: a truthy string or number would silently choose."""
     if value.__class__ is not bool:
         raise TypeError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_grid(name: str, count: int, what: str) -> None:
+    """Raise, naming ``name``, when ``count`` (the kernels' programs along a launch grid's second or third axis,
+    one per sequence) is past CUDA's bound there, where the launch fails with Triton's bare "invalid argument"."""
+    if count > MAX_GRID_YZ:
+        raise ValueError(f"{name}: {count} {what} exceed the {MAX_GRID_YZ} one launch takes; split the batch")
 
 
 def refuse_grad(op: str, /, *, missing: str | None = None, fix: str = "call it under torch.no_grad() or detach "

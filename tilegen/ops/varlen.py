@@ -43,7 +43,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_out, refuse_grad
+from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_grid, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -249,6 +249,7 @@ class PagedAttention:
             raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.numel()} entries, but the cache's page table has "
                              f"{cache.batch} sequences (expected {cache.batch + 1})")
         check_heads_q(cache, heads_q)
+        check_grid("cache", cache.batch, "sequences")
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
             raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
@@ -352,6 +353,7 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     _check_lengths("cu_seqlens_k", cu_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_k: {cu_k.numel()} entries, cu_seqlens_q has {cu_q.numel()}; both are batch + 1")
+    check_grid("cu_seqlens_q", cu_q.numel() - 1, "sequences")
     _check_max("max_seqlen_q", max_q)
     _check_max("max_seqlen_k", max_k)
     _check_rows("max_seqlen_q", max_q, "cu_seqlens_q", cu_q.numel() - 1, "q", q.shape[0])
