@@ -42,7 +42,7 @@ from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_out, refuse_grad
+from tilegen.ops.tensors import MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, refuse_grad
 
 __all__ = ["attention", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -224,7 +224,12 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
     batch, heads, n_q, _ = q.shape
     out_shape = (batch, heads, n_q, spec.dv)
     # The route first: a decode-sized call never loads the dense table nor renders the dense module.
-    if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64:
+    decode = n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64
+    # The launch grid's second axis has a program per (batch, head), per batch row on the decode route, where CUDA
+    # takes at most MAX_GRID_YZ: past it, slices of the batch are launched one after another.
+    if (batch if decode else batch * heads) > MAX_GRID_YZ and math.prod(out_shape) > 0:
+        return _sliced_plan(q, k, v, spec, out_shape, left, right, scale, softcap)
+    if decode:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap)
     lse_shape = (batch, heads, n_q) if spec.return_lse else None
     launches = math.prod(out_shape) > 0
@@ -239,6 +244,30 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap) -> _Pla
                      launch=launcher.replay(launch_args), launch_args=launch_args, choice=choice)
 
     return dispatch.planned(dispatch.table_on(spec, q.device), max(n_q, k.shape[2]), make)
+
+
+def _sliced_plan(q, k, v, spec: AttentionSpec, out_shape, left, right, scale, softcap) -> _Plan:
+    """A batch past the launch grid's bound, planned as slices of ``MAX_GRID_YZ // heads`` batch rows (and the
+    rest), each slice a plan of its own."""
+    batch, heads = q.shape[:2]
+    step = MAX_GRID_YZ // heads
+    if step == 0:
+        raise ValueError(f"q: {heads} query heads exceed the {MAX_GRID_YZ} one launch takes")
+    whole = _plan_for(q[:step], k[:step], v[:step], spec, left, right, scale, softcap)
+    rest = _plan_for(q[:batch % step], k[:batch % step], v[:batch % step], spec, left, right, scale, softcap)
+
+    def launch(key, q, k, v, out, lse):
+        for start in range(0, batch, step):
+            part = whole if start + step <= batch else rest
+            rows = slice(start, start + step)
+            q_, k_, v_, out_ = q[rows], k[rows], v[rows], out[rows]
+            part.launch((q_.stride(), k_.stride(), v_.stride(), out_.stride()), q_, k_, v_, out_,
+                        out_ if lse is out else lse[rows])
+
+    lse_shape = (batch, heads, q.shape[2]) if spec.return_lse else None
+    return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=True, launch=launch,
+                 launch_args=whole.launch_args, choice=whole.choice, out_like_q=out_shape == tuple(q.shape),
+                 lse_like=_lse_like(lse_shape, q.device))
 
 
 def _lse_like(shape, device) -> torch.Tensor | None:
@@ -315,6 +344,7 @@ def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, de
     attention_grad.check_training_args(out, deterministic)
     check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, True)
+    check_grid("q", q.shape[0] * q.shape[1], "(batch, head) pairs of the backward")
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "dense")
     result, lse = torch.ops.tilegen.attention_fwd(
         q, k, v, spec.dv, spec.mask, spec.softcap, True, scale, softcap, left, right, deterministic)

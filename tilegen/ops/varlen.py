@@ -156,6 +156,7 @@ def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     attention_grad.check_training_args(out, deterministic)
     check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, True)
+    check_grid("cu_seqlens_q", (cu_q.numel() - 1) * q.shape[1], "(sequence, head) pairs of the backward")
     spec, args = plan.spec, plan.launch_args
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "ragged")
     if env.debug():
