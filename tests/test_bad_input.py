@@ -475,6 +475,11 @@ ENTRY_POINT_CASES = [
                                         v=torch.zeros(0, 2, 32, device=d), cu_seqlens_q=_no_tokens(65536, d),
                                         cu_seqlens_k=_no_tokens(65536, d)),
                  ValueError, "cu_seqlens_q: 65536 sequences exceed the 65535 one launch takes", id="varlen-65536-seqs"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.zeros(0, 4, 32, device=d, requires_grad=True),
+                                        k=torch.zeros(0, 2, 32, device=d), v=torch.zeros(0, 2, 32, device=d),
+                                        cu_seqlens_q=_no_tokens(16384, d), cu_seqlens_k=_no_tokens(16384, d)),
+                 ValueError, "cu_seqlens_q: 65536 (sequence, head) pairs of the backward exceed the 65535",
+                 id="varlen-training-65536-sequence-heads"),
     *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(
         torch.zeros(1, 8, 2, 32, device=d), torch.zeros(1, 8, 2, 32, device=d), _no_tokens(65536, d),
         torch.zeros(0, dtype=torch.int32, device=d), torch.zeros(65536, dtype=torch.int32, device=d))),
