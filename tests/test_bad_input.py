@@ -582,6 +582,8 @@ def test_a_batch_past_the_launch_grid_runs_in_slices(n_q, batch, device, monkeyp
     assert result is out
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+    with raises(ValueError, f"q: {batch * 2} (batch, head) pairs with mods exceed the 4 one launch takes"):
+        tilegen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score)
     with raises(ValueError, f"q: {batch * 2} (batch, head) pairs of the backward exceed the 4 one launch takes"):
         tilegen.attention(q.requires_grad_(), k, v)
 

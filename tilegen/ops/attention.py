@@ -169,6 +169,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     refuse_training(trains)
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     batch, heads, n_q, _ = q.shape
+    check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
     mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
     spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
