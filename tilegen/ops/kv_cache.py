@@ -266,7 +266,7 @@ def check_heads_q(cache: PagedKVCache, heads_q) -> None:
 
 def check_max_seqlen_k(cache: PagedKVCache, max_seqlen_k: int) -> None:
     """``TILEGEN_DEBUG=1``'s check of a plan's ``max_seqlen_k`` against the cache's longest sequence (one
-    synchronization): the kernels may read no key past it, so a smaller one is a wrong answer, not an error."""
+    synchronization): keys past it may go unread, so a smaller one gives a wrong answer, not an error."""
     longest = int(cache.seq_lens().max()) if cache.batch else 0
     if longest > max_seqlen_k:
         raise ValueError(f"max_seqlen_k: {max_seqlen_k}, but the cache holds a sequence of {longest} tokens; "

@@ -1,6 +1,6 @@
-"""What several ops do with the tensors they are handed: check that the kernels can run on
-their device, refuse inputs that require grad, and write through a view of them; and the check
-of their flags."""
+"""What several ops do with the arguments they are handed: check that the kernels can run on
+their device and fit a launch grid, check their flags, refuse inputs that require grad, and write
+through a view of them."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def check_bool(name: str, value: object) -> None:
 
 
 def check_grid(name: str, count: int, what: str) -> None:
-    """Raise, naming ``name``, when ``count`` (the kernels' programs along a launch grid's second or third axis,
-    one per sequence) is past CUDA's bound there, where the launch fails with Triton's bare "invalid argument"."""
+    """Raise, naming ``name``, when ``count`` programs (``what``: a sequence's, or a head's of one) would sit on a
+    launch grid's second or third axis, past CUDA's bound there: the launch would fail with Triton's bare
+    "invalid argument"."""
     if count > MAX_GRID_YZ:
         raise ValueError(f"{name}: {count} {what} exceed the {MAX_GRID_YZ} one launch takes; split the batch")
 
