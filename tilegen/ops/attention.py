@@ -254,21 +254,19 @@ def _sliced_plan(q, k, v, spec: AttentionSpec, out_shape, left, right, scale, so
     step = MAX_GRID_YZ // heads
     if step == 0:
         raise ValueError(f"q: {heads} query heads exceed the {MAX_GRID_YZ} one launch takes")
-    whole = _plan_for(q[:step], k[:step], v[:step], spec, left, right, scale, softcap)
-    rest = _plan_for(q[:batch % step], k[:batch % step], v[:batch % step], spec, left, right, scale, softcap)
+    parts = {n: _plan_for(q[:n], k[:n], v[:n], spec, left, right, scale, softcap) for n in (step, batch % step) if n}
 
     def launch(key, q, k, v, out, lse):
         for start in range(0, batch, step):
-            part = whole if start + step <= batch else rest
             rows = slice(start, start + step)
             q_, k_, v_, out_ = q[rows], k[rows], v[rows], out[rows]
-            part.launch((q_.stride(), k_.stride(), v_.stride(), out_.stride()), q_, k_, v_, out_,
-                        out_ if lse is out else lse[rows])
+            parts[q_.shape[0]].launch((q_.stride(), k_.stride(), v_.stride(), out_.stride()), q_, k_, v_, out_,
+                                      out_ if lse is out else lse[rows])
 
     lse_shape = (batch, heads, q.shape[2]) if spec.return_lse else None
     return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=True, launch=launch,
-                 launch_args=whole.launch_args, choice=whole.choice, out_like_q=out_shape == tuple(q.shape),
-                 lse_like=_lse_like(lse_shape, q.device))
+                 launch_args=parts[step].launch_args, choice=parts[step].choice,
+                 out_like_q=out_shape == tuple(q.shape), lse_like=_lse_like(lse_shape, q.device))
 
 
 def _lse_like(shape, device) -> torch.Tensor | None:
