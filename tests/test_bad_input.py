@@ -414,12 +414,12 @@ def test_append_refuses_strided_offsets(device):
 
 # ------------------------------------------------------------------------------ every entry point
 #
-# What the sections above check of tilegen.attention, for the other ops; each refused before any kernel runs.
+# The other entry points' bad arguments, and more of attention's; each refused before any kernel runs.
 
 def _plan(op, cache, **options):
     planner = op()
-    planner.plan(*(((_offsets([1] * cache.batch, cache.k_pages.device),) if op is tilegen.PagedAttention else ())), cache,
-                 **{"heads_q": 4, **options})
+    offsets = (_offsets([1] * cache.batch, cache.k_pages.device),) if op is tilegen.PagedAttention else ()
+    planner.plan(*offsets, cache, **{"heads_q": 4, **options})
     return planner
 
 
@@ -459,7 +459,8 @@ ENTRY_POINT_CASES = [
     pytest.param(lambda d: tilegen.explain(*qkv(d), backward="yes"), TypeError, "backward: expected a bool",
                  id="explain-backward-str"),
     *(pytest.param(lambda d, value=value: tilegen.spec_from_json(value), tilegen.SpecError,
-                   "spec: expected JSON text or a dict", id=f"spec-from-{type(value).__name__}") for value in (None, [])),
+                   "spec: expected JSON text or a dict", id=f"spec-from-{type(value).__name__}")
+      for value in (None, [])),
     pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 0, 32, device=d)), ValueError,
                  "q: no query head", id="varlen-no-query-head"),
     pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 4, 0, device=d), k=torch.randn(12, 2, 0, device=d),
@@ -511,7 +512,8 @@ ENTRY_POINT_CASES = [
                                                       torch.ones(1, dtype=torch.int32, device=d)),
                  ValueError, "num_pages: expected an int >= 0, got -1", id="empty-cache-negative-pages"),
     pytest.param(lambda d: tilegen.PagedKVCache.empty(4, 8, 2, 32, [[0]], torch.ones(1, dtype=torch.int32)),
-                 ValueError, "block_table: expected a [batch, max_pages] tensor, got list", id="empty-cache-list-table"),
+                 ValueError, "block_table: expected a [batch, max_pages] tensor, got list",
+                 id="empty-cache-list-table"),
     pytest.param(lambda d: tilegen.blockwise_ffn(**_ffn(d, 0, 8)), ValueError, "x: d_model: expected",
                  id="ffn-d-model-0"),
     pytest.param(lambda d: tilegen.blockwise_ffn(**_ffn(d, 16, 0)), ValueError, "w_up: d_ffn: expected",
