@@ -567,7 +567,7 @@ def test_cascade_over_an_empty_batch_gives_an_empty_output(device):
     assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
 
 
-@pytest.mark.parametrize("n_q, batch", [(19, 3), (1, 5)], ids=["dense", "decode-route"])
+@pytest.mark.parametrize("n_q, batch", [(9, 3), (1, 5)], ids=["dense", "decode-route"])
 def test_a_batch_past_the_launch_grid_runs_in_slices(n_q, batch, device, monkeypatch):
     """More (batch, head) pairs than a launch grid's second axis takes (65535 on CUDA; 4 here) run a slice of the
     batch at a time, to the same answer, the LSE and a given out included."""
@@ -577,7 +577,7 @@ def test_a_batch_past_the_launch_grid_runs_in_slices(n_q, batch, device, monkeyp
     for module in (attention, tensors):
         monkeypatch.setattr(module, "MAX_GRID_YZ", 4)
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(batch, 2, n, 16, generator=gen).to(device) for n in (n_q, 23, 23))
+    q, k, v = (torch.randn(batch, 2, n, 16, generator=gen).to(device) for n in (n_q, 12, 12))
     out = torch.full_like(q, math.nan)
     result, lse = tilegen.attention(q, k, v, causal=True, return_lse=True, out=out)
     expected, expected_lse = attention_reference(q, k, v, causal=True)
