@@ -492,6 +492,8 @@ ENTRY_POINT_CASES = [
                    "cache: no KV head", id=f"{op.__name__}-no-kv-head") for op in PAGED_OPS),
     *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d)), return_lse=None), TypeError,
                    "return_lse: expected a bool", id=f"{op.__name__}-return-lse-none") for op in PAGED_OPS),
+    pytest.param(lambda d: _plan(tilegen.PagedAttention, tilegen.PagedKVCache(*_cache(d)), head_dim="32"),
+                 ValueError, "head_dim: '32' differs from the cache's 32", id="paged-head-dim-a-str"),
     pytest.param(lambda d: tilegen.CascadeAttention().plan(
         (c := tilegen.PagedKVCache(*_cache(d))), tilegen.cascade_levels(c), heads_q=4, return_lse=0),
         TypeError, "return_lse: expected a bool", id="cascade-return-lse-0"),

@@ -253,7 +253,7 @@ class PagedAttention:
         check_grid("cache", cache.batch, "sequences")
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
-            raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
+            raise ValueError(f"head_dim: {head_dim!r} differs from the cache's {dim}")
         pages = cache.k_pages
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         seq_lens = cache.seq_lens()
