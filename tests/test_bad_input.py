@@ -145,7 +145,7 @@ def test_query_heads_not_a_multiple_of_kv_heads(device, hq, hkv):
         tilegen.attention(q, k, v)
 
 
-@pytest.mark.parametrize("d", [65, 8, 12, 264, 512])
+@pytest.mark.parametrize("d", [0, 65, 8, 12, 264, 512])
 def test_unsupported_head_dim(device, d):
     q, k, v = qkv(device, d=d)
     with raises(ValueError, "q: head_dim:"):
@@ -279,6 +279,7 @@ def test_bad_out(device, make, exc, prefix):
         pytest.param({"scale": 1}, {"scale": True}, "scale:", id="scale-true-after-1"),
         pytest.param({"window": (1, 0)}, {"window": (True, 0)}, "window:", id="window-true-after-1"),
         pytest.param({"causal": False}, {"causal": 0}, "causal:", id="causal-0-after-false"),
+        pytest.param({"return_lse": True}, {"return_lse": 1}, "return_lse:", id="return-lse-1-after-true"),
     ],
 )
 def test_a_checked_call_does_not_let_an_equal_bad_value_through(device, good, bad, prefix):
@@ -355,8 +356,8 @@ def test_a_strided_offsets_tensor_after_a_checked_contiguous_one(device):
         tilegen.varlen_attention(**args)
 
 
-def _cache(device, *, pages=4, indptr=(0, 1, 2), indices=(0, 3), last=(8, 1)):
-    k_pages = torch.randn(pages, 8, 2, 32, device=device)
+def _cache(device, *, pages=4, indptr=(0, 1, 2), indices=(0, 3), last=(8, 1), heads=2, dim=32):
+    k_pages = torch.randn(pages, 8, heads, dim, device=device)
     return k_pages, k_pages.clone(), *(torch.tensor(x, dtype=torch.int32, device=device)
                                        for x in (indptr, indices, last))
 
@@ -409,3 +410,197 @@ def test_append_refuses_strided_offsets(device):
     tilegen.append_kv(cache, k, k.clone(), cu)
     with raises(ValueError, "cu_seqlens: expected a contiguous tensor"):
         tilegen.append_kv(cache, k, k.clone(), _strided(cu))
+
+
+# ------------------------------------------------------------------------------ every entry point
+#
+# The other entry points' bad arguments, and more of attention's; each refused before any kernel runs.
+
+def _plan(op, cache, **options):
+    planner = op()
+    offsets = (_offsets([1] * cache.batch, cache.k_pages.device),) if op is tilegen.PagedAttention else ()
+    planner.plan(*offsets, cache, **{"heads_q": 4, **options})
+    return planner
+
+
+def _ffn(device, d_model, d_ffn):
+    x = torch.randn(2, d_model, device=device)
+    return dict(x=x, w_norm=torch.ones(d_model, device=device), w_up=torch.randn(d_ffn, d_model, device=device),
+                w_down=torch.randn(d_model, d_ffn, device=device))
+
+
+def _layer_config(**changes):
+    return tilegen.LayerConfig(**{"d_model": 32, "heads_q": 2, "heads_kv": 1, "head_dim": 16, "d_ffn": 64, **changes})
+
+
+def _ragged_with(device, **changes):
+    args = {**_ragged(device), **changes}
+    return tilegen.varlen_attention(**args)
+
+
+def _no_tokens(batch, device):
+    """Offsets of ``batch`` sequences of no token."""
+    return torch.zeros(batch + 1, dtype=torch.int32, device=device)
+
+
+PAGED_OPS = [tilegen.PagedDecode, tilegen.PagedAttention]
+
+ENTRY_POINT_CASES = [
+    pytest.param(lambda d: tilegen.attention(*qkv(d, hq=0)), ValueError,
+                 "q: no query head; expected a positive multiple of k's 2 KV heads", id="attention-no-query-head"),
+    pytest.param(lambda d: tilegen.attention(*qkv(d), return_lse="no"), TypeError,
+                 "return_lse: expected a bool, got 'no'", id="attention-return-lse-str"),
+    pytest.param(lambda d: tilegen.attention(*(t.requires_grad_() for t in qkv(d)), return_lse="no"), TypeError,
+                 "return_lse: expected a bool, got 'no'", id="attention-training-return-lse-str"),
+    pytest.param(lambda d: tilegen.attention(*qkv(d), out=torch.empty(1, 2, 8, 64, device=d, dtype=torch.float16,
+                                                                       requires_grad=True)),
+                 NotImplementedError, "tilegen.attention: out requires grad, but a result written into `out` cannot",
+                 id="attention-out-requires-grad"),
+    pytest.param(lambda d: tilegen.explain(*qkv(d), backward="yes"), TypeError, "backward: expected a bool",
+                 id="explain-backward-str"),
+    *(pytest.param(lambda d, value=value: tilegen.spec_from_json(value), tilegen.SpecError,
+                   "spec: expected JSON text or a dict", id=f"spec-from-{type(value).__name__}")
+      for value in (None, [])),
+    pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 0, 32, device=d)), ValueError,
+                 "q: no query head", id="varlen-no-query-head"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 4, 0, device=d), k=torch.randn(12, 2, 0, device=d),
+                                        v=torch.randn(12, 2, 0, device=d)),
+                 ValueError, "q: head_dim: expected", id="varlen-head-dim-0"),
+    pytest.param(lambda d: _ragged_with(d, return_lse=1), TypeError, "return_lse: expected a bool",
+                 id="varlen-return-lse-int"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 4, 32, device=d, requires_grad=True), return_lse=1),
+                 TypeError, "return_lse: expected a bool", id="varlen-training-return-lse-int"),
+    pytest.param(lambda d: _ragged_with(d, out=torch.empty(10, 4, 32, device=d, requires_grad=True)),
+                 NotImplementedError, "tilegen.varlen_attention: out requires grad", id="varlen-out-requires-grad"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.zeros(0, 4, 32, device=d), k=torch.zeros(0, 2, 32, device=d),
+                                        v=torch.zeros(0, 2, 32, device=d), cu_seqlens_q=_no_tokens(65536, d),
+                                        cu_seqlens_k=_no_tokens(65536, d)),
+                 ValueError, "cu_seqlens_q: 65536 sequences exceed the 65535 one launch takes", id="varlen-65536-seqs"),
+    pytest.param(lambda d: _ragged_with(d, q=torch.zeros(0, 4, 32, device=d, requires_grad=True),
+                                        k=torch.zeros(0, 2, 32, device=d), v=torch.zeros(0, 2, 32, device=d),
+                                        cu_seqlens_q=_no_tokens(16384, d), cu_seqlens_k=_no_tokens(16384, d)),
+                 ValueError, "cu_seqlens_q: 65536 (sequence, head) pairs of the backward exceed the 65535",
+                 id="varlen-training-65536-sequence-heads"),
+    *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(
+        torch.zeros(1, 8, 2, 32, device=d), torch.zeros(1, 8, 2, 32, device=d), _no_tokens(65536, d),
+        torch.zeros(0, dtype=torch.int32, device=d), torch.zeros(65536, dtype=torch.int32, device=d))),
+        ValueError, "cache: 65536 sequences exceed the 65535 one launch takes", id=f"{op.__name__}-65536-seqs")
+      for op in PAGED_OPS),
+    *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d, dim=0))), ValueError,
+                   "cache: head_dim: expected", id=f"{op.__name__}-head-dim-0") for op in PAGED_OPS),
+    *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d, heads=0))), ValueError,
+                   "cache: no KV head", id=f"{op.__name__}-no-kv-head") for op in PAGED_OPS),
+    *(pytest.param(lambda d, op=op: _plan(op, tilegen.PagedKVCache(*_cache(d)), return_lse=None), TypeError,
+                   "return_lse: expected a bool", id=f"{op.__name__}-return-lse-none") for op in PAGED_OPS),
+    pytest.param(lambda d: _plan(tilegen.PagedAttention, tilegen.PagedKVCache(*_cache(d)), head_dim="32"),
+                 ValueError, "head_dim: '32' differs from the cache's 32", id="paged-head-dim-a-str"),
+    pytest.param(lambda d: tilegen.CascadeAttention().plan(
+        (c := tilegen.PagedKVCache(*_cache(d))), tilegen.cascade_levels(c), heads_q=4, return_lse=0),
+        TypeError, "return_lse: expected a bool", id="cascade-return-lse-0"),
+    pytest.param(lambda d: tilegen.cascade_levels(tilegen.PagedKVCache(*_cache(d)), causal=1), TypeError,
+                 "causal: expected a bool", id="cascade-levels-causal-int"),
+    pytest.param(lambda d: tilegen.cascade_levels(tilegen.PagedKVCache(*_cache(d, indptr=(0, 1, 3)))), ValueError,
+                 "indptr: ends at 3, past the 2 entries of indices", id="cascade-levels-of-a-bad-page-table"),
+    pytest.param(lambda d: tilegen.PagedKVCache.from_block_table(
+        torch.zeros(4, 8, 32, device=d), torch.zeros(4, 8, 32, device=d), torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32)),
+        ValueError, "k_pages: expected a [num_pages, page_size, kv_heads, head_dim] tensor", id="block-table-3d-pages"),
+    pytest.param(lambda d: tilegen.PagedKVCache.from_block_table(
+        torch.zeros(2, 8, 2, 32, device=d), torch.zeros(2, 8, 2, 32, device=d),
+        torch.tensor([[0, 1], [2, 3]], device=d), torch.tensor([9, 3], device=d)),
+        ValueError, "block_table: a page the sequences use lies outside the 2 pages of k_pages",
+        id="block-table-page-outside-the-cache"),
+    pytest.param(lambda d: tilegen.PagedKVCache.empty(-1, 8, 2, 32, torch.zeros(1, 1, dtype=torch.int32, device=d),
+                                                      torch.ones(1, dtype=torch.int32, device=d)),
+                 ValueError, "num_pages: expected an int >= 0, got -1", id="empty-cache-negative-pages"),
+    pytest.param(lambda d: tilegen.PagedKVCache.empty(4, 8, 2, 32, [[0]], torch.ones(1, dtype=torch.int32)),
+                 ValueError, "block_table: expected a [batch, max_pages] tensor, got list",
+                 id="empty-cache-list-table"),
+    pytest.param(lambda d: tilegen.blockwise_ffn(**_ffn(d, 0, 8)), ValueError, "x: d_model: expected",
+                 id="ffn-d-model-0"),
+    pytest.param(lambda d: tilegen.blockwise_ffn(**_ffn(d, 16, 0)), ValueError, "w_up: d_ffn: expected",
+                 id="ffn-d-ffn-0"),
+    pytest.param(lambda d: tilegen.blockwise_layer(torch.zeros(2, 32, device=d), {}, {"d_model": 32}), TypeError,
+                 "config: expected a tilegen.LayerConfig, got dict", id="layer-config-a-dict"),
+    pytest.param(lambda d: tilegen.BlockwiseLayer({"d_model": 32}), TypeError,
+                 "config: expected a tilegen.LayerConfig, got dict", id="layer-module-config-a-dict"),
+    pytest.param(lambda d: tilegen.blockwise_layer(
+        torch.zeros(2, 32, device=d), {"self_attn.q_proj.weight": torch.zeros(32, 32), "self_attn.k_proj.weight":
+                                       torch.zeros(16, 32), "mlp.up_proj.weight": torch.zeros(64, 32)}, heads_q=0),
+        ValueError, "heads_q: expected a positive int, got 0", id="layer-heads-q-0"),
+    *(pytest.param(lambda d, field=field, value=value: _layer_config(**{field: value}), ValueError,
+                   f"{field}: expected a finite positive number", id=f"layer-config-{field}-{value}")
+      for field in ("eps", "rope_theta") for value in (math.inf, True)),
+]
+
+
+@pytest.mark.parametrize("call, exc, prefix", ENTRY_POINT_CASES)
+def test_every_entry_point_names_the_bad_argument(call, exc, prefix, device):
+    with raises(exc, prefix):
+        call(device)
+
+
+@pytest.mark.parametrize("op", PAGED_OPS, ids=lambda op: op.__name__)
+def test_debug_plans_refuse_a_max_seqlen_k_below_the_longest_sequence(op, device, monkeypatch):
+    """Keys past max_seqlen_k may go unread (a wrong answer): TILEGEN_DEBUG=1 checks it against the page table."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = tilegen.PagedKVCache(*_cache(device))  # sequences of 8 and 1 tokens
+    with raises(ValueError, "max_seqlen_k: 7, but the cache holds a sequence of 8 tokens"):
+        _plan(op, cache, max_seqlen_k=7)
+    _plan(op, cache, max_seqlen_k=8)
+
+
+def test_cascade_refuses_an_out_that_requires_grad(device):
+    cache = tilegen.PagedKVCache(*_cache(device))
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
+    out = torch.full((2, 4, 32), math.nan, device=device).requires_grad_()
+    with raises(NotImplementedError, "tilegen.CascadeAttention.run: out requires grad"):
+        cascade.run(torch.zeros(2, 4, 32, device=device), cache, out=out)
+    assert out.isnan().all()
+
+
+def test_cascade_over_an_empty_batch_gives_an_empty_output(device):
+    """cascade_levels of a cache of no sequence gives a level of no node, which plans and runs to nothing."""
+    cache = tilegen.PagedKVCache(*_cache(device, indptr=(0,), indices=(), last=()))
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4, return_lse=True)
+    out, lse = cascade.run(torch.zeros(0, 4, 32, device=device), cache)
+    assert out.shape == (0, 4, 32) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("n_q, batch", [(9, 3), (1, 5)], ids=["dense", "decode-route"])
+def test_a_batch_past_the_launch_grid_runs_in_slices(n_q, batch, device, monkeypatch):
+    """More (batch, head) pairs than a launch grid's second axis takes (65535 on CUDA; 4 here) run a slice of the
+    batch at a time, to the same answer, the LSE and a given out included."""
+    from tilegen.families.attention_fwd.reference import attention_reference
+    from tilegen.ops import attention, tensors
+
+    for module in (attention, tensors):
+        monkeypatch.setattr(module, "MAX_GRID_YZ", 4)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(batch, 2, n, 16, generator=gen).to(device) for n in (n_q, 12, 12))
+    out = torch.full_like(q, math.nan)
+    result, lse = tilegen.attention(q, k, v, causal=True, return_lse=True, out=out)
+    expected, expected_lse = attention_reference(q, k, v, causal=True)
+    assert result is out
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-4, rtol=1e-4)
+    # The same slices writing transformers' layout (the batch leads there too).
+    assert torch.equal(attention.attention_seq_major(q, k, v, causal=True), out.transpose(1, 2))
+    with raises(ValueError, f"q: {batch * 2} (batch, head) pairs with mods exceed the 4 one launch takes"):
+        tilegen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score)
+    with raises(ValueError, f"q: {batch * 2} (batch, head) pairs of the backward exceed the 4 one launch takes"):
+        tilegen.attention(q.requires_grad_(), k, v)
+
+
+def test_numpy_scalars_pass_as_python_numbers(device):
+    """A scale, softcap or window side read from an array: the launch values are Python's, as for a Python number."""
+    import numpy as np
+
+    from tilegen.ops.attention import prepare_call
+
+    q, k, v = qkv(device)
+    expected = prepare_call(q, k, v, False, (2, 0), 3.0, 0.25, False)
+    given = prepare_call(q, k, v, False, (np.int64(2), np.int32(0)), np.float32(3.0), np.float32(0.25), False)
+    assert given == expected and all(type(a) is type(b) for a, b in zip(given, expected))

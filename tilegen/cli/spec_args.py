@@ -89,10 +89,11 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
     given = [name for name, value in (("--spec", spec), ("--preset", preset), ("--head-dim", head_dim)) if value is not None]
     if len(given) > 1:
         raise typer.BadParameter(f"give one of --spec, --preset or --head-dim, not {' and '.join(given)}")
+    _refuse_stray_flags(head_dim, flags)
     known = presets()
     try:
         if spec is not None:
-            text = Path(spec).read_text() if not spec.lstrip().startswith("{") else spec
+            text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
             return spec_from_json(text)
         if head_dim is not None:
             fields = {"family": known["default"].family, "head_dim": head_dim}
@@ -106,9 +107,19 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
         raise typer.BadParameter(str(e), param_hint=source) from None
 
 
+def _refuse_stray_flags(head_dim: int | None, flags: dict[str, Any]) -> None:
+    """The spec flags build a spec only with --head-dim: without it they would be silently dropped."""
+    stray = [name for name, value in flags.items() if value is not None]
+    if head_dim is None and stray:
+        flag = "--" + {"return_lse": "lse"}.get(stray[0], stray[0]).replace("_", "-")
+        raise typer.BadParameter("taken only with --head-dim (the flags build a spec of the default family); give "
+                                 "--head-dim too, or set the field in --spec's JSON", param_hint=flag)
+
+
 def resolve_specs(spec: str | None, preset: str | None, head_dim: int | None = None, **flags: Any) -> list[Spec]:
     """Several specs, in order and each once: ``--preset a,b``, or a JSON list of spec objects in
     ``--spec``; otherwise the one spec ``resolve_spec`` gives."""
+    _refuse_stray_flags(head_dim, flags)
     if preset is not None and "," in preset:
         if spec is not None or head_dim is not None:
             resolve_spec(spec, preset, head_dim)  # raises: one source only

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -90,7 +91,12 @@ def spec_from_json(text: str | dict[str, Any]) -> Spec:
     ``"family"`` picks the type and must be there: a spec that names none is refused rather than
     read as some family's, which would make the answer depend on what was registered first.
     """
-    data = json.loads(text) if isinstance(text, str) else dict(text)
+    if isinstance(text, (str, bytes, bytearray)):
+        data = json.loads(text)
+    elif isinstance(text, Mapping):
+        data = dict(text)
+    else:
+        raise SpecError("spec", f"expected JSON text or a dict, got {type(text).__name__}")
     if not isinstance(data, dict):
         raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
     if "family" not in data:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tilegen.families.attention_fwd.masks import score_scalars, window_bounds
@@ -62,10 +63,10 @@ class LayerConfig:
             raise ValueError(f"ffn: expected one of {', '.join(FFNS)}, got {self.ffn!r}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal: expected a bool, got {self.causal!r}")
-        if self.rope_theta is not None and not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta: expected a positive number or None, got {self.rope_theta!r}")
-        if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-            raise ValueError(f"eps: expected a positive number, got {self.eps!r}")
+        if self.rope_theta is not None and not _positive(self.rope_theta):
+            raise ValueError(f"rope_theta: expected a finite positive number or None, got {self.rope_theta!r}")
+        if not _positive(self.eps):
+            raise ValueError(f"eps: expected a finite positive number, got {self.eps!r}")
         score_scalars(self.scale, self.softcap, self.head_dim)  # raises naming scale or softcap
         if self.window is not None:
             object.__setattr__(self, "window", tuple(self.window) if isinstance(self.window, list) else self.window)
@@ -98,3 +99,9 @@ class LayerConfig:
         shapes["mlp.up_proj.weight"] = (f, d)
         shapes["mlp.down_proj.weight"] = (d, f)
         return shapes
+
+
+def _positive(value) -> bool:
+    # Not a bool (True would pass as 1), nor inf: an infinite eps zeroes the norms' output, and an infinite theta
+    # leaves every rotary pair but the first unrotated.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf

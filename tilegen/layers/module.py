@@ -34,6 +34,8 @@ class BlockwiseLayer(torch.nn.Module):
 
     def __init__(self, config: LayerConfig, *, dtype: torch.dtype = torch.bfloat16, device: Any = None,
                  block: int | None = None):
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config: expected a tilegen.LayerConfig, got {type(config).__name__}")
         super().__init__()
         self.config = config
         self.block = block

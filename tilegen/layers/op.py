@@ -35,12 +35,9 @@ from tilegen.layers.weights import as_state_dict, check_weights, config_from_wei
 from tilegen.ops.attention import attention
 from tilegen.ops.blockwise import blockwise_ffn
 from tilegen.ops.rope import apply_rope
-from tilegen.ops.tensors import check_device, check_out, refuse_grad
+from tilegen.ops.tensors import NO_BACKWARD, check_device, check_out, refuse_grad
 
 __all__ = ["blockwise_layer", "explain_layer", "layer_spec", "layer_table"]
-
-#: What the layer's refusal of an ``out`` that requires grad says is missing.
-NO_BACKWARD = "a result written into `out` cannot be differentiated"
 
 
 def layer_table(spec: BlockwiseLayerSpec, device: torch.device) -> dispatch.Table:
@@ -173,6 +170,8 @@ def _resolve(x, weights, config, config_kwargs) -> tuple[dict[str, torch.Tensor]
         config = config_from_weights(w, **config_kwargs)
     elif config_kwargs:
         raise TypeError(f"{next(iter(config_kwargs))}: give either config or keyword options, not both")
+    elif not isinstance(config, LayerConfig):
+        raise TypeError(f"config: expected a tilegen.LayerConfig, got {type(config).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != config.d_model:
         raise ValueError(f"x: expected [tokens, {config.d_model}] or [batch, tokens, {config.d_model}], got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")

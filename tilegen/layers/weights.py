@@ -54,6 +54,8 @@ def config_from_weights(weights: Mapping[str, torch.Tensor], *, heads_q: int, he
         if name not in weights:
             raise ValueError(f"{name}: missing; it gives the layer's widths")
     q_out, d_model = weights["self_attn.q_proj.weight"].shape
+    if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1:
+        raise ValueError(f"heads_q: expected a positive int, got {heads_q!r}")
     if q_out % heads_q:
         raise ValueError(f"heads_q: self_attn.q_proj.weight has {q_out} rows, not a multiple of heads_q={heads_q}")
     head_dim = q_out // heads_q

@@ -42,7 +42,7 @@ from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import check_out
+from tilegen.ops.tensors import MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, refuse_grad
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -129,7 +129,8 @@ def attention(
     try:
         key = (
             q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
+            causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
+            return_lse,
             window if window is None else (window.__class__, *map(type, window), *window),
         )
         plan = _plans.get(key)
@@ -150,6 +151,8 @@ def attention(
             _check_out(out, plan.out_shape, q)  # raises naming what differs; a tensor subclass passes
         # A program reads only its own query rows, before it writes their output: out may be q itself.
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.attention", missing=NO_BACKWARD, out=out)
     # empty_like of the plan's storage-free template: about half new_empty's host time with a shape and dtype.
     lse = torch.empty_like(plan.lse_like) if plan.lse_like is not None else None
     if plan.launches:
@@ -166,6 +169,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     refuse_training(trains)
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     batch, heads, n_q, _ = q.shape
+    check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
     mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
     spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
@@ -175,6 +179,8 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
     else:
         _check_out(out, out_shape, q)
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if math.prod(out_shape) > 0:
         config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
@@ -264,7 +270,12 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap, out_vie
     out_shape = (batch, heads, n_q, spec.dv)
     views = {} if out_view is None else {3: out_view}
     # The route first: a decode-sized call never loads the dense table nor renders the dense module.
-    if n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64:
+    decode = n_q <= MAX_Q_TOKENS and k.shape[2] > 0 and math.prod(out_shape) > 0 and spec.q_per_kv * n_q <= 64
+    # The launch grid's second axis has a program per (batch, head), per batch row on the decode route, where CUDA
+    # takes at most MAX_GRID_YZ: past it, slices of the batch are launched one after another.
+    if (batch if decode else batch * heads) > MAX_GRID_YZ and math.prod(out_shape) > 0:
+        return _sliced_plan(q, k, v, spec, out_shape, left, right, scale, softcap, out_view)
+    if decode:
         return _decode_plan(q, k, spec, out_shape, left, right, scale, softcap, views)
     lse_shape = (batch, heads, n_q) if spec.return_lse else None
     launches = math.prod(out_shape) > 0
@@ -279,6 +290,29 @@ def _plan_for(q, k, v, spec: AttentionSpec, left, right, scale, softcap, out_vie
                      launch=launcher.replay(launch_args, views=views), launch_args=launch_args, choice=choice)
 
     return dispatch.planned(dispatch.table_on(spec, q.device), max(n_q, k.shape[2]), make)
+
+
+def _sliced_plan(q, k, v, spec: AttentionSpec, out_shape, left, right, scale, softcap, out_view) -> _Plan:
+    """A batch past the launch grid's bound, planned as slices of ``MAX_GRID_YZ // heads`` batch rows (and the
+    rest), each slice a plan of its own (the batch is the first dimension of every layout ``out_view`` reads)."""
+    batch, heads = q.shape[:2]
+    step = MAX_GRID_YZ // heads
+    if step == 0:
+        raise ValueError(f"q: {heads} query heads exceed the {MAX_GRID_YZ} one launch takes")
+    parts = {n: _plan_for(q[:n], k[:n], v[:n], spec, left, right, scale, softcap, out_view)
+             for n in (step, batch % step) if n}
+
+    def launch(key, q, k, v, out, lse):
+        for start in range(0, batch, step):
+            rows = slice(start, start + step)
+            q_, k_, v_, out_ = q[rows], k[rows], v[rows], out[rows]
+            parts[q_.shape[0]].launch((q_.stride(), k_.stride(), v_.stride(), out_.stride()), q_, k_, v_, out_,
+                                      out_ if lse is out else lse[rows])
+
+    lse_shape = (batch, heads, q.shape[2]) if spec.return_lse else None
+    return _Plan(out_shape=out_shape, lse_shape=lse_shape, launches=True, launch=launch,
+                 launch_args=parts[step].launch_args, choice=parts[step].choice,
+                 out_like_q=out_shape == tuple(q.shape), lse_like=_lse_like(lse_shape, q.device))
 
 
 def _lse_like(shape, device) -> torch.Tensor | None:
@@ -340,6 +374,7 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
             backward=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
     ``backward=True``: the config its backward runs."""
+    check_bool("backward", backward)
     if backward:
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
@@ -352,7 +387,9 @@ def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, de
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
     checked before the forward runs."""
     attention_grad.check_training_args(out, deterministic)
+    check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, True)
+    check_grid("q", q.shape[0] * q.shape[1], "(batch, head) pairs of the backward")
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "dense")
     result, lse = torch.ops.tilegen.attention_fwd(
         q, k, v, spec.dv, spec.mask, spec.softcap, True, scale, softcap, left, right, deterministic)
@@ -431,7 +468,7 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
         dtype, device = q.dtype, q.device
         ok = (
             batch_k == batch == batch_v and dim_k == dim and heads_v == heads_kv and n_v == n_k
-            and heads_kv > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
+            and heads_kv > 0 and heads_q > 0 and heads_q % heads_kv == 0 and n_q < _MAX_SEQLEN and n_k < _MAX_SEQLEN
             and dtype in SPEC_DTYPES and k.dtype == dtype and v.dtype == dtype
             and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
             and k.device == device and v.device == device
@@ -446,8 +483,9 @@ def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
 
     scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
+    check_bool("return_lse", return_lse)
     mask = mask_kind(left, right)
-    spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, bool(return_lse))
+    spec = _spec_for(dtype, dim, dim_v, heads_q // heads_kv, mask, softcap is not None, return_lse)
     return (spec, *launch_window(mask, left, right, n_q, n_k), scale_value, softcap_value)
 
 
@@ -498,6 +536,8 @@ def _check_tensors(q, k, v) -> None:
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
         raise ValueError(f"v: heads and seq {tuple(v.shape[1:3])} differ from k's {tuple(k.shape[1:3])}")
     heads_kv = k.shape[1]
+    if heads_q == 0 and heads_kv:
+        raise ValueError(f"q: no query head; expected a positive multiple of k's {heads_kv} KV heads")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"q: {heads_q} query heads is not a multiple of k's {heads_kv} KV heads")
     n_k = k.shape[2]

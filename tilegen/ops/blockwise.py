@@ -25,6 +25,7 @@ import torch
 from tilegen import dispatch
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
+from tilegen.ir import SpecError
 from tilegen.ops.tensors import check_device, check_out, refuse_grad
 
 __all__ = ["blockwise_ffn", "ffn_table"]
@@ -117,7 +118,10 @@ def blockwise_ffn(
     key = (x.shape, x.dtype, x.device, f, norm, ffn, eps.__class__, eps, in_place)
     plan = _plans.get(key)
     if plan is None:
-        spec = BlockwiseFFNSpec(d_model=d, d_ffn=f, norm=norm, ffn=ffn, dtype=SPEC_DTYPES[x.dtype])
+        try:
+            spec = BlockwiseFFNSpec(d_model=d, d_ffn=f, norm=norm, ffn=ffn, dtype=SPEC_DTYPES[x.dtype])
+        except SpecError as e:
+            raise ValueError(f"{ {'d_model': 'x', 'd_ffn': 'w_up'}.get(e.field, e.field)}: {e}") from None
         launcher = dispatch.launcher_for(spec)
 
         def make(choice: dispatch.Choice) -> _Plan:

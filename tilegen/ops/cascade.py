@@ -41,7 +41,7 @@ from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
-from tilegen.ops.tensors import check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_out, refuse_grad
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
 
@@ -102,8 +102,8 @@ class CascadeAttention:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal: expected a bool, got {causal!r}")
+        check_bool("causal", causal)
+        check_bool("return_lse", return_lse)
         pages = cache.k_pages
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         device = pages.device
@@ -119,7 +119,7 @@ class CascadeAttention:
             spec = CascadeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
                                q_per_kv=heads_q // cache.kv_heads, mask="causal" if causal else "none",
                                softcap=softcap is not None, dtype=SPEC_DTYPES[q_dtype],
-                               page_size=cache.page_size, return_lse=bool(return_lse), kv_dtype=kv_dtype)
+                               page_size=cache.page_size, return_lse=return_lse, kv_dtype=kv_dtype)
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None
         info = device_info(device.index if device.type == "cuda" else None)
@@ -184,7 +184,8 @@ class CascadeAttention:
                     or out.device != q.device:
                 raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
             check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages})
-        if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad):
+        if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
+                                        or v_pages.requires_grad):
             refuse_grad("tilegen.CascadeAttention.run", q=q, out=out,
                         **{"cache.k_pages": pages, "cache.v_pages": v_pages})
         lse = q.new_empty((plan.tokens, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
@@ -206,10 +207,13 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
     before the sequence's first query token (``qo_lens[b]`` query tokens, 1 each by default, sit at
     the end of sequence ``b``), so that shared keys need no mask. Sequences that share pages but are
     not neighbours are served correctly, reading the pages once per group. Reads the page table to
-    the host (one synchronization); the levels are on the cache's device.
+    the host, checked there first (``PagedKVCache.validate``: the levels of a page table that points
+    outside the cache would pass on its faults as pages of their own); the levels are on the cache's device.
     """
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+    check_bool("causal", causal)
+    cache.validate()
     batch, size = cache.batch, cache.page_size
     indptr = cache.indptr.tolist()
     indices = cache.indices[: indptr[-1]].tolist() if batch else []
@@ -313,8 +317,8 @@ def _host_levels(levels: Sequence[CascadeLevel], cache: PagedKVCache) -> list[Ho
         qo, kv = fields["qo_indptr"].tolist(), fields["kv_indptr"].tolist()
         last = fields["kv_last_page_len"].tolist()
         nodes = len(qo) - 1
-        if nodes < 1:
-            raise ValueError(f"{where}.qo_indptr: expected at least 2 entries (one node), got {len(qo)}")
+        if nodes < 0:
+            raise ValueError(f"{where}.qo_indptr: expected at least 1 entry (0, for no node), got none")
         if len(kv) != len(qo) or len(last) != nodes:
             raise ValueError(f"{where}: kv_indptr has {len(kv)} entries and kv_last_page_len {len(last)}; "
                              f"qo_indptr's {nodes} nodes need {nodes + 1} and {nodes}")

@@ -36,8 +36,8 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.mods.builtin import absorb
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
-from tilegen.ops.tensors import check_out, refuse_grad
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
+from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
 from tilegen.ops.varlen import paged_mods
 
 __all__ = ["PagedDecode"]
@@ -86,8 +86,10 @@ class PagedDecode:
         row that fails to compile or launch at the first ``run`` is skipped with one warning and the
         plan is made again for the next choice (``tilegen.dispatch.planned``).
 
-        ``max_seqlen_k`` (a host int) spares one synchronization. ``num_splits`` overrides the
-        split rule (1 to ``MAX_SPLITS``, 128), for tests and experiments. The query sits at its
+        ``max_seqlen_k`` (a host int) spares one synchronization; it must be at least the longest sequence
+        (keys past it may go unread: a wrong answer, never a read outside the cache; ``TILEGEN_DEBUG=1``
+        checks it). ``num_splits`` overrides the split rule (1 to ``MAX_SPLITS``, 128), for tests and
+        experiments. The query sits at its
         sequence's last key, so a causal mask sees every key; ``window=(left, 0)`` keeps the last
         ``left + 1``. ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8
         (then float16, bfloat16 or float32; bfloat16 when left out).
@@ -98,6 +100,7 @@ class PagedDecode:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
+        check_grid("cache", cache.batch, "sequences")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")
@@ -111,11 +114,12 @@ class PagedDecode:
             _, window, softcap, score_mod, mask_mod = absorb(score_mod, mask_mod, False, window, softcap)
         scale_value, softcap_value = score_scalars(scale, softcap, pages.shape[3])
         left, right = window_bounds(window, False)
+        check_bool("return_lse", return_lse)
         mask = mask_kind(left, right)
         try:
             spec = DecodeSpec(head_dim=pages.shape[3], head_dim_v=cache.v_pages.shape[3],
                               q_per_kv=heads_q // cache.kv_heads, mask=mask, softcap=softcap is not None,
-                              dtype=SPEC_DTYPES[q_dtype], page_size=cache.page_size, return_lse=bool(return_lse),
+                              dtype=SPEC_DTYPES[q_dtype], page_size=cache.page_size, return_lse=return_lse,
                               kv_dtype=kv_dtype)
         except SpecError as e:
             raise ValueError(f"cache: {e}") from None
@@ -131,6 +135,7 @@ class PagedDecode:
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)
         if env.debug():
             cache.validate()
+            check_max_seqlen_k(cache, max_seqlen_k)
         launcher = launcher_for(spec)
         batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
         layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout, "q_dtype": q_dtype,

@@ -33,6 +33,7 @@ sequence, never an access outside the cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -187,11 +188,17 @@ class PagedKVCache:
         With ``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) ``k_scale`` and ``v_scale`` are needed:
         a float (one scale for the tensor) or a float32 tensor of one or ``kv_heads`` elements.
         """
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if not isinstance(block_table, torch.Tensor):
+            raise ValueError(f"block_table: expected a [batch, max_pages] tensor, got {_describe(block_table)}")
         device = torch.device(device) if device is not None else block_table.device
         shape = (num_pages, page_size, kv_heads)
         k_pages = torch.empty((*shape, head_dim), dtype=dtype, device=device)
         v_pages = torch.empty((*shape, head_dim if head_dim_v is None else head_dim_v), dtype=dtype, device=device)
-        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, (int, float))
+        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, Real)
                   and not isinstance(s, bool) else s for s in (k_scale, v_scale)]
         return cls.from_block_table(k_pages, v_pages, block_table, seq_lens, k_scale=scales[0], v_scale=scales[1])
 
@@ -212,19 +219,30 @@ class PagedKVCache:
             raise ValueError(f"seq_lens: expected a [{block_table.shape[0]}] tensor, got {_describe(seq_lens)}")
         if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
             raise ValueError("block_table, seq_lens: expected integer tensors")
-        page_size = k_pages.shape[1] if isinstance(k_pages, torch.Tensor) and k_pages.dim() == 4 else 0
+        if not isinstance(k_pages, torch.Tensor) or k_pages.dim() != 4:
+            raise ValueError(f"k_pages: expected a [num_pages, page_size, kv_heads, head_dim] tensor, got "
+                             f"{_describe(k_pages)}")
+        page_size = k_pages.shape[1]
         if page_size not in PAGE_SIZES:
             raise ValueError(f"k_pages: page size {page_size} is not supported; expected one of {PAGE_SIZES}")
         device = k_pages.device
         lens = seq_lens.to(device=device, dtype=torch.int64)
         pages = (lens + page_size - 1) // page_size
-        if bool((pages > block_table.shape[1]).any()) or bool((lens < 0).any()):
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages[:, None]
+        chosen = block_table.to(device)[used]  # row-major: sequence by sequence, in order
+        # Both checks in one synchronization: the entries used must be pages of the cache (before the int32 cast,
+        # which would wrap an int64 one into range), as the kernels read them unchecked.
+        bad_len, bad_page = torch.stack([((pages > block_table.shape[1]) | (lens < 0)).any(),
+                                         ((chosen < 0) | (chosen >= k_pages.shape[0])).any()]).tolist()
+        if bad_len:
             raise ValueError(f"seq_lens: a length is negative or needs more than the block table's "
                              f"{block_table.shape[1]} pages of {page_size}")
+        if bad_page:
+            raise ValueError(f"block_table: a page the sequences use lies outside the {k_pages.shape[0]} pages of "
+                             "k_pages")
         indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=device)
         indptr[1:] = torch.cumsum(pages, 0)
-        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages[:, None]
-        indices = block_table.to(device)[used].to(torch.int32)  # row-major: sequence by sequence, in order
+        indices = chosen.to(torch.int32)
         last = torch.where(pages > 0, lens - (pages - 1) * page_size, 0)
         return cls(k_pages, v_pages, indptr.to(torch.int32), indices, last.to(torch.int32), k_scale, v_scale)
 
@@ -239,9 +257,20 @@ def _check_scale_values(name: str, t: torch.Tensor) -> None:
 
 def check_heads_q(cache: PagedKVCache, heads_q) -> None:
     """``heads_q``, as a plan over ``cache`` takes it: a positive multiple of the cache's KV heads."""
+    if cache.kv_heads == 0:
+        raise ValueError(f"cache: no KV head (k_pages of shape {tuple(cache.k_pages.shape)}); expected at least one")
     if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
         raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
                          f"got {heads_q!r}")
+
+
+def check_max_seqlen_k(cache: PagedKVCache, max_seqlen_k: int) -> None:
+    """``TILEGEN_DEBUG=1``'s check of a plan's ``max_seqlen_k`` against the cache's longest sequence (one
+    synchronization): keys past it may go unread, so a smaller one gives a wrong answer, not an error."""
+    longest = int(cache.seq_lens().max()) if cache.batch else 0
+    if longest > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k: {max_seqlen_k}, but the cache holds a sequence of {longest} tokens; "
+                         f"expected at least {longest}")
 
 
 def page_dtypes(cache: PagedKVCache, q_dtype: torch.dtype | None) -> tuple[str | None, torch.dtype]:

@@ -1,5 +1,6 @@
-"""What several ops do with the tensors they are handed: check that the kernels can run on
-their device, refuse inputs that require grad, and write through a view of them."""
+"""What several ops do with the arguments they are handed: check that the kernels can run on
+their device and fit a launch grid, check their flags, refuse inputs that require grad, and write
+through a view of them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["check_device", "check_out", "refuse_grad", "writable"]
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_grid", "check_out", "refuse_grad",
+           "writable"]
+
+#: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
+NO_BACKWARD = "a result written into `out` cannot be differentiated"
+
+#: CUDA's bound on a launch grid's second and third axes.
+MAX_GRID_YZ = 65535
 
 
 def check_device(name: str, device: torch.device) -> None:
@@ -17,6 +25,20 @@ def check_device(name: str, device: torch.device) -> None:
                          "TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: device {device} is not supported; expected cuda")
+
+
+def check_bool(name: str, value: object) -> None:
+    """Raise, naming ``name``, unless ``value`` is a bool: a truthy string or number would silently choose."""
+    if value.__class__ is not bool:
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_grid(name: str, count: int, what: str) -> None:
+    """Raise, naming ``name``, when ``count`` programs (``what``: a sequence's, or a head's of one) would sit on a
+    launch grid's second or third axis, past CUDA's bound there: the launch would fail with Triton's bare
+    "invalid argument"."""
+    if count > MAX_GRID_YZ:
+        raise ValueError(f"{name}: {count} {what} exceed the {MAX_GRID_YZ} one launch takes; split the batch")
 
 
 def refuse_grad(op: str, /, *, missing: str | None = None, fix: str = "call it under torch.no_grad() or detach "

@@ -42,9 +42,9 @@ from tilegen.mods.builtin import absorb
 from tilegen.mods.trace import bind_mods, refuse_training
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
-from tilegen.ops.tensors import check_device, check_out, refuse_grad
+from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_grid, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -93,8 +93,8 @@ def varlen_attention(
                cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.stride(), cu_seqlens_k.stride(),
                cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
                cu_seqlens_k.device, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
-               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse,
-               window if window is None else (window.__class__, *map(type, window), *window))
+               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
+               return_lse, window if window is None else (window.__class__, *map(type, window), *window))
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         plan = None
@@ -107,6 +107,8 @@ def varlen_attention(
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     out = _output(plan, q, out, {"k": k, "v": v})
+    if out.requires_grad and torch.is_grad_enabled():
+        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
@@ -130,6 +132,8 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
     out = _output(plan, q, out, {"k": k, "v": v})
+    if out.requires_grad and torch.is_grad_enabled():
+        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
     if plan.launches:
         config = _table(spec, q.device).choose(max(max_q, max_k)).config
@@ -151,7 +155,9 @@ def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
     checked before the forward runs."""
     attention_grad.check_training_args(out, deterministic)
+    check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, True)
+    check_grid("cu_seqlens_q", (cu_q.numel() - 1) * q.shape[1], "(sequence, head) pairs of the backward")
     spec, args = plan.spec, plan.launch_args
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "ragged")
     if env.debug():
@@ -233,7 +239,9 @@ class PagedAttention:
         scale: float | None = None, return_lse: bool = False, max_seqlen_q: int | None = None,
         max_seqlen_k: int | None = None, q_dtype: torch.dtype | None = None, score_mod=None, mask_mod=None,
     ) -> None:
-        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each.
+        """Fix the batch layout. ``max_seqlen_q``/``max_seqlen_k`` (host ints) spare one synchronization each;
+        each must be at least its longest sequence (a smaller one gives the longer sequences wrong answers, never
+        a read outside the tensors; ``TILEGEN_DEBUG=1`` checks both).
         ``q_dtype``: the query's dtype, which must be the pages' unless they are FP8 (then float16,
         bfloat16 or float32; bfloat16 when left out).
 
@@ -252,9 +260,10 @@ class PagedAttention:
             raise ValueError(f"cu_seqlens_q: {cu_seqlens_q.numel()} entries, but the cache's page table has "
                              f"{cache.batch} sequences (expected {cache.batch + 1})")
         check_heads_q(cache, heads_q)
+        check_grid("cache", cache.batch, "sequences")
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
-            raise ValueError(f"head_dim: {head_dim} differs from the cache's {dim}")
+            raise ValueError(f"head_dim: {head_dim!r} differs from the cache's {dim}")
         pages = cache.k_pages
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         seq_lens = cache.seq_lens()
@@ -287,6 +296,7 @@ class PagedAttention:
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
             if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
                 raise ValueError("cu_seqlens_q: a sequence has more new tokens than the cache holds for it")
+            check_max_seqlen_k(cache, max_seqlen_k)
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
@@ -362,12 +372,15 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
         raise ValueError(f"v: tokens and heads {tuple(v.shape[:2])} differ from k's {tuple(k.shape[:2])}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    if q.shape[1] == 0 and k.shape[1]:
+        raise ValueError(f"q: no query head; expected a positive multiple of k's {k.shape[1]} KV heads")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of k's {k.shape[1]} KV heads")
     _check_lengths("cu_seqlens_q", cu_q, q.device)
     _check_lengths("cu_seqlens_k", cu_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_k: {cu_k.numel()} entries, cu_seqlens_q has {cu_q.numel()}; both are batch + 1")
+    check_grid("cu_seqlens_q", cu_q.numel() - 1, "sequences")
     _check_max("max_seqlen_q", max_q)
     _check_max("max_seqlen_k", max_k)
     _check_rows("max_seqlen_q", max_q, "cu_seqlens_q", cu_q.numel() - 1, "q", q.shape[0])
@@ -401,8 +414,9 @@ def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return
         raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
     scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
+    check_bool("return_lse", return_lse)
     mask = mask_kind(left, right)
-    spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, bool(return_lse),
+    spec = _spec_for(SPEC_DTYPES[dtype], dim, dim_v, q_per_kv, mask, softcap is not None, return_lse,
                      layout, page_size, kv_dtype)
     return (spec, *launch_window(mask, left, right, max_q, max_k), scale_value, softcap_value)
 
@@ -415,7 +429,10 @@ def _spec_for(dtype, dim, dim_v, q_per_kv, mask, softcap, return_lse, layout, pa
                                    mask=mask, softcap=softcap, dtype=dtype, return_lse=return_lse,
                                    kv_layout=layout, page_size=page_size, kv_dtype=kv_dtype)
     except SpecError as e:
-        arg = {"head_dim": "q", "head_dim_v": "v", "page_size": "cache", "kv_dtype": "cache"}.get(e.field, e.field)
+        # A paged call's head dims are its cache's.
+        tensors = ("cache", "cache") if layout == "paged" else ("q", "v")
+        arg = {"head_dim": tensors[0], "head_dim_v": tensors[1], "page_size": "cache", "kv_dtype": "cache"}.get(
+            e.field, e.field)
         raise ValueError(f"{arg}: {e}") from None
 
 

@@ -9,6 +9,7 @@ has no imports because ``tilegen emit --tuned`` copies its source into standalon
 from __future__ import annotations
 
 import math
+from numbers import Integral, Real
 
 __all__ = ["window_bounds", "mask_kind", "launch_window", "score_scalars"]
 
@@ -16,14 +17,16 @@ __all__ = ["window_bounds", "mask_kind", "launch_window", "score_scalars"]
 def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
     """The launcher's ``(scale, softcap)``: ``1/sqrt(head_dim)`` by default, softcap 0.0 for none.
 
-    A ``ValueError`` names the argument that is not a finite number (a positive one for softcap).
+    A ``ValueError`` names the argument that is not a finite number (a positive one for softcap). NumPy's
+    scalars count as numbers: a value read from an array is as good as a Python float.
     """
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        # A head dim of 0 has no default scale; the spec check that follows names the argument it came from.
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
     if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf)
+        isinstance(softcap, bool) or not isinstance(softcap, Real) or not (0 < softcap < math.inf)
     ):
         raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
     return float(scale), float(softcap) if softcap is not None else 0.0
@@ -39,8 +42,10 @@ def window_bounds(window, causal) -> tuple[int | None, int | None]:
         raise ValueError(f"window: expected (left, right), each an int >= 0 or None, got {window!r}")
     left, right = window
     for side, value in (("left", left), ("right", right)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, Integral) or value < 0):
             raise ValueError(f"window: {side} must be an int >= 0 or None (unbounded), got {value!r}")
+    # Python ints from here on: a NumPy integer would reach the kernels' launch arguments.
+    left, right = (None if value is None else int(value) for value in (left, right))
     if causal:
         if right not in (None, 0):
             raise ValueError(f"window: causal=True sees no key right of the diagonal, but right={right}")
