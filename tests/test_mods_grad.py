@@ -20,6 +20,7 @@ from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_varlen.reference import varlen_reference
 from tilegen.mods import library
+from tilegen.mods.blocks import block_table
 from tilegen.mods.grad import ModGradError
 from tilegen.mods.trace import trace
 
@@ -186,11 +187,13 @@ def test_a_direct_launch_writes_every_gradient(device):
         acc = torch.full(q.shape, math.nan, device=device)
         grad = torch.zeros(table.shape, device=device)
         block = 32 if atomic_dq else 16
+        tables = (block_table(mm.canonical, mm.tensors, 1, 2, 33, 33, 16, 32, device, True),
+                  None if atomic_dq else block_table(mm.canonical, mm.tensors, 1, 2, 33, 33, block, block, device))
         module_for(spec).launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, acc, None, None, 33, 33,
                                 scale=D ** -0.5, softcap=0.0, window_left=66, window_right=66,
                                 block_m1=16, block_n1=32, num_warps1=4, num_stages1=1, block_m2=block, block_n2=block,
                                 num_warps2=4, num_stages2=1, atomic_dq=atomic_dq, mod_tensors=(table, *mm.tensors),
-                                mod_grads=[grad])
+                                mod_grads=[grad], mod_blocks_dkdv=tables[0], mod_blocks_dq=tables[1])
         assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
         assert grad.abs().sum() > 0
 
@@ -199,3 +202,23 @@ def test_a_backward_spec_without_mods_keeps_its_hash_and_module():
     spec = AttentionBwdSpec(head_dim=64, mask="causal", dtype="bf16")
     assert "mod" not in spec.to_json()
     assert "_score_mod" not in source_for(spec) and "_mask_mod" not in source_for(spec)
+
+
+def test_the_dkdv_kernel_walks_a_transposed_block_table(device):
+    """Per key block, the query blocks the mask mod does not empty (the forward's table transposed); with none
+    listed, dK and dV get nothing."""
+    from tilegen.mods.blocks import _tables
+
+    mask_mod = library.document_mask(torch.tensor([0] * 5 + [1] * 20 + [2] * 8, device=device))
+    q, k, v = _leaves([(1, 2, 33, D), (1, 1, 33, D), (1, 1, 33, D)], torch.float32, device, 8)
+    tilegen.attention(q, k, v, mask_mod=mask_mod).sum().backward()
+    table = next(t for _, t in reversed(_tables.values()) if t.transposed)
+    mm = trace(mask_mod, "mask_mod")
+    forward = block_table(mm.canonical, mm.tensors, 1, 2, 33, 33, table.block_m, table.block_n, device)
+    listed = {(qb, kb) for qb, count in enumerate(forward.count.tolist()) for kb in forward.indices[qb, :count].tolist()}
+    listed_t = {(qb, kb) for kb, count in enumerate(table.count.tolist()) for qb in table.indices[kb, :count].tolist()}
+    assert listed == listed_t and len(listed) < forward.count.shape[0] * forward.indices.shape[1]
+    table.run_count.zero_()
+    q.grad = k.grad = v.grad = None
+    tilegen.attention(q, k, v, mask_mod=mask_mod).sum().backward()
+    assert (k.grad == 0).all() and (v.grad == 0).all() and (q.grad != 0).any()
