@@ -222,3 +222,36 @@ def test_the_dkdv_kernel_walks_a_transposed_block_table(device):
     q.grad = k.grad = v.grad = None
     tilegen.attention(q, k, v, mask_mod=mask_mod).sum().backward()
     assert (k.grad == 0).all() and (v.grad == 0).all() and (q.grad != 0).any()
+
+
+def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
+    """What the interpreter runs, the sm90 compiler must accept: the dK/dV kernel with every supported operation,
+    the captured tensors' atomics (fp16 and fp32) and the transposed block table (the dQ kernel calls the same
+    functions, without the atomics)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    from test_mods import _every_operation
+
+    score_mod, mask_mod, pointers = _every_operation()
+    spec = AttentionBwdSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", score_mod=score_mod,
+                            mask_mod=mask_mod)
+    pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8",
+                **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"),
+                **dict.fromkeys(("DqAcc", "Delta", "Lse2", "sm_t0_g", "sm_t1_g"), "*fp32"),
+                **dict.fromkeys(("qk_scale", "softcap_scale", "sm_scale"), "fp32")}
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "ATOMIC_DQ": True, "TMA": False, "SM_T0_G": True, "SM_T1_G": True,
+              "num_warps": 4}
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [config], "kernel": "_dkdv"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("cubin bytes") == 1
