@@ -91,6 +91,8 @@ def _cases():
          1, 33, torch.float16, {}),
         ("sliding-global-causal-fp32", None, library.sliding_window(4, global_tokens=2), [], 1, 2, 1, 33, 17,
          torch.float32, {"causal": True}),
+        ("alibi-document-window-fp32", library.alibi(slopes2), library.document_mask(docs), [slopes2], 1, 2, 1, 33,
+         33, torch.float32, {"window": (6, 2)}),
     ]
 
 
@@ -215,8 +217,8 @@ def test_the_dkdv_kernel_walks_a_transposed_block_table(device):
     table = next(t for _, t in reversed(_tables.values()) if t.transposed)
     mm = trace(mask_mod, "mask_mod")
     forward = block_table(mm.canonical, mm.tensors, 1, 2, 33, 33, table.block_m, table.block_n, device)
-    listed = {(qb, kb) for qb, count in enumerate(forward.count.tolist()) for kb in forward.indices[qb, :count].tolist()}
-    listed_t = {(qb, kb) for kb, count in enumerate(table.count.tolist()) for qb in table.indices[kb, :count].tolist()}
+    listed = {(qb, kb) for qb, n in enumerate(forward.count.tolist()) for kb in forward.indices[qb, :n].tolist()}
+    listed_t = {(qb, kb) for kb, n in enumerate(table.count.tolist()) for qb in table.indices[kb, :n].tolist()}
     assert listed == listed_t and len(listed) < forward.count.shape[0] * forward.indices.shape[1]
     table.run_count.zero_()
     q.grad = k.grad = v.grad = None

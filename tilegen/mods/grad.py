@@ -10,6 +10,8 @@ does not reach. Integer and bool values have no tangent.
 
 from __future__ import annotations
 
+import functools
+
 from tilegen.mods.lower import ModGraph, _is_number, lower_mod, parse
 
 __all__ = ["ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values"]
@@ -40,7 +42,6 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
             continue
         a = [_ref(x, prefix) for x in args]
         z = [x if x is not None else "0.0" for x in t]
-        f32 = [f"{x}.to(tl.float32)" if not _is_number(y) else x for x, y in zip(a, args)]
         if op == "add":
             expr = " + ".join(x for x in t if x is not None)
         elif op == "sub":
@@ -61,7 +62,7 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
         elif op == "exp":
             expr = f"{t[0]} * {_ref(name, prefix)}.to(tl.float32)"
         elif op == "log":
-            expr = f"{t[0]} / {f32[0]}"
+            expr = f"{t[0]} / {a[0]}.to(tl.float32)"
         elif op == "sqrt":
             expr = f"{t[0]} / (2.0 * {_ref(name, prefix)}.to(tl.float32))"
         elif op == "where":
@@ -95,6 +96,7 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
     return lines, d.get(graph.result)
 
 
+@functools.lru_cache(maxsize=256)  # read at every call that trains
 def grad_tensors(text: str | None) -> tuple[int, ...]:
     """The captured tensors of a score mod that can take a gradient: the floating ones."""
     if text is None:
@@ -102,6 +104,7 @@ def grad_tensors(text: str | None) -> tuple[int, ...]:
     return tuple(i for i, (dtype, _) in enumerate(parse(text).tensors) if dtype in _FLOATS)
 
 
+@functools.lru_cache(maxsize=256)  # a refusal raises, and is not cached
 def check_differentiable(text: str | None) -> None:
     """Raise ``ModGradError`` naming the first operation whose derivative cannot be formed."""
     if text is not None:
