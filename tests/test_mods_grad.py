@@ -104,19 +104,21 @@ def test_library_mod_gradients_match_the_reference(case, device):
 
 def test_every_differentiable_operation(device):
     """One score mod over every operation whose derivative is formed (casts, abs, min/max ties, clamp, where,
-    integer // and % beside them), with a learned fp32 tensor and an fp16 table that takes no gradient. A cast to
+    integer // and % beside them), with learned fp32 tensors and an fp16 table that takes no gradient. A cast to
     bf16 of a value the score reaches is left out: torch rounds its gradient to bf16 there, the kernel's tangents
     stay fp32."""
     scale = torch.tensor([0.5, 1.5, -2.0]).requires_grad_()
+    bias = torch.randn(2, 17).requires_grad_()
     table = torch.randn(3, 4).half()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-torch.abs(score)) + torch.log(kv_idx.to(torch.float32) + 2)
         x = torch.minimum(x, torch.maximum(score, -score / 2)) + torch.clamp(score, -0.5, 0.25) / (1.5 + scale[h])
         x = torch.tanh(x * scale[h % 3]).float() * 3 + table[h % 3, (q_idx - kv_idx) // -5 % 4]
+        x = x + bias[0, q_idx] * scale[h]  # gathers by one position and by neither: a sum per block for the latter
         return torch.where((h == 1) & (q_idx > kv_idx), -x, x + (q_idx % -3)) + torch.maximum(score * 0, score * 0)
 
-    _check_dense(score_mod, None, [scale], 1, 2, 1, 17, 33, torch.float32, device)
+    _check_dense(score_mod, None, [scale, bias], 1, 2, 1, 17, 33, torch.float32, device)
 
 
 def test_softcap_as_a_mod_has_the_builtin_softcap_gradients(device):

@@ -120,6 +120,11 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
     params = ""
     score_lines, d_score = _tangents(graph, "score", "d", prefix)
     body += score_lines
+    # Which positions each value follows: a gather at an index that follows neither (slopes[h]) reads one element
+    # for a whole score block.
+    follows: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"})}
+    for name, _, _, args in graph.values:
+        follows[name] = frozenset().union(*(follows.get(a, frozenset()) for a in args))
     for i in grad_tensors(text):
         t = f"{prefix}_t{i}"
         flag = f"{prefix.upper()}_T{i}_G"
@@ -130,22 +135,31 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
             lines, d_site = _tangents(graph, site, f"d{site}", prefix)
             if d_site is None:
                 continue
+            one = not frozenset().union(*(follows.get(x, frozenset()) for x in index))
             offset, inside = "", []
             for dim, x in enumerate(index):
                 x_ref = _ref(x, prefix)
-                # int64 from the first dimension on, and a block of the scores' shape, as the atomic's pointer must be.
-                offset = f"({x_ref} + tl.zeros(ds.shape, tl.int64))" if dim == 0 else f"{offset} * {t}_n{dim} + {x_ref}"
+                # int64 from the first dimension on; per score, a block of the scores' shape, as the atomic's pointer
+                # must be.
+                if dim:
+                    offset = f"{offset} * {t}_n{dim} + {x_ref}"
+                elif one:
+                    offset = x_ref if _is_number(x) else f"{x_ref}.to(tl.int64)"
+                else:
+                    offset = f"({x_ref} + tl.zeros(ds.shape, tl.int64))"
                 if not _is_number(x):
                     inside.append(f"({x_ref} >= 0) & ({x_ref} < {t}_n{dim})")
-                elif not 0 <= int(x):
-                    inside.append("False")
-                else:
+                else:  # the host refuses a constant outside the tensor (TracedMod.check_ranges)
                     inside.append(f"({x} < {t}_n{dim})")
-            # Element by element into the contiguous fp32 gradient, where the forward's load read the tensor;
-            # only scores the loss reaches (ds is 0 where the masks drop a score).
-            block += lines + [
-                f"tl.atomic_add({t}_g + {offset}, "
-                f"ds * {d_site}, mask=({' & '.join(inside)} & (ds != 0)) != 0, sem=\"relaxed\")"]
+            if one:
+                # One element for the whole block: its sum in one add, not an add per score on one address.
+                block += lines + [f"tl.atomic_add({t}_g + {offset}, tl.sum(tl.where(ds != 0, ds * {d_site}, 0.0)), "
+                                  f"mask={' & '.join(inside)}, sem=\"relaxed\")"]
+            else:
+                # Element by element into the contiguous fp32 gradient, where the forward's load read the tensor;
+                # only scores the loss reaches (ds is 0 where the masks drop a score).
+                block += lines + [f"tl.atomic_add({t}_g + {offset}, ds * {d_site}, "
+                                  f"mask=({' & '.join(inside)} & (ds != 0)) != 0, sem=\"relaxed\")"]
         if block:
             body += [f"if {flag}:"] + ["    " + line for line in block]
     if d_score is None:
