@@ -133,7 +133,8 @@ def test_softcap_as_a_mod_has_the_builtin_softcap_gradients(device):
 
 
 def test_varlen_gradients_per_sequence(device):
-    """A ragged batch with an empty and a one-token sequence: learned ALiBi slopes and a prefix-LM mask."""
+    """A ragged batch with an empty and a one-token sequence: learned ALiBi slopes and a prefix-LM mask (and the
+    config without atomics for dQ)."""
     lengths, k_lens = [17, 0, 1, 33], [17, 0, 8, 33]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                   for n in (lengths, k_lens))
@@ -142,7 +143,7 @@ def test_varlen_gradients_per_sequence(device):
     score_mod = library.alibi(slopes)
     mask_mod = library.prefix_lm(torch.tensor([3, 0, 6, 40], dtype=torch.int32, device=device))
     got, dout, dlse = _grads(lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, 33, 33, score_mod=score_mod,
-                                                               mask_mod=mask_mod, return_lse=True),
+                                                               mask_mod=mask_mod, return_lse=True, deterministic=True),
                              [q, k, v], [slopes], 5)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     cu = cu_k.tolist()
