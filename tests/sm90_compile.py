@@ -7,10 +7,10 @@ Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` ma
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
 argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
 ``"kernel"``, e.g. ``"kernel_merge"``) or, starting with ``_``, by its own name (``"_dkdv"``), and
-a config's ``launch_pdl`` and ``num_stages`` are passed as those options. Prints one line per compiled config, with its cubin's size and the
-shared memory it needs; with ``"ptxas": true`` the line also gives the bytes of spill stores
-ptxas reports and says whether it serialized the kernel's wgmma instructions (its C7514
-warning), assembling the PTX once more.
+a config's ``launch_pdl`` and ``num_stages`` are passed as those options. Prints one line per
+compiled config, with its cubin's size and the shared memory it needs; with ``"ptxas": true`` the
+line also gives the bytes of spill stores ptxas reports and says whether it serialized the kernel's
+wgmma instructions (its C7514 warning), assembling the PTX once more.
 """
 
 import json
