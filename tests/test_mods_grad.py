@@ -259,3 +259,11 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("cubin bytes") == 1
+
+
+def test_backward_mod_specs_are_not_tuned_yet():
+    from tilegen.families.attention_bwd import Problem
+
+    mask_mod = trace(library.causal(), "mask_mod").canonical
+    with pytest.raises(NotImplementedError, match="not tuned yet"):
+        Problem.for_bucket(AttentionBwdSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
