@@ -6,11 +6,11 @@ rejects what its CPU interpreter lets through (types, block shapes, constexpr ru
 Run in a process of its own without TRITON_INTERPRET, so that ``@triton.jit`` makes compilable
 functions. Each config holds the kernel's constexpr arguments and ``num_warps``; every other
 argument is an i32. ``"kernel"`` names another kernel of the module by its suffix (default
-``"kernel"``, e.g. ``"kernel_merge"``), and a config's ``launch_pdl`` and ``num_stages`` are
-passed as those options. Prints one line per compiled config, with its cubin's size and the
-shared memory it needs; with ``"ptxas": true`` the line also gives the bytes of spill stores
-ptxas reports and says whether it serialized the kernel's wgmma instructions (its C7514
-warning), assembling the PTX once more.
+``"kernel"``, e.g. ``"kernel_merge"``) or, starting with ``_``, by its own name (``"_dkdv"``), and
+a config's ``launch_pdl`` and ``num_stages`` are passed as those options. Prints one line per
+compiled config, with its cubin's size and the shared memory it needs; with ``"ptxas": true`` the
+line also gives the bytes of spill stores ptxas reports and says whether it serialized the kernel's
+wgmma instructions (its C7514 warning), assembling the PTX once more.
 """
 
 import json
@@ -38,7 +38,8 @@ def main(request: dict) -> None:
     module.__file__ = path
     sys.modules[spec.name] = module
     exec(compile(open(path).read(), path, "exec"), module.__dict__)
-    kernel = getattr(module, f"_{spec.name}_{request.get('kernel', 'kernel')}")
+    name = request.get("kernel", "kernel")
+    kernel = getattr(module, name if name.startswith("_") else f"_{spec.name}_{name}")
     for config in request["configs"]:
         config = dict(config)
         warps = config.pop("num_warps")

@@ -208,8 +208,8 @@ def test_bad_calls_are_refused_before_any_kernel_runs(device):
         tilegen.attention(q, k, v, score_mod=library.alibi(meta_slopes))
     with pytest.raises(ValueError, match="softcap"):
         tilegen.attention(q, k, v, softcap=5.0, score_mod=library.softcap(3.0))
-    with pytest.raises(NotImplementedError, match="score_mod/mask_mod: the backward through mods is not built yet"):
-        tilegen.attention(q.requires_grad_(), k, v, mask_mod=library.causal())
+    with pytest.raises(TypeError, match="out: an input requires grad"):
+        tilegen.attention(q.requires_grad_(), k, v, mask_mod=library.causal(), out=torch.empty_like(q))
 
 
 def test_every_supported_operation_matches_torch(device):

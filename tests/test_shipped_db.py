@@ -151,3 +151,22 @@ def test_the_shipped_file_is_self_contained():
     with sqlite3.connect(uri, uri=True) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+#: The attention backward's presets, tuned on the H200 at 1k, 4k and 16k; their hashes, which a backward spec
+#: without mods keeps now that the spec can hold mods.
+TRAINING = {"train-llama": "3fc524ac248d7e47", "train-llama-full": "2b723e47f831d430",
+            "train-d128": "a438c731506eef5b", "train-d128-full": "b9e683deddcb567d", "train-d64": "0e30629ff939228d",
+            "train-d64-full": "4b2466654337abf5", "train-d64-gqa": "b6b6191d4f0c1de0",
+            "train-d64-gqa-full": "384fb1c19782c113"}
+
+
+@pytest.mark.parametrize("preset", sorted(TRAINING))
+def test_dispatch_on_an_h200_finds_the_shipped_backward_rows(preset, tmp_path):
+    spec = presets()[preset]
+    family = family_of(spec)
+    assert spec.hash == TRAINING[preset]
+    rows = tuned_rows(spec, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
+    assert sorted(rows) == [1024, 4096, 16384]
+    for config, source in rows.values():
+        assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None

@@ -2,9 +2,10 @@
 
 A mod is a small torch function, traced once with ``torch.fx`` (``trace``), written down as a
 canonical text that the spec holds (so it enters the spec's hash, tuning key and rows), and
-lowered from that text into Triton statements that the forward templates inline (``lower``).
-``blocks`` evaluates a mask mod per (query block, key block) for the dense kernel, which skips the
-blocks it empties. ``library`` holds ready-made mods.
+lowered from that text into Triton statements that the attention templates inline (``lower``).
+``grad`` differentiates a score mod's graph (forward mode) for the backward, which recomputes the scores
+through the mods. ``blocks`` evaluates a mask mod per (query block, key block) for the kernels, which skip
+the blocks it empties. ``library`` holds ready-made mods.
 
 ``score_mod(score, b, h, q_idx, kv_idx) -> score`` receives the scaled logit ``q . k * scale`` in
 fp32 (as FlexAttention does); its result is softmaxed. ``mask_mod(b, h, q_idx, kv_idx) -> bool``
@@ -36,6 +37,14 @@ role's range (``b`` in [0, batch), ``h`` in [0, heads_q), ``q_idx`` in [0, n_q),
 [0, n_k); for ``varlen_attention`` the longest sequences') and a ``ValueError`` names the tensor
 and dimension. Any other index expression is masked in the kernel: an element outside the
 tensor (a negative index included: there is no wrap-around) reads as 0 (False for bools).
+
+Gradients: with ``q``, ``k``, ``v`` or a captured tensor that requires grad (and grad mode on), the op is
+differentiable: Q, K and V get theirs, and so does every captured float tensor of the score mod that
+requires grad (accumulated in fp32, returned in its dtype). The score mod's derivative is formed for
+``+ - * /``, unary ``-``, ``abs``, ``tanh``, ``exp``, ``log``, ``sqrt``, ``where``, ``minimum``,
+``maximum``, ``clamp`` and casts; integer and bool values carry none. A float ``//`` or ``%`` that the
+score (or a captured tensor being differentiated) reaches has none: ``tilegen.mods.grad.ModGradError``
+(a ``NotImplementedError``) names it before anything runs, and only when gradients are asked for.
 """
 
 from __future__ import annotations

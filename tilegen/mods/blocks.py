@@ -41,7 +41,8 @@ class BlockTable:
     int8 ``full`` (the mod keeps the block whole); and the same as runs of neighbouring blocks of one kind, which
     the kernel reads (``run_count`` [rows]; ``run_start``, ``run_end`` (block indices, end excluded) and
     ``run_full`` [rows, k_blocks]). ``stride_b``/``stride_h``: rows between batches/heads (0 where the mod reads
-    neither)."""
+    neither). ``transposed``: a row per (b, h, key block) listing query blocks instead (the backward's dK/dV kernel,
+    which streams query blocks past a key block); ``block_m``/``block_n`` are the query and key blocks either way."""
 
     count: torch.Tensor
     indices: torch.Tensor
@@ -54,6 +55,7 @@ class BlockTable:
     stride_h: int
     block_m: int
     block_n: int
+    transposed: bool = False
 
     def kernel_args(self) -> tuple:
         return (self.run_count, self.run_start, self.run_end, self.run_full, self.stride_b, self.stride_h,
@@ -139,7 +141,7 @@ def _reads(text: str) -> frozenset[str]:
     return frozenset(used & {"b", "h", "q_idx", "kv_idx"})
 
 
-def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device) -> BlockTable:
+def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device, transposed) -> BlockTable:
     reads = _reads(text)
     rows_b = batch if "b" in reads else 1
     rows_h = heads if "h" in reads else 1
@@ -162,8 +164,12 @@ def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device) -> B
             m = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=fill)
             m = m.view(rows_b, rows_h, (r1 - r0 + pad_q) // block_m, block_m, k_blocks, block_n)
             parts.append(m.any(dim=(3, 5)) if not fill else m.all(dim=(3, 5)))
-    nonempty = torch.cat(any_parts, dim=2).reshape(rows_b * rows_h * q_blocks, k_blocks)
-    full = torch.cat(all_parts, dim=2).reshape(nonempty.shape) & nonempty
+    nonempty = torch.cat(any_parts, dim=2)
+    full = torch.cat(all_parts, dim=2) & nonempty
+    if transposed:
+        nonempty, full = nonempty.transpose(2, 3), full.transpose(2, 3)
+    per_row = nonempty.shape[2]  # query blocks of a (b, h), or key blocks when transposed
+    nonempty, full = nonempty.reshape(-1, nonempty.shape[3]), full.reshape(-1, full.shape[3])
     # Non-empty blocks first, each group in key order: the kernel reads count of them.
     order = _first(nonempty)
     count = nonempty.sum(dim=1, dtype=torch.int32)
@@ -180,15 +186,16 @@ def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device) -> B
                       starts.sum(dim=1, dtype=torch.int32).contiguous(), first_of.to(torch.int32).contiguous(),
                       (last_of + 1).to(torch.int32).contiguous(),
                       (torch.gather(kind, 1, first_of) == 2).to(torch.int8).contiguous(),
-                      rows_h * q_blocks if rows_b > 1 else 0, q_blocks if rows_h > 1 else 0, block_m, block_n)
+                      rows_h * per_row if rows_b > 1 else 0, per_row if rows_h > 1 else 0, block_m, block_n, transposed)
 
 
 _tables: OrderedDict = OrderedDict()
 
 
 def block_table(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, block_m: int, block_n: int,
-                device) -> BlockTable:
-    """The cached table of a mask mod for a call's sizes and the kernel's blocks (module docstring)."""
+                device, transposed: bool = False) -> BlockTable:
+    """The cached table of a mask mod for a call's sizes and the kernel's blocks (module docstring); ``transposed``:
+    per key block, the query blocks (``BlockTable``)."""
     reads = _reads(text)
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     try:
@@ -196,7 +203,7 @@ def block_table(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, 
     except RuntimeError:  # an inference tensor has no version: its new values could not be told apart
         versions = None
     key = (text, versions, batch if "b" in reads else 1, heads if "h" in reads else 1, n_q, n_k, block_m, block_n,
-           str(device))
+           str(device), transposed)
     # While a CUDA graph is captured the table is built inside it, never taken from the cache: a replay then
     # rebuilds it from the captured tensors' values of that moment (as the kernel reads them), and the graph
     # holds no tensor the cache could drop.
@@ -205,7 +212,7 @@ def block_table(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, 
     if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         _tables.move_to_end(key)
         return hit[1]
-    table = _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device)
+    table = _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device, transposed)
     # One built while a graph is captured holds its values only once the graph replays: no eager call may read it.
     if versions is not None and not capturing:
         _tables[key] = (tuple(tensors), table)

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "refuse_training", "ROLES", "DTYPE_NAMES"]
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "refuse_compiling", "wants_grad", "ROLES",
+           "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
 ROLES = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
@@ -335,11 +336,13 @@ def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int])
                    mods[1].tensors if mods[1] else ())
 
 
-def refuse_training(trains: bool) -> None:
-    """Mods run forward only, eagerly: a ``NotImplementedError`` says so before anything is traced or launched."""
-    if trains:
-        raise NotImplementedError("score_mod/mask_mod: the backward through mods is not built yet; call under "
-                                  "torch.no_grad() or pass tensors that do not require grad")
+def refuse_compiling() -> None:
+    """Mods run eagerly: under ``torch.compile`` a ``NotImplementedError`` says so before anything is traced."""
     if torch.compiler.is_compiling():
         raise NotImplementedError("score_mod/mask_mod: not under torch.compile yet (the custom op takes no mods); "
                                   "call the op eagerly")
+
+
+def wants_grad(q, k, v, tensors) -> bool:
+    """Whether a call with mods is differentiated: grad mode on and an input or a captured tensor requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *tensors))

@@ -38,7 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import bind_mods, refuse_training
+from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
@@ -87,7 +87,9 @@ def attention(
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the scaled logit
             before the softmax; ``mask_mod(b, h, q_idx, kv_idx) -> bool`` ANDs into the mask (``causal``
             and ``window`` still apply). Traced once per function (``tilegen.mods``: the supported
-            operations, and how captured tensors are passed and range-checked); forward only.
+            operations, and how captured tensors are passed and range-checked). Differentiable: the
+            gradients reach Q, K, V and the mods' captured tensors that require grad (a learned bias table),
+            through the score mod's derivative (``tilegen.mods.grad``).
 
     When ``q``, ``k`` or ``v`` requires grad (and grad mode is on), the result backpropagates through
     the ``attention_bwd`` family's kernels, to the LSE too when it is returned; the forward keeps
@@ -106,7 +108,7 @@ def attention(
     except AttributeError:  # not tensors: the checks say which
         trains = False
     if score_mod is not None or mask_mod is not None:
-        return _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains, score_mod, mask_mod)
+        return _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod)
     if trains:
         return _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic)
     if deterministic.__class__ is not bool:
@@ -162,17 +164,41 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains, score_mod, mask_mod):
+def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod):
     """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
     mods), its config from the mod spec's own table, the mods' tensors passed at every launch, and a mask mod's
-    block table for that config's blocks (tilegen.mods.blocks, cached)."""
-    refuse_training(trains)
+    block table for that config's blocks (tilegen.mods.blocks, cached). Differentiated (Q, K, V or a captured
+    tensor requires grad) through ``attention_grad.apply_with_mods``."""
+    refuse_compiling()
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
     mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
     spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
+    launch = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
+    if wants_grad(q, k, v, mods.tensors):
+        attention_grad.check_training_args(out, deterministic)
+        spec = spec.replace(return_lse=True)  # the backward reads it
+        bwd = attention_grad.mod_backward_spec(spec, "dense")
+
+        def backward(dout, dlse, q, k, v, out, lse, wants):
+            return attention_grad.run_with_mods(bwd, mods, wants, dout, q, k, v, out, lse, dlse, None, None, n_q, n_k,
+                                                launch, deterministic)
+
+        out, lse = attention_grad.apply_with_mods(
+            lambda q, k, v: _launch_with_mods(spec, mods, q, k, v, None, launch), backward, q, k, v, mods.tensors)
+    else:
+        if deterministic.__class__ is not bool:
+            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+        out, lse = _launch_with_mods(spec, mods, q, k, v, out, launch)
+    return (out, lse) if return_lse else out
+
+
+def _launch_with_mods(spec, mods, q, k, v, out, launch):
+    """``(out, lse)`` of the forward with mods (``lse`` None unless the spec returns it)."""
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
     out_shape = (batch, heads, n_q, spec.dv)
     if out is None:
         out = q.new_empty(out_shape)
@@ -188,12 +214,11 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, trains,
         if mods.mask_mod is not None:
             blocks["mod_blocks"] = block_table(mods.mask_mod, mods.mask_tensors, batch, heads, n_q, n_k,
                                                config.block_m, config.block_n, q.device)
-        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, scale=scale, softcap=softcap,
-                                window_left=left, window_right=right, mod_tensors=mods.tensors, **blocks,
-                                **config.to_dict())
+        launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, **launch, mod_tensors=mods.tensors,
+                               **blocks, **config.to_dict())
     elif lse is not None:
         lse.fill_(-math.inf)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def attention_seq_major(q, k, v, *, causal=False, window=None, softcap=None, scale=None) -> torch.Tensor:

@@ -8,6 +8,11 @@ that trains saves Q, K, V, O and the fp32 LSE, nothing of size n_q x n_k. The ba
 does (``tilegen.dispatch.planned``) with the ``attention_bwd`` family's own tuned rows;
 ``deterministic=True`` takes the row's config without atomics. A second derivative raises
 ``NotImplementedError`` naming the op.
+
+Calls with score or mask mods (``tilegen.mods``) differentiate through a ``torch.autograd.Function``
+(``apply_with_mods``) instead: mods are eager only, and their captured tensors are inputs of the graph too,
+so a learned bias table or ALiBi slopes get gradients. The backward spec holds the mods, and its kernels
+recompute the scores through them (``tilegen.mods.grad``).
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ import torch
 
 from tilegen import dispatch
 from tilegen.dispatch import launcher_for
-from tilegen.dtypes import SPEC_DTYPES
+from tilegen.dtypes import SPEC_DTYPES, TORCH_DTYPES
 from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
-from tilegen.ops.memo import memoized
+from tilegen.mods.blocks import block_table
+from tilegen.mods.grad import check_differentiable, grad_tensors
+from tilegen.mods.trace import ModCall
+from tilegen.ops.memo import memoized, with_mod_fields
 
-__all__ = ["attach_dense", "attach_ragged", "backward_spec", "check_training_args", "explain_backward"]
+__all__ = ["attach_dense", "attach_ragged", "apply_with_mods", "backward_spec", "check_training_args",
+           "explain_backward", "mod_backward_spec", "run_with_mods"]
 
 
 @memoized
@@ -34,6 +43,15 @@ def backward_spec(dtype: torch.dtype, head_dim: int, head_dim_v: int, q_per_kv: 
                   layout: str) -> AttentionBwdSpec:
     return AttentionBwdSpec(head_dim=head_dim, head_dim_v=None if head_dim_v == head_dim else head_dim_v,
                             q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=SPEC_DTYPES[dtype], layout=layout)
+
+
+def mod_backward_spec(spec, layout: str) -> AttentionBwdSpec:
+    """The backward of a forward spec with mods; a ``ModGradError`` names an operation of the score mod whose
+    derivative cannot be formed, before anything runs."""
+    check_differentiable(spec.score_mod)
+    bwd = backward_spec(TORCH_DTYPES[spec.dtype], spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
+                        layout)
+    return with_mod_fields(bwd, spec.score_mod, spec.mask_mod)
 
 
 def check_training_args(out, deterministic) -> None:
@@ -101,6 +119,72 @@ def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, s
     strides = tuple(None if t is None else t.stride() for t in (q, k, v, out, dout, lse, dlse, dq, dk, dv, acc))
     plan.launch(strides, q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, acc, cu_q, cu_k, max_q, max_k)
     return dq, dk, dv
+
+
+def run_with_mods(spec, mods: ModCall, wants, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, fixed,
+                  deterministic):
+    """``(dq, dk, dv, grads)`` of a call with mods, ``grads`` per captured tensor (``mods.tensors``): its gradient
+    in its dtype where ``wants`` says so and the score mod reads it as a float, else None. Launched through the
+    JIT, as the forward with mods is: the captured tensors are arguments of every call."""
+    ragged = cu_q is not None
+    new = torch.zeros_like if ragged else torch.empty_like
+    dq, dk, dv = new(q), new(k), new(v)
+    # Zeroed: the dK/dV kernel adds into them, and a call with no score leaves them 0.
+    sums = [torch.zeros(mods.tensors[i].shape, dtype=torch.float32, device=q.device) if wants[i] else None
+            for i in grad_tensors(spec.score_mod)]
+    if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    else:
+        config = _table(spec, q.device).choose(max(max_q, max_k)).config
+        config = deterministic_config(config) if deterministic else config
+        lse = lse.contiguous()
+        if dlse is not None and dlse.stride() != lse.stride():
+            dlse = dlse.contiguous()
+        acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if config.atomic_dq else dq
+        tables = {}
+        if mods.mask_mod is not None:
+            # dK/dV streams query blocks past a key block: its table lists query blocks per key block.
+            sizes = (mods.mask_mod, mods.mask_tensors, q.shape[0] if cu_q is None else cu_q.numel() - 1, q.shape[1],
+                     max_q, max_k)
+            tables["mod_blocks_dkdv"] = block_table(*sizes, config.block_m1, config.block_n1, q.device, True)
+            tables["mod_blocks_dq"] = None if config.atomic_dq else block_table(
+                *sizes, config.block_m2, config.block_n2, q.device)
+        launcher_for(spec).jit(q, k, v, out, dout, lse, dlse, dq, dk, dv, torch.empty_like(lse),
+                               torch.empty_like(lse), acc, cu_q, cu_k, max_q, max_k, **fixed, mod_tensors=mods.tensors,
+                               mod_grads=sums, **tables, **config.to_dict())
+    grads: list[torch.Tensor | None] = [None] * len(mods.tensors)
+    for i, g in zip(grad_tensors(spec.score_mod), sums):
+        if g is not None:
+            grads[i] = g.to(mods.tensors[i].dtype)
+    return dq, dk, dv, grads
+
+
+class _WithMods(torch.autograd.Function):
+    """Attention with mods as one autograd node over Q, K, V and the mods' captured tensors."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, q, k, v, *tensors):
+        out, lse = forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.backward_fn = backward
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return (None,) * len(ctx.needs_input_grad)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, grads = ctx.backward_fn(dout, dlse, q, k, v, out, lse, ctx.needs_input_grad[5:])
+        return None, None, dq, dk, dv, *grads
+
+
+def apply_with_mods(forward, backward, q, k, v, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward(q, k, v) -> (out, lse)`` as a differentiable node; ``backward(dout, dlse, q, k, v, out, lse,
+    wants)`` returns ``(dq, dk, dv, grads)``, ``grads`` per captured tensor (``wants``: which require grad)."""
+    return _WithMods.apply(forward, backward, q, k, v, *tensors)
 
 
 def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int) -> dispatch.Choice:

@@ -39,7 +39,7 @@ from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
 from tilegen.mods.builtin import absorb
-from tilegen.mods.trace import bind_mods, refuse_training
+from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
@@ -71,7 +71,7 @@ def varlen_attention(
             sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
             to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
         deterministic: the backward gives the same bits on every run (no atomic adds).
-        score_mod, mask_mod: as in ``tilegen.attention`` (forward only), with ``b`` the sequence and
+        score_mod, mask_mod: as in ``tilegen.attention`` (differentiable too), with ``b`` the sequence and
             ``q_idx``/``kv_idx`` positions within it; captured tensors indexed by them are range-checked
             against ``max_seqlen_q``/``max_seqlen_k``.
     """
@@ -81,7 +81,7 @@ def varlen_attention(
         trains = False
     if score_mod is not None or mask_mod is not None:
         return _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
-                          scale, return_lse, out, trains, score_mod, mask_mod)
+                          scale, return_lse, out, deterministic, score_mod, mask_mod)
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
@@ -120,10 +120,11 @@ def varlen_attention(
     return (out, lse) if return_lse else out
 
 
-def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, trains,
+def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic,
                score_mod, mask_mod):
-    """A call with mods: the mod spec's own table and config, the mods' tensors passed at every launch."""
-    refuse_training(trains)
+    """A call with mods: the mod spec's own table and config, the mods' tensors passed at every launch.
+    Differentiated (Q, K, V or a captured tensor requires grad) through ``attention_grad.apply_with_mods``."""
+    refuse_compiling()
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     mods = bind_mods(score_mod, mask_mod, q.device,
                      {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k})
@@ -131,6 +132,28 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+    if wants_grad(q, k, v, mods.tensors):
+        attention_grad.check_training_args(out, deterministic)
+        spec = spec.replace(return_lse=True)  # the backward reads it
+        bwd = attention_grad.mod_backward_spec(spec, "ragged")
+        fixed = {key: plan.launch_args[key] for key in ("scale", "softcap", "window_left", "window_right")}
+
+        def backward(dout, dlse, q, k, v, out, lse, wants):
+            return attention_grad.run_with_mods(bwd, mods, wants, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q,
+                                                max_k, fixed, deterministic)
+
+        out, lse = attention_grad.apply_with_mods(
+            lambda q, k, v: _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, None),
+            backward, q, k, v, mods.tensors)
+    else:
+        if deterministic.__class__ is not bool:
+            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+        out, lse = _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out)
+    return (out, lse) if return_lse else out
+
+
+def _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out):
+    """``(out, lse)`` of the forward with mods (``lse`` None unless the spec returns it)."""
     out = _output(plan, q, out, {"k": k, "v": v})
     if out.requires_grad and torch.is_grad_enabled():
         refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
@@ -144,10 +167,10 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
             blocks["mod_blocks"] = block_table(mods.mask_mod, mods.mask_tensors, cu_q.numel() - 1, q.shape[1], max_q,
                                                max_k, config.block_m, config.block_n, q.device)
         launcher_for(spec).jit(q, k, v, out, out if lse is None else lse, cu_q, cu_k, max_q,
-                                mod_tensors=mods.tensors, **blocks, **launch_args)
+                               mod_tensors=mods.tensors, **blocks, **launch_args)
     elif lse is not None:
         lse.fill_(-math.inf)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out,
@@ -355,7 +378,7 @@ class _Plan:
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
     """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
     the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence)."""
-    refuse_training(False)
+    refuse_compiling()
     mods = bind_mods(score_mod, mask_mod, device,
                      {"b": batch, "h": heads_q, "q_idx": max_seqlen_k, "kv_idx": max_seqlen_k})
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors

@@ -6,10 +6,12 @@ from typing import Any
 
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
 from tilegen.families.attention_fwd.lower import attention_values
+from tilegen.mods.grad import mod_grad_values
 
 __all__ = ["lower"]
 
 
 def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
     # TMA descriptors address [batch, heads, seq, dim]: the dense layout's only.
-    return {**attention_values(spec), "layout": spec.layout, "tma": spec.layout == "dense"}
+    return {**attention_values(spec), "layout": spec.layout, "tma": spec.layout == "dense",
+            **mod_grad_values(spec.score_mod)}

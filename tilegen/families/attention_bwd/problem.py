@@ -39,6 +39,10 @@ class Problem(forward.Problem):
         if spec.layout != "dense":
             raise NotImplementedError(f"layout={spec.layout!r}: the tuner measures the dense backward; a ragged "
                                       "call takes the dense spec's tuned rows")
+        if spec.score_mod is not None or spec.mask_mod is not None:
+            # A trial would have to build the mods and differentiate through them (tilegen.mods.sources).
+            raise NotImplementedError("score_mod/mask_mod: a backward spec with mods is not tuned yet; its calls run "
+                                      "the default config")
         shape = super().for_bucket(spec, bucket, on_gpu=on_gpu, batch=batch, heads_q=heads_q)
         # Odd under the interpreter: no block divides it.
         seq = shape.seq if on_gpu else max(1, min(bucket, _CPU_MAX_SEQ) - 1)

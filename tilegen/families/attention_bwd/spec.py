@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tilegen.families.attention_fwd.spec import AttentionFields
+from tilegen.families.attention_fwd.spec import AttentionFields, check_mods, mod_name_parts
 from tilegen.ir import Spec, SpecError, check_choice
 
 __all__ = ["AttentionBwdSpec", "LAYOUTS"]
@@ -23,15 +23,21 @@ class AttentionBwdSpec(AttentionFields):
         layout: ``"dense"`` ([batch, heads, seq, dim], ``tilegen.attention``) or ``"ragged"``
             (packed sequences, ``tilegen.varlen_attention``).
         return_lse: always False: the backward reads the LSE and takes its gradient at launch.
+        score_mod, mask_mod: the forward's mods (``tilegen.mods``), canonical texts or ``None`` (left out of the
+            JSON then, so specs without mods keep their hashes). The backward recomputes the scores through
+            them and differentiates the score mod (``tilegen.mods.grad``).
     """
 
     family: ClassVar[str] = "attention_bwd"
 
     layout: str = "dense"
+    score_mod: str | None = None
+    mask_mod: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("layout", self.layout, LAYOUTS)
+        check_mods(self)
         if self.return_lse:
             raise SpecError("return_lse", "the backward returns gradients; the LSE's own gradient is a launch argument")
 
@@ -42,4 +48,4 @@ class AttentionBwdSpec(AttentionFields):
         parts = self.name_parts()
         if self.layout != "dense":
             parts.append(self.layout)
-        return "_".join(parts)
+        return "_".join(parts + mod_name_parts(self))
