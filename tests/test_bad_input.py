@@ -589,7 +589,7 @@ def test_a_batch_past_the_launch_grid_runs_in_slices(n_q, batch, device, monkeyp
     # The same slices writing transformers' layout (the batch leads there too).
     assert torch.equal(attention.attention_seq_major(q, k, v, causal=True), out.transpose(1, 2))
     with raises(ValueError, f"q: {batch * 2} (batch, head) pairs with mods exceed the 4 one launch takes"):
-        tilegen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score)
+        tilegen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score + 1.0)
     with raises(ValueError, f"q: {batch * 2} (batch, head) pairs of the backward exceed the 4 one launch takes"):
         tilegen.attention(q.requires_grad_(), k, v)
 

@@ -414,7 +414,7 @@ def _sparse_cases():
     docs = torch.tensor([0] * 20 + [1] * 37 + [2] * 18)  # 75 keys and queries
     return [
         ("document", library.document_mask(docs), 75, 75, {}),
-        ("window", library.sliding_window(9), 75, 75, {}),
+        ("window-and-global", library.sliding_window(9, global_tokens=3), 75, 75, {}),  # a band alone is a built-in
         ("prefix-lm", library.prefix_lm(torch.tensor([21, 50])), 75, 75, {}),  # reads b: a table per batch
         ("causal-as-mod", library.causal(), 45, 75, {}),
         ("document-and-window", library.document_mask(docs), 75, 75, {"window": (30, 0)}),

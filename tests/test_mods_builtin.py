@@ -122,3 +122,32 @@ def test_paged_plans_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypa
     assert decode_modded._plan.spec == decode_builtin._plan.spec
     q = torch.randn(2, 4, dim)
     assert torch.equal(decode_modded.run(q, cache), decode_builtin.run(q, cache))
+
+
+def test_the_dense_and_ragged_ops_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypatch):
+    """tilegen.attention and varlen_attention: the absorbed call is the built-in one, to the bit (the same
+    kernel), its gradients included; a ragged batch whose queries are not its keys keeps its mask mod."""
+    import tilegen
+    from tilegen.ops import varlen as varlen_module
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 19, 16) for _ in range(3))
+    for n_k in (19, 25):  # aligned, and the mods' top-left positions shifted by 6 against the built-ins'
+        kk, vv = torch.randn(1, 4, n_k, 16), torch.randn(1, 4, n_k, 16)
+        shift = n_k - 19
+        band = (lambda b, h, qi, ki: ki <= qi + 6) if shift else library.causal()  # both the built-in causal
+        got = tilegen.attention(q, kk, vv, score_mod=library.softcap(20.0), mask_mod=band)
+        assert torch.equal(got, tilegen.attention(q, kk, vv, causal=True, softcap=20.0))
+    q.requires_grad_()
+    got = tilegen.attention(q, k, v, mask_mod=library.sliding_window(4))
+    want = tilegen.attention(q, k, v, window=(4, 0))
+    assert torch.equal(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0])
+    q = q.detach()[0].transpose(0, 1).contiguous()  # 19 tokens of 4 heads: two sequences, 7 and 12
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32)
+    got = tilegen.varlen_attention(q, q, q, cu, cu, 12, 12, mask_mod=library.causal())
+    assert torch.equal(got, tilegen.varlen_attention(q, q, q, cu, cu, 12, 12, causal=True))
+    calls = []
+    real = varlen_module._with_mods
+    monkeypatch.setattr(varlen_module, "_with_mods", lambda *a: calls.append(a[-1]) or real(*a))
+    tilegen.varlen_attention(q, q, q, cu, cu.clone(), 12, 12, mask_mod=library.causal())
+    assert calls[-1] is not None  # equal offsets in another tensor: not known without reading them

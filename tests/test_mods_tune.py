@@ -45,7 +45,10 @@ MODS = textwrap.dedent("""
 
         return alibi
 
-    def near(b, h, q_idx, kv_idx):  # a mod itself
+    def near(b, h, q_idx, kv_idx):  # a mod itself: a window with a sink (a window alone is a built-in)
+        return (q_idx - kv_idx < 8) | (kv_idx == 0)
+
+    def window(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 8
 
     def make_documents(*, batch, heads, n_q, n_k, device):
@@ -129,7 +132,10 @@ def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path
     (["--mask-mod", "tune_mods:make_alibi"], "--mask-mod: tune_mods:make_alibi: mask_mod: expected 4 arguments"),
     (["--preset", "rope-d128", "--score-mod", "tune_mods:make_alibi"], "--score-mod: rope specs take no mods"),
     (["--preset", "gemma-softcap", "--score-mod", "tune_mods:make_alibi"], "--score-mod: softcap: with a score_mod"),
-], ids=["no-colon", "no-module", "no-attribute", "not-callable", "wrong-kind", "family-without-mods", "softcap"])
+    (["--mask-mod", "tune_mods:window"], "--mask-mod: tune_mods:window keeps a band of diagonals, which calls run as "
+                                         "the built-in window (7, None)"),
+], ids=["no-colon", "no-module", "no-attribute", "not-callable", "wrong-kind", "family-without-mods", "softcap",
+        "a-built-in"])
 def test_bad_mod_options_end_in_one_line_naming_the_option(tmp_path, monkeypatch, args, message):
     (tmp_path / "tune_mods.py").write_text(MODS)
     monkeypatch.chdir(tmp_path)

@@ -176,6 +176,17 @@ def with_mods(specs: list[Spec], score_mod: str | None, mask_mod: str | None) ->
         options[kind] = option
     if not texts:
         return specs
+    from tilegen.mods.builtin import reduce_mods
+
+    # A call runs such a mod as the built-in option it means (tilegen.mods.builtin): a spec holding it is never used.
+    reduced = reduce_mods(texts.get("score_mod"), texts.get("mask_mod"), None, None, None, 0, 0)
+    if "mask_mod" in texts and reduced.mask_mod is None:
+        left, right = reduced.window
+        fail(f"--mask-mod: {mask_mod} keeps a band of diagonals, which calls run as the built-in window ({left}, "
+             f"{right}) (None: unbounded); tune a preset or --mask of that built-in instead")
+    if "score_mod" in texts and reduced.score_mod is None:
+        what = f"the built-in softcap {reduced.softcap:g}" if reduced.softcap is not None else "no mod at all"
+        fail(f"--score-mod: {score_mod} is {what}, which calls run as such; tune a preset of that built-in instead")
     option, modded = next(iter(options.values())), []
     for spec in specs:
         if not all(hasattr(spec, kind) for kind in texts):

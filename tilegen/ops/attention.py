@@ -38,6 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
+from tilegen.mods.builtin import absorb
 from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
@@ -168,9 +169,17 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
     mods), its config from the mod spec's own table, the mods' tensors passed at every launch, and a mask mod's
     block table for that config's blocks (tilegen.mods.blocks, cached). Differentiated (Q, K, V or a captured
-    tensor requires grad) through ``attention_grad.apply_with_mods``."""
+    tensor requires grad) through ``attention_grad.apply_with_mods``. A mod that means a built-in option
+    (``tilegen.mods.builtin``: a band mask, a softcap) becomes that option first, so the call takes the built-in's
+    kernels (and routes, and rows)."""
     refuse_compiling()
+    given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
+    absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2])
+    if absorbed[3:] != (score_mod, mask_mod):
+        causal, window, softcap, score_mod, mask_mod = absorbed
+        return attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=given[0], return_lse=return_lse,
+                         out=out, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]

@@ -123,9 +123,18 @@ def varlen_attention(
 def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic,
                score_mod, mask_mod):
     """A call with mods: the mod spec's own table and config, the mods' tensors passed at every launch.
-    Differentiated (Q, K, V or a captured tensor requires grad) through ``attention_grad.apply_with_mods``."""
+    Differentiated (Q, K, V or a captured tensor requires grad) through ``attention_grad.apply_with_mods``.
+    A mod that means a built-in option becomes it first (``tilegen.mods.builtin``); a mask, only where every
+    sequence's queries are its keys (``cu_seqlens_q is cu_seqlens_k``), since the mods' positions are aligned
+    top-left in each sequence and the built-ins' bottom-right."""
     refuse_compiling()
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
+    absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None)
+    if absorbed[3:] != (score_mod, mask_mod):
+        causal, window, softcap, score_mod, mask_mod = absorbed
+        return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
+                                scale=scale, return_lse=return_lse, out=out, deterministic=deterministic,
+                                score_mod=score_mod, mask_mod=mask_mod)
     mods = bind_mods(score_mod, mask_mod, q.device,
                      {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k})
     spec = with_mod_fields(plan.spec, mods.score_mod, mods.mask_mod)
