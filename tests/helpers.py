@@ -17,8 +17,13 @@ LSE of exactly -inf and an output row of exactly zero.
 from __future__ import annotations
 
 import ast
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +276,20 @@ def attention_calls(draw):
         window=window,
         seed=draw(st.integers(0, 2**16)),
     )
+
+
+def compile_for_sm90(request: dict, tmp_path, *, kernels: int | None = None) -> str:
+    """Compile a generated module's kernels for sm90 in a fresh process without the interpreter
+    (``tests/sm90_compile.py``, which takes ``request``); asserts it succeeded, and compiled ``kernels``
+    cubins when given, and returns its output."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
+    # This checkout's tilegen, whichever one is installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
+    script = Path(__file__).with_name("sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if kernels is not None:
+        assert done.stdout.count("cubin bytes") == kernels, done.stdout
+    return done.stdout

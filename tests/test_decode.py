@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import assert_guard_bands, inside
+from helpers import assert_guard_bands, compile_for_sm90, inside
 from test_varlen import PAGE, PAGE_TABLE_FAULTS, PAGED_K_LENS, guarded_cache, make_cache, paged_reference
 
 import tilegen
@@ -298,10 +298,6 @@ def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
     """What the interpreter runs, the sm90 compiler must accept: a group of 8 heads with 4 tokens
     (dense) and with 1 (paged); padded head dim, window, softcap, LSE, split and single pass."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
     from tilegen.families.attention_decode import DecodeSpec
@@ -315,18 +311,8 @@ def test_the_kernel_compiles_for_an_h200(layout, tmp_path):
     configs = [{"SPLIT": True, "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4},
                {"SPLIT": False, "BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 2}]
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin bytes") == len(configs)
+    compile_for_sm90(request, tmp_path, kernels=len(configs))
     # The merge, as a programmatic dependent (waiting in gdc_wait) and as a plain launch.
     merges = [{"SPLITS_PAD": 64, "DV_BLOCK": 64, "PDL": True, "launch_pdl": True, "num_warps": 2},
               {"SPLITS_PAD": 8, "DV_BLOCK": 64, "PDL": False, "num_warps": 2}]
-    request = {**request, "kernel": "kernel_merge", "configs": merges}
-    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin bytes") == len(merges)
+    compile_for_sm90({**request, "kernel": "kernel_merge", "configs": merges}, tmp_path, kernels=len(merges))

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import compile_for_sm90
 from test_varlen import _cu, make_cache, paged_reference
 
 import tilegen
@@ -346,10 +347,6 @@ def test_fp8_kernels_compile_for_an_h200(which, tmp_path):
     """What the interpreter runs, the sm90 compiler must accept: fp8 loads widened for a bf16 dot (no
     fp8 x bf16 dot on Hopper), and the append's rounding on the bits and its fp8 stores."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
     if which == "decode-e4m3":
@@ -366,10 +363,4 @@ def test_fp8_kernels_compile_for_an_h200(which, tmp_path):
                     **dict.fromkeys(("CuSeqlens", "Indptr", "Indices", "LastPageLen"), "*i32")}
         configs = [{"BLOCK_T": 4, "BLOCK_H": 2, "num_warps": 2}]
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin bytes") == len(configs)
+    compile_for_sm90(request, tmp_path, kernels=len(configs))

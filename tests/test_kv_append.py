@@ -12,14 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_guard_bands, inside, kernel_globals_are_constexpr
+from helpers import assert_guard_bands, compile_for_sm90, inside, kernel_globals_are_constexpr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -547,10 +543,4 @@ def test_the_kernel_compiles_for_an_h200(tmp_path):
         pointers = {**dict.fromkeys(("K", "V", "KPages", "VPages"), f"*{dtype}"),
                     **dict.fromkeys(("CuSeqlens", "Indptr", "Indices", "LastPageLen"), "*i32")}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-        script = Path(__file__).with_name("sm90_compile.py")
-        done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.count("cubin bytes") == len(configs)
+        compile_for_sm90(request, tmp_path, kernels=len(configs))

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import kernel_globals_are_constexpr
+from helpers import compile_for_sm90, kernel_globals_are_constexpr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -328,10 +324,4 @@ def test_the_kernel_compiles_for_an_h200(tmp_path):
         pointers = {**dict.fromkeys(("OA", "OB", "Out"), f"*{spec.dtype}"),
                     **dict.fromkeys(("LseA", "LseB", "OutLse"), "*fp32")}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": configs}
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-        script = Path(__file__).with_name("sm90_compile.py")
-        done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.count("cubin bytes") == len(configs)
+        compile_for_sm90(request, tmp_path, kernels=len(configs))

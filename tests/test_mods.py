@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import compile_for_sm90
 
 import tilegen
 from tilegen.codegen import source_for
@@ -354,10 +355,6 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
     """What the interpreter runs, the sm90 compiler must accept: every supported operation, bool, fp16, fp32 and
     int64 captured tensors, in the dense kernel (causal, GQA, LSE); ``family="varlen"`` compiles the ragged one."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
     from tilegen.families.attention_varlen import VarlenAttentionSpec
@@ -375,15 +372,7 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
     pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
                 "softcap_scale": "fp32"}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [{**constexprs, "num_warps": 4}]}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    # This checkout's tilegen, whichever one is installed.
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin bytes") == 1
+    compile_for_sm90(request, tmp_path, kernels=1)
 
 
 def test_mod_specs_are_tuned_only_with_their_functions_named():

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import compile_for_sm90
 
 import tilegen
 from tilegen.codegen import module_for, source_for
@@ -234,10 +235,6 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
     both positions (its atomics), an int64 document mask and the transposed block table (the dQ kernel calls the
     same functions, without the atomics; test_mods compiles every operation in the forward)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     pytest.importorskip("triton.backends.nvidia")
     score_mod = trace(library.relative_bias(torch.randn(4, 8), 8, 16), "score_mod").canonical
@@ -251,14 +248,7 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
     # Small tiles: a cold compile of 64x64 ones took 25-45 s, of these about 10 s (what a kernel without mods takes).
     config = {"BLOCK_M": 32, "BLOCK_N": 32, "ATOMIC_DQ": True, "TMA": False, "SM_T0_G": True, "num_warps": 4}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [config], "kernel": "_dkdv"}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(tilegen.__file__).parent.parent), env.get("PYTHONPATH", "")])
-    script = Path(__file__).with_name("sm90_compile.py")
-    done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("cubin bytes") == 1
+    compile_for_sm90(request, tmp_path, kernels=1)
 
 
 def test_backward_mod_specs_are_not_tuned_yet():
