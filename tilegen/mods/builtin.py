@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from tilegen.mods.lower import _is_number, parse
 
-__all__ = ["Reduced", "absorb", "reduce_mods"]
+__all__ = ["Reduced", "reduce_mods"]
 
 _INTS = ("int32", "int64", "int16", "int8")
 
@@ -56,25 +56,6 @@ def reduce_mods(score_mod: str | None, mask_mod: str | None, left: int | None, r
             if (band_left is None or band_left >= 0) and (band_right is None or band_right >= 0):
                 left, right, mask_mod = _tighter(left, band_left), _tighter(right, band_right), None
     return Reduced((left, right), softcap, score_mod, mask_mod)
-
-
-def absorb(score_mod, mask_mod, causal, window, softcap, shift: int | None = 0):
-    """A call's ``(causal, window, softcap, score_mod, mask_mod)`` with every mod that means a built-in option
-    made that option (its function then ``None``). ``shift``: ``n_k - n_q`` where the mods' positions are
-    aligned top-left (the dense op), 0 where they sit at the keys' positions (the paged paths), ``None``
-    where it varies across the batch (then only a score mod can be absorbed)."""
-    from tilegen.families.attention_fwd.masks import window_bounds
-    from tilegen.mods.trace import traced
-
-    score = traced(score_mod, "score_mod").canonical if score_mod is not None else None
-    mask = traced(mask_mod, "mask_mod").canonical if mask_mod is not None and shift is not None else None
-    left, right = window_bounds(window, causal)
-    reduced = reduce_mods(score, mask, left, right, softcap, 0, shift or 0)
-    score_left = score_mod if score is None or reduced.score_mod is not None else None
-    mask_left = mask_mod if mask is None or reduced.mask_mod is not None else None
-    if score_left is score_mod and mask_left is mask_mod:
-        return causal, window, softcap, score_mod, mask_mod  # nothing absorbed: the call's own arguments
-    return False, reduced.window, reduced.softcap, score_left, mask_left
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

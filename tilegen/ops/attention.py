@@ -38,11 +38,11 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.builtin import absorb
 from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
+from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, refuse_grad
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]

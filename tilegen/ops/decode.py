@@ -35,8 +35,8 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
-from tilegen.mods.builtin import absorb
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
+from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
 from tilegen.ops.varlen import paged_mods
 

@@ -38,12 +38,12 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.builtin import absorb
 from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
+from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_grid, check_out, refuse_grad
 
 __all__ = ["varlen_attention", "PagedAttention"]
