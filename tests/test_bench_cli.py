@@ -125,3 +125,16 @@ def test_rounds_with_every_provider_failing_its_check_report_the_errors(monkeypa
     monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **_: pytest.fail("nothing should be timed"))
     row = bench.bench_case(bench.Case(8, 16, False), rounds=3)
     assert row["a"] == row["b"] == {"error": "RuntimeError: out of memory"}
+
+
+def test_the_mods_plot_draws_what_a_run_measured(tmp_path):
+    """The mods benchmark's plot from rows as it writes them: a backward panel only when the backward ran, and
+    failed cells (strings) left out."""
+    from tilegen.bench.mods import plot
+
+    pytest.importorskip("matplotlib")
+    rows = [{"mod": "alibi", "flex TFLOP/s": 300.0, "tilegen TFLOP/s": 320.0, "flex bwd us": 9.0,
+             "flex bwd TFLOP/s": 200.0, "tilegen bwd TFLOP/s": 250.0, "tilegen bwd us": "wrong"},
+            {"mod": "relative-bias", "flex TFLOP/s": 90.0, "tilegen us": "OutOfResources"}]
+    path = tmp_path / "mods.png"
+    assert plot(rows, str(path)) == str(path) and path.stat().st_size > 10_000

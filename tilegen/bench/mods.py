@@ -2,9 +2,12 @@
 FlexAttention with the same mod, and against tilegen's built-in variant where one exists.
 
     python -m tilegen.bench.mods --out mods.json
+    python -m tilegen.bench.mods --backward --out mods.json --plot mods.png
 
-bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128, forward only
-(the backward through mods is not built). Each mod of ``tilegen.mods`` (ALiBi, T5 relative bias,
+bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128; the forward,
+and with ``--backward`` the backward alone too (``torch.autograd.grad(out, (q, k, v), dout)`` after one
+forward, for every provider; 2.5 times the forward's FLOPs), each provider's gradients checked against
+FlexAttention's first. Each mod of ``tilegen.mods`` (ALiBi, T5 relative bias,
 document mask, prefix-LM, sliding window with global tokens, softcap, causal) is timed as
 tilegen runs it, as FlexAttention runs it (``torch.compile(flex_attention)``, its block mask made
 once outside the timing, as a user would), and, for causal, window and softcap, as tilegen's
@@ -22,6 +25,7 @@ import triton
 
 import tilegen
 from tilegen.families import relative_error
+from tilegen.bench import pyplot
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.mods import library
 
@@ -61,7 +65,46 @@ def _pairs(mask_mod) -> float:
     return float(keep.expand(B, N, N).sum())
 
 
-def case(name, score_mod, mask_mod, builtin, q, k, v) -> dict:
+def _backward(fn, q, k, v, dout):
+    """The backward alone of ``fn(q, k, v)``: its gradients, and the median time of one more (ms)."""
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    return grads, _bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+
+
+def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v) -> None:
+    """The backward columns of ``row``: each provider's time, once its gradients agree with Flex's."""
+    dout = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
+    try:
+        expected, t = _backward(flex, q, k, v, dout)
+        row["flex bwd us"] = t * 1e3
+    except Exception as e:  # reported; the others are then not checked
+        row["flex bwd us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return
+    for key, fn in (("tilegen", tilegen_fn), ("builtin", builtin_fn)):
+        if fn is None:
+            continue
+        try:
+            grads, t = _backward(fn, q, k, v, dout)
+        except Exception as e:  # a mod that fails is reported, the others still run
+            row[f"{key} bwd us"] = f"{type(e).__name__}: {str(e)[:160]}"
+            continue
+        error = max(relative_error(g.float(), e.float())[0] for g, e in zip(grads, expected))
+        row[f"{key} bwd error vs flex"] = error
+        row[f"{key} bwd us"] = t * 1e3 if error < 2e-2 else f"wrong: relative error {error:.2e} against FlexAttention"
+    for key in ("flex", "tilegen", "builtin"):
+        t = row.get(f"{key} bwd us")
+        if isinstance(t, float):
+            row[f"{key} bwd TFLOP/s"] = 2.5 * flops / t / 1e6
+    t = row.get("tilegen bwd us")
+    if isinstance(t, float):
+        row["flex / tilegen bwd"] = row["flex bwd us"] / t
+        if isinstance(row.get("builtin bwd us"), float):
+            row["builtin / tilegen bwd"] = row["builtin bwd us"] / t
+
+
+def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flops = 4.0 * _pairs(mask_mod) * D * HQ
@@ -103,13 +146,48 @@ def case(name, score_mod, mask_mod, builtin, q, k, v) -> dict:
         row["flex / tilegen"] = row["flex us"] / t
         if isinstance(row.get("builtin us"), float):
             row["builtin / tilegen"] = row["builtin us"] / t
+    if backward:
+        _backward_row(row, flops, lambda q, k, v: flex(q, k, v, **kwargs),
+                      lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod),
+                      None if builtin is None else lambda q, k, v: tilegen.attention(q, k, v, **builtin), q, k, v)
     return row
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    """TFLOP/s per mod and provider, the forward (and the backward where measured) side by side; the PNG's
+    path, or ``None`` without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    passes = [("", "forward")] + ([(" bwd", "backward")] if any("flex bwd us" in r for r in rows) else [])
+    fig, axes = plt.subplots(len(passes), 1, figsize=(max(6.0, 0.9 * len(rows)), 4.0 * len(passes)), squeeze=False)
+    providers = ("flex", "tilegen", "builtin")
+    width = 0.8 / len(providers)
+    for ax, (suffix, title) in zip(axes[:, 0], passes):
+        for i, name in enumerate(providers):
+            points = [(j + i * width, r[f"{name}{suffix} TFLOP/s"]) for j, r in enumerate(rows)
+                      if isinstance(r.get(f"{name}{suffix} TFLOP/s"), float)]
+            if points:
+                ax.bar(*zip(*points), width, label={"flex": "FlexAttention (compiled)", "tilegen": "tilegen, mods",
+                                                    "builtin": "tilegen, built-in"}[name])
+        ax.set_xticks([j + width for j in range(len(rows))])
+        ax.set_xticklabels([r["mod"] for r in rows], rotation=30, ha="right", fontsize="small")
+        ax.set_ylabel(f"{title} TFLOP/s")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0, 0].set_title(f"Score and mask mods: bf16, {B} x {N} tokens, {HQ}/{HKV} heads of {D}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mods", default="", help="comma-separated names (default: every one)")
+    parser.add_argument("--backward", action="store_true", help="also time each provider's backward alone")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None, help="write a PNG of TFLOP/s per mod and provider here")
     args = parser.parse_args(argv)
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -119,7 +197,7 @@ def main(argv=None) -> None:
     chosen = [m for m in args.mods.split(",") if m] or list(mods)
     rows = []
     for name in chosen:
-        rows.append(case(name, *mods[name], q, k, v))
+        rows.append(case(name, *mods[name], q, k, v, backward=args.backward))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
@@ -131,6 +209,11 @@ def main(argv=None) -> None:
             return f"{value:.{digits}f}" if isinstance(value, float) else ("-" if value is None else "error")
         print(f"{r['mod']:>22} {show('flex us'):>9} {show('tilegen us'):>11} {show('builtin us'):>11} "
               f"{show('flex / tilegen', 2):>13} {show('builtin / tilegen', 2):>16}")
+        if args.backward:
+            print(f"{'backward':>22} {show('flex bwd us'):>9} {show('tilegen bwd us'):>11} {show('builtin bwd us'):>11} "
+                  f"{show('flex / tilegen bwd', 2):>13} {show('builtin / tilegen bwd', 2):>16}")
+    if args.plot:
+        print("plot:", plot(rows, args.plot) or "not written (no matplotlib)")
 
 
 if __name__ == "__main__":
