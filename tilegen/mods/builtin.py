@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from tilegen.mods.lower import _is_number, parse
 
-__all__ = ["Reduced", "reduce_mods"]
+__all__ = ["Reduced", "builtin_of", "reduce_builtins", "reduce_mods"]
 
 _INTS = ("int32", "int64", "int16", "int8")
 
@@ -40,22 +40,34 @@ class Reduced:
 def reduce_mods(score_mod: str | None, mask_mod: str | None, left: int | None, right: int | None,
                 softcap: float | None, n_q: int, n_k: int) -> Reduced:
     """``left``/``right``: the call's own window bounds (``window_bounds``); the rest as the op takes them."""
-    if score_mod is not None:
-        cap = _softcap(score_mod)
-        if cap == 0.0:  # the identity
-            score_mod = None
-        elif cap is not None and softcap is None:  # a softcap of the call's own would come first
-            softcap, score_mod = cap, None
-    if mask_mod is not None:
-        kept = _band(mask_mod)
-        if kept is not None:
-            lo, hi = kept  # on q_idx - kv_idx, top-left
-            shift = n_k - n_q
-            band_left = None if hi is None else hi + shift
-            band_right = None if lo is None else -(lo + shift)
-            if (band_left is None or band_left >= 0) and (band_right is None or band_right >= 0):
-                left, right, mask_mod = _tighter(left, band_left), _tighter(right, band_right), None
-    return Reduced((left, right), softcap, score_mod, mask_mod)
+    window, softcap, score_kept, mask_kept = reduce_builtins(builtin_of(score_mod, "score_mod"),
+                                                     builtin_of(mask_mod, "mask_mod"), left, right, softcap, n_k - n_q)
+    return Reduced(window, softcap, score_mod if score_kept else None, mask_mod if mask_kept else None)
+
+
+def builtin_of(text: str | None, kind: str):
+    """What a mod's canonical text says of the built-ins: a score mod's softcap (0.0 for ``return score``), a mask
+    mod's band ``(lo, hi)`` on ``q_idx - kv_idx``; None for neither (or no mod)."""
+    if text is None:
+        return None
+    return _softcap(text) if kind == "score_mod" else _band(text)
+
+
+def reduce_builtins(cap, band, left, right, softcap, shift):
+    """``reduce_mods`` once the texts are read (``builtin_of``): ``(window, softcap, score mod kept, mask mod
+    kept)``. Plain arithmetic, so that ``torch.compile`` traces it with the shapes (``shift``) symbolic."""
+    score_kept = mask_kept = True
+    if cap == 0.0:  # the identity
+        score_kept = False
+    elif cap is not None and softcap is None:  # a softcap of the call's own would come first
+        softcap, score_kept = cap, False
+    if band is not None:
+        lo, hi = band  # on q_idx - kv_idx, top-left
+        band_left = None if hi is None else hi + shift
+        band_right = None if lo is None else -(lo + shift)
+        if (band_left is None or band_left >= 0) and (band_right is None or band_right >= 0):
+            left, right, mask_kept = _tighter(left, band_left), _tighter(right, band_right), False
+    return (left, right), softcap, score_kept, mask_kept
 
 
 def _tighter(a: int | None, b: int | None) -> int | None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "refuse_compiling", "wants_grad", "ROLES",
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "refuse_compiling", "wants_grad", "ROLES",
            "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
@@ -286,6 +286,46 @@ def _captured_values(fn, depth: int = 0):
         yield "<default>", value
 
 
+def locate(fn, t: torch.Tensor, depth: int = 0) -> tuple | None:
+    """Where ``fn`` reaches the captured tensor ``t``, as steps ``fetch`` follows (``("closure", i)``,
+    ``("global", name)``, ``("default", i)``), searched as ``_captured_values`` does; None if elsewhere (an
+    attribute of a captured object, an element of a list)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if value is t:
+            return (("closure", i),)
+        if callable(value) and depth < 2:
+            inner = locate(value, t, depth + 1)
+            if inner is not None:
+                return (("closure", i), *inner)
+    for name in code.co_names:
+        if name in fn.__globals__ and fn.__globals__[name] is t:
+            return (("global", name),)
+    for i, value in enumerate(fn.__defaults__ or ()):
+        if value is t:
+            return (("default", i),)
+    return None
+
+
+def fetch(fn, path: tuple) -> torch.Tensor:
+    """The tensor at ``locate``'s ``path`` from ``fn``. Under ``torch.compile`` this is traced: Dynamo reads the
+    cell, global or default as a graph input, so each call of the compiled graph passes its tensor of the moment."""
+    for step, key in path:
+        if step == "closure":
+            fn = fn.__closure__[key].cell_contents
+        elif step == "global":
+            fn = fn.__globals__[key]
+        else:
+            fn = fn.__defaults__[key]
+    return fn
+
+
 def _signature(fn) -> tuple:
     """What invalidates a trace: the captured tensors' identities, shapes and dtypes."""
     return tuple((name, id(v), tuple(v.shape), v.dtype) for name, v in _captured_values(fn)
@@ -321,8 +361,12 @@ class ModCall:
 
 def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int]) -> ModCall:
     """Trace (or reuse) both mods and check them against a call: device of every captured tensor, index ranges."""
-    mods = [traced(fn, kind) if fn is not None else None
-            for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    return bind_traced([traced(fn, kind) if fn is not None else None
+                        for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))], device, ranges)
+
+
+def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: dict[str, int]) -> ModCall:
+    """``bind_mods`` of mods traced already (the score mod's, then the mask mod's; None where there is none)."""
     tensors: list[torch.Tensor] = []
     for mod in mods:
         if mod is None:
@@ -336,11 +380,12 @@ def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int])
                    mods[1].tensors if mods[1] else ())
 
 
-def refuse_compiling() -> None:
-    """Mods run eagerly: under ``torch.compile`` a ``NotImplementedError`` says so before anything is traced."""
+def refuse_compiling(op: str) -> None:
+    """Where mods run eagerly only: under ``torch.compile`` a ``NotImplementedError`` says so before anything is
+    traced."""
     if torch.compiler.is_compiling():
-        raise NotImplementedError("score_mod/mask_mod: not under torch.compile yet (the custom op takes no mods); "
-                                  "call the op eagerly")
+        raise NotImplementedError(f"{op}: score_mod/mask_mod are not supported under torch.compile yet (only "
+                                  "tilegen.attention's are); call it eagerly")
 
 
 def wants_grad(q, k, v, tensors) -> bool:

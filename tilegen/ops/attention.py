@@ -37,8 +37,9 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
+from tilegen.mods import compiled
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
+from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
@@ -172,10 +173,12 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     tensor requires grad) through ``attention_grad.apply_with_mods``. A mod that means a built-in option
     (``tilegen.mods.builtin``: a band mask, a softcap) becomes that option first, so the call takes the built-in's
     kernels (and routes, and rows)."""
-    refuse_compiling()
     given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
-    absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2])
+    # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
+    found = compiled.entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
+    absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2],
+                      known=None if found is None else tuple(e and e.builtin for e in found))
     if absorbed[3:] != (score_mod, mask_mod):
         causal, window, softcap, score_mod, mask_mod = absorbed
         return attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=given[0], return_lse=return_lse,
@@ -183,7 +186,11 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
-    mods = bind_mods(score_mod, mask_mod, q.device, {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k})
+    ranges = {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k}
+    if found is not None:
+        mods = bind_traced(compiled.bind(score_mod, mask_mod, found), q.device, ranges)
+        return _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic)
+    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
     spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
     launch = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
     if wants_grad(q, k, v, mods.tensors):
@@ -202,6 +209,25 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
             raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
         out, lse = _launch_with_mods(spec, mods, q, k, v, out, launch)
     return (out, lse) if return_lse else out
+
+
+def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic):
+    """A call with mods under ``torch.compile``: the ``tilegen::attention_mods_fwd`` custom op, which launches as an
+    eager call does. Forward only: its backward would need the captured tensors' gradients as a custom op's."""
+    if wants_grad(q, k, v, mods.tensors):
+        raise NotImplementedError("tilegen.attention: score_mod/mask_mod under torch.compile are forward only (no "
+                                  "input or captured tensor may require grad, or run under torch.no_grad()); "
+                                  "train with mods eagerly")
+    if deterministic.__class__ is not bool:
+        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+    score_count = len(mods.tensors) - len(mods.mask_tensors)
+    result, lse = torch.ops.tilegen.attention_mods_fwd(
+        q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,
+        spec.return_lse, scale, softcap, left, right)
+    if out is not None:
+        _check_out(out, result.shape, q)
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
 
 
 def _launch_with_mods(spec, mods, q, k, v, out, launch):
@@ -489,6 +515,30 @@ def _(q, k, v, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window
 
 
 attention_grad.attach_dense(_attention_op)
+
+
+@torch.library.custom_op("tilegen::attention_mods_fwd", mutates_args=())
+def _attention_mods_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod_tensors: list[torch.Tensor], score_tensors: int,
+    score_mod: str | None, mask_mod: str | None, head_dim_v: int, mask: str, has_softcap: bool, return_lse: bool,
+    scale: float, softcap: float, window_left: int, window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # mod_tensors: the score mod's captured tensors (the first score_tensors), then the mask mod's.
+    spec = with_mod_fields(_spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap,
+                                     return_lse), score_mod, mask_mod)
+    mods = ModCall(score_mod, mask_mod, tuple(mod_tensors), tuple(mod_tensors[score_tensors:]))
+    launch = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
+    out, lse = _launch_with_mods(spec, mods, q, k, v, None, launch)
+    # A custom op returns tensors only: an empty one stands for "no LSE".
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@_attention_mods_op.register_fake
+def _(q, k, v, mod_tensors, score_tensors, score_mod, mask_mod, head_dim_v, mask, has_softcap, return_lse, scale,
+      softcap, window_left, window_right):
+    batch, heads, n_q, _ = q.shape
+    out = q.new_empty(batch, heads, n_q, head_dim_v)
+    return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
 
 
 def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):

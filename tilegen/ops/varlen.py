@@ -127,7 +127,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     A mod that means a built-in option becomes it first (``tilegen.mods.builtin``); a mask, only where every
     sequence's queries are its keys (``cu_seqlens_q is cu_seqlens_k``), since the mods' positions are aligned
     top-left in each sequence and the built-ins' bottom-right."""
-    refuse_compiling()
+    refuse_compiling("tilegen.varlen_attention")
     plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None)
     if absorbed[3:] != (score_mod, mask_mod):
@@ -387,7 +387,7 @@ class _Plan:
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
     """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
     the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence)."""
-    refuse_compiling()
+    refuse_compiling("PagedAttention.plan and PagedDecode.plan")
     mods = bind_mods(score_mod, mask_mod, device,
                      {"b": batch, "h": heads_q, "q_idx": max_seqlen_k, "kv_idx": max_seqlen_k})
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors

@@ -1,0 +1,68 @@
+"""Mods under ``torch.compile``: traced once by tilegen's own tracer while Dynamo traces the call.
+
+Dynamo cannot trace ``torch.fx.symbolic_trace``, and should not: the mod's canonical text is a constant of
+the graph, like the spec's other fields. ``_trace`` runs it at trace time instead
+(``torch.compiler.assume_constant_result``) and returns only constants: the text, what the text says of
+the built-ins, and where the function reaches each captured tensor (a closure cell, a global, a default).
+The tensors themselves are then read along those paths in traced code (``tilegen.mods.trace.fetch``), so
+Dynamo makes them graph inputs: a compiled call passes the tensors of the moment, values written in place
+included, never constants baked in at trace time.
+
+A constant result holds while the function does: ``bind`` takes ``id()`` of each mod, which makes Dynamo
+guard on the function object itself (a closure is otherwise guarded by its code only, and
+``sliding_window(64)`` after ``sliding_window(32)`` would reuse the first text). Eager calls cache traces
+per function object too (``tilegen.mods.trace.traced``), so both see the same mod.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from tilegen.mods.builtin import builtin_of
+from tilegen.mods.trace import TracedMod, fetch, locate, traced
+
+__all__ = ["Entry", "entries", "bind"]
+
+
+class Entry(NamedTuple):
+    """A mod as ``torch.compile`` keeps it: constants only."""
+
+    kind: str
+    canonical: str
+    names: tuple[str, ...]
+    checks: tuple[tuple[int, int, str | None, int], ...]
+    paths: tuple[tuple, ...]  # per captured tensor, for fetch
+    builtin: object  # builtin_of(canonical, kind)
+
+
+@torch.compiler.assume_constant_result
+def _trace(fn: Callable, kind: str) -> Entry:
+    mod = traced(fn, kind)
+    paths = tuple(locate(fn, t) for t in mod.tensors)
+    for name, path in zip(mod.names, paths):
+        if path is None:
+            raise NotImplementedError(f"{kind}: under torch.compile a captured tensor must be the mod's own closure "
+                                      f"variable, global or default; {name!r} is reached otherwise (an attribute, "
+                                      "an element of a container): bind it to a variable the mod closes over")
+    return Entry(kind, mod.canonical, mod.names, mod.checks, paths, builtin_of(mod.canonical, kind))
+
+
+def entries(score_mod, mask_mod) -> tuple[Entry | None, Entry | None]:
+    """The mods' entries, read at trace time; Dynamo guards on the functions' identity."""
+    found = []
+    for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
+        if fn is None:
+            found.append(None)
+            continue
+        id(fn)  # the guard (module docstring)
+        found.append(_trace(fn, kind))
+    return found[0], found[1]
+
+
+def bind(score_mod, mask_mod, found: tuple[Entry | None, Entry | None]) -> list[TracedMod | None]:
+    """The mods as ``bind_traced`` takes them, their captured tensors fetched in traced code (graph inputs)."""
+    return [None if e is None else TracedMod(e.kind, e.canonical, tuple(fetch(fn, p) for p in e.paths), e.names,
+                                             e.checks)
+            for fn, e in zip((score_mod, mask_mod), found)]
