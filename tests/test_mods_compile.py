@@ -1,0 +1,122 @@
+"""Score and mask mods under torch.compile(fullgraph=True) (tilegen.mods.compiled): the compiled call equals the
+eager one and the float64 reference, reads the captured tensors of the moment, and refuses what eager refuses.
+
+The mods are made outside the compiled function, as a model makes them once (module level, ``__init__``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilegen
+from tilegen.families import relative_error
+from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.mods import library
+
+
+def _inputs(device, n=20):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(1, 2, n, 16, generator=gen).to(device) for _ in range(3)]
+
+
+def _mods(case, device):
+    slopes = torch.tensor([0.5, 0.25], device=device)
+    ids = torch.tensor([0] * 7 + [1] * 13, device=device)
+    score_mod = library.alibi(slopes) if "alibi" in case else None
+    mask_mod = library.document_mask(ids) if "doc" in case else None
+    return score_mod, mask_mod, slopes, ids
+
+
+def _compiled(backend, score_mod, mask_mod):
+    def f(q, k, v):
+        return tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, return_lse=True)
+
+    torch._dynamo.reset()
+    return torch.compile(f, fullgraph=True, backend=backend), f
+
+
+def _check_reference(out, lse, q, k, v, score_mod, mask_mod):
+    ref, ref_lse = attention_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    assert relative_error(out, ref)[0] < 1e-4
+    assert (lse.double() - ref_lse).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("case", ["alibi", "doc", "alibi+doc"])
+def test_compiled_mods_match_eager_and_reference(device, backend, case):
+    q, k, v = _inputs(device)
+    score_mod, mask_mod, slopes, ids = _mods(case, device)
+    compiled, eager = _compiled(backend, score_mod, mask_mod)
+    out, lse = compiled(q, k, v)
+    for got, want in zip((out, lse), eager(q, k, v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same kernel, config and inputs
+    _check_reference(out, lse, q, k, v, score_mod, mask_mod)
+
+    # New values in the captured tensors, written in place: graph inputs, so the compiled call sees them.
+    slopes.mul_(4)
+    ids[5:] = 1
+    again, lse = compiled(q, k, v)
+    assert not torch.equal(again, out)
+    _check_reference(again, lse, q, k, v, score_mod, mask_mod)
+
+
+def test_each_mod_object_compiles_its_own_constants(device):
+    # Closures of one factory share their code: the graph is guarded on the function object itself.
+    def scaled(c):
+        return lambda score, b, h, q_idx, kv_idx: score * c
+
+    q, k, v = _inputs(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, mod: tilegen.attention(q, k, v, score_mod=mod), fullgraph=True,
+                             backend="eager")
+    for c in (0.5, 3.0):
+        mod = scaled(c)
+        ref, _ = attention_reference(q, k, v, score_mod=mod)
+        assert relative_error(compiled(q, k, v, mod), ref)[0] < 1e-4
+
+
+def test_unsupported_mod_op_fails_at_compile_time(device):
+    q, k, v = _inputs(device)
+
+    def sine(score, b, h, q_idx, kv_idx):
+        return torch.sin(score)
+
+    compiled, _ = _compiled("eager", sine, None)
+    with pytest.raises(Exception, match="score_mod: sin is not supported; supported: "):
+        compiled(q, k, v)
+
+
+def test_captured_tensor_out_of_range_fails_at_compile_time(device):
+    q, k, v = _inputs(device)
+    compiled, _ = _compiled("eager", library.alibi(torch.ones(1, device=device)), None)
+    with pytest.raises(Exception) as caught:
+        compiled(q, k, v)
+    assert "captured tensor 'slopes' (shape (1,)), dim 0: h ranges over [0, 1]" in str(caught.value.__cause__)
+
+
+def test_built_in_mods_take_the_built_in_op_under_compile(device):
+    q, k, v = _inputs(device)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v):
+        return tilegen.attention(q, k, v, score_mod=library.softcap(20.0), mask_mod=causal)
+
+    causal = library.causal()
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    targets = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert "tilegen.attention_fwd" in targets and "tilegen.attention_mods_fwd" not in targets
+    torch.testing.assert_close(out, tilegen.attention(q, k, v, causal=True, softcap=20.0), rtol=0, atol=0)
+
+
+def test_training_with_mods_under_compile_is_refused(device):
+    q, k, v = _inputs(device)
+    compiled, _ = _compiled("eager", library.alibi(torch.ones(2, device=device)), None)
+    with pytest.raises(Exception) as caught:
+        compiled(q.requires_grad_(), k, v)
+    assert isinstance(caught.value.__cause__, NotImplementedError) or "forward only" in str(caught.value)
+    assert "under torch.compile are forward only" in str(caught.value.__cause__ or caught.value)
