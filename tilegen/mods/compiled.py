@@ -21,9 +21,10 @@ from typing import Callable, NamedTuple
 import torch
 
 from tilegen.mods.builtin import builtin_of
+from tilegen.mods.grad import check_differentiable as _check_differentiable
 from tilegen.mods.trace import TracedMod, fetch, locate, traced
 
-__all__ = ["Entry", "entries", "bind"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable"]
 
 
 class Entry(NamedTuple):
@@ -66,3 +67,10 @@ def bind(score_mod, mask_mod, found: tuple[Entry | None, Entry | None]) -> list[
     return [None if e is None else TracedMod(e.kind, e.canonical, tuple(fetch(fn, p) for p in e.paths), e.names,
                                              e.checks)
             for fn, e in zip((score_mod, mask_mod), found)]
+
+
+@torch.compiler.assume_constant_result
+def check_differentiable(score_mod: str | None) -> None:
+    """``tilegen.mods.grad.check_differentiable`` at trace time: a ``ModGradError`` names the operation when the
+    graph is made, as an eager call raises it before its forward runs."""
+    _check_differentiable(score_mod)

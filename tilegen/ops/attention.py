@@ -213,17 +213,17 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
 
 def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic):
     """A call with mods under ``torch.compile``: the ``tilegen::attention_mods_fwd`` custom op, which launches as an
-    eager call does. Forward only: its backward would need the captured tensors' gradients as a custom op's."""
-    if wants_grad(q, k, v, mods.tensors):
-        raise NotImplementedError("tilegen.attention: score_mod/mask_mod under torch.compile are forward only (no "
-                                  "input or captured tensor may require grad, or run under torch.no_grad()); "
-                                  "train with mods eagerly")
-    if deterministic.__class__ is not bool:
+    eager call does, differentiable through ``tilegen::attention_mods_bwd`` (``attention_grad.attach_mods``)."""
+    trains = wants_grad(q, k, v, mods.tensors)
+    if trains:
+        attention_grad.check_training_args(out, deterministic)
+        compiled.check_differentiable(mods.score_mod)
+    elif deterministic.__class__ is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     score_count = len(mods.tensors) - len(mods.mask_tensors)
     result, lse = torch.ops.tilegen.attention_mods_fwd(
         q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,
-        spec.return_lse, scale, softcap, left, right)
+        spec.return_lse or trains, scale, softcap, left, right, deterministic)
     if out is not None:
         _check_out(out, result.shape, q)
         result = out.copy_(result)
@@ -521,9 +521,11 @@ attention_grad.attach_dense(_attention_op)
 def _attention_mods_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod_tensors: list[torch.Tensor], score_tensors: int,
     score_mod: str | None, mask_mod: str | None, head_dim_v: int, mask: str, has_softcap: bool, return_lse: bool,
-    scale: float, softcap: float, window_left: int, window_right: int,
+    scale: float, softcap: float, window_left: int, window_right: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # mod_tensors: the score mod's captured tensors (the first score_tensors), then the mask mod's.
+    # mod_tensors: the score mod's captured tensors (the first score_tensors), then the mask mod's. deterministic is
+    # the backward's, read by autograd's context; it has no default, which the dispatcher would drop from the
+    # arguments, and the backward's gradients of a Tensor[] op must match the arguments as passed.
     spec = with_mod_fields(_spec_for(q.dtype, q.shape[3], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap,
                                      return_lse), score_mod, mask_mod)
     mods = ModCall(score_mod, mask_mod, tuple(mod_tensors), tuple(mod_tensors[score_tensors:]))
@@ -535,10 +537,13 @@ def _attention_mods_op(
 
 @_attention_mods_op.register_fake
 def _(q, k, v, mod_tensors, score_tensors, score_mod, mask_mod, head_dim_v, mask, has_softcap, return_lse, scale,
-      softcap, window_left, window_right):
+      softcap, window_left, window_right, deterministic):
     batch, heads, n_q, _ = q.shape
     out = q.new_empty(batch, heads, n_q, head_dim_v)
     return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
+
+
+attention_grad.attach_mods(_attention_mods_op)
 
 
 def prepare_call(q, k, v, causal, window, softcap, scale, return_lse):
