@@ -146,3 +146,22 @@ def test_compiled_mod_without_a_derivative_fails_at_compile_time(device):
     compiled(q, k, v)  # no gradient asked for: fine
     with pytest.raises(Exception, match="floordiv"):
         compiled(q.requires_grad_(), k, v)
+
+
+_slopes = torch.tensor([0.5, 0.25])
+
+
+def test_mod_made_inside_the_compiled_function_reads_globals_and_constants(device):
+    # Dynamo rebuilds such a mod from its code and constant cells; its global tensor is read through the module.
+    if device != "cpu":
+        pytest.skip("the global lives on the CPU")
+    q, k, v = _inputs(device)
+
+    def f(q, k, v):
+        return tilegen.attention(q, k, v, score_mod=lambda score, b, h, q_idx, kv_idx: score * 0.5 + _slopes[h])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
+    _slopes.mul_(2)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)

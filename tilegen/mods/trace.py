@@ -11,6 +11,7 @@ makes a new one. Format (``;``-separated, parsed back by ``tilegen.mods.lower.pa
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -288,7 +289,7 @@ def _captured_values(fn, depth: int = 0):
 
 def locate(fn, t: torch.Tensor, depth: int = 0) -> tuple | None:
     """Where ``fn`` reaches the captured tensor ``t``, as steps ``fetch`` follows (``("closure", i)``,
-    ``("global", name)``, ``("default", i)``), searched as ``_captured_values`` does; None if elsewhere (an
+    ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``), searched as ``_captured_values`` does; None if elsewhere (an
     attribute of a captured object, an element of a list)."""
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -306,6 +307,11 @@ def locate(fn, t: torch.Tensor, depth: int = 0) -> tuple | None:
                 return (("closure", i), *inner)
     for name in code.co_names:
         if name in fn.__globals__ and fn.__globals__[name] is t:
+            # Through the module where there is one: torch.compile follows sys.modules for a function made inside
+            # the compiled region too, where it has no __globals__ to follow.
+            module = sys.modules.get(getattr(fn, "__module__", None) or "")
+            if module is not None and vars(module) is fn.__globals__:
+                return (("module", (fn.__module__, name)),)
             return (("global", name),)
     for i, value in enumerate(fn.__defaults__ or ()):
         if value is t:
@@ -319,6 +325,8 @@ def fetch(fn, path: tuple) -> torch.Tensor:
     for step, key in path:
         if step == "closure":
             fn = fn.__closure__[key].cell_contents
+        elif step == "module":
+            fn = sys.modules[key[0]].__dict__[key[1]]
         elif step == "global":
             fn = fn.__globals__[key]
         else:
