@@ -165,3 +165,18 @@ def test_mod_made_inside_the_compiled_function_reads_globals_and_constants(devic
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
     _slopes.mul_(2)
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
+
+
+def test_varlen_attention_with_mods_under_compile_is_refused_by_name(device):
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in _inputs(device))  # [total, heads, dim]
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=device)
+    score_mod = library.alibi(torch.ones(2, device=device))
+
+    def f(q, k, v):
+        return tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, score_mod=score_mod)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as caught:
+        torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    assert "tilegen.varlen_attention: score_mod/mask_mod are not supported under torch.compile yet" in (
+        str(caught.value) + str(caught.value.__cause__))
