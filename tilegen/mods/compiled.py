@@ -8,7 +8,7 @@ The tensors themselves are then read along those paths in traced code (``tilegen
 Dynamo makes them graph inputs: a compiled call passes the tensors of the moment, values written in place
 included, never constants baked in at trace time.
 
-A constant result holds while the function does: ``bind`` takes ``id()`` of each mod, which makes Dynamo
+A constant result holds while the function does: ``entries`` takes ``id()`` of each mod, which makes Dynamo
 guard on the function object itself (a closure is otherwise guarded by its code only, and
 ``sliding_window(64)`` after ``sliding_window(32)`` would reuse the first text). Eager calls cache traces
 per function object too (``tilegen.mods.trace.traced``), so both see the same mod.

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "refuse_compiling", "wants_grad", "ROLES",
-           "DTYPE_NAMES"]
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "locate", "fetch", "refuse_compiling",
+           "wants_grad", "ROLES", "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
 ROLES = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
@@ -289,8 +289,8 @@ def _captured_values(fn, depth: int = 0):
 
 def locate(fn, t: torch.Tensor, depth: int = 0) -> tuple | None:
     """Where ``fn`` reaches the captured tensor ``t``, as steps ``fetch`` follows (``("closure", i)``,
-    ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``), searched as ``_captured_values`` does; None if elsewhere (an
-    attribute of a captured object, an element of a list)."""
+    ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``), searched as ``_captured_values``
+    does; None if elsewhere (an attribute of a captured object, an element of a list)."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return None

@@ -283,7 +283,7 @@ def _attention_mods_bwd(
     fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
     dq, dk, dv, grads = run_with_mods(spec, mods, wants, dout, q, k, v, out, lse, dlse, None, None, q.shape[2],
                                       k.shape[2], fixed, deterministic)
-    # A custom op returns tensors only: zeros where a tensor gets no gradient (setup's wants drops them).
+    # A custom op returns tensors only: zeros where a tensor gets no gradient (the autograd's backward drops them).
     return dq, dk, dv, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, mod_tensors)]
 
 
@@ -302,7 +302,6 @@ def attach_mods(forward_op) -> None:
         q, k, v, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, _, *rest = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        ctx.wants = [t.requires_grad for t in tensors]
         ctx.args = (score_tensors, score_mod, mask_mod, mask, has_softcap, *rest)
         ctx.name = "tilegen.attention"
         ctx.set_materialize_grads(False)
@@ -312,8 +311,10 @@ def attach_mods(forward_op) -> None:
         grads = _grads(ctx, dout, dlse, out, lse)
         if grads is None:
             return (None, None, None, [None] * len(tensors)) + (None,) * 12
-        dq, dk, dv, dts = _attention_mods_bwd(*grads[:1], q, k, v, out, lse, grads[1], tensors, ctx.wants, *ctx.args)
-        return (dq, dk, dv, [g if w else None for g, w in zip(dts, ctx.wants)]) + (None,) * 12
+        dout, dlse = grads
+        wants = list(ctx.needs_input_grad[3])  # per captured tensor: the Tensor[] argument's
+        dq, dk, dv, dts = _attention_mods_bwd(dout, q, k, v, out, lse, dlse, tensors, wants, *ctx.args)
+        return (dq, dk, dv, [g if w else None for g, w in zip(dts, wants)]) + (None,) * 12
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
 
