@@ -114,7 +114,7 @@ def test_built_in_mods_take_the_built_in_op_under_compile(device):
     torch.testing.assert_close(out, tilegen.attention(q, k, v, causal=True, softcap=20.0), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_compiled_mods_train_as_eager(device, backend):
     # Through the custom op's autograd (tilegen::attention_mods_bwd): the eager call's kernels, so the same bits.
     base = _inputs(device)
