@@ -2,7 +2,8 @@
 eager one (its gradients too) and the float64 reference, reads the captured tensors of the moment, and refuses what
 eager refuses.
 
-The mods are made outside the compiled function, as a model makes them once (module level, ``__init__``)."""
+Most mods are made outside the compiled function, as a model makes them once (module level, ``__init__``); one
+made inside it may close over constants and read globals."""
 
 from __future__ import annotations
 
