@@ -40,8 +40,8 @@ class Reduced:
 def reduce_mods(score_mod: str | None, mask_mod: str | None, left: int | None, right: int | None,
                 softcap: float | None, n_q: int, n_k: int) -> Reduced:
     """``left``/``right``: the call's own window bounds (``window_bounds``); the rest as the op takes them."""
-    window, softcap, score_kept, mask_kept = reduce_builtins(builtin_of(score_mod, "score_mod"),
-                                                     builtin_of(mask_mod, "mask_mod"), left, right, softcap, n_k - n_q)
+    window, softcap, score_kept, mask_kept = reduce_builtins(
+        builtin_of(score_mod, "score_mod"), builtin_of(mask_mod, "mask_mod"), left, right, softcap, n_k - n_q)
     return Reduced(window, softcap, score_mod if score_kept else None, mask_mod if mask_kept else None)
 
 

@@ -18,8 +18,9 @@ def absorb(score_mod, mask_mod, causal, window, softcap, shift: int | None = 0, 
     ``builtin_of``, where the caller has read their texts already (``torch.compile`` reads them once, at trace
     time: ``tilegen.mods.compiled``)."""
     if known is None:
-        known = tuple(builtin_of(traced(fn, kind).canonical if fn is not None else None, kind)
-                      for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")))
+        score = traced(score_mod, "score_mod").canonical if score_mod is not None else None
+        mask = traced(mask_mod, "mask_mod").canonical if mask_mod is not None and shift is not None else None
+        known = builtin_of(score, "score_mod"), builtin_of(mask, "mask_mod")
     cap, band = known
     left, right = window_bounds(window, causal)
     window_now, softcap_now, score_kept, mask_kept = reduce_builtins(cap, band if shift is not None else None, left,
