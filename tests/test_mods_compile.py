@@ -181,3 +181,18 @@ def test_varlen_attention_with_mods_under_compile_is_refused_by_name(device):
         torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
     assert "tilegen.varlen_attention: score_mod/mask_mod are not supported under torch.compile yet" in (
         str(caught.value) + str(caught.value.__cause__))
+
+
+@pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])
+def test_mods_custom_op_passes_opcheck(device, trains):
+    from tilegen.mods.trace import bind_mods
+    from tilegen.ops.attention import prepare_call
+
+    q, k, v = _inputs(device)
+    score_mod, mask_mod, slopes, _ = _mods("alibi+doc", device)
+    q.requires_grad_(trains), slopes.requires_grad_(trains)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
+    mods = bind_mods(score_mod, mask_mod, q.device, {"b": 1, "h": 2, "q_idx": 20, "kv_idx": 20})
+    args = (q, k, v, list(mods.tensors), 1, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, True,
+            scale, softcap, left, right, False)
+    torch.library.opcheck(torch.ops.tilegen.attention_mods_fwd.default, args)

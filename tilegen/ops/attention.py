@@ -172,7 +172,8 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     block table for that config's blocks (tilegen.mods.blocks, cached). Differentiated (Q, K, V or a captured
     tensor requires grad) through ``attention_grad.apply_with_mods``. A mod that means a built-in option
     (``tilegen.mods.builtin``: a band mask, a softcap) becomes that option first, so the call takes the built-in's
-    kernels (and routes, and rows)."""
+    kernels (and routes, and rows). Under ``torch.compile``, the ``tilegen::attention_mods_fwd`` op
+    (``_compiled_with_mods``)."""
     given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
