@@ -816,7 +816,7 @@ def test_processes_taking_queued_trials_never_take_one_twice(tmp_path):
             tdb.studies_url(), engine_kwargs=tdb.studies_engine()))
         for x in range(150):
             study.enqueue_trial({"x": x})
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")
     results = context.Queue()
     procs = [context.Process(target=_take_queued, args=(str(db), "queue", results, 150)) for _ in range(3)]
     for p in procs:
