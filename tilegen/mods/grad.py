@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from tilegen.mods.lower import ModGraph, _is_number, lower_mod, parse
+from tilegen.mods.lower import ModGraph, _is_number, lower_mod, mod_ref, parse
 
 __all__ = ["ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values"]
 
@@ -21,12 +21,6 @@ _FLOATS = ("float32", "float16", "bfloat16")
 
 class ModGradError(NotImplementedError):
     """A score mod whose derivative tilegen cannot form (raised before any kernel runs)."""
-
-
-def _ref(a: str, prefix: str) -> str:
-    if a.startswith("t") and a[1:].isdigit():
-        return f"{prefix}_{a}"
-    return {"inf": 'float("inf")', "-inf": 'float("-inf")', "nan": 'float("nan")'}.get(a, a)
 
 
 def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[str], str | None]:
@@ -40,7 +34,7 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
         t = [d.get(a) for a in args]
         if dtype not in _FLOATS or all(x is None for x in t):
             continue
-        a = [_ref(x, prefix) for x in args]
+        a = [mod_ref(x, prefix) for x in args]
         z = [x if x is not None else "0.0" for x in t]
         if op == "add":
             expr = " + ".join(x for x in t if x is not None)
@@ -51,20 +45,20 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
                 [f"{a[0]} * {t[1]}"] if t[1] is not None else [])
             expr = " + ".join(terms)
         elif op == "div":
-            expr = f"({z[0]} - {_ref(name, prefix)} * {t[1]}) / {a[1]}" if t[1] is not None else f"{t[0]} / {a[1]}"
+            expr = f"({z[0]} - {mod_ref(name, prefix)} * {t[1]}) / {a[1]}" if t[1] is not None else f"{t[0]} / {a[1]}"
         elif op == "neg":
             expr = f"-{t[0]}"
         elif op == "abs":
             # torch's: the sign of x, 0 at 0.
             expr = f"tl.where({a[0]} > 0, {t[0]}, tl.where({a[0]} < 0, -{t[0]}, 0.0))"
         elif op == "tanh":
-            expr = f"{t[0]} * (1.0 - {_ref(name, prefix)}.to(tl.float32) * {_ref(name, prefix)}.to(tl.float32))"
+            expr = f"{t[0]} * (1.0 - {mod_ref(name, prefix)}.to(tl.float32) * {mod_ref(name, prefix)}.to(tl.float32))"
         elif op == "exp":
-            expr = f"{t[0]} * {_ref(name, prefix)}.to(tl.float32)"
+            expr = f"{t[0]} * {mod_ref(name, prefix)}.to(tl.float32)"
         elif op == "log":
             expr = f"{t[0]} / {a[0]}.to(tl.float32)"
         elif op == "sqrt":
-            expr = f"{t[0]} / (2.0 * {_ref(name, prefix)}.to(tl.float32))"
+            expr = f"{t[0]} / (2.0 * {mod_ref(name, prefix)}.to(tl.float32))"
         elif op == "where":
             expr = f"tl.where({a[0]}, {z[1]}, {z[2]})"
         elif op in ("minimum", "maximum"):
@@ -138,7 +132,7 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
             one = not frozenset().union(*(follows.get(x, frozenset()) for x in index))
             offset, inside = "", []
             for dim, x in enumerate(index):
-                x_ref = _ref(x, prefix)
+                x_ref = mod_ref(x, prefix)
                 # int64 from the first dimension on; per score, a block of the scores' shape, as the atomic's pointer
                 # must be.
                 if dim:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["parse", "lower_mod", "LoweredMod", "ModSyntaxError"]
+__all__ = ["parse", "lower_mod", "mod_ref", "LoweredMod", "ModSyntaxError"]
 
 _OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "abs": 1, "floordiv": 2, "mod": 2, "lt": 2, "le": 2,
         "gt": 2, "ge": 2, "eq": 2, "ne": 2, "and": 2, "or": 2, "not": 1, "where": 3, "tanh": 1, "exp": 1,
@@ -105,6 +105,14 @@ def _is_number(token: str) -> bool:
     return _NUMBER.fullmatch(token) is not None
 
 
+def mod_ref(a: str, prefix: str) -> str:
+    """A canonical argument as Triton code: captured tensor ``tK`` as the kernel's ``{prefix}_tK``, an infinite
+    or NaN literal as a float, any other name or number as it is."""
+    if re.fullmatch(r"t\d+", a):
+        return f"{prefix}_{a}"
+    return {"inf": 'float("inf")', "-inf": 'float("-inf")', "nan": 'float("nan")'}.get(a, a)
+
+
 @dataclass(frozen=True)
 class LoweredMod:
     """The jit function's parameters after the roles (a string ending in ", " or empty), its body, the helpers
@@ -127,15 +135,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
     lines: list[str] = []
 
     def ref(a: str) -> str:
-        if re.fullmatch(r"t\d+", a):
-            return f"{prefix}_{a}"
-        if a == "inf":
-            return 'float("inf")'
-        if a == "-inf":
-            return 'float("-inf")'
-        if a == "nan":
-            return 'float("nan")'
-        return a
+        return mod_ref(a, prefix)
 
     def as_tensor(a: str, dtype: str) -> str:
         # The helpers take tensors: a Python number becomes a scalar of the result's type.
