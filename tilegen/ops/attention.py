@@ -206,8 +206,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
         out, lse = attention_grad.apply_with_mods(
             lambda q, k, v: _launch_with_mods(spec, mods, q, k, v, None, launch), backward, q, k, v, mods.tensors)
     else:
-        if deterministic.__class__ is not bool:
-            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+        check_bool("deterministic", deterministic)
         out, lse = _launch_with_mods(spec, mods, q, k, v, out, launch)
     return (out, lse) if return_lse else out
 
@@ -219,8 +218,8 @@ def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return
     if trains:
         attention_grad.check_training_args(out, deterministic)
         compiled.check_differentiable(mods.score_mod)
-    elif deterministic.__class__ is not bool:
-        raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+    else:
+        check_bool("deterministic", deterministic)
     score_count = len(mods.tensors) - len(mods.mask_tensors)
     result, lse = torch.ops.tilegen.attention_mods_fwd(
         q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,

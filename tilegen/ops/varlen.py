@@ -155,8 +155,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
             lambda q, k, v: _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, None),
             backward, q, k, v, mods.tensors)
     else:
-        if deterministic.__class__ is not bool:
-            raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
+        check_bool("deterministic", deterministic)
         out, lse = _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out)
     return (out, lse) if return_lse else out
 
