@@ -262,60 +262,50 @@ def _run_meta(op: str, args: list) -> Any:
 
 def _name_of(fn, t: torch.Tensor) -> str:
     """The name the function knows a captured tensor by (a closure variable or a global)."""
-    for name, value in _captured_values(fn):
+    for name, value, _ in _captured_values(fn):
         if value is t:
             return name
     return "<captured tensor>"
 
 
-def _captured_values(fn, depth: int = 0):
+def _captured_values(fn, depth: int = 0, path: tuple = ()):
+    """``(name, value, path)`` of every value ``fn`` reaches: its closure cells (and, for helpers it calls, theirs),
+    the globals it names, its defaults; ``path``: the steps from ``fn`` that ``fetch`` follows."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+    for i, (name, cell) in enumerate(zip(code.co_freevars, fn.__closure__ or ())):
         try:
             value = cell.cell_contents
         except ValueError:
             continue
-        yield name, value
+        step = (*path, ("closure", i))
+        yield name, value, step
         if callable(value) and depth < 2:  # helpers the mod calls may capture tensors of their own
-            yield from _captured_values(value, depth + 1)
+            yield from _captured_values(value, depth + 1, step)
     for name in code.co_names:
         if name in fn.__globals__:
-            yield name, fn.__globals__[name]
-    for value in fn.__defaults__ or ():
-        yield "<default>", value
+            yield name, fn.__globals__[name], (*path, ("global", name))
+    for i, value in enumerate(fn.__defaults__ or ()):
+        yield "<default>", value, (*path, ("default", i))
 
 
-def locate(fn, t: torch.Tensor, depth: int = 0) -> tuple | None:
+def locate(fn, t: torch.Tensor) -> tuple | None:
     """Where ``fn`` reaches the captured tensor ``t``, as steps ``fetch`` follows (``("closure", i)``,
-    ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``), searched as ``_captured_values``
-    does; None if elsewhere (an attribute of a captured object, an element of a list)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    for i, cell in enumerate(fn.__closure__ or ()):
-        try:
-            value = cell.cell_contents
-        except ValueError:
+    ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``); None if elsewhere (an attribute
+    of a captured object, an element of a list)."""
+    for _, value, path in _captured_values(fn):
+        if value is not t:
             continue
-        if value is t:
-            return (("closure", i),)
-        if callable(value) and depth < 2:
-            inner = locate(value, t, depth + 1)
-            if inner is not None:
-                return (("closure", i), *inner)
-    for name in code.co_names:
-        if name in fn.__globals__ and fn.__globals__[name] is t:
+        *before, (step, name) = path
+        if step == "global":
             # Through the module where there is one: torch.compile follows sys.modules for a function made inside
             # the compiled region too, where it has no __globals__ to follow.
-            module = sys.modules.get(getattr(fn, "__module__", None) or "")
-            if module is not None and vars(module) is fn.__globals__:
-                return (("module", (fn.__module__, name)),)
-            return (("global", name),)
-    for i, value in enumerate(fn.__defaults__ or ()):
-        if value is t:
-            return (("default", i),)
+            owner = fetch(fn, tuple(before))
+            module = sys.modules.get(getattr(owner, "__module__", None) or "")
+            if module is not None and vars(module) is owner.__globals__:
+                return (*before, ("module", (owner.__module__, name)))
+        return path
     return None
 
 
@@ -336,7 +326,7 @@ def fetch(fn, path: tuple) -> torch.Tensor:
 
 def _signature(fn) -> tuple:
     """What invalidates a trace: the captured tensors' identities, shapes and dtypes."""
-    return tuple((name, id(v), tuple(v.shape), v.dtype) for name, v in _captured_values(fn)
+    return tuple((name, id(v), tuple(v.shape), v.dtype) for name, v, _ in _captured_values(fn)
                  if isinstance(v, torch.Tensor))
 
 
