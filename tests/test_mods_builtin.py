@@ -95,7 +95,7 @@ def test_a_softcap_mod_over_a_softcap_of_the_call_stays_a_mod():
     assert reduced.score_mod == text and reduced.softcap == 50.0
 
 
-def test_paged_plans_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypatch):
+def test_paged_plans_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(device):
     """PagedAttention and PagedDecode plans: a causal mask mod and a softcap score mod become causal=True and
     softcap (the spec holds no mod), and the output is the built-in call's."""
     import tilegen
@@ -103,13 +103,13 @@ def test_paged_plans_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypa
 
     torch.manual_seed(0)
     page, heads_kv, dim = 8, 2, 16  # sequences of 5 and 9 keys, on shuffled pages
-    k_pages, v_pages = (torch.randn(4, page, heads_kv, dim) for _ in range(2))
-    indptr = torch.tensor([0, 1, 3], dtype=torch.int32)
-    indices = torch.tensor([3, 0, 2], dtype=torch.int32)
-    last = torch.tensor([5, 1], dtype=torch.int32)
+    k_pages, v_pages = (torch.randn(4, page, heads_kv, dim, device=device) for _ in range(2))
+    indptr = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    indices = torch.tensor([3, 0, 2], dtype=torch.int32, device=device)
+    last = torch.tensor([5, 1], dtype=torch.int32, device=device)
     cache = PagedKVCache(k_pages, v_pages, indptr, indices, last)
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32)  # 2 and 3 new tokens at the ends of 5 and 9 keys
-    q = torch.randn(5, 4, dim)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)  # 2 and 3 new tokens at the ends of 5 and 9 keys
+    q = torch.randn(5, 4, dim, device=device)
     builtin, modded = tilegen.PagedAttention(), tilegen.PagedAttention()
     builtin.plan(cu, cache, heads_q=4, causal=True, softcap=20.0, q_dtype=torch.float32)
     modded.plan(cu, cache, heads_q=4, score_mod=library.softcap(20.0), mask_mod=library.causal(),
@@ -120,20 +120,20 @@ def test_paged_plans_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypa
     decode_builtin.plan(cache, heads_q=4, window=(3, 0), q_dtype=torch.float32)
     decode_modded.plan(cache, heads_q=4, mask_mod=library.sliding_window(3), q_dtype=torch.float32)
     assert decode_modded._plan.spec == decode_builtin._plan.spec
-    q = torch.randn(2, 4, dim)
+    q = torch.randn(2, 4, dim, device=device)
     assert torch.equal(decode_modded.run(q, cache), decode_builtin.run(q, cache))
 
 
-def test_the_dense_and_ragged_ops_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(monkeypatch):
+def test_the_dense_and_ragged_ops_run_a_band_mask_and_a_softcap_mod_as_the_built_ins(device, monkeypatch):
     """tilegen.attention and varlen_attention: the absorbed call is the built-in one, to the bit (the same
     kernel), its gradients included; a ragged batch whose queries are not its keys keeps its mask mod."""
     import tilegen
     from tilegen.ops import varlen as varlen_module
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 19, 16) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, 19, 16, device=device) for _ in range(3))
     for n_k in (19, 25):  # aligned, and the mods' top-left positions shifted by 6 against the built-ins'
-        kk, vv = torch.randn(1, 4, n_k, 16), torch.randn(1, 4, n_k, 16)
+        kk, vv = torch.randn(1, 4, n_k, 16, device=device), torch.randn(1, 4, n_k, 16, device=device)
         shift = n_k - 19
         band = (lambda b, h, qi, ki: ki <= qi + 6) if shift else library.causal()  # both the built-in causal
         got = tilegen.attention(q, kk, vv, score_mod=library.softcap(20.0), mask_mod=band)
@@ -143,7 +143,7 @@ def test_the_dense_and_ragged_ops_run_a_band_mask_and_a_softcap_mod_as_the_built
     want = tilegen.attention(q, k, v, window=(4, 0))
     assert torch.equal(torch.autograd.grad(got.sum(), q)[0], torch.autograd.grad(want.sum(), q)[0])
     q = q.detach()[0].transpose(0, 1).contiguous()  # 19 tokens of 4 heads: two sequences, 7 and 12
-    cu = torch.tensor([0, 7, 19], dtype=torch.int32)
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
     got = tilegen.varlen_attention(q, q, q, cu, cu, 12, 12, mask_mod=library.causal())
     assert torch.equal(got, tilegen.varlen_attention(q, q, q, cu, cu, 12, 12, causal=True))
     calls = []

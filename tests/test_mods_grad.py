@@ -257,3 +257,21 @@ def test_backward_mod_specs_are_not_tuned_yet():
     mask_mod = trace(library.causal(), "mask_mod").canonical
     with pytest.raises(NotImplementedError, match="not tuned yet"):
         Problem.for_bucket(AttentionBwdSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
+
+
+def test_a_gather_by_both_positions_takes_backward_tiles_that_fit_an_h200():
+    """T5's relative bias stages a score tile of gathers through shared memory: the default takes tiles whose count
+    fits the H200's 227 KiB, and the mod-free default (M64-N128-s3 for dK/dV, which asked 290 KiB) is refused."""
+    from tilegen.device import DeviceInfo
+    from tilegen.families.attention_bwd.config import Config, default_rule, feasible
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+    bias = trace(library.relative_bias(torch.randn(4, 8), 8, 16), "score_mod").canonical
+    alibi = trace(library.alibi(torch.rand(4)), "score_mod").canonical
+    plain = Config(64, 128, 8, 3, 128, 64, 8, 3, tma=1)
+    for dim in (64, 128):
+        spec = AttentionBwdSpec(head_dim=dim, q_per_kv=4, dtype="bf16", score_mod=bias)
+        [(_, config)] = default_rule(spec, h200)
+        assert feasible(spec, config, h200) is None
+        assert feasible(spec, plain, h200) is not None or dim == 64
+        assert default_rule(spec.replace(score_mod=alibi), h200)[-1][1] != config  # no gather: the usual tiles

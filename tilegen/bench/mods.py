@@ -109,7 +109,9 @@ def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) ->
 
     flops = 4.0 * _pairs(mask_mod) * D * HQ
     row = {"mod": name}
-    # Compiled afresh per mod: past Dynamo's recompile limit it would fall back to eager flex.
+    # Compiled afresh per mod, with Dynamo's caches emptied: they are kept per function, not per torch.compile
+    # wrapper, so past the recompile limit (8, reached by the fifth mod with its backward) flex ran eagerly.
+    torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     kwargs = {"enable_gqa": True}
     if score_mod is not None:

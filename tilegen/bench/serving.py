@@ -57,6 +57,7 @@ def _flex_document(q, k, v, doc_q, doc_k, offset_q, offset_k, n_q, n_k):
         return (doc_q[qi] == doc_k[ki]) & (ki - offset_k[ki] <= qi - offset_q[qi] + (n_k[doc_q[qi]] - n_q[doc_q[qi]]))
 
     # Compiled: the eager builder materializes the whole [n_q, n_k] mask, which does not fit at 100k+ tokens.
+    torch._dynamo.reset()  # Dynamo's caches are per function: past its recompile limit flex would run eagerly
     block_mask = create_block_mask(mask, None, None, q.shape[0], k.shape[0], device="cuda", _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))

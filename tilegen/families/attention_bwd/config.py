@@ -15,6 +15,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
 from tilegen.families.attention_fwd.config import has_tma
+from tilegen.mods.lower import gathers_per_score
 
 __all__ = ["Config", "search_space", "feasible", "default_rule", "deterministic"]
 
@@ -99,6 +100,10 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
     dims = triton.next_power_of_2(spec.head_dim) + triton.next_power_of_2(spec.dv)
     elt = 4 if spec.dtype == "fp32" else 2
     # dK/dV holds BLOCK_N1 keys and streams BLOCK_M1 query rows; dQ the transpose.
+    # A mod's gather indexed by both positions (T5's relative bias) is staged through shared memory a score tile
+    # at a time, in the recomputed scores and again in their derivative: under Triton 3.6 at d128, dK/dV over
+    # M64-N128-s3 asked for 290 KiB, about this formula's 128 plus five fp32 score tiles.
+    tiles = 5 * 4 if _gathers(spec) else 0
     kernels = [("dK/dV", config.block_n1, config.block_m1, config.num_warps1, config.num_stages1)]
     if not config.atomic_dq:
         kernels.append(("dQ", config.block_m2, config.block_n2, config.num_warps2, config.num_stages2))
@@ -106,7 +111,7 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
         regs = (held * dims + 2 * held * streamed) / (32 * warps)
         if regs > _MAX_FP32_REGS_PER_THREAD:
             return f"~{regs:.0f} fp32 registers per thread in the {kernel} kernel: spills"
-        smem = (held * dims + max(stages - 1, 1) * streamed * dims) * elt
+        smem = (held * dims + max(stages - 1, 1) * streamed * dims) * elt + tiles * held * streamed
         if smem > device.smem_bytes:
             return f"~{smem} bytes of shared memory in the {kernel} kernel against the device's {device.smem_bytes}"
     return None
@@ -125,8 +130,14 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     # TMA for the streamed blocks lifted every cell of the issue's grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
     tma = int(has_tma(device))
+    if _gathers(spec):
+        return [(None, Config(64, 64, 4, 2, 64, 64, 4, 2, tma=tma))]  # 144 KiB at d128 by feasible's count
     if dim <= 64:
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
         return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
     return [(None, Config(64, 128, 8, 3, 128, 64, 8, 3, tma=tma))]
+
+
+def _gathers(spec: AttentionBwdSpec) -> bool:
+    return gathers_per_score(spec.score_mod) or gathers_per_score(spec.mask_mod)
