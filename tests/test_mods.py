@@ -53,24 +53,29 @@ def _check(q, k, v, *, return_lse=True, **kwargs):
     return out, lse
 
 
-def _library_cases():
+def _library_cases(device):
     g = torch.Generator().manual_seed(1)
+
+    def on(t):  # made on the CPU from one generator, so every device draws the same values
+        return t.to(device)
+
+    slopes, slopes_gqa = on(torch.rand(4, generator=g)), on(torch.rand(4, generator=g))
+    table, table_uni = on(torch.randn(4, 8, generator=g)), on(torch.randn(2, 8, generator=g))
+    slopes2 = on(torch.rand(2, generator=g))
+    docs = on(torch.tensor([0] * 5 + [1] * 20 + [2] * 8))
+    docs_batched = on(torch.tensor([[0] * 9 + [1] * 8, [0] * 2 + [3] * 15]))
+    prefix = on(torch.tensor([5, 0], dtype=torch.int32))
+    docs2 = on(torch.tensor([0] * 10 + [1] * 23))
     # (id, score_mod, mask_mod, batch, heads_q, heads_kv, n_q, n_k, dtype, extra kwargs)
     return [
-        ("alibi-fp32", library.alibi(torch.rand(4, generator=g)), None, 2, 4, 2, 17, 33, torch.float32, {}),
-        ("alibi-bf16-causal", library.alibi(torch.rand(4, generator=g)), None, 1, 4, 1, 33, 17, torch.bfloat16,
-         {"causal": True}),
-        ("relative-bias-fp32", library.relative_bias(torch.randn(4, 8, generator=g), 8, 16), None, 1, 4, 2, 33, 33,
-         torch.float32, {}),
-        ("relative-bias-uni-bf16", library.relative_bias(torch.randn(2, 8, generator=g), 8, 16, False), None,
-         2, 2, 2, 1, 17, torch.bfloat16, {}),
-        ("document-fp32", None, library.document_mask(torch.tensor([0] * 5 + [1] * 20 + [2] * 8)), 1, 2, 1, 33, 33,
-         torch.float32, {}),
-        ("document-batched-bf16", None,
-         library.document_mask(torch.tensor([[0] * 9 + [1] * 8, [0] * 2 + [3] * 15])), 2, 2, 2, 17, 17,
+        ("alibi-fp32", library.alibi(slopes), None, 2, 4, 2, 17, 33, torch.float32, {}),
+        ("alibi-bf16-causal", library.alibi(slopes_gqa), None, 1, 4, 1, 33, 17, torch.bfloat16, {"causal": True}),
+        ("relative-bias-fp32", library.relative_bias(table, 8, 16), None, 1, 4, 2, 33, 33, torch.float32, {}),
+        ("relative-bias-uni-bf16", library.relative_bias(table_uni, 8, 16, False), None, 2, 2, 2, 1, 17,
          torch.bfloat16, {}),
-        ("prefix-lm-fp32", None, library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32)), 2, 2, 1, 17, 33,
-         torch.float32, {}),
+        ("document-fp32", None, library.document_mask(docs), 1, 2, 1, 33, 33, torch.float32, {}),
+        ("document-batched-bf16", None, library.document_mask(docs_batched), 2, 2, 2, 17, 17, torch.bfloat16, {}),
+        ("prefix-lm-fp32", None, library.prefix_lm(prefix), 2, 2, 1, 17, 33, torch.float32, {}),
         ("sliding-global-fp32", None, library.sliding_window(4, global_tokens=2), 1, 2, 2, 33, 17, torch.float32,
          {}),
         ("sliding-both-sides-bf16", None, library.sliding_window(3, causal=False), 1, 2, 2, 17, 17,
@@ -78,14 +83,14 @@ def _library_cases():
         ("softcap-fp32", library.softcap(2.0), None, 1, 2, 2, 17, 33, torch.float32, {"scale": 1.5}),
         ("softcap-bf16", library.softcap(2.0), None, 1, 2, 1, 1, 33, torch.bfloat16, {"scale": 1.5}),
         ("causal-mod-fp32", None, library.causal(), 1, 2, 2, 17, 33, torch.float32, {}),
-        ("alibi-and-document-window-fp32", library.alibi(torch.rand(2, generator=g)),
-         library.document_mask(torch.tensor([0] * 10 + [1] * 23)), 1, 2, 1, 33, 33, torch.float32,
-         {"window": (6, 2)}),
+        ("alibi-and-document-window-fp32", library.alibi(slopes2), library.document_mask(docs2), 1, 2, 1, 33, 33,
+         torch.float32, {"window": (6, 2)}),
     ]
 
 
-@pytest.mark.parametrize("case", _library_cases(), ids=lambda c: c[0])
-def test_library_mods_match_the_reference(case, device):
+@pytest.mark.parametrize("name", [c[0] for c in _library_cases("cpu")])
+def test_library_mods_match_the_reference(name, device):
+    case = next(c for c in _library_cases(device) if c[0] == name)
     _, score_mod, mask_mod, batch, hq, hkv, n_q, n_k, dtype, kwargs = case
     q, k, v = _inputs(batch, hq, hkv, n_q, n_k, dtype, device)
     _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kwargs)
@@ -200,8 +205,8 @@ _TABLE = torch.rand(2, 5)
 def test_bad_calls_are_refused_before_any_kernel_runs(device):
     q, k, v = _inputs(1, 4, 2, 5, 7, torch.float32, device)
     with pytest.raises(ValueError, match=r"'slopes' \(shape \(2,\)\), dim 0: h ranges over \[0, 3\]"):
-        tilegen.attention(q, k, v, score_mod=library.alibi(torch.rand(2)))
-    ids = torch.zeros(6, dtype=torch.int64)
+        tilegen.attention(q, k, v, score_mod=library.alibi(torch.rand(2, device=device)))
+    ids = torch.zeros(6, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="'doc_ids'.*dim 0: kv_idx ranges over"):
         tilegen.attention(q, k, v, mask_mod=library.document_mask(ids))
     meta_slopes = torch.rand(4, device="meta")
@@ -216,8 +221,8 @@ def test_bad_calls_are_refused_before_any_kernel_runs(device):
 def test_every_supported_operation_matches_torch(device):
     """The documented subset in one pair of mods: casts, unary math, min/max/clamp, floor // and % with a
     negative divisor, scalar and block conditions mixed, a bool and an fp16 captured tensor."""
-    keep = torch.tensor([True, False, True])
-    table = torch.randn(3, 4).half()
+    keep = torch.tensor([True, False, True], device=device)
+    table = torch.randn(3, 4, device=device).half()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         x = torch.sqrt(torch.abs(score) + 1.0) - torch.exp(-torch.abs(score)) + torch.log(kv_idx.to(torch.float32) + 2)

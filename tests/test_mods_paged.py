@@ -37,20 +37,21 @@ def _check(out, lse, ref, ref_lse, dtype):
     assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 1e-4
 
 
-def _prefill_cases():
+def _prefill_mods(name, device):
+    """(score_mod, mask_mod, causal, dtype, fp8) of a case, its captured tensors on ``device``."""
     gen = torch.Generator().manual_seed(5)
-    slopes = torch.rand(4, generator=gen)
-    docs = torch.randint(0, 3, (3, 40), generator=gen).sort(1).values
-    return [
-        pytest.param(library.alibi(slopes), None, True, torch.float32, None, id="alibi-causal-fp32"),
-        pytest.param(None, library.document_mask(docs), True, torch.bfloat16, None, id="document-causal-bf16"),
-        pytest.param(library.alibi(slopes), library.sliding_window(5), False, torch.bfloat16, "e4m3",
-                     id="alibi-sliding-fp8"),
-    ]
+    slopes = torch.rand(4, generator=gen).to(device)
+    docs = torch.randint(0, 3, (3, 40), generator=gen).sort(1).values.to(device)
+    return {
+        "alibi-causal-fp32": (library.alibi(slopes), None, True, torch.float32, None),
+        "document-causal-bf16": (None, library.document_mask(docs), True, torch.bfloat16, None),
+        "alibi-sliding-fp8": (library.alibi(slopes), library.sliding_window(5), False, torch.bfloat16, "e4m3"),
+    }[name]
 
 
-@pytest.mark.parametrize("score_mod, mask_mod, causal, dtype, fp8", _prefill_cases())
-def test_paged_prefill_applies_mods_at_the_queries_positions(score_mod, mask_mod, causal, dtype, fp8, device):
+@pytest.mark.parametrize("name", ["alibi-causal-fp32", "document-causal-bf16", "alibi-sliding-fp8"])
+def test_paged_prefill_applies_mods_at_the_queries_positions(name, device):
+    score_mod, mask_mod, causal, dtype, fp8 = _prefill_mods(name, device)
     gen = torch.Generator().manual_seed(7)
     if fp8:
         cache, reference_cache = fp8_cache(K_LENS, fp8, True, device, gen)

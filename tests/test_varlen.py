@@ -119,10 +119,19 @@ def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):
 
 
 def paged_reference(q, cache, cu_q, **kwargs):
+    """The float64 reference on the CPU; score and mask mods run on ``q``'s device, where their captured tensors
+    are."""
+    for name in ("score_mod", "mask_mod"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = _on_device(kwargs[name], q.device)
     table = (cache.indptr.cpu(), cache.indices.cpu(), cache.last_page_len.cpu())
     keys = [gather_pages(cache.k_pages.cpu(), *table, b) for b in range(cache.batch)]
     values = [gather_pages(cache.v_pages.cpu(), *table, b) for b in range(cache.batch)]
     return varlen_reference(q.cpu(), keys, values, cu_q.cpu(), **kwargs)
+
+
+def _on_device(mod, device):
+    return lambda *args: mod(*(a.to(device) for a in args)).cpu()
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

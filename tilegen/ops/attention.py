@@ -113,7 +113,7 @@ def attention(
         return _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod)
     if trains:
         return _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic)
-    if deterministic.__class__ is not bool:
+    if type(deterministic) is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     if torch.compiler.is_compiling():
         spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)

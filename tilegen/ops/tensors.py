@@ -29,7 +29,8 @@ def check_device(name: str, device: torch.device) -> None:
 
 def check_bool(name: str, value: object) -> None:
     """Raise, naming ``name``, unless ``value`` is a bool: a truthy string or number would silently choose."""
-    if value.__class__ is not bool:
+    # isinstance, not ``__class__``: Dynamo (torch 2.11) does not read a constant's ``__class__`` as its type.
+    if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 

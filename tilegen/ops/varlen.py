@@ -85,7 +85,7 @@ def varlen_attention(
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
-    if deterministic.__class__ is not bool:
+    if type(deterministic) is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     key = None
     try:
