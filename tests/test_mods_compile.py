@@ -13,7 +13,22 @@ import torch
 import tilegen
 from tilegen.families import relative_error
 from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.mods import compiled as mods_compiled
 from tilegen.mods import library
+
+pytestmark = pytest.mark.skipif(torch.__version__ < mods_compiled.MIN_TORCH,
+                                reason=f"mods under torch.compile need torch {mods_compiled.MIN_TORCH}")
+
+
+def test_an_older_torch_is_refused_by_name(device, monkeypatch):
+    """Where Dynamo cannot guard a graph on the mod function, compiling a call with mods raises, naming the torch
+    it needs: never a graph that serves another closure's constants."""
+    monkeypatch.setattr(mods_compiled, "MIN_TORCH", "99.0")
+    q, k, v = _inputs(device)
+    compiled, _ = _compiled("eager", library.alibi(torch.ones(2, device=device)), None)
+    with pytest.raises(Exception) as caught:
+        compiled(q, k, v)
+    assert "under torch.compile need torch 99.0 or later" in str(caught.value) + str(caught.value.__cause__)
 
 
 def _inputs(device, n=20):

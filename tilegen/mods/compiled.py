@@ -8,6 +8,11 @@ The tensors themselves are then read along those paths in traced code (``tilegen
 Dynamo makes them graph inputs: a compiled call passes the tensors of the moment, values written in place
 included, never constants baked in at trace time.
 
+Dynamo of torch 2.11 does neither half of that guard: it traced ``id()`` of a function passed in without guarding
+on it (a second closure of the same code then reused the first's text: a silently wrong answer, seen on the H200)
+and refused ``id()`` of one made inside the compiled function. Mods under ``torch.compile`` therefore need the
+torch whose Dynamo does both, 2.13 (where the tests run); before it they are refused by name.
+
 A constant result holds while the function does: ``entries`` takes ``id()`` of each mod, which makes Dynamo
 guard on the function object itself (a closure is otherwise guarded by its code only, and
 ``sliding_window(64)`` after ``sliding_window(32)`` would reuse the first text). Eager calls cache traces
@@ -24,7 +29,9 @@ from tilegen.mods.builtin import builtin_of
 from tilegen.mods.grad import check_differentiable as _check_differentiable
 from tilegen.mods.trace import TracedMod, fetch, locate, traced
 
-__all__ = ["Entry", "entries", "bind", "check_differentiable"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH"]
+
+MIN_TORCH = "2.13"
 
 
 class Entry(NamedTuple):
@@ -52,6 +59,11 @@ def _trace(fn: Callable, kind: str) -> Entry:
 
 def entries(score_mod, mask_mod) -> tuple[Entry | None, Entry | None]:
     """The mods' entries, read at trace time; Dynamo guards on the functions' identity."""
+    if torch.__version__ < MIN_TORCH:
+        raise NotImplementedError(
+            f"tilegen.attention: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
+            f"{torch.__version__}'s Dynamo does not guard a graph on the mod function itself, so a second mod of the "
+            "same code would reuse the first's. Call it eagerly, or outside the compiled function")
     found = []
     for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
         if fn is None:

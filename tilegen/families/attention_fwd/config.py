@@ -200,8 +200,9 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     if dim <= 128 and any(gathers_per_score(getattr(spec, f, None)) for f in ("score_mod", "mask_mod")):
         # A gather indexed by both positions is staged through shared memory a whole score tile at a time:
         # under Triton 3.6, T5's relative bias at d128 needs 288 KiB at BM128-BN128-s3 (the H200 has 227),
-        # 128 KiB at BM128-BN64-s2.
-        return [(256, Config(64, 32, 4, 2)), (None, Config(128, 64, 8, 2))]
+        # 128 KiB at BM128-BN64-s2. Small tiles win there (bf16, 4 x 4096, 32/8 heads, d128, on the H200):
+        # BM64-BN32-w4-s3 16.2 ms, BM128-BN64-w8-s2 18.8, BM128-BN32-w4-s2 19.9, BM64-BN64-w4-s2 21.1.
+        return [(256, Config(64, 32, 4, 2)), (None, Config(64, 32, 4, 3))]
     # TMA from 512 keys on: on the H200 it matched or beat pointer loads at every shape tried (d128
     # causal 1k 348 against 298 TFLOP/s, 16k 499 against 478). Up to 256 keys it was never measured;
     # small calls keep pointers in the launcher anyway (TMA_MIN_WORK), as descriptors cost host time.
