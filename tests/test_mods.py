@@ -333,8 +333,8 @@ def test_a_gather_by_both_positions_takes_a_tile_that_fits_the_h200():
     assert gathers_per_score(bias) and not gathers_per_score(alibi) and not gathers_per_score(document)
     tiles = [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
         AttentionSpec(head_dim=128, score_mod=bias), h200)]
-    assert tiles[-1] == (128, 64, 2)
-    assert (128, 64, 2) not in [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
+    assert tiles[-1] == (64, 32, 3)
+    assert (64, 32, 3) not in [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
         AttentionSpec(head_dim=128, score_mod=alibi), h200)]
 
 
