@@ -255,13 +255,6 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
     compile_for_sm90(request, tmp_path, kernels=1)
 
 
-def test_backward_mod_specs_are_not_tuned_yet():
-    from tilegen.families.attention_bwd import Problem
-
-    mask_mod = trace(library.causal(), "mask_mod").canonical
-    with pytest.raises(NotImplementedError, match="not tuned yet"):
-        Problem.for_bucket(AttentionBwdSpec(head_dim=64, mask_mod=mask_mod), 16, on_gpu=False)
-
 
 def test_a_gather_by_both_positions_takes_backward_tiles_that_fit_an_h200():
     """T5's relative bias stages a score tile of gathers through shared memory: the default takes tiles whose count

@@ -183,3 +183,31 @@ def test_the_serving_families_trials_run_and_check_the_mods(tmp_path, monkeypatc
     problem.launch(tilegen.dispatch.launcher_for(spec), config, inputs, outputs)
     inputs["mods"].score_mod = inputs["mods"].mask_mod = None  # the reference without the mods
     assert problem.check(inputs, outputs)[0] > problem.tolerance
+
+
+def test_a_backward_trial_runs_and_checks_the_mods(tmp_path, monkeypatch):
+    """The attention backward with mods is tuned as the forward is: a trial builds the mods from their paths,
+    launches the dK/dV and dQ kernels with their tensors and block tables, and passes the check against autograd
+    of the reference through the mods; without the mods the same gradients fail it."""
+    import dataclasses
+
+    from tilegen.families import family_of, spec_from_json
+    from tilegen.mods import sources
+    from tilegen.tuning.measure import measure
+
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    _importable(tmp_path, monkeypatch)
+    monkeypatch.setenv(sources.ENV, '{"score_mod": "tune_mods:make_alibi", "mask_mod": "tune_mods:make_documents"}')
+    spec = spec_from_json({"family": "attention_bwd", "head_dim": 16, "q_per_kv": 2, "mask": "causal"}).replace(
+        score_mod=sources.canonical_text("tune_mods:make_alibi", "score_mod"),
+        mask_mod=sources.canonical_text("tune_mods:make_documents", "mask_mod"))
+    family = family_of(spec)
+    problem = family.problem(spec, 32, on_gpu=False)
+    config = family.default_config(spec, CPU_INTERPRETER, 32)
+    assert measure(problem, config, 0)["status"] == "ok"
+    inputs = problem.inputs(0)
+    outputs = problem.outputs(inputs)
+    problem.launch(tilegen.dispatch.launcher_for(spec), config, inputs, outputs)
+    assert problem.check(inputs, outputs)[0] < problem.tolerance
+    plain = dataclasses.replace(inputs[-1], score_mod=None, mask_mod=None)
+    assert problem.check((*inputs[:-1], plain), outputs)[0] > problem.tolerance

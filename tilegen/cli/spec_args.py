@@ -191,7 +191,7 @@ def with_mods(specs: list[Spec], score_mod: str | None, mask_mod: str | None) ->
     for spec in specs:
         if not all(hasattr(spec, kind) for kind in texts):
             fail(f"{option}: {spec.family} specs take no mods; the attention families' do (attention_fwd, "
-                 "attention_varlen, attention_decode)")
+                 "attention_varlen, attention_decode, attention_bwd)")
         try:
             modded.append(spec.replace(**texts))
         except SpecError as e:

@@ -15,6 +15,8 @@ from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd import problem as forward
 from tilegen.families.attention_fwd.problem import attention_flops
 from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.mods.grad import grad_tensors
+from tilegen.mods.sources import tuning_mods
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "BACKWARD_FLOPS"]
@@ -39,14 +41,10 @@ class Problem(forward.Problem):
         if spec.layout != "dense":
             raise NotImplementedError(f"layout={spec.layout!r}: the tuner measures the dense backward; a ragged "
                                       "call takes the dense spec's tuned rows")
-        if spec.score_mod is not None or spec.mask_mod is not None:
-            # A trial would have to build the mods and differentiate through them (tilegen.mods.sources).
-            raise NotImplementedError("score_mod/mask_mod: a backward spec with mods is not tuned yet; its calls run "
-                                      "the default config")
         shape = super().for_bucket(spec, bucket, on_gpu=on_gpu, batch=batch, heads_q=heads_q)
         # Odd under the interpreter: no block divides it.
         seq = shape.seq if on_gpu else max(1, min(bucket, _CPU_MAX_SEQ) - 1)
-        return cls(spec, shape.batch, shape.heads_kv, seq, on_gpu)
+        return cls(spec, shape.batch, shape.heads_kv, seq, on_gpu, shape.mods)
 
     def _mask_args(self) -> dict:
         left, right = self.bounds
@@ -66,16 +64,28 @@ class Problem(forward.Problem):
         lse = torch.empty((self.batch, self.heads_q, self.seq), device=device)
         g = self.spec.q_per_kv
         compute = torch.float32 if self.on_gpu else torch.float64
-        # One KV group at a time: the reference holds that group's scores.
+        mods = self._mods(device)
+        # One KV group at a time: the reference holds that group's scores. A mod sees the group's own batch and
+        # head indices through _shifted.
         for b in range(self.batch):
             for h in range(self.heads_kv):
                 o, l = attention_reference(q[b:b + 1, h * g:(h + 1) * g], k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1],
-                                           compute_dtype=compute, **self._mask_args())
+                                           compute_dtype=compute, **self._mask_args(), **_shifted(mods, b, h * g))
                 out[b, h * g:(h + 1) * g] = o[0].to(dtype)
                 lse[b, h * g:(h + 1) * g] = l[0].float()
-        return q, k, v, out, dout, lse
+        return (q, k, v, out, dout, lse) if mods is None else (q, k, v, out, dout, lse, mods)
+
+    def _mods(self, device):
+        """The spec's mods built for this problem (``tilegen.mods.sources``), or ``None`` without mods."""
+        if self.mods == (None, None):
+            return None
+        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq}
+        return tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
+                           n_k=self.seq, device=device)
 
     def placeholder_inputs(self):
+        if self.mods != (None, None):
+            return self.inputs(0)  # the mods' tensors and the forward's output need values (compile-ahead: real ones)
         device = "cuda" if self.on_gpu else "cpu"
         dtype = self.torch_dtype()
         d, dv = self.spec.head_dim, self.spec.dv
@@ -84,30 +94,47 @@ class Problem(forward.Problem):
         return q, k, v, out, dout, torch.empty((self.batch, self.heads_q, self.seq), device=device)
 
     def outputs(self, inputs):
-        q, k, v, _, _, lse = inputs
+        q, k, v, _, _, lse = inputs[:6]
         poison = [torch.full_like(t, math.nan) for t in (q, k, v)]
         scratch = torch.empty_like(lse), torch.empty_like(lse), torch.empty_like(q, dtype=torch.float32)
         return (*poison, *scratch)
 
     def launch(self, launcher: Launcher, config: Config, inputs, outputs) -> None:
-        q, k, v, out, dout, lse = inputs
+        q, k, v, out, dout, lse, *mods = inputs
         dq, dk, dv, delta, lse2, dq_acc = outputs
         left, right = launch_window(self.spec.mask, *self.bounds, self.seq, self.seq)
+        extra = {}
+        if mods:
+            # Timed without gradients into captured tensors (fixed ALiBi slopes, document ids): a learned table's
+            # atomics are a variant of the kernel this trial does not compile.
+            extra["mod_tensors"] = mods[0].tensors
+            extra["mod_grads"] = [None] * len(grad_tensors(self.spec.score_mod))
+            if mods[0].mask_mod is not None:
+                sizes = self.batch, self.heads_q, self.seq, self.seq
+                extra["mod_blocks_dkdv"] = mods[0].block_table(*sizes, config.block_m1, config.block_n1, q.device, True)
+                extra["mod_blocks_dq"] = None if config.atomic_dq else mods[0].block_table(
+                    *sizes, config.block_m2, config.block_n2, q.device)
         launcher.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, dq_acc, None, None, self.seq, self.seq,
                         scale=self.scale, softcap=self.softcap or 0.0, window_left=left, window_right=right,
-                        **config.to_dict())
+                        **extra, **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
         """Every gradient element must be written (no NaN anywhere); the values of batch 0's first KV group
         against the reference."""
-        q, k, v, _, dout, _ = inputs
+        q, k, v, _, dout, _, *mods = inputs
         got = outputs[:3]
         if any(torch.isnan(t).any() for t in got):
             return math.inf, math.inf
         g = self.spec.q_per_kv
         compute = torch.float32 if q.is_cuda else torch.float64
-        refs = attention_backward_reference(q[:1, :g], k[:1, :1], v[:1, :1], dout[:1, :g], compute_dtype=compute,
-                                            **self._mask_args())
+        if mods:
+            # The derivation written out knows no mods: autograd of the forward reference through them.
+            leaves = [t[:1, :n].to(compute).requires_grad_() for t, n in ((q, g), (k, 1), (v, 1))]
+            o, _ = attention_reference(*leaves, compute_dtype=compute, **self._mask_args(), **_shifted(mods[0], 0, 0))
+            refs = torch.autograd.grad(o, leaves, dout[:1, :g].to(compute))
+        else:
+            refs = attention_backward_reference(q[:1, :g], k[:1, :1], v[:1, :1], dout[:1, :g], compute_dtype=compute,
+                                                **self._mask_args())
         errors = [base.relative_error(t[:1, : r.shape[1]], r) for t, r in zip(got, refs)]
         return max(e[0] for e in errors), max(e[1] for e in errors)
 
@@ -120,3 +147,16 @@ class Problem(forward.Problem):
         d, dv = self.spec.head_dim, self.spec.dv
         rows_q, rows_kv = self.batch * self.seq * self.heads_q, self.batch * self.seq * self.heads_kv
         return float((rows_q * (2 * d + 2 * dv) + rows_kv * 2 * (d + dv)) * elt)
+
+
+def _shifted(mods, b: int, h: int) -> dict:
+    """The reference's ``score_mod``/``mask_mod`` for a slice of the problem that starts at batch ``b`` and query
+    head ``h``: the mods see the indices of the whole problem, as the kernel's do."""
+    if mods is None:
+        return {}
+    shifted = {}
+    if mods.score_mod is not None:
+        shifted["score_mod"] = lambda s, bb, hh, qi, ki, f=mods.score_mod: f(s, bb + b, hh + h, qi, ki)
+    if mods.mask_mod is not None:
+        shifted["mask_mod"] = lambda bb, hh, qi, ki, f=mods.mask_mod: f(bb + b, hh + h, qi, ki)
+    return shifted
