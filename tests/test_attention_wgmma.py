@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from helpers import Case, check_against_reference, param, poisoned_like_out
+from helpers import Case, check_against_reference, compile_for_sm90, param, poisoned_like_out
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
@@ -342,6 +342,60 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
             assert spilled == 0, done.stdout
 
 
+def _alibi_text(heads: int) -> str:
+    from tilegen.mods import library
+    from tilegen.mods.trace import trace
+
+    return trace(library.alibi(torch.rand(heads)), "score_mod").canonical
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
+def test_a_score_mod_is_offered_the_gluon_kernels_and_a_mask_mod_is_not():
+    """A score mod runs in the Gluon kernels' softmax: the tuner may choose them (it checks every candidate against
+    the reference), the default rule not yet (no GPU has run them with a mod). A mask mod's block table, and a
+    gather by both positions, stay the Triton kernel's."""
+    from tilegen.mods import library
+    from tilegen.mods.trace import trace
+
+    alibi = AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", score_mod=_alibi_text(8))
+    assert wgmma_unsupported(alibi) is None and search_space(alibi, HOPPER)["wgmma"] == [0, 1, 2, 3]
+    assert feasible(alibi, WS, HOPPER) is None
+    assert not any(c.wgmma for _, c in default_rule(alibi, HOPPER))
+    documents = alibi.replace(score_mod=None, mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
+                                                             "mask_mod").canonical)
+    assert "mask mod" in wgmma_unsupported(documents)
+    bias = alibi.replace(score_mod=trace(library.relative_bias(torch.randn(8, 32)), "score_mod").canonical)
+    assert "gather" in wgmma_unsupported(bias)
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True, score_mod=_alibi_text(8)),
+    AttentionSpec(head_dim=64, mask="none", dtype="fp16", score_mod=_alibi_text(4)),
+], ids=["d128-causal-alibi", "d64-alibi"])
+def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
+    """Each Gluon kernel with ALiBi inlined in its softmax (the half step of consumer 0's causal diagonal at d128,
+    three consumers at d64) compiles for sm90, its wgmma kept asynchronous."""
+    pytest.importorskip("triton.backends.nvidia")
+    configs = [("kernel_wgmma", 128, 128, 3, 8, {"BLOCK_M": 128}),
+               ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": True}),
+               ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2, "TMA_STORE": False})]
+    if spec.head_dim == 64:
+        configs.append(("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3, "TMA_STORE": True}))
+    for kernel, q_rows, block_n, stages, warps, constants in configs:
+        if kernel == "kernel_wgmma_ws":
+            constants = {**constants, "SCHEDULED": False}
+        out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "sm_t0": "*fp32",
+                    "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
+                    "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
+                    "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
+        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
+                   "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
+        out = compile_for_sm90(request, tmp_path, kernels=1)
+        assert out.strip().endswith("wgmma async"), out
+
+
 GPU_CASES = [
     param(Case(1, 1, dtype="bf16", head_dim=64, causal=True)),
     param(Case(17, dtype="bf16", head_dim=128, heads_q=4, heads_kv=2, causal=True)),
@@ -382,3 +436,43 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
     assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
     check_against_reference(out, lse, q, k, v, causal=case.causal, scale=case.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(192, 128, 12, 2, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[4], GPU_CASES[5], GPU_CASES[8]])
+def test_gluon_kernel_with_a_score_mod_matches_reference(case, config, monkeypatch):
+    """ALiBi inlined in the Gluon kernels' softmax, against the float64 reference with the same mod (and its LSE)."""
+    from functools import partial
+
+    from tilegen.families import relative_error
+    from tilegen.families.attention_fwd.reference import attention_reference
+    from tilegen.mods import library
+    from tilegen.ops.memo import with_mod_fields
+
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    if config.block_m == 192 and case.head_dim != 64:
+        pytest.skip("three consumer warpgroups at head dim 64 only")
+    q, k, v = case.inputs(torch.device("cuda"))
+    slopes = torch.rand(q.shape[1], device="cuda") + 0.1
+    alibi = library.alibi(slopes)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
+    spec = with_mod_fields(spec, _alibi_text(q.shape[1]), None)
+    module = module_for(spec)
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
+    kernel = getattr(module, name)
+    runs = []
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+    poisoned = poisoned_like_out(q, v)
+    out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned,
+                               launch=partial(module.launch, mod_tensors=(slopes,)))
+    torch.cuda.synchronize()
+    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
+    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    ref, ref_lse = attention_reference(q, k, v, causal=case.causal, scale=case.scale, score_mod=alibi)
+    assert relative_error(out, ref)[0] < 1e-2
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-2

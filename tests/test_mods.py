@@ -302,8 +302,10 @@ def test_a_spec_read_from_json_cannot_put_code_into_the_module(text):
         AttentionSpec(head_dim=64, **{field: text})
 
 
-def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
-    """Where the plain spec's default and search space take the wgmma kernels, the mod spec's do not."""
+def test_on_an_h200_a_score_mod_spec_may_be_tuned_onto_a_gluon_kernel_but_defaults_to_triton(monkeypatch):
+    """Where the plain spec's default and search space take the wgmma kernels, a score mod's search space offers
+    them too (a tune checks each candidate against the reference) and its default does not yet; a mask mod's
+    offers none (its block table is the Triton kernel's)."""
     import triton
 
     from tilegen.device import DeviceInfo
@@ -313,9 +315,12 @@ def test_on_an_h200_a_mod_spec_is_offered_no_gluon_kernel(monkeypatch):
     h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 150_109_880_320, 232_448)
     plain = AttentionSpec(head_dim=128, mask="causal")
     modded = plain.replace(score_mod=trace(library.alibi(torch.rand(8)), "score_mod").canonical)
+    masked = plain.replace(mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
+                                          "mask_mod").canonical)
     assert any(c.wgmma for _, c in FAMILY.default_rule(plain, h200)) and FAMILY.search_space(plain, h200)["wgmma"] != [0]
     assert not any(c.wgmma for _, c in FAMILY.default_rule(modded, h200))
-    assert FAMILY.search_space(modded, h200)["wgmma"] == [0]
+    assert FAMILY.search_space(modded, h200)["wgmma"] == [0, 1, 2, 3]
+    assert FAMILY.search_space(masked, h200)["wgmma"] == [0]
 
 
 def test_a_gather_by_both_positions_takes_a_tile_that_fits_the_h200():

@@ -106,10 +106,12 @@ def has_wgmma(device: DeviceInfo) -> bool:
 
 def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     """Why the Gluon kernel does not implement ``spec``, or ``None`` when it does."""
-    if spec.score_mod is not None or spec.mask_mod is not None:
-        # The Gluon kernels' softmax is written out for plain and causal masks; a mod spec lowers without them,
-        # so its tables and defaults only ever hold the portable Triton kernel.
-        return "score_mod/mask_mod: the Gluon kernel takes no mods"
+    if spec.mask_mod is not None:
+        # A mask mod's block table (tilegen.mods.blocks) is walked by the Triton kernel alone.
+        return "mask_mod: the Gluon kernel takes no mask mod"
+    if gathers_per_score(spec.score_mod):
+        # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of K and V fill.
+        return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
     if spec.softcap:
@@ -124,6 +126,12 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
 def _offers_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
     """Whether the knob is on offer: the device runs the Gluon kernel and the kernel implements the spec."""
     return has_wgmma(device) and wgmma_unsupported(spec) is None
+
+
+def _defaults_to_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
+    """Whether the default rule takes the Gluon kernels: not yet for a score mod, whose Gluon path only a tune
+    (which checks every candidate against the reference) may choose until it has been measured on a GPU."""
+    return _offers_wgmma(spec, device) and spec.score_mod is None
 
 
 def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
@@ -209,7 +217,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
     tma = int(has_tma(device))
     if dim <= 64:
         rule = [(256, Config(64, 64, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 64, 8, 3, tma))]
-        if _offers_wgmma(spec, device):
+        if _defaults_to_wgmma(spec, device):
             # On the H200 (bf16, 32 heads, 16k tokens, TFLOP/s): three consumers led two from 8k causal
             # (16k: 436-440 against 427) and from 2k full (8k: 484 against 447, both with ping-pong). Two led
             # the Triton rows causal at 2k-4k, with ping-pong (4k: 399 against 394 without; 2k, with block 0
@@ -226,7 +234,7 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         # Up to 1k keys BM64-BN64 with TMA: the best of all 60 configs at d128 1k, causal (359 TFLOP/s) and
         # full (466, against 413 for BN32).
         rule = [(256, Config(64, 32, 4, 3)), (1024, Config(64, 64, 4, 3, tma)), (None, Config(128, 128, 8, 3, tma))]
-        if _offers_wgmma(spec, device):
+        if _defaults_to_wgmma(spec, device):
             # The warp-specialized Gluon kernel led at d128 on the H200 (bf16, 32 heads, 16k tokens): with two
             # K/V slots, against the one-partition kernel at BM128-BN128-s3, 1.07-1.17x from 1k to 16k, causal
             # and full, MHA and GQA 32/8 (causal 16k 603 against 528 TFLOP/s), and against the Triton rows
