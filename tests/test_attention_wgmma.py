@@ -64,7 +64,6 @@ def test_offered_on_hopper_with_triton_36_only():
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 @pytest.mark.parametrize("spec,config,reason", [
     (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "no window"),
-    (AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), WGMMA, "softcap"),
     (AttentionSpec(head_dim=96, dtype="bf16"), WGMMA, "64 or 128"),
     (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "64 or 128, equal"),
     (AttentionSpec(head_dim=64, dtype="fp32"), WGMMA, "bf16 or fp16"),
@@ -73,7 +72,6 @@ def test_offered_on_hopper_with_triton_36_only():
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 32, 4, 3, tma=1, wgmma=1), "64 or 128"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 1, tma=1, wgmma=1), "two slots"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 2, tma=1, wgmma=4), "expected one of 0, 1, 2, 3"),
-    (AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), WS, "softcap"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 2, tma=0, wgmma=3), "goes with tma=1"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(64, 64, 4, 2, tma=1, wgmma=2), "BM128 with 8 warps"),
     (AttentionSpec(head_dim=64, dtype="bf16"), Config(128, 64, 4, 2, tma=1, wgmma=3), "BM128 with 8 warps"),
@@ -350,7 +348,7 @@ def _alibi_text(heads: int) -> str:
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
-def test_a_score_mod_is_offered_the_gluon_kernels_and_a_mask_mod_is_not():
+def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_is_not():
     """A score mod runs in the Gluon kernels' softmax: the tuner may choose them (it checks every candidate against
     the reference), the default rule not yet (no GPU has run them with a mod). A mask mod's block table, and a
     gather by both positions, stay the Triton kernel's."""
@@ -366,16 +364,20 @@ def test_a_score_mod_is_offered_the_gluon_kernels_and_a_mask_mod_is_not():
     assert "mask mod" in wgmma_unsupported(documents)
     bias = alibi.replace(score_mod=trace(library.relative_bias(torch.randn(8, 32)), "score_mod").canonical)
     assert "gather" in wgmma_unsupported(bias)
+    softcap = AttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True)
+    assert search_space(softcap, HOPPER)["wgmma"] == [0, 1, 2, 3] and feasible(softcap, WS, HOPPER) is None
+    assert not any(c.wgmma for _, c in default_rule(softcap, HOPPER))
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
 @pytest.mark.parametrize("spec", [
     AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True, score_mod=_alibi_text(8)),
     AttentionSpec(head_dim=64, mask="none", dtype="fp16", score_mod=_alibi_text(4)),
-], ids=["d128-causal-alibi", "d64-alibi"])
+    AttentionSpec(head_dim=128, q_per_kv=2, mask="causal", dtype="bf16", softcap=True),
+], ids=["d128-causal-alibi", "d64-alibi", "d128-causal-softcap"])
 def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
-    """Each Gluon kernel with ALiBi inlined in its softmax (the half step of consumer 0's causal diagonal at d128,
-    three consumers at d64) compiles for sm90, its wgmma kept asynchronous."""
+    """Each Gluon kernel with ALiBi, or the softcap, in its softmax (the half step of consumer 0's causal diagonal at
+    d128, three consumers at d64) compiles for sm90, its wgmma kept asynchronous."""
     pytest.importorskip("triton.backends.nvidia")
     configs = [("kernel_wgmma", 128, 128, 3, 8, {"BLOCK_M": 128}),
                ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": True}),
@@ -387,6 +389,7 @@ def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
             constants = {**constants, "SCHEDULED": False}
         out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
         pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "sm_t0": "*fp32",
+                    "softcap_scale": "fp32",
                     "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
                     "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
                     "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
@@ -476,3 +479,28 @@ def test_gluon_kernel_with_a_score_mod_matches_reference(case, config, monkeypat
     assert relative_error(out, ref)[0] < 1e-2
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(192, 128, 12, 2, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[5], GPU_CASES[8]])
+def test_gluon_kernel_with_a_softcap_matches_reference(case, config, monkeypatch):
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    if config.block_m == 192 and case.head_dim != 64:
+        pytest.skip("three consumer warpgroups at head dim 64 only")
+    q, k, v = case.inputs(torch.device("cuda"))
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, 5.0, case.scale, True)
+    module = module_for(spec)
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
+    kernel = getattr(module, name)
+    runs = []
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+    poisoned = poisoned_like_out(q, v)
+    out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
+    torch.cuda.synchronize()
+    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
+    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    check_against_reference(out, lse, q, k, v, causal=case.causal, softcap=5.0, scale=case.scale)

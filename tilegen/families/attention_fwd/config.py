@@ -114,8 +114,6 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
-    if spec.softcap:
-        return "softcap: the Gluon kernel has none"
     if spec.head_dim not in (64, 128) or spec.dv != spec.head_dim:
         return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes 64 or 128, equal"
     if spec.dtype not in ("bf16", "fp16"):
@@ -129,9 +127,9 @@ def _offers_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
 
 
 def _defaults_to_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
-    """Whether the default rule takes the Gluon kernels: not yet for a score mod, whose Gluon path only a tune
-    (which checks every candidate against the reference) may choose until it has been measured on a GPU."""
-    return _offers_wgmma(spec, device) and spec.score_mod is None
+    """Whether the default rule takes the Gluon kernels: not yet for a score mod or a softcap, whose Gluon paths
+    only a tune (which checks every candidate against the reference) may choose until measured on a GPU."""
+    return _offers_wgmma(spec, device) and spec.score_mod is None and not spec.softcap
 
 
 def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
