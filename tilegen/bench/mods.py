@@ -36,24 +36,62 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def _mods(gen):
+def _slopes(heads: int, device) -> torch.Tensor:
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+
+
+def _doc_ids(n: int, device) -> torch.Tensor:
+    """Four packed documents over ``n`` positions, in the proportions 1500 : 700 : 1200 : 696 (their lengths at
+    4096)."""
+    cuts = [n * c // 4096 for c in (1500, 2200, 3400)]
+    lengths = torch.tensor([cuts[0], cuts[1] - cuts[0], cuts[2] - cuts[1], n - cuts[2]], device=device)
+    return torch.repeat_interleave(torch.arange(4, device=device), lengths).to(torch.int32)
+
+
+def _prefixes(batch: int, n: int, device) -> torch.Tensor:
+    """Per sequence, a prefix of 512, 1024, 2048 or 100 positions (at 4096; in proportion otherwise)."""
+    return torch.tensor([n * (512, 1024, 2048, 100)[i % 4] // 4096 for i in range(batch)], device=device,
+                        dtype=torch.int32)
+
+
+def _mods(gen, device="cuda"):
     """name -> (score_mod, mask_mod, tilegen built-in kwargs or None)."""
-    slopes = torch.exp2(-8.0 * torch.arange(1, HQ + 1, device="cuda") / HQ)
-    table = torch.randn(HQ, 32, device="cuda", generator=gen)
-    lengths = torch.tensor([1500, 700, 1200, 696], device="cuda")
-    doc_ids = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths).to(torch.int32)
-    prefix = torch.tensor([512, 1024, 2048, 100], device="cuda", dtype=torch.int32)
+    slopes = _slopes(HQ, device)
+    table = torch.randn(HQ, 32, device=device, generator=gen)
     return {
         "alibi": (library.alibi(slopes), None, None),
         "alibi+causal": (library.alibi(slopes), library.causal(), None),
         "relative-bias": (library.relative_bias(table), None, None),
-        "document": (None, library.document_mask(doc_ids), None),
-        "prefix-lm": (None, library.prefix_lm(prefix), None),
+        "document": (None, library.document_mask(_doc_ids(N, device)), None),
+        "prefix-lm": (None, library.prefix_lm(_prefixes(B, N, device)), None),
         "window-1024": (None, library.sliding_window(1024), {"window": (1024, 0)}),
         "window-1024+64-global": (None, library.sliding_window(1024, 64), None),
         "softcap-30": (library.softcap(30.0), None, {"softcap": 30.0}),
         "causal": (None, library.causal(), {"causal": True}),
     }
+
+
+# The benchmark's mods as factories for `tilegen tune --score-mod/--mask-mod tilegen.bench.mods:tune_...`
+# (tilegen.mods.sources): each builds the mod for a tuned problem's shape, its captured tensors of the dtypes and
+# ranks of the benchmark's, so that the rows it stores serve the benchmark's calls (and a model's with the same mod).
+def tune_alibi(*, batch, heads, n_q, n_k, device):
+    return library.alibi(_slopes(heads, device))
+
+
+def tune_relative_bias(*, batch, heads, n_q, n_k, device):
+    return library.relative_bias(torch.randn(heads, 32, device=device))
+
+
+def tune_document(*, batch, heads, n_q, n_k, device):
+    return library.document_mask(_doc_ids(n_k, device))
+
+
+def tune_prefix_lm(*, batch, heads, n_q, n_k, device):
+    return library.prefix_lm(_prefixes(batch, n_k, device))
+
+
+def tune_window_global(*, batch, heads, n_q, n_k, device):
+    return library.sliding_window(1024, 64)
 
 
 def _pairs(mask_mod) -> float:
