@@ -414,6 +414,33 @@ GPU_CASES = [
 ]
 
 
+def _skip_without_gluon(case, config) -> None:
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    if config.block_m == 192 and case.head_dim != 64:
+        pytest.skip("three consumer warpgroups at head dim 64 only")
+
+
+def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, **launch_kwargs):
+    """``(out, lse)`` of ``spec``'s Gluon kernel that ``config`` names, into a poisoned output; asserts the launcher
+    took that kernel and wrote every element."""
+    from functools import partial
+
+    module = module_for(spec)
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
+    kernel = getattr(module, name)
+    runs = []
+    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+    poisoned = poisoned_like_out(q, v)
+    out, lse = run_with_config(spec, config, q, k, v, *launch_values, out=poisoned,
+                               launch=partial(module.launch, **launch_kwargs))
+    torch.cuda.synchronize()
+    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
+    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    return out, lse
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1),
                                     WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
@@ -421,86 +448,44 @@ GPU_CASES = [
                          ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gluon_kernel_matches_reference(case, config, monkeypatch):
-    if not has_wgmma(device_info(torch.cuda.current_device())):
-        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
-    if config.block_m == 192 and case.head_dim != 64:
-        pytest.skip("three consumer warpgroups at head dim 64 only")
+    _skip_without_gluon(case, config)
     q, k, v = case.inputs(torch.device("cuda"))
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
-    module = module_for(spec)
-    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
-    kernel = getattr(module, name)
-    runs = []
-    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
-    poisoned = poisoned_like_out(q, v)
-    out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
-    torch.cuda.synchronize()
-    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
-    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
     check_against_reference(out, lse, q, k, v, causal=case.causal, scale=case.scale)
 
 
+_SOME_CONFIGS = [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2), Config(192, 128, 12, 2, tma=1, wgmma=2)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
-                                    Config(192, 128, 12, 2, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("config", _SOME_CONFIGS, ids=str)
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3], GPU_CASES[4], GPU_CASES[5], GPU_CASES[8]])
 def test_gluon_kernel_with_a_score_mod_matches_reference(case, config, monkeypatch):
     """ALiBi inlined in the Gluon kernels' softmax, against the float64 reference with the same mod (and its LSE)."""
-    from functools import partial
-
     from tilegen.families import relative_error
     from tilegen.families.attention_fwd.reference import attention_reference
     from tilegen.mods import library
     from tilegen.ops.memo import with_mod_fields
 
-    if not has_wgmma(device_info(torch.cuda.current_device())):
-        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
-    if config.block_m == 192 and case.head_dim != 64:
-        pytest.skip("three consumer warpgroups at head dim 64 only")
+    _skip_without_gluon(case, config)
     q, k, v = case.inputs(torch.device("cuda"))
     slopes = torch.rand(q.shape[1], device="cuda") + 0.1
-    alibi = library.alibi(slopes)
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
     spec = with_mod_fields(spec, _alibi_text(q.shape[1]), None)
-    module = module_for(spec)
-    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
-    kernel = getattr(module, name)
-    runs = []
-    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
-    poisoned = poisoned_like_out(q, v)
-    out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned,
-                               launch=partial(module.launch, mod_tensors=(slopes,)))
-    torch.cuda.synchronize()
-    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
-    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
-    ref, ref_lse = attention_reference(q, k, v, causal=case.causal, scale=case.scale, score_mod=alibi)
+    out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch, mod_tensors=(slopes,))
+    ref, ref_lse = attention_reference(q, k, v, causal=case.causal, scale=case.scale, score_mod=library.alibi(slopes))
     assert relative_error(out, ref)[0] < 1e-2
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
-                                    Config(192, 128, 12, 2, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("config", _SOME_CONFIGS, ids=str)
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[2], GPU_CASES[5], GPU_CASES[8]])
 def test_gluon_kernel_with_a_softcap_matches_reference(case, config, monkeypatch):
-    if not has_wgmma(device_info(torch.cuda.current_device())):
-        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
-    if config.block_m == 192 and case.head_dim != 64:
-        pytest.skip("three consumer warpgroups at head dim 64 only")
+    _skip_without_gluon(case, config)
     q, k, v = case.inputs(torch.device("cuda"))
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, 5.0, case.scale, True)
-    module = module_for(spec)
-    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
-    name = f"_{spec.name}_kernel_wgmma" + ("_ws" if config.wgmma > 1 else "")
-    kernel = getattr(module, name)
-    runs = []
-    monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
-    poisoned = poisoned_like_out(q, v)
-    out, lse = run_with_config(spec, config, q, k, v, scale, softcap, left, right, out=poisoned)
-    torch.cuda.synchronize()
-    assert len(runs) == 1, "the launcher did not take the Gluon kernel the config names"
-    assert not torch.isnan(poisoned).any(), f"{torch.isnan(poisoned).sum().item()} output elements never written"
+    out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
     check_against_reference(out, lse, q, k, v, causal=case.causal, softcap=5.0, scale=case.scale)
