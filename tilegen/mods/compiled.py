@@ -29,9 +29,16 @@ from tilegen.mods.builtin import builtin_of
 from tilegen.mods.grad import check_differentiable as _check_differentiable
 from tilegen.mods.trace import TracedMod, fetch, locate, traced
 
-__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH", "compiles_mods"]
 
 MIN_TORCH = "2.13"
+
+
+def compiles_mods() -> bool:
+    """Whether this torch's Dynamo guards a graph on the mod function (its release, so 2.13's pre-releases count)."""
+    from packaging.version import Version
+
+    return Version(torch.__version__).release[:2] >= Version(MIN_TORCH).release[:2]
 
 
 class Entry(NamedTuple):
@@ -59,7 +66,7 @@ def _trace(fn: Callable, kind: str) -> Entry:
 
 def entries(score_mod, mask_mod) -> tuple[Entry | None, Entry | None]:
     """The mods' entries, read at trace time; Dynamo guards on the functions' identity."""
-    if torch.__version__ < MIN_TORCH:
+    if not compiles_mods():
         raise NotImplementedError(
             f"tilegen.attention: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
             f"{torch.__version__}'s Dynamo does not guard a graph on the mod function itself, so a second mod of the "
