@@ -489,3 +489,18 @@ def test_gluon_kernel_with_a_softcap_matches_reference(case, config, monkeypatch
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, 5.0, case.scale, True)
     out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
     check_against_reference(out, lse, q, k, v, causal=case.causal, softcap=5.0, scale=case.scale)
+
+
+def test_the_head_dim_presets_render_and_their_defaults_are_feasible():
+    """The presets for the other common head dims (96, 128 with a softcap, 192/128) build, render, and take a
+    feasible default on an H200; the softcap at 128 is offered the Gluon kernels, 96 and 192 are not."""
+    from tilegen.cli.spec_args import presets
+    from tilegen.codegen import source_for
+
+    for name in ("phi3-prefill", "gemma2-27b", "gemma2-27b-local", "deepseek-prefill"):
+        spec = presets()[name]
+        assert spec.name in source_for(spec)
+        for _, config in default_rule(spec, HOPPER):
+            assert feasible(spec, config, HOPPER) is None, (name, config)
+    assert wgmma_unsupported(presets()["gemma2-27b"]) is None
+    assert wgmma_unsupported(presets()["phi3-prefill"]) and wgmma_unsupported(presets()["deepseek-prefill"])

@@ -40,6 +40,12 @@ FAMILY = Family(
         "mha-d128": AttentionSpec(head_dim=128, mask="none", dtype="bf16"),
         "mha-d64-causal": AttentionSpec(head_dim=64, mask="causal", dtype="bf16"),
         "gemma-softcap": AttentionSpec(head_dim=256, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
+        # The other common head dims: Phi-3 (96, MHA), Gemma 2 27B's global and local layers (128, GQA 2, softcap,
+        # the local ones a window), DeepSeek's MLA prefill (192 for queries and keys, 128 for values).
+        "phi3-prefill": AttentionSpec(head_dim=96, mask="causal", dtype="bf16"),
+        "gemma2-27b": AttentionSpec(head_dim=128, q_per_kv=2, mask="causal", softcap=True, dtype="bf16"),
+        "gemma2-27b-local": AttentionSpec(head_dim=128, q_per_kv=2, mask="window", softcap=True, dtype="bf16"),
+        "deepseek-prefill": AttentionSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16"),
     },
     standalone=entry_point,
 )
