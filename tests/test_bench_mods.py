@@ -32,3 +32,35 @@ def test_the_document_and_prefix_tensors_cover_every_position_and_sequence():
     assert ids.shape == (1000,) and ids.dtype == torch.int32 and torch.equal(ids.unique(), torch.arange(4).int())
     assert torch.equal(torch.bincount(bench._doc_ids(4096, "cpu")), torch.tensor([1500, 700, 1200, 696]))
     assert bench._prefixes(6, 4096, "cpu").tolist() == [512, 1024, 2048, 100, 512, 1024]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_the_config_sweep_runs_each_config_it_names_and_reports_one_that_fails(backward, monkeypatch):
+    """``--configs``: each config is the one the call runs (the family's rule swapped, then put back), checked
+    against the default config's result; a config the kernel refuses is reported, not raised."""
+    import time
+
+    from tilegen import dispatch
+    from tilegen.families import registry
+
+    monkeypatch.setattr(bench, "B", 1), monkeypatch.setattr(bench, "HQ", 2), monkeypatch.setattr(bench, "N", 40)
+    monkeypatch.setattr(bench, "D", 16)
+    monkeypatch.setattr(bench, "_bench", lambda fn: (lambda t: (fn(), time.perf_counter() - t)[1] * 1e3)(
+        time.perf_counter()))
+    family = registry.get("attention_bwd" if backward else "attention_fwd")
+    rule = family.default_rule
+    seen = []
+    real = dispatch.Table._resolve
+    monkeypatch.setattr(dispatch.Table, "_resolve", lambda self, bucket: seen.append(real(self, bucket)) or seen[-1])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    score_mod, mask_mod, _ = bench._mods(gen, device="cpu")["alibi+causal"]
+    small = ({"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1} if not backward else
+             {"block_m1": 16, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 32, "block_n2": 16,
+              "num_warps2": 4, "num_stages2": 1})
+    bad = {**small, ("block_m" if not backward else "block_m1"): 24}  # not a power of two: refused
+    rows = bench.sweep("alibi+causal", score_mod, mask_mod, q, k, v, [small, bad], backward)
+    assert isinstance(rows[0]["us"], float) and rows[0]["error vs default"] < 2e-2
+    assert isinstance(rows[1]["us"], str) and "Error" in rows[1]["us"]
+    assert str(family.config_type(**small)) in {str(c.config) for c in seen}
+    assert family.default_rule is rule

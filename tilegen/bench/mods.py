@@ -3,6 +3,7 @@ FlexAttention with the same mod, and against tilegen's built-in variant where on
 
     python -m tilegen.bench.mods --out mods.json
     python -m tilegen.bench.mods --backward --out mods.json --plot mods.png
+    python -m tilegen.bench.mods --mods alibi --configs '[{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "tma": 1, "wgmma": 2}]'
 
 bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128; the forward,
 and with ``--backward`` the backward alone too (``torch.autograd.grad(out, (q, k, v), dout)`` after one
@@ -18,7 +19,9 @@ built-in mask or softcap. ``do_bench`` medians; TFLOP/s count the score pairs th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from unittest import mock
 
 import torch
 import triton
@@ -94,11 +97,11 @@ def tune_window_global(*, batch, heads, n_q, n_k, device):
     return library.sliding_window(1024, 64)
 
 
-def _pairs(mask_mod) -> float:
+def _pairs(mask_mod, device="cuda") -> float:
     if mask_mod is None:
         return float(B * N * N)
-    b, q, k = (torch.arange(n, device="cuda") for n in (B, N, N))
-    keep = mask_mod(b[:, None, None], torch.zeros((), dtype=torch.long, device="cuda"), q[None, :, None],
+    b, q, k = (torch.arange(n, device=device) for n in (B, N, N))
+    keep = mask_mod(b[:, None, None], torch.zeros((), dtype=torch.long, device=device), q[None, :, None],
                     k[None, None, :])
     return float(keep.expand(B, N, N).sum())
 
@@ -140,6 +143,64 @@ def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v) -> None:
         row["flex / tilegen bwd"] = row["flex bwd us"] / t
         if isinstance(row.get("builtin bwd us"), float):
             row["builtin / tilegen bwd"] = row["builtin bwd us"] / t
+
+
+@contextlib.contextmanager
+def _forced(family_name: str, config):
+    """Calls of ``family_name``'s specs run ``config``: the family's default rule gives it for every size, and tuned
+    rows are set aside (dispatch reads none), so the sweep measures the configs it names."""
+    import tilegen.db.lookup
+    from tilegen import dispatch
+    from tilegen.families import registry
+
+    family = registry.get(family_name)
+    rule = family.default_rule
+    # A family is a frozen dataclass: its rule is swapped under it for the sweep, and put back.
+    object.__setattr__(family, "default_rule", lambda spec, device: [(None, config)])
+    try:
+        with mock.patch.object(tilegen.db.lookup, "tuned_rows", lambda **key: {}):
+            dispatch.reset()
+            yield
+    finally:
+        object.__setattr__(family, "default_rule", rule)
+        dispatch.reset()
+
+
+def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: bool) -> list[dict]:
+    """The mod's forward (or backward alone) under each config (``attention_fwd``'s or ``attention_bwd``'s
+    knobs), each checked against the family's own default config first (within 2e-2)."""
+    from tilegen.families import registry
+
+    family = registry.get("attention_bwd" if backward else "attention_fwd")
+    dout = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
+
+    def run():
+        fn = lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)  # noqa: E731
+        if backward:
+            grads, t = _backward(fn, q, k, v, dout)
+            return grads, t
+        out = fn(q, k, v)
+        return (out,), _bench(lambda: fn(q, k, v))
+
+    expected, _ = run()  # the default config, as a call without a tuned row runs it
+    flops = 4.0 * _pairs(mask_mod, q.device) * D * HQ * (2.5 if backward else 1.0)
+    rows = []
+    for knobs in configs:
+        config = family.config_type(**knobs)
+        row = {"mod": name, "pass": "backward" if backward else "forward", "config": str(config)}
+        try:
+            with _forced(family.name, config):
+                got, t = run()
+            error = max(relative_error(g.float(), e.float())[0] for g, e in zip(got, expected))
+            row["error vs default"] = error
+            row["us"] = t * 1e3 if error < 2e-2 else f"wrong: relative error {error:.2e} against the default config"
+            if isinstance(row["us"], float):
+                row["TFLOP/s"] = flops / row["us"] / 1e6
+        except Exception as e:  # a config that does not compile or launch is reported, the others still run
+            row["us"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) -> dict:
@@ -228,6 +289,11 @@ def main(argv=None) -> None:
     parser.add_argument("--backward", action="store_true", help="also time each provider's backward alone")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, help="write a PNG of TFLOP/s per mod and provider here")
+    parser.add_argument("--configs", default=None,
+                        help="instead of the peers, time tilegen's forward under each of these attention_fwd configs, "
+                             "a JSON list of knob objects ([{\"block_m\": 128, \"block_n\": 128, \"num_warps\": 8, "
+                             "\"num_stages\": 3, \"tma\": 1, \"wgmma\": 2}, ...]); with --backward, attention_bwd "
+                             "configs and the backward alone")
     args = parser.parse_args(argv)
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -235,6 +301,19 @@ def main(argv=None) -> None:
     v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     mods = _mods(gen)
     chosen = [m for m in args.mods.split(",") if m] or list(mods)
+    if args.configs is not None:
+        configs = json.loads(args.configs)
+        rows = [row for name in chosen for row in sweep(name, *mods[name][:2], q, k, v, configs, args.backward)]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "shape": [B, HQ, HKV, N, D], "sweep": rows}, f,
+                          indent=1)
+        print(f"\n{'mod':>22} {'config':>44} {'us':>10} {'TFLOP/s':>8}")
+        for r in rows:
+            us = f"{r['us']:.1f}" if isinstance(r["us"], float) else "error"
+            tflops = f"{r['TFLOP/s']:.0f}" if "TFLOP/s" in r else "-"
+            print(f"{r['mod']:>22} {r['config']:>44} {us:>10} {tflops:>8}")
+        return
     rows = []
     for name in chosen:
         rows.append(case(name, *mods[name], q, k, v, backward=args.backward))
