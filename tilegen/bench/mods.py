@@ -177,8 +177,7 @@ def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: boo
     def run():
         fn = lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)  # noqa: E731
         if backward:
-            grads, t = _backward(fn, q, k, v, dout)
-            return grads, t
+            return _backward(fn, q, k, v, dout)
         out = fn(q, k, v)
         return (out,), _bench(lambda: fn(q, k, v))
 

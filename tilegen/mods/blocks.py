@@ -24,7 +24,7 @@ import torch
 
 from tilegen.mods.lower import _is_number, parse
 
-__all__ = ["BlockTable", "block_table", "evaluate_mask"]
+__all__ = ["BlockTable", "backward_tables", "block_table", "evaluate_mask"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "int32": torch.int32, "int64": torch.int64, "int16": torch.int16, "int8": torch.int8,
@@ -190,6 +190,16 @@ def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device, tran
 
 
 _tables: OrderedDict = OrderedDict()
+
+
+def backward_tables(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, config, device) -> dict:
+    """The attention backward's launch arguments for a mask mod under ``config`` (``attention_bwd``'s): the dK/dV
+    kernel's table, transposed (it streams query blocks past a key block), and the dQ kernel's, None where dQ is
+    added by atomics and that kernel does not run."""
+    sizes = (text, tensors, batch, heads, n_q, n_k)
+    return {"mod_blocks_dkdv": block_table(*sizes, config.block_m1, config.block_n1, device, True),
+            "mod_blocks_dq": None if config.atomic_dq else block_table(*sizes, config.block_m2, config.block_n2,
+                                                                      device)}
 
 
 def block_table(text: str, tensors, batch: int, heads: int, n_q: int, n_k: int, block_m: int, block_n: int,

@@ -127,14 +127,13 @@ class TuningMods:
     mask_tensors: tuple[torch.Tensor, ...]
     _tables: dict = field(default_factory=dict)
 
-    def block_table(self, batch: int, heads: int, n_q: int, n_k: int, block_m: int, block_n: int, device,
-                    transposed: bool = False):
-        key = (batch, heads, n_q, n_k, block_m, block_n, transposed)
+    def block_table(self, batch: int, heads: int, n_q: int, n_k: int, block_m: int, block_n: int, device):
+        key = (batch, heads, n_q, n_k, block_m, block_n)
         if key not in self._tables:
             from tilegen.mods.blocks import block_table
 
             self._tables[key] = block_table(self.mask_text, self.mask_tensors, batch, heads, n_q, n_k, block_m,
-                                            block_n, device, transposed)
+                                            block_n, device)
         return self._tables[key]
 
 

@@ -29,7 +29,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.dtypes import SPEC_DTYPES, TORCH_DTYPES
 from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
-from tilegen.mods.blocks import block_table
+from tilegen.mods.blocks import backward_tables
 from tilegen.mods.grad import check_differentiable, grad_tensors
 from tilegen.mods.trace import ModCall
 from tilegen.ops.memo import memoized, with_mod_fields
@@ -141,14 +141,9 @@ def run_with_mods(spec, mods: ModCall, wants, dout, q, k, v, out, lse, dlse, cu_
         if dlse is not None and dlse.stride() != lse.stride():
             dlse = dlse.contiguous()
         acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if config.atomic_dq else dq
-        tables = {}
-        if mods.mask_mod is not None:
-            # dK/dV streams query blocks past a key block: its table lists query blocks per key block.
-            sizes = (mods.mask_mod, mods.mask_tensors, q.shape[0] if cu_q is None else cu_q.numel() - 1, q.shape[1],
-                     max_q, max_k)
-            tables["mod_blocks_dkdv"] = block_table(*sizes, config.block_m1, config.block_n1, q.device, True)
-            tables["mod_blocks_dq"] = None if config.atomic_dq else block_table(
-                *sizes, config.block_m2, config.block_n2, q.device)
+        tables = {} if mods.mask_mod is None else backward_tables(
+            mods.mask_mod, mods.mask_tensors, q.shape[0] if cu_q is None else cu_q.numel() - 1, q.shape[1], max_q,
+            max_k, config, q.device)
         launcher_for(spec).jit(q, k, v, out, dout, lse, dlse, dq, dk, dv, torch.empty_like(lse),
                                torch.empty_like(lse), acc, cu_q, cu_k, max_q, max_k, **fixed, mod_tensors=mods.tensors,
                                mod_grads=sums, **tables, **config.to_dict())

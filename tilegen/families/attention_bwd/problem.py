@@ -15,8 +15,8 @@ from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd import problem as forward
 from tilegen.families.attention_fwd.problem import attention_flops
 from tilegen.families.attention_fwd.reference import attention_reference
+from tilegen.mods.blocks import backward_tables
 from tilegen.mods.grad import grad_tensors
-from tilegen.mods.sources import tuning_mods
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "BACKWARD_FLOPS"]
@@ -75,14 +75,6 @@ class Problem(forward.Problem):
                 lse[b, h * g:(h + 1) * g] = l[0].float()
         return (q, k, v, out, dout, lse) if mods is None else (q, k, v, out, dout, lse, mods)
 
-    def _mods(self, device):
-        """The spec's mods built for this problem (``tilegen.mods.sources``), or ``None`` without mods."""
-        if self.mods == (None, None):
-            return None
-        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq}
-        return tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
-                           n_k=self.seq, device=device)
-
     def placeholder_inputs(self):
         if self.mods != (None, None):
             return self.inputs(0)  # the mods' tensors and the forward's output need values (compile-ahead: real ones)
@@ -110,10 +102,8 @@ class Problem(forward.Problem):
             extra["mod_tensors"] = mods[0].tensors
             extra["mod_grads"] = [None] * len(grad_tensors(self.spec.score_mod))
             if mods[0].mask_mod is not None:
-                sizes = self.batch, self.heads_q, self.seq, self.seq
-                extra["mod_blocks_dkdv"] = mods[0].block_table(*sizes, config.block_m1, config.block_n1, q.device, True)
-                extra["mod_blocks_dq"] = None if config.atomic_dq else mods[0].block_table(
-                    *sizes, config.block_m2, config.block_n2, q.device)
+                extra.update(backward_tables(mods[0].mask_text, mods[0].mask_tensors, self.batch, self.heads_q,
+                                             self.seq, self.seq, config, q.device))
         launcher.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, dq_acc, None, None, self.seq, self.seq,
                         scale=self.scale, softcap=self.softcap or 0.0, window_left=left, window_right=right,
                         **extra, **config.to_dict())

@@ -101,11 +101,16 @@ class Problem(base.Problem):
             (self.batch, self.heads_kv, self.seq, self.spec.dv),
         )
         q, k, v = (torch.randn(s, generator=gen, device=device, dtype=self.torch_dtype()) for s in shapes)
+        mods = self._mods(device)
+        return (q, k, v) if mods is None else (q, k, v, mods)
+
+    def _mods(self, device):
+        """The spec's mods built for this problem (``tilegen.mods.sources``), or ``None`` without mods."""
         if self.mods == (None, None):
-            return q, k, v
+            return None
         ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq}
-        return q, k, v, tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
-                                    n_k=self.seq, device=device)
+        return tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
+                           n_k=self.seq, device=device)
 
     def outputs(self, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = inputs[0]
