@@ -121,10 +121,7 @@ def attention(
         result, lse = torch.ops.tilegen.attention_fwd(
             q, k, v, spec.dv, spec.mask, spec.softcap, spec.return_lse, scale, softcap, left, right
         )
-        if out is not None:
-            _check_out(out, result.shape, q)
-            result = out.copy_(result)
-        return (result, lse) if return_lse else result
+        return _compiled_result(result, lse, out, q, return_lse)
 
     # The hot path. A call whose shapes, dtypes, devices and arguments match an earlier
     # valid call reuses that call's checked plan: one tuple, one dictionary lookup, the
@@ -224,6 +221,11 @@ def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return
     result, lse = torch.ops.tilegen.attention_mods_fwd(
         q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,
         spec.return_lse or trains, scale, softcap, left, right, deterministic)
+    return _compiled_result(result, lse, out, q, return_lse)
+
+
+def _compiled_result(result, lse, out, q, return_lse):
+    """A compiled call's return: a custom op allocates its own output, so one given as ``out`` gets a copy."""
     if out is not None:
         _check_out(out, result.shape, q)
         result = out.copy_(result)
