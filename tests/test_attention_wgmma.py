@@ -350,15 +350,18 @@ def _alibi_text(heads: int) -> str:
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_is_not():
     """A score mod runs in the Gluon kernels' softmax: the tuner may choose them (it checks every candidate against
-    the reference), the default rule not yet (no GPU has run them with a mod). A mask mod's block table, and a
-    gather by both positions, stay the Triton kernel's."""
+    the reference), and the default rule takes the ping-pong kernel at d128 (measured there), not at d64; a softcap
+    only a tune (its Gluon kernels ran slower). A mask mod's block table, and a gather by both positions, stay the
+    Triton kernel's."""
     from tilegen.mods import library
     from tilegen.mods.trace import trace
 
     alibi = AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", score_mod=_alibi_text(8))
     assert wgmma_unsupported(alibi) is None and search_space(alibi, HOPPER)["wgmma"] == [0, 1, 2, 3]
     assert feasible(alibi, WS, HOPPER) is None
-    assert not any(c.wgmma for _, c in default_rule(alibi, HOPPER))
+    assert default_rule(alibi, HOPPER)[-1][1] == Config(128, 128, 8, 2, tma=1, wgmma=3)
+    d64 = alibi.replace(head_dim=64)
+    assert wgmma_unsupported(d64) is None and not any(c.wgmma for _, c in default_rule(d64, HOPPER))
     documents = alibi.replace(score_mod=None, mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
                                                              "mask_mod").canonical)
     assert "mask mod" in wgmma_unsupported(documents)

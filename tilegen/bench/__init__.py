@@ -1,6 +1,9 @@
 """Benchmarks, each a module with ``main(argv)``: ``tilegen bench NAME`` (or ``python -m
 tilegen.bench.NAME``) runs one, tilegen and its peers measured in the same run."""
 
+import contextlib
+from unittest import mock
+
 
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend; ``None`` where matplotlib is not
@@ -13,3 +16,24 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+@contextlib.contextmanager
+def forced_config(family_name: str, config):
+    """Calls of ``family_name``'s specs run ``config``: the family's default rule gives it for every size, and tuned
+    rows are set aside (dispatch reads none), so a sweep measures the configs it names."""
+    import tilegen.db.lookup
+    from tilegen import dispatch
+    from tilegen.families import registry
+
+    family = registry.get(family_name)
+    rule = family.default_rule
+    # A family is a frozen dataclass: its rule is swapped under it for the sweep, and put back.
+    object.__setattr__(family, "default_rule", lambda spec, device: [(None, config)])
+    try:
+        with mock.patch.object(tilegen.db.lookup, "tuned_rows", lambda **key: {}):
+            dispatch.reset()
+            yield
+    finally:
+        object.__setattr__(family, "default_rule", rule)
+        dispatch.reset()

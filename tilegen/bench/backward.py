@@ -27,6 +27,7 @@ not speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -162,31 +163,46 @@ def _ms(fn, smoke: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bool = False) -> dict:
+def _times(fn, q, k, v, dout, smoke: bool, fwd: float, bwd: float) -> dict:
+    fn(q, k, v).backward(dout)  # warm-up (compiles flex, tilegen's kernels); a peer missing here fails
+    q.grad = k.grad = v.grad = None
+    fwd_bwd_ms = _ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), smoke)
+    out = fn(q, k, v)
+    bwd_ms = _ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), smoke)
+    del out
+    return {"fwd_bwd_ms": fwd_bwd_ms, "fwd_bwd_tflops": (fwd + bwd) / fwd_bwd_ms * 1e-9,
+            "bwd_ms": bwd_ms, "bwd_tflops": bwd / bwd_ms * 1e-9}
+
+
+def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bool = False, configs=()) -> dict:
+    """One cell: each peer's times, tilegen's gradients checked first; with ``configs`` (attention_bwd configs),
+    tilegen again under each of them as a peer named ``tilegen <config>``, each checked as well."""
+    from tilegen.bench import forced_config
+
     q, k, v, dout = _inputs(cell, device)
     row = {"cell": str(cell), "batch": cell.b}
     fns = _peers(cell, names, deterministic)
-    if "tilegen" in fns:
-        try:
-            errors = check(fns["tilegen"], q, k, v, dout, reference(q, k, v, dout, cell.causal))
-            worst = max(errors.values())
-            row["check"] = {"errors": errors, "passed": worst < TOLERANCE}
-        except Exception as e:  # e.g. no backward yet: the cell fails, the run goes on
-            row["check"] = {"error": _error(e), "passed": False}
+    runs = [(name, fn, None) for name, fn in fns.items()]
+    runs += [(f"tilegen {c}", _peers(cell, ["tilegen"], deterministic)["tilegen"], c) for c in configs]
+    ref = None
+    for name, fn, config in runs:
+        if name.startswith("tilegen"):
+            key = "check" if config is None else f"check {config}"
+            try:
+                with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
+                    ref = reference(q, k, v, dout, cell.causal) if ref is None else ref
+                    errors = check(fn, q, k, v, dout, ref)
+                row[key] = {"errors": errors, "passed": max(errors.values()) < TOLERANCE}
+            except Exception as e:  # e.g. no backward yet: the cell fails, the run goes on
+                row[key] = {"error": _error(e), "passed": False}
     fwd, bwd = cell.forward_flops, 2.5 * cell.forward_flops
-    for name, fn in fns.items():
-        if name == "tilegen" and not row["check"]["passed"]:
+    for name, fn, config in runs:
+        if name.startswith("tilegen") and not row["check" if config is None else f"check {config}"]["passed"]:
             row[name] = {"error": "failed the gradient check"}
             continue
         try:
-            fn(q, k, v).backward(dout)  # warm-up (compiles flex, tilegen's kernels); a peer missing here fails
-            q.grad = k.grad = v.grad = None
-            fwd_bwd_ms = _ms(lambda fn=fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), smoke)
-            out = fn(q, k, v)
-            bwd_ms = _ms(lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), smoke)
-            del out
-            row[name] = {"fwd_bwd_ms": fwd_bwd_ms, "fwd_bwd_tflops": (fwd + bwd) / fwd_bwd_ms * 1e-9,
-                         "bwd_ms": bwd_ms, "bwd_tflops": bwd / bwd_ms * 1e-9}
+            with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
+                row[name] = _times(fn, q, k, v, dout, smoke, fwd, bwd)
         except Exception as e:  # a peer missing on this GPU/torch (or out of memory) is n/a, not fatal
             row[name] = {"error": _error(e)}
         gc.collect()
@@ -381,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ragged", action="store_true", help="tilegen's backward over packed sequences of mixed "
                         "lengths (N/4 to 7N/4, B x N tokens) against its dense backward at B x N, instead of the peers")
     parser.add_argument("--out", metavar="DIR", help="write backward.md, backward.json and backward.png here")
+    parser.add_argument("--configs", default=None,
+                        help="also time tilegen under each of these attention_bwd configs, a JSON list of knob "
+                             "objects ([{\"block_m1\": 64, \"block_n1\": 128, ..., \"wgmma\": 2}, ...]): each a peer "
+                             "of its own, its gradients checked first")
     args = parser.parse_args(argv)
     if args.ragged and args.memory:
         parser.error("--ragged: times the backward; leave out --memory")
@@ -399,6 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     if smoke and not set(names) <= set(SMOKE_PEERS):
         parser.error(f"--peers: without a GPU (--smoke) only {', '.join(SMOKE_PEERS)} run")
     dtype = args.dtype or ("fp32" if smoke else "bf16")
+    configs = []
+    if args.configs is not None:
+        from tilegen.families import registry
+
+        try:  # a ConfigError is a ValueError, as is bad JSON
+            configs = [registry.get("attention_bwd").config_type.from_dict(c) for c in json.loads(args.configs)]
+        except ValueError as e:
+            parser.error(f"--configs: expected a JSON list of attention_bwd knob objects: {e}")
+        if args.memory or args.ragged:
+            parser.error("--configs times the dense backward: not with --memory or --ragged")
+    shown = list(names) + [f"tilegen {c}" for c in configs]
     if smoke and not on_gpu and not interpreting():
         # Triton picks the interpreter when it is imported, which `import tilegen` already did.
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(ragged_cell(cell, device, smoke, args.deterministic))
         else:
             rows.append(memory_cell(cell, names, args.deterministic) if args.memory
-                        else bench_cell(cell, names, device, smoke, args.deterministic))
+                        else bench_cell(cell, names, device, smoke, args.deterministic, configs))
         print(json.dumps(rows[-1]), flush=True)
         if on_gpu:
             torch.cuda.empty_cache()
@@ -438,14 +469,14 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"device": where, "torch": torch.__version__, "triton": triton.__version__,
                        "dtype": dtype, "deterministic": args.deterministic, "rows": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
-            f.write(f"{where}, {dtype}\n\n{markdown(rows, names, args.memory)}\n")
+            f.write(f"{where}, {dtype}\n\n{markdown(rows, shown, args.memory)}\n")
         if not args.memory:
-            written = plot(rows, names, stem + ".png")
+            written = plot(rows, shown, stem + ".png")
             print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")
     print("\npeak GB above the inputs, one forward+backward" if args.memory
           else "\nbackward-alone TFLOP/s (forward+backward and per-cell checks: --out)")
-    print(short_table(rows, names, args.memory))
-    failed = [r for r in rows if "check" in r and not r["check"]["passed"]]
+    print(short_table(rows, shown, args.memory))
+    failed = [r for r in rows if any(not c["passed"] for key, c in r.items() if key.startswith("check"))]
     return 1 if failed else 0
 
 

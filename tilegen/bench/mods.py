@@ -3,6 +3,7 @@ FlexAttention with the same mod, and against tilegen's built-in variant where on
 
     python -m tilegen.bench.mods --out mods.json
     python -m tilegen.bench.mods --backward --out mods.json --plot mods.png
+    python -m tilegen.bench.mods --mods alibi,alibi+causal --seqlen 16384
     python -m tilegen.bench.mods --mods alibi --configs '[{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "tma": 1, "wgmma": 2}]'
 
 bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128; the forward,
@@ -19,16 +20,14 @@ built-in mask or softcap. ``do_bench`` medians; TFLOP/s count the score pairs th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from unittest import mock
 
 import torch
 import triton
 
 import tilegen
 from tilegen.families import relative_error
-from tilegen.bench import pyplot
+from tilegen.bench import forced_config, pyplot
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.mods import library
 
@@ -145,27 +144,6 @@ def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v) -> None:
             row["builtin / tilegen bwd"] = row["builtin bwd us"] / t
 
 
-@contextlib.contextmanager
-def _forced(family_name: str, config):
-    """Calls of ``family_name``'s specs run ``config``: the family's default rule gives it for every size, and tuned
-    rows are set aside (dispatch reads none), so the sweep measures the configs it names."""
-    import tilegen.db.lookup
-    from tilegen import dispatch
-    from tilegen.families import registry
-
-    family = registry.get(family_name)
-    rule = family.default_rule
-    # A family is a frozen dataclass: its rule is swapped under it for the sweep, and put back.
-    object.__setattr__(family, "default_rule", lambda spec, device: [(None, config)])
-    try:
-        with mock.patch.object(tilegen.db.lookup, "tuned_rows", lambda **key: {}):
-            dispatch.reset()
-            yield
-    finally:
-        object.__setattr__(family, "default_rule", rule)
-        dispatch.reset()
-
-
 def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: bool) -> list[dict]:
     """The mod's forward (or backward alone) under each config (``attention_fwd``'s or ``attention_bwd``'s
     knobs), each checked against the family's own default config first (within 2e-2)."""
@@ -188,7 +166,7 @@ def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: boo
         config = family.config_type(**knobs)
         row = {"mod": name, "pass": "backward" if backward else "forward", "config": str(config)}
         try:
-            with _forced(family.name, config):
+            with forced_config(family.name, config):
                 got, t = run()
             error = max(relative_error(g.float(), e.float())[0] for g, e in zip(got, expected))
             row["error vs default"] = error
@@ -283,6 +261,8 @@ def plot(rows: list[dict], path: str) -> str | None:
 
 
 def main(argv=None) -> None:
+    # Every helper reads the shape from these module globals: one shape a run.
+    global B, N
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mods", default="", help="comma-separated names (default: every one)")
     parser.add_argument("--backward", action="store_true", help="also time each provider's backward alone")
@@ -293,7 +273,13 @@ def main(argv=None) -> None:
                              "a JSON list of knob objects ([{\"block_m\": 128, \"block_n\": 128, \"num_warps\": 8, "
                              "\"num_stages\": 3, \"tma\": 1, \"wgmma\": 2}, ...]); with --backward, attention_bwd "
                              "configs and the backward alone")
+    parser.add_argument("--seqlen", type=int, default=N,
+                        help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
+                             "scale with it)")
     args = parser.parse_args(argv)
+    if args.seqlen < 1 or args.seqlen > B * N:
+        parser.error(f"--seqlen: expected 1 to {B * N}, got {args.seqlen}")
+    B, N = B * N // args.seqlen, args.seqlen
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -8,16 +8,17 @@ and ``_dq`` (BLOCK_M2 query rows on chip, BLOCK_N2 keys streamed), or, with ``at
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import triton
 
 from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
-from tilegen.families.attention_fwd.config import has_tma
+from tilegen.families.attention_fwd.config import has_tma, has_wgmma
 from tilegen.mods.lower import gathers_per_score
 
-__all__ = ["Config", "search_space", "feasible", "default_rule", "deterministic"]
+__all__ = ["Config", "search_space", "feasible", "default_rule", "deterministic", "wgmma_unsupported"]
 
 # Per-thread fp32 registers past which a kernel spills for sure (accumulators plus two score-sized tiles).
 _MAX_FP32_REGS_PER_THREAD = 192
@@ -41,15 +42,19 @@ class Config(base.Config):
     # 1: Q and dO (dK/dV kernel), K and V (dQ kernel) stream through TMA tensor descriptors (Hopper and later)
     # where the tensors allow one; else through pointers. Dense batches only: a ragged call reads pointers.
     tma: int = 0
+    # Gluon kernels (Hopper wgmma, their pipelines written out, attention_bwd/attention_bwd_wgmma) on TMA
+    # descriptors, where the call allows them: 1 the dK/dV kernel, 2 the dQ kernel too; 0 the Triton kernels.
+    wgmma: int = 0
 
     switches = frozenset({"atomic_dq", "tma"})
+    choices = MappingProxyType({"wgmma": (0, 1, 2)})
 
     def __str__(self) -> str:
         dkdv = f"M{self.block_m1}-N{self.block_n1}-w{self.num_warps1}-s{self.num_stages1}"
+        suffix = ("-tma" if self.tma else "") + ("", "-wgmma-dkdv", "-wgmma")[self.wgmma]
         if self.atomic_dq:
-            return dkdv + "-atomic" + ("-tma" if self.tma else "")
-        return (dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}"
-                + ("-tma" if self.tma else ""))
+            return dkdv + "-atomic" + suffix
+        return dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}" + suffix
 
 
 def deterministic(config: Config) -> Config:
@@ -58,7 +63,7 @@ def deterministic(config: Config) -> Config:
         return config
     dq = _DQ_FOR_ATOMIC.get((config.block_m1, config.block_n1), (64, 32, 4, 2))
     return Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0,
-                  tma=config.tma)
+                  tma=config.tma, wgmma=config.wgmma)
 
 
 # The dQ kernel's tiles a deterministic call takes in place of atomics: its query tile as the dK/dV
@@ -77,7 +82,49 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
     # 128 rows for dK/dV or query blocks of 128 rows for it lost by 1.3-3x, as did one stage.
     return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
             "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3, 4],
-            "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0]}
+            "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0],
+            "wgmma": [0, 1, 2] if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+
+
+def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
+    """Why the Gluon kernels do not implement ``spec``, or ``None`` when they do."""
+    if spec.layout != "dense":
+        return f"layout={spec.layout!r}: the Gluon kernels read TMA descriptors of dense batches"
+    if spec.score_mod is not None or spec.mask_mod is not None:
+        return "score_mod/mask_mod: the Gluon kernels take no mods"
+    if spec.softcap:
+        return "softcap: the Gluon kernels have none"
+    if spec.mask not in ("none", "causal"):
+        return f"mask={spec.mask!r}: the Gluon kernels have no window"
+    if spec.head_dim not in (64, 128) or spec.dv != spec.head_dim:
+        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernels take 64 or 128, equal"
+    if spec.dtype not in ("bf16", "fp16"):
+        return f"dtype={spec.dtype}: the Gluon kernels take bf16 or fp16"
+    return None
+
+
+def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str | None:
+    knob = f"wgmma={config.wgmma}"
+    if not has_wgmma(device):
+        return f"{knob}: the Gluon kernels need an sm90 GPU and Triton 3.6"
+    reason = wgmma_unsupported(spec)
+    if reason is not None:
+        return f"{knob}: {reason}"
+    if not config.tma or config.atomic_dq:
+        # dQ by atomics in the Gluon dK/dV kernel (dS staged through shared memory, fp32 reductions) ran at
+        # 0.67-0.88x the Triton kernels on the H200 (BENCHMARKS.md): the atomics stall the one partition.
+        return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0)"
+    # One warpgroup per 64 rows of each kernel's held tile; the streamed tile is the instruction's N.
+    kernels = [("dK/dV", "block_n1", "num_warps1", config.block_n1, config.num_warps1, config.block_m1)]
+    if config.wgmma == 2:
+        kernels.append(("dQ", "block_m2", "num_warps2", config.block_m2, config.num_warps2, config.block_n2))
+    for kernel, held_name, warps_name, held, warps, streamed in kernels:
+        if held not in (64, 128) or warps != held // 16:
+            return f"{knob}: the Gluon {kernel} kernel holds 64 or 128 rows with a warp per 16 ({held_name}={held}, " \
+                   f"{warps_name}={warps})"
+        if streamed not in (32, 64, 128):
+            return f"{knob}: the Gluon {kernel} kernel streams blocks of 32, 64 or 128 rows, not {streamed}"
+    return None
 
 
 def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str | None:
@@ -91,6 +138,12 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
         return f"tma={config.tma}: expected 0 or 1"
     if config.tma and not has_tma(device):
         return f"tma=1: {device.name} (sm{device.capability[0]}{device.capability[1]}) has no TMA; it needs sm90"
+    if config.wgmma not in Config.choices["wgmma"]:
+        return f"wgmma={config.wgmma}: expected one of {', '.join(map(str, Config.choices['wgmma']))}"
+    if config.wgmma:
+        reason = _wgmma_infeasible(spec, config, device)
+        if reason is not None:
+            return reason
     if config.atomic_dq and (config.block_m2, config.block_n2, config.num_warps2, config.num_stages2) != (
             config.block_m1, config.block_n1, config.num_warps1, config.num_stages1):
         # One row per kernel: the dQ kernel does not run, so its knobs repeat the dK/dV kernel's.
@@ -107,11 +160,13 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
     kernels = [("dK/dV", config.block_n1, config.block_m1, config.num_warps1, config.num_stages1)]
     if not config.atomic_dq:
         kernels.append(("dQ", config.block_m2, config.block_n2, config.num_warps2, config.num_stages2))
-    for kernel, held, streamed, warps, stages in kernels:
+    for i, (kernel, held, streamed, warps, stages) in enumerate(kernels):
         regs = (held * dims + 2 * held * streamed) / (32 * warps)
         if regs > _MAX_FP32_REGS_PER_THREAD:
             return f"~{regs:.0f} fp32 registers per thread in the {kernel} kernel: spills"
-        smem = (held * dims + max(stages - 1, 1) * streamed * dims) * elt + tiles * held * streamed
+        # The Gluon kernels' rings hold all their stages; Triton's pipeliner keeps one fewer in shared memory.
+        ring = stages if config.wgmma > i else max(stages - 1, 1)
+        smem = (held * dims + ring * streamed * dims) * elt + tiles * held * streamed
         if smem > device.smem_bytes:
             return f"~{smem} bytes of shared memory in the {kernel} kernel against the device's {device.smem_bytes}"
     return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tilegen.dtypes import TORCH_DTYPES
+from tilegen.families.attention_bwd.config import wgmma_unsupported
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
 from tilegen.families.attention_fwd.lower import attention_values
 from tilegen.mods.grad import mod_grad_values
@@ -14,4 +16,8 @@ __all__ = ["lower"]
 def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
     # TMA descriptors address [batch, heads, seq, dim]: the dense layout's only.
     return {**attention_values(spec), "layout": spec.layout, "tma": spec.layout == "dense",
+            # The Gluon kernels, for the specs they implement (rendered only there, so the others' modules and
+            # hashes stay as they were).
+            "wgmma": wgmma_unsupported(spec) is None,
+            "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch."),
             **mod_grad_values(spec.score_mod)}

@@ -127,9 +127,13 @@ def _offers_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
 
 
 def _defaults_to_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
-    """Whether the default rule takes the Gluon kernels: not yet for a score mod or a softcap, whose Gluon paths
-    only a tune (which checks every candidate against the reference) may choose until measured on a GPU."""
-    return _offers_wgmma(spec, device) and spec.score_mod is None and not spec.softcap
+    """Whether the default rule takes the Gluon kernels. Not for a softcap: on the H200 (bf16, 4 x 4096, 32/8
+    heads, d128) its Gluon kernels ran slower than the Triton one (one partition 307 TFLOP/s, warp-specialized
+    236-237, against 310). A score mod at d128 only, where it was measured (ALiBi there: 542 against 446); at d64
+    its Gluon paths are a tune's to choose (every candidate checked against the reference)."""
+    if spec.softcap or not _offers_wgmma(spec, device):
+        return False
+    return spec.score_mod is None or max(spec.head_dim, spec.dv) == 128
 
 
 def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
@@ -240,6 +244,9 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # a causal tile has few blocks and half of its diagonal one is masked (1k: 422 against 375 for
             # BN128, 359 for the Triton row).
             causal = [(1024, _WS_SHORT_CAUSAL)] if spec.mask == "causal" else []
-            rule[1:] = causal + [(None, _WARP_SPECIALIZED)]
+            # A score mod adds CUDA-core work to every block: the consumers taking turns hide it under the other's
+            # products (ALiBi, bf16, 4 x 4096, 32/8 heads, full: ping-pong 542 TFLOP/s, without 509, one partition
+            # 447, the Triton row 446).
+            rule[1:] = causal + [(None, _WS_PINGPONG if spec.score_mod is not None else _WARP_SPECIALIZED)]
         return rule
     return [(None, Config(64, 32, 4, 2))]

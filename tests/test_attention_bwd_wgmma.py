@@ -1,0 +1,153 @@
+"""The attention backward's Gluon kernels (config ``wgmma`` 1: dK/dV, 2: dQ too): Hopper's wgmma pipeline written
+out, on TMA descriptors.
+
+Gluon has no interpreter, so on the CPU machine these tests check what the knob promises without running it:
+where it is offered, what it refuses and why, that a launch falls back to the Triton kernels where the Gluon ones
+cannot run, and that both kernels compile for sm90 with every wgmma kept asynchronous. On a GPU the ``gpu`` tests
+run them against the float64 reference, into NaN-poisoned gradients.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import triton
+from helpers import Case, compile_for_sm90, param
+from test_attention_backward import _direct_inputs, _launch, check_grads
+
+from tilegen.codegen import module_for
+from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
+from tilegen.families.attention_bwd import AttentionBwdSpec, Config
+from tilegen.families.attention_bwd.config import feasible, search_space, wgmma_unsupported
+from tilegen.families.attention_bwd.reference import attention_backward_reference
+from tilegen.families.attention_fwd.config import has_wgmma
+
+HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+AMPERE = DeviceInfo("NVIDIA A100", (8, 0), 108, 80 << 30, 166912)
+TRITON_36 = triton.__version__.startswith("3.6.")
+D128 = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
+DKDV = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=1)
+BOTH = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=2)
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (AttentionBwdSpec(head_dim=128, layout="ragged"), "layout='ragged'"),
+    (AttentionBwdSpec(head_dim=128, mask="window"), "mask='window'"),
+    (AttentionBwdSpec(head_dim=128, softcap=True), "softcap"),
+    (AttentionBwdSpec(head_dim=96), "head dims 96/96"),
+    (AttentionBwdSpec(head_dim=128, head_dim_v=64), "head dims 128/64"),
+    (AttentionBwdSpec(head_dim=64, dtype="fp32"), "dtype=fp32"),
+], ids=lambda x: x if isinstance(x, str) else x.name)
+def test_refuses_what_the_kernels_do_not_implement(spec, reason):
+    assert reason in wgmma_unsupported(spec)
+    assert search_space(spec, HOPPER)["wgmma"] == [0]
+
+
+@pytest.mark.parametrize("config,reason", [
+    (Config(64, 128, 8, 2, 128, 64, 8, 2, tma=0, wgmma=1), "tma=1"),
+    (Config(64, 128, 8, 2, 64, 128, 8, 2, atomic_dq=1, tma=1, wgmma=1), "atomic_dq=0"),
+    (Config(64, 128, 4, 2, 128, 64, 8, 2, tma=1, wgmma=1), "num_warps1=4"),
+    (Config(64, 32, 4, 2, 128, 64, 8, 2, tma=1, wgmma=1), "block_n1=32"),
+    (Config(64, 128, 8, 2, 128, 64, 4, 2, tma=1, wgmma=2), "num_warps2=4"),
+    (Config(64, 128, 8, 2, 128, 16, 8, 2, tma=1, wgmma=2), "blocks of 32, 64 or 128 rows, not 16"),
+], ids=str)
+@pytest.mark.skipif(not TRITON_36, reason="the knob is offered under Triton 3.6 only")
+def test_infeasible_configs_say_why(config, reason):
+    assert reason in feasible(D128, config, HOPPER)
+
+
+def test_offered_on_hopper_with_triton_36_only():
+    assert "sm90" in feasible(D128, BOTH, AMPERE)
+    assert "sm90" in feasible(D128, BOTH, CPU_INTERPRETER)
+    assert search_space(D128, AMPERE)["wgmma"] == [0]
+    if TRITON_36:
+        assert feasible(D128, DKDV, HOPPER) is None and feasible(D128, BOTH, HOPPER) is None
+        assert search_space(D128, HOPPER)["wgmma"] == [0, 1, 2]
+        # The Gluon ring holds every stage: six of 64-row Q and dO blocks at d128 do not fit beside K and V, five do.
+        assert feasible(D128, Config(64, 128, 8, 5, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER) is None
+        assert "shared memory" in feasible(D128, Config(64, 128, 8, 6, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER)
+    else:
+        assert "Triton 3.6" in feasible(D128, BOTH, HOPPER)
+
+
+def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
+    """A CPU launch with the knob on runs the Triton kernels with the same tiles: right gradients, every element."""
+    if device != "cpu":
+        pytest.skip("the fallback is for tensors Gluon cannot take")
+    case = Case(37, 21, dtype="bf16", head_dim=64, heads_q=4, heads_kv=2, causal=True)
+    spec = AttentionBwdSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16")
+    assert wgmma_unsupported(spec) is None
+    config = Config(16, 32, 4, 1, 32, 16, 4, 1, tma=1, wgmma=2)
+    q, k, v, out, dout, lse, dlse = _direct_inputs(case, device)
+    grads = _launch(spec, config, case, q, k, v, out, dout, lse, dlse)
+    check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), torch.bfloat16)
+
+
+def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+@pytest.mark.parametrize("spec,kernel,held,streamed,stages", [
+    (D128, "_dkdv_wgmma", 128, 64, 2),
+    (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
+], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
+def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
+    pytest.importorskip("triton.backends.nvidia")
+    d, dt = spec.head_dim, spec.dtype
+    streamed_desc, held_desc = _descriptor(streamed, d, dt), _descriptor(held, d, dt)
+    if kernel == "_dkdv_wgmma":
+        pointers = {"q_desc": streamed_desc, "do_desc": streamed_desc, "k_desc": held_desc, "v_desc": held_desc,
+                    "dK": f"*{dt}", "dV": f"*{dt}"}
+        blocks = {"BLOCK_M": streamed, "BLOCK_N": held}
+    else:
+        pointers = {"q_desc": held_desc, "do_desc": held_desc, "k_desc": streamed_desc, "v_desc": streamed_desc,
+                    "dQ": f"*{dt}"}
+        blocks = {"BLOCK_M": held, "BLOCK_N": streamed}
+    pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"})
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
+               "configs": [{**blocks, "STAGES": stages, "num_warps": held // 16}]}
+    out = compile_for_sm90(request, tmp_path, kernels=1)
+    assert out.strip().endswith("wgmma async"), out
+
+
+GPU_CASES = [
+    param(Case(1, dtype="bf16", head_dim=64, causal=True)),
+    param(Case(17, dtype="bf16", head_dim=128, heads_q=4, heads_kv=2, causal=True)),
+    param(Case(257, dtype="fp16", head_dim=64, batch=2, heads_q=8, heads_kv=2)),
+    param(Case(1000, dtype="bf16", head_dim=128, heads_q=4, heads_kv=1, causal=True)),
+    param(Case(100, 300, dtype="bf16", head_dim=64, heads_q=4, heads_kv=1, causal=True)),
+    param(Case(300, 100, dtype="fp16", head_dim=128, causal=True)),  # rows that see no key
+    param(Case(129, 1000, dtype="bf16", head_dim=128, heads_q=8, heads_kv=8)),
+    param(Case(1000, dtype="fp16", head_dim=128, batch=2, scale=0.3)),
+    param(Case(1050, 900, dtype="bf16", head_dim=64, batch=3, heads_q=6, heads_kv=2, causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [DKDV, BOTH, Config(32, 128, 8, 3, 64, 64, 4, 3, tma=1, wgmma=2),
+                                    Config(64, 64, 4, 2, 128, 128, 8, 2, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gluon_kernels_match_reference(case, config, monkeypatch):
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernels need an sm90 GPU and Triton 3.6")
+    spec = AttentionBwdSpec(head_dim=case.head_dim, q_per_kv=case.heads_q // case.heads_kv,
+                            mask="causal" if case.causal else "none", dtype=case.dtype)
+    if feasible(spec, config, device_info(torch.cuda.current_device())) is not None:
+        pytest.skip(feasible(spec, config, device_info(torch.cuda.current_device())))
+    module = module_for(spec)
+    runs = []
+    for name in ("_dkdv_wgmma", "_dq_wgmma"):
+        kernel = getattr(module, name)
+        spy = type("Spy", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: runs.append(name) or kernel[grid]})
+        monkeypatch.setattr(module, name, spy())
+    q, k, v, out, dout, lse, dlse = _direct_inputs(case, "cuda")
+    grads = _launch(spec, config, case, q, k, v, out, dout, lse, dlse)
+    torch.cuda.synchronize()
+    assert runs == ["_dkdv_wgmma", "_dq_wgmma"][:config.wgmma], "the launcher did not take the Gluon kernels"
+    check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), case.torch_dtype)
