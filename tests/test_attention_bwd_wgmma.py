@@ -20,7 +20,7 @@ from test_attention_backward import _direct_inputs, _launch, check_grads
 from tilegen.codegen import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen.families.attention_bwd import AttentionBwdSpec, Config
-from tilegen.families.attention_bwd.config import feasible, search_space, wgmma_unsupported
+from tilegen.families.attention_bwd.config import default_rule, feasible, search_space, wgmma_unsupported
 from tilegen.families.attention_bwd.reference import attention_backward_reference
 from tilegen.families.attention_fwd.config import has_wgmma
 
@@ -30,6 +30,7 @@ TRITON_36 = triton.__version__.startswith("3.6.")
 D128 = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
 DKDV = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=1)
 BOTH = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=2)
+WS = Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
 
 
 @pytest.mark.parametrize("spec,reason", [
@@ -52,6 +53,7 @@ def test_refuses_what_the_kernels_do_not_implement(spec, reason):
     (Config(64, 32, 4, 2, 128, 64, 8, 2, tma=1, wgmma=1), "block_n1=32"),
     (Config(64, 128, 8, 2, 128, 64, 4, 2, tma=1, wgmma=2), "num_warps2=4"),
     (Config(64, 128, 8, 2, 128, 16, 8, 2, tma=1, wgmma=2), "blocks of 32, 64 or 128 rows, not 16"),
+    (Config(64, 64, 4, 2, 128, 64, 8, 2, tma=1, wgmma=3), "two warpgroups (block_n1=128, num_warps1=8)"),
 ], ids=str)
 @pytest.mark.skipif(not TRITON_36, reason="the knob is offered under Triton 3.6 only")
 def test_infeasible_configs_say_why(config, reason):
@@ -64,7 +66,11 @@ def test_offered_on_hopper_with_triton_36_only():
     assert search_space(D128, AMPERE)["wgmma"] == [0]
     if TRITON_36:
         assert feasible(D128, DKDV, HOPPER) is None and feasible(D128, BOTH, HOPPER) is None
-        assert search_space(D128, HOPPER)["wgmma"] == [0, 1, 2]
+        assert search_space(D128, HOPPER)["wgmma"] == [0, 1, 2, 3] and feasible(D128, WS, HOPPER) is None
+        # The default: the warp-specialized dK/dV kernel at d128 (measured ahead there), the Triton kernels at d64.
+        [(_, rule)] = default_rule(D128, HOPPER)
+        assert rule.wgmma == 3 and feasible(D128, rule, HOPPER) is None
+        assert not any(c.wgmma for _, c in default_rule(D128.replace(head_dim=64), HOPPER))
         # The Gluon ring holds every stage: six of 64-row Q and dO blocks at d128 do not fit beside K and V, five do.
         assert feasible(D128, Config(64, 128, 8, 5, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER) is None
         assert "shared memory" in feasible(D128, Config(64, 128, 8, 6, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER)
@@ -95,23 +101,25 @@ def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
 @pytest.mark.parametrize("spec,kernel,held,streamed,stages", [
     (D128, "_dkdv_wgmma", 128, 64, 2),
+    (D128, "_dkdv_wgmma_ws", 64, 64, 2),  # each consumer's 64 keys
     (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     d, dt = spec.head_dim, spec.dtype
     streamed_desc, held_desc = _descriptor(streamed, d, dt), _descriptor(held, d, dt)
-    if kernel == "_dkdv_wgmma":
+    if kernel.startswith("_dkdv"):
         pointers = {"q_desc": streamed_desc, "do_desc": streamed_desc, "k_desc": held_desc, "v_desc": held_desc,
                     "dK": f"*{dt}", "dV": f"*{dt}"}
-        blocks = {"BLOCK_M": streamed, "BLOCK_N": held}
+        # The warp-specialized kernel's warps are its first consumer's; its key block is two of k_desc's.
+        blocks = {"BLOCK_M": streamed} if kernel.endswith("_ws") else {"BLOCK_M": streamed, "BLOCK_N": held}
     else:
         pointers = {"q_desc": held_desc, "do_desc": held_desc, "k_desc": streamed_desc, "v_desc": streamed_desc,
                     "dQ": f"*{dt}"}
         blocks = {"BLOCK_M": held, "BLOCK_N": streamed}
     pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"})
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
-               "configs": [{**blocks, "STAGES": stages, "num_warps": held // 16}]}
+               "configs": [{**blocks, "STAGES": stages, "num_warps": 4 if kernel.endswith("_ws") else held // 16}]}
     out = compile_for_sm90(request, tmp_path, kernels=1)
     assert out.strip().endswith("wgmma async"), out
 
@@ -131,7 +139,8 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DKDV, BOTH, Config(32, 128, 8, 3, 64, 64, 4, 3, tma=1, wgmma=2),
-                                    Config(64, 64, 4, 2, 128, 128, 8, 2, tma=1, wgmma=2)], ids=str)
+                                    Config(64, 64, 4, 2, 128, 128, 8, 2, tma=1, wgmma=2), WS,
+                                    Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gluon_kernels_match_reference(case, config, monkeypatch):
     if not has_wgmma(device_info(torch.cuda.current_device())):
@@ -142,12 +151,13 @@ def test_gluon_kernels_match_reference(case, config, monkeypatch):
         pytest.skip(feasible(spec, config, device_info(torch.cuda.current_device())))
     module = module_for(spec)
     runs = []
-    for name in ("_dkdv_wgmma", "_dq_wgmma"):
+    for name in ("_dkdv_wgmma", "_dq_wgmma", "_dkdv_wgmma_ws"):
         kernel = getattr(module, name)
         spy = type("Spy", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: runs.append(name) or kernel[grid]})
         monkeypatch.setattr(module, name, spy())
     q, k, v, out, dout, lse, dlse = _direct_inputs(case, "cuda")
     grads = _launch(spec, config, case, q, k, v, out, dout, lse, dlse)
     torch.cuda.synchronize()
-    assert runs == ["_dkdv_wgmma", "_dq_wgmma"][:config.wgmma], "the launcher did not take the Gluon kernels"
+    taken = {1: ["_dkdv_wgmma"], 2: ["_dkdv_wgmma", "_dq_wgmma"], 3: ["_dkdv_wgmma_ws"]}[config.wgmma]
+    assert runs == taken, "the launcher did not take the Gluon kernels the config names"
     check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), case.torch_dtype)

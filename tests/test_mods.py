@@ -302,10 +302,10 @@ def test_a_spec_read_from_json_cannot_put_code_into_the_module(text):
         AttentionSpec(head_dim=64, **{field: text})
 
 
-def test_on_an_h200_a_score_mod_spec_may_be_tuned_onto_a_gluon_kernel_but_defaults_to_triton(monkeypatch):
-    """Where the plain spec's default and search space take the wgmma kernels, a score mod's search space offers
-    them too (a tune checks each candidate against the reference) and its default does not yet; a mask mod's
-    offers none (its block table is the Triton kernel's)."""
+def test_on_an_h200_a_score_mod_spec_takes_the_gluon_kernels_and_a_mask_mod_spec_does_not(monkeypatch):
+    """Where the plain spec's default and search space take the wgmma kernels, a score mod's do too at head dim 128
+    (the ping-pong kernel, measured there); a mask mod's search space offers none (its block table is the Triton
+    kernel's)."""
     import triton
 
     from tilegen.device import DeviceInfo
@@ -318,7 +318,7 @@ def test_on_an_h200_a_score_mod_spec_may_be_tuned_onto_a_gluon_kernel_but_defaul
     masked = plain.replace(mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
                                           "mask_mod").canonical)
     assert any(c.wgmma for _, c in FAMILY.default_rule(plain, h200)) and FAMILY.search_space(plain, h200)["wgmma"] != [0]
-    assert not any(c.wgmma for _, c in FAMILY.default_rule(modded, h200))
+    assert FAMILY.default_rule(modded, h200)[-1][1].wgmma == 3
     assert FAMILY.search_space(modded, h200)["wgmma"] == [0, 1, 2, 3]
     assert FAMILY.search_space(masked, h200)["wgmma"] == [0]
 

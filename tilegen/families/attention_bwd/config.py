@@ -43,15 +43,16 @@ class Config(base.Config):
     # where the tensors allow one; else through pointers. Dense batches only: a ragged call reads pointers.
     tma: int = 0
     # Gluon kernels (Hopper wgmma, their pipelines written out, attention_bwd/attention_bwd_wgmma) on TMA
-    # descriptors, where the call allows them: 1 the dK/dV kernel, 2 the dQ kernel too; 0 the Triton kernels.
+    # descriptors, where the call allows them: 1 the dK/dV kernel, 2 the dQ kernel too, 3 the dK/dV kernel
+    # warp-specialized (a loader warp, two consumer warpgroups); 0 the Triton kernels.
     wgmma: int = 0
 
     switches = frozenset({"atomic_dq", "tma"})
-    choices = MappingProxyType({"wgmma": (0, 1, 2)})
+    choices = MappingProxyType({"wgmma": (0, 1, 2, 3)})
 
     def __str__(self) -> str:
         dkdv = f"M{self.block_m1}-N{self.block_n1}-w{self.num_warps1}-s{self.num_stages1}"
-        suffix = ("-tma" if self.tma else "") + ("", "-wgmma-dkdv", "-wgmma")[self.wgmma]
+        suffix = ("-tma" if self.tma else "") + ("", "-wgmma-dkdv", "-wgmma", "-wgmma-ws")[self.wgmma]
         if self.atomic_dq:
             return dkdv + "-atomic" + suffix
         return dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}" + suffix
@@ -83,7 +84,7 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
     return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
             "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3, 4],
             "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0],
-            "wgmma": [0, 1, 2] if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+            "wgmma": list(Config.choices["wgmma"]) if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
 
 
 def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
@@ -112,8 +113,11 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
         return f"{knob}: {reason}"
     if not config.tma or config.atomic_dq:
         # dQ by atomics in the Gluon dK/dV kernel (dS staged through shared memory, fp32 reductions) ran at
-        # 0.67-0.88x the Triton kernels on the H200 (BENCHMARKS.md): the atomics stall the one partition.
+        # 0.67-0.89x the Triton kernels on the H200 (BENCHMARKS.md): the atomics stall the one partition.
         return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0)"
+    if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
+        return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
+               f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
     # One warpgroup per 64 rows of each kernel's held tile; the streamed tile is the instruction's N.
     kernels = [("dK/dV", "block_n1", "num_warps1", config.block_n1, config.num_warps1, config.block_m1)]
     if config.wgmma == 2:
@@ -165,7 +169,7 @@ def feasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo) -> str 
         if regs > _MAX_FP32_REGS_PER_THREAD:
             return f"~{regs:.0f} fp32 registers per thread in the {kernel} kernel: spills"
         # The Gluon kernels' rings hold all their stages; Triton's pipeliner keeps one fewer in shared memory.
-        ring = stages if config.wgmma > i else max(stages - 1, 1)
+        ring = stages if (config.wgmma > 0, config.wgmma == 2)[i] else max(stages - 1, 1)
         smem = (held * dims + ring * streamed * dims) * elt + tiles * held * streamed
         if smem > device.smem_bytes:
             return f"~{smem} bytes of shared memory in the {kernel} kernel against the device's {device.smem_bytes}"
@@ -193,6 +197,11 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
         return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
+    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None:
+        # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
+        # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
+        # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
+        return [(None, Config(64, 128, 8, 3, 128, 64, 8, 3, tma=1, wgmma=3))]
     if spec.mask == "causal" and spec.score_mod is not None:
         # ALiBi, causal (bf16, 4 x 4096, 32/8 heads, d128, the H200): 2 stages 4.59 ms against 5.32 for 3. Without
         # the mod 3 stages stay ahead (4.13 against 4.30), and so they do for ALiBi without the mask (6.86 / 7.99).
