@@ -337,6 +337,35 @@ def case_tma() -> None:
         assert sum(a[0] == "descriptor" for a in LAUNCHES[start][-1]) == descriptors, LAUNCHES[start][-1]
 
 
+def case_gluon() -> None:
+    """A Gluon kernel's launches on descriptors of Gluon's own class are direct after the first, equal to the
+    JIT's; another shared layout or block is another kernel, through the JIT once."""
+    import gluon_copy
+
+    if gluon_copy.KERNEL is None:
+        print("skip gluon: this Triton spells Gluon's Hopper API otherwise", flush=True)
+        return
+    kernel = launch.DirectKernel(gluon_copy.KERNEL, gate.internals())
+    calls = (
+        ("first", lambda: gluon_copy.descriptors(48), 1),
+        ("new tensors", lambda: gluon_copy.descriptors(48), 0),
+        ("other rows", lambda: gluon_copy.descriptors(80), 0),
+        ("another block", lambda: gluon_copy.descriptors(48, block=32), 1),
+        ("fp16", lambda: gluon_copy.descriptors(48, dtype=torch.float16), 1),
+    )
+    for name, make, expected in calls:
+        src, dst = make()
+        args = (src, dst, 0.5, src.shape[0])
+        grid = (src.shape[0] // src.block_shape[0], )
+        start = len(LAUNCHES)
+        runs = jit_runs(lambda: kernel[grid](*args, BLOCK=src.block_shape[0], num_warps=4))
+        assert runs == expected, f"{name}: {runs} launches through the JIT, expected {expected}"
+        gluon_copy.KERNEL[grid](*args, BLOCK=src.block_shape[0], num_warps=4)
+        assert LAUNCHES[start] == LAUNCHES[start + 1], LAUNCHES[start:]
+        del LAUNCHES[start:]
+    assert kernel.broken is None, kernel.broken
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def _describe(value):
     if isinstance(value, TensorDescriptor):
         return ("descriptor", value.base.data_ptr(), value.base.dtype, tuple(value.shape), tuple(value.strides),
                 tuple(value.block_shape), value.padding)
+    if type(value).__module__ == "triton.experimental.gluon.nvidia.hopper":
+        return ("gluon descriptor", value.base.data_ptr(), value.base.dtype, tuple(value.shape),
+                tuple(value.strides), tuple(value.block_shape), repr(value.layout), value.padding)
     return (type(value).__name__, value)
 
 

@@ -23,6 +23,7 @@ import tilegen
 from tilegen import dispatch
 from tilegen.codegen import module_for
 from tilegen.triton_internals import gate
+from tilegen.triton_internals.launch import DirectKernel
 from tilegen.families.attention_fwd import AttentionSpec
 
 
@@ -44,7 +45,25 @@ def calls():
         ("paged decode, split", lambda: decode.run(bf16(2, 8, 64), check._cache())),
         ("dense through TMA descriptors", lambda: launcher.direct(*(bf16(1, 8, 40, 64) for _ in range(4)),
                                                                   bf16(1, 8, 40), **tma)),
-    ]
+    ] + _gluon()
+
+
+_GLUON = {}
+
+
+def _gluon():
+    """A Gluon kernel on Gluon's descriptors, where this Triton has Gluon's Hopper API."""
+    import gluon_copy
+
+    if gluon_copy.KERNEL is None:
+        return []
+    kernel = _GLUON.setdefault("kernel", DirectKernel(gluon_copy.KERNEL, gate.internals()))
+
+    def call():
+        src, dst = gluon_copy.descriptors(48)
+        kernel[(3, )](src, dst, 0.5, 48, BLOCK=16, num_warps=4)
+
+    return [("gluon kernel on gluon descriptors", call)]
 
 
 if __name__ == "__main__":

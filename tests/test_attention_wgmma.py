@@ -12,6 +12,7 @@ a GPU the ``gpu`` tests run it against the float64 reference.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -64,8 +65,10 @@ def test_offered_on_hopper_with_triton_36_only():
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 @pytest.mark.parametrize("spec,config,reason", [
     (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "no window"),
-    (AttentionSpec(head_dim=96, dtype="bf16"), WGMMA, "64 or 128"),
-    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "64 or 128, equal"),
+    (AttentionSpec(head_dim=32, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
+    (AttentionSpec(head_dim=192, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
+    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
+    (AttentionSpec(head_dim=96, head_dim_v=128, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
     (AttentionSpec(head_dim=64, dtype="fp32"), WGMMA, "bf16 or fp16"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 3, tma=0, wgmma=1), "goes with tma=1"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 64, 4, 3, tma=1, wgmma=1), "BM128 with 8"),
@@ -130,7 +133,12 @@ def test_only_specs_it_implements_carry_the_kernel():
     source = source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
     assert "_wgmma(" in source and "_wgmma_ws(" in source
     assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
-    assert "gluon" not in source_for(AttentionSpec(head_dim=96, dtype="fp16"))
+    assert "gluon" not in source_for(AttentionSpec(head_dim=192, dtype="fp16"))
+    # A head dim below 128 is read into 128 columns: the pointer store masks the columns past it.
+    padded = source_for(AttentionSpec(head_dim=96, mask="causal", dtype="fp16"))
+    assert "_wgmma_ws(" in padded and "[1, 1, q_rows, 128], [1, 1, block_n, 128]" in padded
+    assert "gl.arange(0, HEAD_DIM, col_o)[None, :] < 96" in padded
+    assert "< 128)" not in source_for(AttentionSpec(head_dim=128, mask="causal", dtype="fp16"))
 
 
 @pytest.mark.parametrize("case", [
@@ -304,6 +312,7 @@ def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
 @pytest.mark.parametrize("spec", [
     AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
     AttentionSpec(head_dim=64, mask="none", dtype="fp16"),
+    AttentionSpec(head_dim=96, q_per_kv=2, mask="causal", dtype="bf16"),
 ], ids=lambda s: s.name)
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -315,18 +324,21 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
                ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": True}),
                ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": False}),
                ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2, "TMA_STORE": True})]
+    if spec.head_dim == 96:
+        configs = configs[3:5]  # read into 128 columns: the warp-specialized kernel, both stores
     if spec.head_dim == 64:
         configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3, "TMA_STORE": True}),
                     ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3, "TMA_STORE": False})]
+    dim = triton.next_power_of_2(spec.head_dim)
     for kernel, q_rows, block_n, stages, warps, constants in configs:
         if kernel == "kernel_wgmma_ws":  # causal: the tiles as the host's schedule deals them
             constants = {**constants, "SCHEDULED": spec.mask == "causal"}
         # The warp-specialized kernel stores through a descriptor of Q's block where the output allows one.
-        out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        out = _descriptor(q_rows, dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
         pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32",
-                    "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
-                    "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
-                    "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
+                    "q_desc": _descriptor(q_rows, dim, spec.dtype),
+                    "k_desc": _descriptor(block_n, dim, spec.dtype),
+                    "v_desc": _descriptor(block_n, dim, spec.dtype)}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                    "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
         done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
@@ -414,6 +426,10 @@ GPU_CASES = [
     # More 128-row tiles (256 and 264) than the H200 has SMs: the persistent kernel's programs take several.
     param(Case(1000, 1100, dtype="bf16", head_dim=128, batch=4, heads_q=8, heads_kv=2, causal=True)),
     param(Case(1050, 900, dtype="fp16", head_dim=64, batch=3, heads_q=11, heads_kv=11)),
+    # Head dims read padded into 128 columns.
+    param(Case(257, dtype="bf16", head_dim=96, heads_q=4, heads_kv=2, causal=True)),
+    param(Case(1000, 1100, dtype="fp16", head_dim=80, batch=2, heads_q=4, heads_kv=4, causal=True)),
+    param(Case(129, 1000, dtype="bf16", head_dim=96, heads_q=8, heads_kv=8)),
 ]
 
 
@@ -424,9 +440,9 @@ def _skip_without_gluon(case, config) -> None:
         pytest.skip("three consumer warpgroups at head dim 64 only")
 
 
-def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, **launch_kwargs):
-    """``(out, lse)`` of ``spec``'s Gluon kernel that ``config`` names, into a poisoned output; asserts the launcher
-    took that kernel and wrote every element."""
+def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, out=None, **launch_kwargs):
+    """``(out, lse)`` of ``spec``'s Gluon kernel that ``config`` names, into a poisoned output (``out``, else a new
+    one); asserts the launcher took that kernel and wrote every element."""
     from functools import partial
 
     module = module_for(spec)
@@ -435,7 +451,7 @@ def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, **launch_kwarg
     kernel = getattr(module, name)
     runs = []
     monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
-    poisoned = poisoned_like_out(q, v)
+    poisoned = poisoned_like_out(q, v) if out is None else out
     out, lse = run_with_config(spec, config, q, k, v, *launch_values, out=poisoned,
                                launch=partial(module.launch, **launch_kwargs))
     torch.cuda.synchronize()
@@ -456,6 +472,27 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
     out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
     check_against_reference(out, lse, q, k, v, causal=case.causal, scale=case.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 3, tma=1, wgmma=2)], ids=str)
+@pytest.mark.parametrize("head_dim", [72, 96, 120])
+@pytest.mark.parametrize("aligned", [True, False], ids=["tma-store", "pointer-store"])
+def test_a_padded_head_dim_writes_no_column_past_it(head_dim, config, aligned, monkeypatch):
+    """A head dim read into 128 columns writes its own: the output is a view of a wider buffer whose extra
+    columns hold a pattern, left as it was, through the TMA store and (a base off 16 bytes) the pointer store."""
+    case = Case(300, 333, dtype="bf16", head_dim=head_dim, batch=2, heads_q=4, heads_kv=2, causal=True)
+    _skip_without_gluon(case, config)
+    q, k, v = case.inputs(torch.device("cuda"))
+    offset = 0 if aligned else 1
+    buffer = torch.full((2 * 4 * 300 * 136 + offset, ), math.nan, dtype=q.dtype, device="cuda")
+    wide = buffer[offset:].view(2, 4, 300, 136)
+    wide[..., head_dim:] = 7.0
+    out = wide[..., :head_dim]
+    spec, left, right, scale, softcap = prepare_call(q, k, v, True, None, None, None, True)
+    _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch, out=out)
+    assert bool((wide[..., head_dim:] == 7.0).all()), "a column past the head dim was written"
+    check_against_reference(out, None, q, k, v, causal=True)
 
 
 _SOME_CONFIGS = [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2), Config(192, 128, 12, 2, tma=1, wgmma=2)]
@@ -496,7 +533,7 @@ def test_gluon_kernel_with_a_softcap_matches_reference(case, config, monkeypatch
 
 def test_the_head_dim_presets_render_and_their_defaults_are_feasible():
     """The presets for the other common head dims (96, 128 with a softcap, 192/128) build, render, and take a
-    feasible default on an H200; the softcap at 128 is offered the Gluon kernels, 96 and 192 are not."""
+    feasible default on an H200; the softcap at 128 and d96 are offered the Gluon kernels, 192 is not."""
     from tilegen.cli.spec_args import presets
     from tilegen.codegen import source_for
 
@@ -505,5 +542,5 @@ def test_the_head_dim_presets_render_and_their_defaults_are_feasible():
         assert spec.name in source_for(spec)
         for _, config in default_rule(spec, HOPPER):
             assert feasible(spec, config, HOPPER) is None, (name, config)
-    assert wgmma_unsupported(presets()["gemma2-27b"]) is None
-    assert wgmma_unsupported(presets()["phi3-prefill"]) and wgmma_unsupported(presets()["deepseek-prefill"])
+    assert wgmma_unsupported(presets()["gemma2-27b"]) is None and wgmma_unsupported(presets()["phi3-prefill"]) is None
+    assert wgmma_unsupported(presets()["deepseek-prefill"])

@@ -90,7 +90,7 @@ def test_rounds_alternate_the_providers_and_report_each_ones_median(monkeypatch)
         return next(ms[name])
 
     monkeypatch.setattr(bench, "_inputs", lambda case: (q, q, q))
-    monkeypatch.setattr(bench, "_providers", lambda case, inputs: {n: (lambda *_, n=n: n) for n in "abc"})
+    monkeypatch.setattr(bench, "_providers", lambda case, inputs, configs: {n: (lambda *_, n=n: n) for n in "abc"})
     monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
     monkeypatch.setattr(bench.tilegen, "explain", lambda *a, **k: type("C", (), {"config": "cfg", "source": "default"}))
     monkeypatch.setattr(bench, "prepare_call", lambda *a: (None, ))
@@ -118,13 +118,39 @@ def test_rounds_with_every_provider_failing_its_check_report_the_errors(monkeypa
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(bench, "_inputs", lambda case: (q, q, q))
-    monkeypatch.setattr(bench, "_providers", lambda case, inputs: {n: fails for n in "ab"})
+    monkeypatch.setattr(bench, "_providers", lambda case, inputs, configs: {n: fails for n in "ab"})
     monkeypatch.setattr(bench.tilegen, "explain", lambda *a, **k: type("C", (), {"config": "cfg", "source": "default"}))
     monkeypatch.setattr(bench, "prepare_call", lambda *a: (None, ))
     monkeypatch.setattr(bench.Case, "flops", lambda self, spec: 1e9)
     monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **_: pytest.fail("nothing should be timed"))
     row = bench.bench_case(bench.Case(8, 16, False), rounds=3)
     assert row["a"] == row["b"] == {"error": "RuntimeError: out of memory"}
+
+
+def test_forced_configs_are_providers_and_one_the_spec_cannot_run_is_an_error_in_its_column(monkeypatch):
+    """--configs: each config a provider ``tilegen <config>`` running the generated kernel under it; one the spec
+    cannot run fails its check by name, and a list that is not one of configs is refused before any GPU work."""
+    import torch
+
+    from tilegen.bench import attention as bench
+    from tilegen.families.attention_fwd import Config
+
+    q = torch.randn(1, 32, 16, 64)
+    monkeypatch.setattr(bench, "_inputs", lambda case: (q, q, q))
+    monkeypatch.setattr(bench, "peers", lambda *a: {})
+    monkeypatch.setattr(bench, "_rel_err", lambda out, ref: 0.0)
+    monkeypatch.setattr(bench.triton.testing, "do_bench", lambda fn, **_: fn() is not None and 1.0)
+    ran = []
+    monkeypatch.setattr(bench, "run_with_config", lambda spec, config, *a: ran.append(config) or (q, None))
+    good, bad = Config(64, 64, 4, 2), Config(64, 48, 4, 2)
+    row = bench.bench_case(bench.Case(16, 64, True), only={"tilegen-default"}, configs=[good, bad])
+    assert set(row) >= {"tilegen-default", f"tilegen {good}", f"tilegen {bad}"} and "tilegen" not in row
+    assert row[f"tilegen {good}"]["ms"] == 1.0 and good in ran
+    assert "does not run attention_fwd" in row[f"tilegen {bad}"]["error"] and "block_n=48" in row[f"tilegen {bad}"]["error"]
+    assert f"tilegen {good}" in bench._table([row], [good, bad])
+    for given, message in (("{", "--configs: expected a JSON list"), ('[{"block_m": 64}]', "--configs: expected")):
+        result = runner.invoke(app, ["bench", "attention", "--configs", given])
+        assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_the_mods_plot_draws_what_a_run_measured(tmp_path):

@@ -1,4 +1,4 @@
-"""The first call's row read stays off SQLAlchemy, and the cold-start benchmark runs (timings are its job, not a test's)."""
+"""The first call's row read stays off SQLAlchemy (and the first call off Dynamo), and the cold-start benchmark runs (timings are its job, not a test's)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs CPU tensors under the interpreter")
 
 
-def test_a_first_call_reads_its_rows_without_importing_sqlalchemy(tmp_path):
+def test_a_first_call_reads_its_rows_without_importing_sqlalchemy_or_dynamo(tmp_path):
     script = textwrap.dedent(
         """
         import sys, torch, tilegen
@@ -25,6 +25,8 @@ def test_a_first_call_reads_its_rows_without_importing_sqlalchemy(tmp_path):
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("sqlalchemy", "alembic", "optuna"))
         assert not loaded, loaded
         assert "tilegen.db.store" not in sys.modules
+        # Nor Dynamo, which costs seconds to import: only a call under torch.compile needs it.
+        assert "torch._dynamo" not in sys.modules
         """
     )
     environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}

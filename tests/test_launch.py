@@ -58,7 +58,7 @@ def test_direct_launches_match_the_jit(tmp_path):
         assert "ok unrecognised" in out
         return
     for case in ("dense", "causal", "dense_decode", "paged_decode", "paged_prefill", "small_ops", "jit_only", "disagreement",
-                 "state", "direct_kernel", "tma"):
+                 "state", "direct_kernel", "tma", "gluon"):
         assert f"ok {case} " in out
 
 

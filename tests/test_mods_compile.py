@@ -31,6 +31,34 @@ def test_an_older_torch_is_refused_by_name(device, monkeypatch):
     assert "under torch.compile need torch 99.0 or later" in str(caught.value) + str(caught.value.__cause__)
 
 
+def test_a_process_that_first_meets_mods_under_compile_imports_their_tracing_there(tmp_path):
+    """``import tilegen`` leaves ``tilegen.mods.compiled`` (and the Dynamo its decorators import) to the first call
+    under torch.compile, which imports it while Dynamo traces: that call compiles and equals the eager one."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import sys, torch, tilegen
+from tilegen.mods import library
+assert "tilegen.mods.compiled" not in sys.modules and "torch._dynamo" not in sys.modules
+score_mod = library.alibi(torch.tensor([0.5, 0.25]))
+def f(q, k, v):
+    return tilegen.attention(q, k, v, score_mod=score_mod, return_lse=True)
+q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+out, lse = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+ref, ref_lse = f(q, k, v)
+assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+assert "tilegen.mods.compiled" in sys.modules
+print("ok")
+"""
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRITON_INTERPRET": "1",
+                   "TILEGEN_DB": str(tmp_path / "none.sqlite")}
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def _inputs(device, n=20):
     gen = torch.Generator().manual_seed(3)
     return [torch.randn(1, 2, n, 16, generator=gen).to(device) for _ in range(3)]

@@ -110,20 +110,27 @@ def peers(causal: bool, gqa: bool, seqlen: int) -> dict:
             "flex": run_flex}
 
 
-def _providers(case: Case, inputs):
+def _providers(case: Case, inputs, configs=()):
     # Decided once, outside the timed call: the op's own column pays for its dispatch, and this
     # one should differ from it only in the config.
     spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, None, None, None, False)
     family = family_of(spec)
-    default = family.default_config(spec, device_info(), family.buckets.of(case.seqlen))
+    device = device_info()
 
-    def tilegen_default(q, k, v):
-        return run_with_config(spec, default, q, k, v, scale, softcap, left, right)[0]
+    def with_config(config):
+        reason = family.feasible(spec, config, device)
+
+        def run(q, k, v):
+            if reason is not None:
+                raise ValueError(f"{config} does not run {spec.name}: {reason}")
+            return run_with_config(spec, config, q, k, v, scale, softcap, left, right)[0]
+        return run
 
     return {
         "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal),
-        "tilegen-default": tilegen_default,
+        "tilegen-default": with_config(family.default_config(spec, device, family.buckets.of(case.seqlen))),
         **peers(case.causal, case.heads_kv != HEADS, case.seqlen),
+        **{f"tilegen {config}": with_config(config) for config in configs},
     }
 
 
@@ -139,11 +146,13 @@ def _error(e: Exception, width: int = 120) -> str:
     return f"{type(e).__name__}: {message[0][:width] if message else ''}"
 
 
-def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1) -> dict:
+def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, configs=()) -> dict:
+    """One case: every provider's error against SDPA flash, then its time; ``configs`` (attention_fwd configs) are
+    more providers, ``tilegen <config>``, each the generated kernel under that config."""
     q, k, v = _inputs(case)
-    providers = _providers(case, (q, k, v))
+    providers = _providers(case, (q, k, v), configs)
     if only:
-        providers = {name: fn for name, fn in providers.items() if name in only}
+        providers = {name: fn for name, fn in providers.items() if name in only or name.startswith("tilegen ")}
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     choice = tilegen.explain(q, k, v, causal=case.causal)
@@ -231,8 +240,8 @@ def plot(rows: list[dict], path: str) -> str | None:
     return str(path)
 
 
-def _table(rows: list[dict]) -> str:
-    names = [n for n in PROVIDERS if any(n in r for r in rows)]
+def _table(rows: list[dict], configs=()) -> str:
+    names = [n for n in (*PROVIDERS, *(f"tilegen {c}" for c in configs)) if any(n in r for r in rows)]
     peers = [p for p in ("sdpa-flash", "sdpa-cudnn") if p in names]
     lines = [
         "| case | batch | tilegen config | " + " | ".join(f"{n} TFLOP/s" for n in names)
@@ -263,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of tilegen, tilegen-default, sdpa-flash, sdpa-cudnn, flex (default all)")
     parser.add_argument("--rounds", type=int, default=1, help="time the providers of a case in this many "
                         "alternating rounds and report each one's median (default 1)")
+    parser.add_argument("--configs", default=None,
+                        help="also time tilegen under each of these attention_fwd configs, a JSON list of knob "
+                             "objects (for example '[{\"block_m\": 128, \"block_n\": 128, \"num_warps\": 8, "
+                             "\"num_stages\": 3, \"tma\": 1}]')")
     parser.add_argument("--sweep", action="store_true", help="time every feasible config too")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     parser.add_argument("--plot", metavar="PNG", help="write TFLOP/s against sequence length, a panel per "
@@ -278,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
         parser.error(f"--dtypes: expected bf16 and/or fp16, got {args.dtypes!r}")
+    configs = []
+    if args.configs is not None:
+        from tilegen.families import registry
+
+        try:
+            configs = [registry.get("attention_fwd").config_type.from_dict(c) for c in json.loads(args.configs)]
+        except (ValueError, TypeError, AttributeError) as e:
+            parser.error(f"--configs: expected a JSON list of attention_fwd knob objects: {e}")
     if not torch.cuda.is_available():
         print("tilegen.bench.attention needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -298,13 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep or args.sweep_only:
             sweeps += sweep_case(case)
         if not args.sweep_only:
-            rows.append(bench_case(case, only, args.rounds))
+            rows.append(bench_case(case, only, args.rounds, configs))
             print(json.dumps(rows[-1]), flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
             json.dump({"device": info.name, "rows": rows, "sweep": sweeps}, f, indent=1)
     if rows:
-        print(_table(rows))
+        print(_table(rows, configs))
     if args.plot and rows:
         written = plot(rows, args.plot)
         print(f"plot: {written}" if written else "plot: matplotlib is not installed; no plot")

@@ -37,7 +37,6 @@ from tilegen.families.attention_fwd.masks import (
     window_bounds,
 )
 from tilegen.ir import SpecError
-from tilegen.mods import compiled
 from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
@@ -163,6 +162,14 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _compiled_mods():
+    """``tilegen.mods.compiled``, imported by the first call under ``torch.compile``: its decorators import Dynamo
+    (1.5 s on a 2-core CPU, 3 to 5 s on the H200's host), which a process that never compiles need not pay."""
+    from tilegen.mods import compiled
+
+    return compiled
+
+
 def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod):
     """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
     mods), its config from the mod spec's own table, the mods' tensors passed at every launch, and a mask mod's
@@ -174,7 +181,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
-    found = compiled.entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
+    found = _compiled_mods().entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
     absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2],
                       known=None if found is None else tuple(e and e.builtin for e in found))
     if absorbed[3:] != (score_mod, mask_mod):
@@ -186,7 +193,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     n_k = k.shape[2]
     ranges = {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k}
     if found is not None:
-        mods = bind_traced(compiled.bind(score_mod, mask_mod, found), q.device, ranges)
+        mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic)
     mods = bind_mods(score_mod, mask_mod, q.device, ranges)
     spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
@@ -214,7 +221,7 @@ def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return
     trains = wants_grad(q, k, v, mods.tensors)
     if trains:
         attention_grad.check_training_args(out, deterministic)
-        compiled.check_differentiable(mods.score_mod)
+        _compiled_mods().check_differentiable(mods.score_mod)
     else:
         check_bool("deterministic", deterministic)
     score_count = len(mods.tensors) - len(mods.mask_tensors)

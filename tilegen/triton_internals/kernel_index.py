@@ -186,6 +186,8 @@ def load(fn, device: int, fingerprint: Any):
         group = get_cache_manager(hash_).get_group(f"{name[:150]}.json")
         if not group:
             return None  # the kernel left Triton's cache: the JIT compiles it again
+        if getattr(fn, "is_gluon", lambda: False)():
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         return CompiledKernel(ASTSource(fn, signature, constexprs, attrs), group, hash_), tail
     except Exception:  # noqa: BLE001 - files of another layout, or a record that does not fit fn: the JIT's path
         return None

@@ -11,7 +11,8 @@ Two levels:
 - ``DirectKernel`` stands in for a ``JITFunction`` inside a generated launcher. Each call
   computes a fingerprint of what decides the specialization (each tensor's dtype and 16-byte
   alignment, each int's class: ``== 1``, divisible by 16, 32 or 64 bits; each TMA tensor
-  descriptor's dtype, block shape and padding; constexpr values and options exactly) and
+  descriptor's dtype, block shape and padding, and a Gluon one's shared layout; constexpr values
+  and options exactly) and
   the global state ``JITFunction.run`` reads (current device, Triton's debug and
   instrumentation knobs). A fingerprint seen before launches the kernel
   compiled for it; anything new or unusual goes through the JIT. A new entry is kept only
@@ -111,6 +112,14 @@ def _int_class(value: int):
 
 
 _SCALARS = (int, float, bool, str, type(None))
+
+#: Where Gluon's Hopper descriptor class lives; recognised by name, as importing Gluon costs a cold
+#: process about 0.13 s that a process launching no Gluon kernel need not pay.
+_GLUON_DESCRIPTOR = ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor")
+
+
+def _gluon_descriptor(kind: type) -> bool:
+    return kind.__name__ == _GLUON_DESCRIPTOR[1] and kind.__module__ == _GLUON_DESCRIPTOR[0]
 
 
 class _Entry:
@@ -229,6 +238,11 @@ class DirectKernel:
                     return None
                 parts.append(("descriptor", arg.base.dtype, tuple(arg.block_shape), arg.padding,
                               getattr(arg, "round_f32_to_tf32", False)))
+            elif _gluon_descriptor(kind):
+                # A Gluon kernel's descriptor: specialized on its shared-memory layout too.
+                if arg.base.__class__ is not torch.Tensor:
+                    return None
+                parts.append(("gluon descriptor", arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding))
             elif kind is int:
                 parts.append(_int_class(arg))
             elif kind is float or kind is bool or arg is None:
@@ -307,9 +321,11 @@ def _agrees(param, arg, spec) -> bool:
     if arg.__class__ is torch.Tensor:
         want = None if not specialize else ("D" if align and not arg.data_ptr() & 15 else "")
         return isinstance(kind, str) and kind.startswith("*") and attr == want
-    if arg.__class__ is TensorDescriptor:
+    if arg.__class__ is TensorDescriptor or _gluon_descriptor(arg.__class__):
         block = "[" + ", ".join(map(str, arg.block_shape)) + "]"
-        return isinstance(kind, str) and kind.startswith("tensordesc<") and block in kind and attr is None
+        layout = repr(arg.layout) if arg.__class__ is not TensorDescriptor else ""
+        return isinstance(kind, str) and kind.startswith("tensordesc<") and block in kind and layout in kind \
+            and attr is None
     if arg.__class__ is int:
         cls = _int_class(arg)
         if cls == "one":

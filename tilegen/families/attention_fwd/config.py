@@ -114,8 +114,10 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
-    if spec.head_dim not in (64, 128) or spec.dv != spec.head_dim:
-        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes 64 or 128, equal"
+    # Head dims 72 ... 120 are read into 128 columns, which TMA fills with zeros past the tensor's (a spec's
+    # head dim is a multiple of 8, so a row is a multiple of TMA's 16 bytes).
+    if spec.dv != spec.head_dim or not 64 <= spec.head_dim <= 128:
+        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes equal ones from 64 to 128"
     if spec.dtype not in ("bf16", "fp16"):
         return f"dtype={spec.dtype}: the Gluon kernel takes bf16 or fp16"
     return None
