@@ -7,6 +7,8 @@ Parts (bf16, 32 query / 8 KV heads, head dim 128, causal):
   peers: the dense ``tilegen.attention`` and SDPA (flash, cuDNN) at the same total tokens
   laid out as a uniform batch, and compiled FlexAttention over the packed tokens with a
   document mask built from the same ``cu_seqlens``;
+- equal: 8 sequences of 4096 tokens through ``tilegen.varlen_attention``, against the dense
+  ``tilegen.attention`` and SDPA cuDNN on the same tokens as an [8, heads, 4096, dim] batch;
 - paged: 4096 new tokens onto a 32768-token prefix in pages of 16, through
   ``tilegen.PagedAttention``; peers: the same computation on contiguous KV through the dense
   ``tilegen.attention`` (causal, bottom-right) and FlexAttention with the same mask.
@@ -128,6 +130,33 @@ def ragged(seed: int = 0) -> list[dict]:
     return rows
 
 
+def equal(seed: int = 0, batch: int = 8, seq: int = 4096) -> list[dict]:
+    """Equal lengths: the ragged op against the dense one on the same tokens (the dense layout a view of them)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator("cuda").manual_seed(seed)
+    q, k, v = (torch.randn(batch * seq, h, DIM, device="cuda", dtype=DTYPE, generator=gen)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    qd, kd, vd = (t.view(batch, seq, -1, DIM).transpose(1, 2) for t in (q, k, v))
+    cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device="cuda")
+    spec = tilegen.ops.attention.prepare_call(qd, kd, vd, True, None, None, None, False)[0]
+    flops = family_of(spec).problem(spec, seq, on_gpu=True, batch=batch, heads_q=HEADS).flops()
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+    shape = {"part": "equal", "uniform": f"{batch}x{seq}"}
+    return [
+        {**shape, **_row("tilegen-varlen", lambda: tilegen.varlen_attention(q, k, v, cu, cu, seq, seq, causal=True),
+                         flops, ref, lambda o: o.view(batch, seq, HEADS, DIM).transpose(1, 2))},
+        {**shape, **_row("tilegen-dense", lambda: tilegen.attention(qd, kd, vd, causal=True), flops, ref)},
+        {**shape, **_row("sdpa-cudnn", cudnn, flops, ref)},
+    ]
+
+
 def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
     gen = torch.Generator("cuda").manual_seed(seed)
     n_k = prefix + new
@@ -192,7 +221,7 @@ def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--parts", default="ragged,paged")
+    parser.add_argument("--parts", default="ragged,equal,paged")
     parser.add_argument("--page-sizes", default="16", help="page sizes of the paged part, comma-separated")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -201,6 +230,7 @@ def main(argv=None) -> None:
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     parts = {
         "ragged": ragged,
+        "equal": equal,
         "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps)],
         "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps)],
     }

@@ -45,6 +45,8 @@ def attention_values(spec) -> dict[str, Any]:
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
         # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
         "tma": False,
+        # The Gluon kernels over a packed batch (attention_varlen's ragged layout).
+        "ragged": False,
         # FP8 pages (the paged families' kv_dtype): loaded as fp8 and widened for the dots, in fp16 for a
         # bf16 query (common/kv_fp8_query). Families whose specs have no kv_dtype read none.
         "kv_fp8": getattr(spec, "kv_dtype", None) is not None,

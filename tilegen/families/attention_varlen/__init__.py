@@ -4,12 +4,12 @@ The same fused kernel as ``attention_fwd`` (its online-softmax loop and mask ran
 shared template pieces), indexed by ``cu_seqlens`` per sequence; with ``kv_layout="paged"``
 keys and values are read through a page table (``tilegen.PagedKVCache``), which also
 serves chunked prefill: new tokens attending to a cached prefix, aligned bottom-right.
-Configs, search space and defaults are the dense family's, less its TMA knob.
+Configs, search space and defaults are the dense family's, less its TMA knob; on Hopper a ragged
+batch may run the dense family's warp-specialized Gluon kernel (``wgmma``).
 """
 
 from __future__ import annotations
 
-from tilegen.families.attention_fwd.config import TileConfig
 from tilegen.families.attention_varlen import config as _config
 from tilegen.families.attention_varlen.lower import lower as _lower
 from tilegen.families.attention_varlen.problem import VarlenProblem
@@ -23,7 +23,7 @@ __all__ = ["FAMILY", "VarlenAttentionSpec", "VarlenProblem"]
 FAMILY = Family(
     name="attention_varlen",
     spec_type=VarlenAttentionSpec,
-    config_type=TileConfig,
+    config_type=_config.VarlenConfig,
     template="attention_varlen.py.jinja",
     # The longest sequence sets how many tiles and key blocks the longest programs run.
     buckets=PowerOfTwoBuckets("longest sequence"),

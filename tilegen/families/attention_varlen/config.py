@@ -1,35 +1,79 @@
-"""Ragged and paged attention configs: the dense family's tiles, warps and stages, without its
-TMA and wgmma knobs (these kernels find each sequence's keys through cumulative lengths or a page
-table, which a descriptor of one dense tensor does not describe)."""
+"""Ragged and paged attention configs: the dense family's tiles, warps and stages, and for packed (ragged) KV
+on Hopper the dense family's warp-specialized Gluon kernel (``wgmma``), its descriptors viewing the packed
+tensors whole. Paged KV has no such knob: a page table is not one tensor a descriptor describes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MappingProxyType
+
 from tilegen.device import DeviceInfo
 from tilegen.families.attention_fwd import config as dense
-from tilegen.families.attention_fwd.config import TileConfig
+from tilegen.families.attention_fwd.config import TileConfig, has_wgmma, wgmma_unsupported
 
-__all__ = ["TileConfig", "search_space", "feasible", "default_rule"]
+__all__ = ["VarlenConfig", "search_space", "feasible", "default_rule", "ragged_wgmma_unsupported"]
+
+
+@dataclass(frozen=True, order=True)
+class VarlenConfig(TileConfig):
+    """Launch parameters of one ragged or paged attention kernel."""
+
+    # 2: the dense family's warp-specialized Gluon kernel (a loader warp, two consumer warpgroups of 64 rows)
+    # over the packed sequences, one program a tile; 3: as 2, the consumers taking turns (ping-pong).
+    wgmma: int = 0
+
+    choices = MappingProxyType({"wgmma": (0, 2, 3)})
+
+    def __str__(self) -> str:
+        return super().__str__() + {0: "", 2: "-ws", 3: "-ws-pp"}[self.wgmma]
+
+
+def ragged_wgmma_unsupported(spec) -> str | None:
+    """Why the Gluon kernel does not run ``spec``'s ragged batches, or ``None`` when it does."""
+    if spec.kv_layout != "ragged":
+        return f"kv_layout={spec.kv_layout!r}: the Gluon kernel reads packed KV through one descriptor, not pages"
+    if spec.score_mod is not None or spec.softcap:
+        return "score_mod, softcap: the ragged Gluon kernel takes neither"
+    return wgmma_unsupported(spec)
+
+
+def _offered(spec, device: DeviceInfo) -> bool:
+    return has_wgmma(device) and ragged_wgmma_unsupported(spec) is None
 
 
 def search_space(spec, device: DeviceInfo) -> dict[str, list[int]]:
-    return dense.tile_space(device)
+    return {**dense.tile_space(device), "wgmma": [0, 2, 3] if _offered(spec, device) else [0]}
 
 
-def feasible(spec, config: TileConfig, device: DeviceInfo) -> str | None:
-    return dense.feasible(spec, dense.Config(**config.to_dict()), device)
+def feasible(spec, config: VarlenConfig, device: DeviceInfo) -> str | None:
+    knobs = config.to_dict()
+    if config.wgmma:
+        reason = ragged_wgmma_unsupported(spec)
+        if reason is not None:
+            return f"wgmma={config.wgmma}: {reason}"
+        if config.block_m != 128:
+            return f"wgmma={config.wgmma}: two consumer warpgroups of 64 rows, so BM128 with 8 warps, not {config}"
+    # The dense checks of tiles, registers, shared memory and of the Gluon kernel (which reads through TMA).
+    return dense.feasible(spec, dense.Config(**knobs, tma=int(config.wgmma > 0)), device)
 
 
-def default_rule(spec, device: DeviceInfo) -> list[tuple[int | None, TileConfig]]:
+def default_rule(spec, device: DeviceInfo) -> list[tuple[int | None, VarlenConfig]]:
     """The dense family's rule as it stood before its TMA knob, fitted on dense causal bf16 grids on
-    an H200 (these kernels share that inner loop); the dense rule has since moved on measurements
-    of the dense kernel alone."""
+    an H200 (these kernels share that inner loop); for ragged batches on Hopper from 512 tokens on, the
+    dense rule's warp-specialized configs (the bucket here is the longest sequence)."""
     if device.is_interpreter:
-        return [(None, TileConfig(32, 32, 4, 1))]
+        return [(None, VarlenConfig(32, 32, 4, 1))]
     if spec.dtype == "fp32":
-        return [(None, TileConfig(64, 32, 4, 2))]
+        return [(None, VarlenConfig(64, 32, 4, 2))]
     dim = max(spec.head_dim, spec.dv)
     if dim <= 64:
-        return [(1024, TileConfig(64, 64, 4, 3)), (None, TileConfig(128, 64, 8, 3))]
-    if dim <= 128:
-        return [(1024, TileConfig(64, 32, 4, 3)), (None, TileConfig(128, 128, 8, 3))]
-    return [(None, TileConfig(64, 32, 4, 2))]
+        rule = [(1024, VarlenConfig(64, 64, 4, 3)), (None, VarlenConfig(128, 64, 8, 3))]
+    elif dim <= 128:
+        rule = [(1024, VarlenConfig(64, 32, 4, 3)), (None, VarlenConfig(128, 128, 8, 3))]
+    else:
+        return [(None, VarlenConfig(64, 32, 4, 2))]
+    if _offered(spec, device):
+        ws = VarlenConfig(128, 128, 8, 2, wgmma=2)
+        short = [(1024, VarlenConfig(128, 64, 8, 3, wgmma=2))] if spec.mask == "causal" and dim > 64 else []
+        rule = [(256, rule[0][1]), *short, (None, ws)]
+    return rule
