@@ -34,7 +34,7 @@ from tilegen.families import family_of, registry, relative_error
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_decode.config import DecodeConfig, split_count
 from tilegen.families.attention_fwd import AttentionSpec, Config
-from tilegen.families.attention_fwd.config import TileConfig
+from tilegen.families.attention_varlen.config import VarlenConfig
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.families.attention_varlen.reference import varlen_reference
@@ -150,7 +150,7 @@ def varlen(device) -> Poisoned:
         ref, _ = varlen_reference(q, [k[a:b] for a, b in spans], [v[a:b] for a, b in spans], cu_q.cpu(), causal=True)
         return [relative_error(out, ref)[0]]
 
-    return Poisoned(spec, 17, TileConfig(48, 16, 4, 1), run, lambda: dispatch.table_on(spec, q.device).choose(17))
+    return Poisoned(spec, 17, VarlenConfig(48, 16, 4, 1), run, lambda: dispatch.table_on(spec, q.device).choose(17))
 
 
 def paged_prefill(device) -> Poisoned:
@@ -170,7 +170,7 @@ def paged_prefill(device) -> Poisoned:
             errors.append(relative_error(out.cpu(), paged_reference(q, cache, cu_q, causal=True)[0])[0])
         return errors
 
-    return Poisoned(spec, 50, TileConfig(48, 16, 4, 1), run, lambda: dispatch.table_on(spec, q.device).choose(50))
+    return Poisoned(spec, 50, VarlenConfig(48, 16, 4, 1), run, lambda: dispatch.table_on(spec, q.device).choose(50))
 
 
 def paged_decode(device, monkeypatch) -> Poisoned:
