@@ -227,10 +227,10 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # the Triton rows causal at 2k-4k, with ping-pong (4k: 399 against 394 without; 2k, with block 0
             # in the loops: 366 against 361), and full at 512-1k without it (1k: 414 against 386 with it, 512:
             # 370 against 334 for the Triton row). Causal 1k too, since two consumers run one loop (316 against
-            # 291 for the Triton row); up to 512 the Triton row (512: 218 against 201-209, before that loop).
-            triton_tma = rule[1][1]
+            # 291 for the Triton row). At 512 causal, once the two consumers ran one loop, ping-pong led (GQA 32/8,
+            # 32 x 512: 260 against 253 without it, 226 for the tuned Triton row, cuDNN 263).
             if spec.mask == "causal":
-                rule[1:] = [(512, triton_tma), (1024, _WARP_SPECIALIZED), (4096, _WS_PINGPONG), (None, _WS_THREE)]
+                rule[1:] = [(512, _WS_PINGPONG), (1024, _WARP_SPECIALIZED), (4096, _WS_PINGPONG), (None, _WS_THREE)]
             else:
                 rule[1:] = [(1024, _WARP_SPECIALIZED), (None, _WS_THREE_PINGPONG)]
         return rule
