@@ -119,6 +119,54 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
     assert len(lines) == 2 and all(line.endswith("wgmma async") for line in lines), done.stdout
 
 
+class _OnGpu(torch.Tensor):
+    """A CPU tensor the launcher takes for one on a CUDA device: its Gluon branch runs up to the launch."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_tile(aligned, monkeypatch):
+    """The descriptors view Q, K and V [total, heads, dim] as [1, heads, total, dim] with their own strides,
+    padded to 128 columns at d96; the grid is every (sequence, head)'s tiles of the longest sequence; the lengths
+    go per tile (n_q the longest, n_k and the diagonal 0); a Q whose head dim is not contiguous (no descriptor)
+    takes the Triton kernel."""
+    from tilegen.codegen.cache import module_for
+
+    spec = VarlenAttentionSpec(head_dim=96, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True)
+    module = module_for(spec)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    spy = type("Spy", (), {"__getitem__": lambda self, grid: (lambda *a, **k: launches.append((grid, a, k)))})()
+    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
+    monkeypatch.setattr(module, f"_{spec.name}_kernel", spy)
+    lengths, total = [300, 0, 1000, 5], 1305
+    q = torch.empty(total, 8, 96 if aligned else 192, dtype=torch.bfloat16)[..., :96].as_subclass(_OnGpu)
+    if not aligned:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2).as_subclass(_OnGpu)  # head dim not contiguous
+    k, v = (torch.empty(total, 2, 96, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(2))
+    out, lse = torch.empty(total, 8, 96, dtype=torch.bfloat16), torch.empty(total, 8)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    module.launch(q, k, v, out, lse, cu, cu, 1000, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=0,
+                  **WS.to_dict())
+    (grid, args, kwargs), = launches
+    if not aligned:
+        assert "PINGPONG" not in kwargs and grid == (8, 4, 8)  # the Triton kernel's (query blocks, batch, heads)
+        return
+    assert grid == (8 * 4 * 8, ) and kwargs["PINGPONG"] is False and kwargs["TMA_STORE"] is False
+    q_desc, k_desc = args[0], args[1]
+    assert q_desc.shape == [1, 8, total, 96] and q_desc.strides == [total * q.stride(0), 96, q.stride(0), 1]
+    assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
+    assert k_desc.shape == [1, 2, total, 96] and k_desc.strides == [total * 192, 96, 192, 1]
+    assert args[3] is out and args[4] is lse and args[5] is None
+    # stride_ob, stride_oh, stride_om, stride_od, n_heads, n_bh, n_q, n_k, diag_offset
+    assert args[6:15] == (0, 96, 768, 1, 8, 32, 1000, 0, 0)
+    assert args[16] is cu and args[17] is cu and args[18:21] == (total, total, 8)
+
+
 # --------------------------------------------------------------------------------------------------- on a GPU
 
 def _gluon_ran(call) -> list[str]:
