@@ -278,6 +278,27 @@ def attention_calls(draw):
     )
 
 
+def gluon_descriptor(rows: int, head_dim: int, dtype: str) -> str:
+    """The signature type of a Gluon TMA descriptor of [1, 1, rows, head_dim] blocks, as an sm90 compile
+    request (``compile_for_sm90``) names a kernel argument."""
+    from triton.experimental.gluon import language as gl
+
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
+    return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor a generated launcher takes for one on CUDA device 0: its Gluon branch runs up to the launch."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return 0
+
+
 def compile_for_sm90(request: dict, tmp_path, *, kernels: int | None = None) -> str:
     """Compile a generated module's kernels for sm90 in a fresh process without the interpreter
     (``tests/sm90_compile.py``, which takes ``request``); asserts it succeeded, and compiled ``kernels``

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import triton
-from helpers import Case, compile_for_sm90, param
+from helpers import Case, compile_for_sm90, gluon_descriptor, param
 from test_attention_backward import _direct_inputs, _launch, check_grads
 
 from tilegen.codegen import module_for
@@ -91,13 +91,6 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), torch.bfloat16)
 
 
-def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
-    from triton.experimental.gluon import language as gl
-
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
-    return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
-
-
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
 @pytest.mark.parametrize("spec,kernel,held,streamed,stages", [
     (D128, "_dkdv_wgmma", 128, 64, 2),
@@ -107,7 +100,7 @@ def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     d, dt = spec.head_dim, spec.dtype
-    streamed_desc, held_desc = _descriptor(streamed, d, dt), _descriptor(held, d, dt)
+    streamed_desc, held_desc = gluon_descriptor(streamed, d, dt), gluon_descriptor(held, d, dt)
     if kernel.startswith("_dkdv"):
         pointers = {"q_desc": streamed_desc, "do_desc": streamed_desc, "k_desc": held_desc, "v_desc": held_desc,
                     "dK": f"*{dt}", "dV": f"*{dt}"}

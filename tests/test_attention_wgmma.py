@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from helpers import Case, check_against_reference, compile_for_sm90, param, poisoned_like_out
+from helpers import (Case, OnGpu, check_against_reference, compile_for_sm90, gluon_descriptor, param,
+                     poisoned_like_out)
 
 from tilegen.codegen.cache import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
@@ -165,17 +166,6 @@ def test_falls_back_to_the_triton_kernel_off_the_gpu(case, device, monkeypatch):
         check_against_reference(out, lse, q, k, v, causal=case.causal)
 
 
-class _OnGpu(torch.Tensor):
-    """A CPU tensor the launcher takes for one on CUDA device 0: its Gluon branch runs up to the launch."""
-
-    @property
-    def is_cuda(self):
-        return True
-
-    def get_device(self):
-        return 0
-
-
 @pytest.mark.parametrize("head_dim,causal,n_q,heads,grid,scheduled", [
     (64, True, 1000, 16, 128, True),  # 8 query tiles x 16 heads: fewer tiles than programs
     (64, True, 4096, 8, 132, True),  # 256 tiles dealt to 132 programs
@@ -206,7 +196,7 @@ def test_warp_specialized_schedule_while_capturing(monkeypatch):
     """A causal shape first called while a CUDA graph is captured runs without a schedule, its programs taking
     turns: an odd count of them."""
 
-    class Capturing(_OnGpu):
+    class Capturing(OnGpu):
         @property
         def device(self):
             return torch.device("cuda", 0)
@@ -252,7 +242,7 @@ def test_tile_schedule_balances_key_blocks(n_m, n_bh, n_q, n_k, programs):
 
 
 def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None, schedules=None,
-                              stand_in=_OnGpu):
+                              stand_in=OnGpu):
     """Run the launcher on stand-in CUDA tensors of a 132-SM GPU (writing `out`, else Q); return the (grid,
     keyword arguments) of its warp-specialized kernel's launches, the output and schedule arguments under
     "Out" and "Sched". Causal schedules are kept in `schedules`, else in a dict of this call's own."""
@@ -283,7 +273,7 @@ def test_warp_specialized_output_store(offset, monkeypatch):
     out = torch.empty(heads * n_q * 64 + offset, dtype=torch.bfloat16)[offset:].view(1, heads, n_q, 64)
     (_, kwargs), = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=64, dtype="bf16"),
                                              Config(128, 128, 8, 2, tma=1, wgmma=2), heads, n_q, monkeypatch,
-                                             out.as_subclass(_OnGpu))
+                                             out.as_subclass(OnGpu))
     assert kwargs["TMA_STORE"] == (offset == 0)
     if offset:
         assert kwargs["Out"].data_ptr() == out.data_ptr()
@@ -300,14 +290,6 @@ def test_warp_specialized_consumers(config, grid, consumers, monkeypatch):
     grid by that tile."""
     launches = _launch_on_a_stand_in_gpu(AttentionSpec(head_dim=64, dtype="bf16"), config, 16, 1000, monkeypatch)
     assert [(g, k["CONSUMERS"], k["PINGPONG"]) for g, k in launches] == [((grid, ), consumers, config.wgmma == 3)]
-
-
-def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
-    from triton.experimental.gluon import language as gl
-
-    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
-    return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
@@ -336,11 +318,11 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
         if kernel == "kernel_wgmma_ws":  # causal: the tiles as the host's schedule deals them
             constants = {**constants, "SCHEDULED": spec.mask == "causal"}
         # The warp-specialized kernel stores through a descriptor of Q's block where the output allows one.
-        out = _descriptor(q_rows, dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        out = gluon_descriptor(q_rows, dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
         pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32",
-                    "q_desc": _descriptor(q_rows, dim, spec.dtype),
-                    "k_desc": _descriptor(block_n, dim, spec.dtype),
-                    "v_desc": _descriptor(block_n, dim, spec.dtype)}
+                    "q_desc": gluon_descriptor(q_rows, dim, spec.dtype),
+                    "k_desc": gluon_descriptor(block_n, dim, spec.dtype),
+                    "v_desc": gluon_descriptor(block_n, dim, spec.dtype)}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                    "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
         done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
@@ -404,12 +386,12 @@ def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
     for kernel, q_rows, block_n, stages, warps, constants in configs:
         if kernel == "kernel_wgmma_ws":
             constants = {**constants, "SCHEDULED": False}
-        out = _descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        out = gluon_descriptor(q_rows, spec.head_dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
         pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "sm_t0": "*fp32",
                     "softcap_scale": "fp32",
-                    "q_desc": _descriptor(q_rows, spec.head_dim, spec.dtype),
-                    "k_desc": _descriptor(block_n, spec.head_dim, spec.dtype),
-                    "v_desc": _descriptor(block_n, spec.head_dim, spec.dtype)}
+                    "q_desc": gluon_descriptor(q_rows, spec.head_dim, spec.dtype),
+                    "k_desc": gluon_descriptor(block_n, spec.head_dim, spec.dtype),
+                    "v_desc": gluon_descriptor(block_n, spec.head_dim, spec.dtype)}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                    "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
         out = compile_for_sm90(request, tmp_path, kernels=1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from helpers import assert_guard_bands, inside
+from helpers import OnGpu, assert_guard_bands, gluon_descriptor, inside
 
 import tilegen
 from tilegen.bench import forced_config
@@ -89,13 +89,6 @@ def test_only_ragged_specs_carry_the_gluon_kernel():
                                                          kv_layout="paged", page_size=16))
 
 
-def _descriptor(rows: int, head_dim: int, dtype: str) -> str:
-    from triton.experimental.gluon import language as gl
-
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
-    return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
-
-
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
 @pytest.mark.parametrize("spec", [
     VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
@@ -107,8 +100,8 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
     dim = triton.next_power_of_2(spec.head_dim)
     pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "CuQ": "*i32",
-                "CuK": "*i32", "q_desc": _descriptor(64, dim, spec.dtype), "k_desc": _descriptor(128, dim, spec.dtype),
-                "v_desc": _descriptor(128, dim, spec.dtype)}
+                "CuK": "*i32", "q_desc": gluon_descriptor(64, dim, spec.dtype), "k_desc": gluon_descriptor(128, dim, spec.dtype),
+                "v_desc": gluon_descriptor(128, dim, spec.dtype)}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma_ws", "ptxas": True,
                "configs": [{"PINGPONG": pingpong, "CONSUMERS": 2, "TMA_STORE": False, "SCHEDULED": False,
                             "BLOCK_N": 128, "STAGES": 2, "num_warps": 4} for pingpong in (False, True)]}
@@ -117,14 +110,6 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2 and all(line.endswith("wgmma async") for line in lines), done.stdout
-
-
-class _OnGpu(torch.Tensor):
-    """A CPU tensor the launcher takes for one on a CUDA device: its Gluon branch runs up to the launch."""
-
-    @property
-    def is_cuda(self):
-        return True
 
 
 @pytest.mark.parametrize("aligned", [True, False])
@@ -144,10 +129,10 @@ def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_
     monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
     monkeypatch.setattr(module, f"_{spec.name}_kernel", spy)
     lengths, total = [300, 0, 1000, 5], 1305
-    q = torch.empty(total, 8, 96 if aligned else 192, dtype=torch.bfloat16)[..., :96].as_subclass(_OnGpu)
+    q = torch.empty(total, 8, 96 if aligned else 192, dtype=torch.bfloat16)[..., :96].as_subclass(OnGpu)
     if not aligned:
-        q = q.transpose(1, 2).contiguous().transpose(1, 2).as_subclass(_OnGpu)  # head dim not contiguous
-    k, v = (torch.empty(total, 2, 96, dtype=torch.bfloat16).as_subclass(_OnGpu) for _ in range(2))
+        q = q.transpose(1, 2).contiguous().transpose(1, 2).as_subclass(OnGpu)  # head dim not contiguous
+    k, v = (torch.empty(total, 2, 96, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
     out, lse = torch.empty(total, 8, 96, dtype=torch.bfloat16), torch.empty(total, 8)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     module.launch(q, k, v, out, lse, cu, cu, 1000, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=0,
