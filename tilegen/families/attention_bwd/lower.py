@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_bwd.config import wgmma_unsupported
 from tilegen.families.attention_bwd.spec import AttentionBwdSpec
 from tilegen.families.attention_fwd.lower import attention_values
@@ -19,5 +18,4 @@ def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
             # The Gluon kernels, for the specs they implement (rendered only there, so the others' modules and
             # hashes stay as they were).
             "wgmma": wgmma_unsupported(spec) is None,
-            "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch."),
             **mod_grad_values(spec.score_mod)}

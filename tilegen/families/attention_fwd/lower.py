@@ -26,9 +26,7 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
     wgmma = wgmma_unsupported(spec) is None
     return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
             # Its launch takes the mask mod's block table: empty blocks skipped, whole ones unmasked.
-            "mask_mod_blocks": spec.mask_mod is not None,
-            # Gluon names its dtypes as torch does.
-            "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch.")}
+            "mask_mod_blocks": spec.mask_mod is not None}
 
 
 def attention_values(spec) -> dict[str, Any]:
@@ -47,6 +45,8 @@ def attention_values(spec) -> dict[str, Any]:
         "tma": False,
         # The Gluon kernels over a packed batch (attention_varlen's ragged layout).
         "ragged": False,
+        # The Gluon kernels' element type: Gluon names its dtypes as torch does.
+        "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch."),
         # FP8 pages (the paged families' kv_dtype): loaded as fp8 and widened for the dots, in fp16 for a
         # bf16 query (common/kv_fp8_query). Families whose specs have no kv_dtype read none.
         "kv_fp8": getattr(spec, "kv_dtype", None) is not None,

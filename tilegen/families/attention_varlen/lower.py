@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.lower import attention_values
 from tilegen.families.attention_varlen.config import ragged_wgmma_unsupported
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
@@ -20,5 +19,4 @@ def lower(spec: VarlenAttentionSpec) -> dict[str, Any]:
             # positions, which the plan never reads on the host.
             "mask_mod_blocks": spec.mask_mod is not None and not paged,
             # The dense family's warp-specialized Gluon kernel over the packed sequences (wgmma 2 and 3).
-            "wgmma": ragged_wgmma_unsupported(spec) is None, "ragged": True,
-            "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch.")}
+            "wgmma": ragged_wgmma_unsupported(spec) is None, "ragged": True}
