@@ -238,15 +238,15 @@ class DirectKernel:
                     return None
                 parts.append(("descriptor", arg.base.dtype, tuple(arg.block_shape), arg.padding,
                               getattr(arg, "round_f32_to_tf32", False)))
-            elif _gluon_descriptor(kind):
-                # A Gluon kernel's descriptor: specialized on its shared-memory layout too.
-                if arg.base.__class__ is not torch.Tensor:
-                    return None
-                parts.append(("gluon descriptor", arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding))
             elif kind is int:
                 parts.append(_int_class(arg))
             elif kind is float or kind is bool or arg is None:
                 parts.append(kind)
+            elif _gluon_descriptor(kind):  # after the scalars, which every launch passes many of
+                # A Gluon kernel's descriptor: specialized on its shared-memory layout too.
+                if arg.base.__class__ is not torch.Tensor:
+                    return None
+                parts.append(("gluon descriptor", arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding))
             else:
                 return None
         for value in kwargs.values():
