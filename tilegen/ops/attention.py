@@ -171,12 +171,12 @@ def _compiled_mods():
 
 
 def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod):
-    """A call with mods: always the dense Triton kernel (neither the decode route nor the Gluon kernels take
-    mods), its config from the mod spec's own table, the mods' tensors passed at every launch, and a mask mod's
-    block table for that config's blocks (tilegen.mods.blocks, cached). Differentiated (Q, K, V or a captured
-    tensor requires grad) through ``attention_grad.apply_with_mods``. A mod that means a built-in option
-    (``tilegen.mods.builtin``: a band mask, a softcap) becomes that option first, so the call takes the built-in's
-    kernels (and routes, and rows). Under ``torch.compile``, the ``tilegen::attention_mods_fwd`` op
+    """A call with mods: always the dense kernel (never the decode route; a score mod may run in the Gluon kernels,
+    a mask mod only in the Triton one), its config from the mod spec's own table, the mods' tensors passed at every
+    launch, and a mask mod's block table for that config's blocks (tilegen.mods.blocks, cached). Differentiated (Q,
+    K, V or a captured tensor requires grad) through ``attention_grad.apply_with_mods``. A mod that means a built-in
+    option (``tilegen.mods.builtin``: a band mask, a softcap) becomes that option first, so the call takes the
+    built-in's kernels (and routes, and rows). Under ``torch.compile``, the ``tilegen::attention_mods_fwd`` op
     (``_compiled_with_mods``)."""
     given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
