@@ -66,10 +66,12 @@ def test_offered_on_hopper_with_triton_36_only():
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 @pytest.mark.parametrize("spec,config,reason", [
     (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "no window"),
-    (AttentionSpec(head_dim=32, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
-    (AttentionSpec(head_dim=192, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
-    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
-    (AttentionSpec(head_dim=96, head_dim_v=128, dtype="bf16"), WGMMA, "equal ones from 64 to 128"),
+    (AttentionSpec(head_dim=32, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
+    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
+    (AttentionSpec(head_dim=96, head_dim_v=128, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
+    (AttentionSpec(head_dim=192, dtype="bf16"), WGMMA, "takes two consumers, BM128-BN64 and two slots"),
+    (AttentionSpec(head_dim=256, dtype="bf16"), WS, "takes two consumers, BM128-BN64 and two slots"),
+    (AttentionSpec(head_dim=256, dtype="bf16"), Config(128, 64, 8, 3, tma=1, wgmma=2), "takes two consumers"),
     (AttentionSpec(head_dim=64, dtype="fp32"), WGMMA, "bf16 or fp16"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 3, tma=0, wgmma=1), "goes with tma=1"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 64, 4, 3, tma=1, wgmma=1), "BM128 with 8"),
@@ -136,7 +138,10 @@ def test_only_specs_it_implements_carry_the_kernel():
     source = source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
     assert "_wgmma(" in source and "_wgmma_ws(" in source
     assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
-    assert "gluon" not in source_for(AttentionSpec(head_dim=192, dtype="fp16"))
+    assert "gluon" not in source_for(AttentionSpec(head_dim=128, head_dim_v=64, dtype="fp16"))
+    # Past 128 into 256 columns, the output staged in Q's buffer.
+    wide = source_for(AttentionSpec(head_dim=192, dtype="fp16"))
+    assert "[1, 1, q_rows, 256], [1, 1, block_n, 256]" in wide and "< 192" in wide and "o_smem = q_smem\n" in wide
     # A head dim below 128 is read into 128 columns: the pointer store masks the columns past it.
     padded = source_for(AttentionSpec(head_dim=96, mask="causal", dtype="fp16"))
     assert "_wgmma_ws(" in padded and "[1, 1, q_rows, 128], [1, 1, block_n, 128]" in padded
@@ -414,6 +419,11 @@ GPU_CASES = [
     param(Case(257, dtype="bf16", head_dim=96, heads_q=4, heads_kv=2, causal=True)),
     param(Case(1000, 1100, dtype="fp16", head_dim=80, batch=2, heads_q=4, heads_kv=4, causal=True)),
     param(Case(129, 1000, dtype="bf16", head_dim=96, heads_q=8, heads_kv=8)),
+    # Past 128 columns: read into 256, the output staged in Q's buffer.
+    param(Case(1000, 1100, dtype="bf16", head_dim=256, batch=2, heads_q=8, heads_kv=2, causal=True)),
+    param(Case(257, dtype="fp16", head_dim=256, heads_q=4, heads_kv=1)),
+    param(Case(300, 100, dtype="bf16", head_dim=192, heads_q=4, heads_kv=2, causal=True)),  # rows that see no key
+    param(Case(1050, 900, dtype="bf16", head_dim=192, batch=3, heads_q=11, heads_kv=11)),
 ]
 
 
@@ -422,6 +432,9 @@ def _skip_without_gluon(case, config) -> None:
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
     if config.block_m == 192 and case.head_dim != 64:
         pytest.skip("three consumer warpgroups at head dim 64 only")
+    if case.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
+                                or config.num_stages != 2):
+        pytest.skip("past head dim 128: two consumers, BM128-BN64 and two slots only")
 
 
 def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, out=None, **launch_kwargs):
@@ -447,6 +460,7 @@ def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, out=None, **la
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1),
                                     WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(128, 64, 8, 2, tma=1, wgmma=3),
                                     Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)],
                          ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
@@ -459,18 +473,20 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 3, tma=1, wgmma=2)], ids=str)
-@pytest.mark.parametrize("head_dim", [72, 96, 120])
+@pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 3, tma=1, wgmma=2),
+                                    Config(128, 64, 8, 2, tma=1, wgmma=3)], ids=str)
+@pytest.mark.parametrize("head_dim", [72, 96, 120, 200])
 @pytest.mark.parametrize("aligned", [True, False], ids=["tma-store", "pointer-store"])
 def test_a_padded_head_dim_writes_no_column_past_it(head_dim, config, aligned, monkeypatch):
-    """A head dim read into 128 columns writes its own: the output is a view of a wider buffer whose extra
+    """A head dim read into 128 (or 256) columns writes its own: the output is a view of a wider buffer whose extra
     columns hold a pattern, left as it was, through the TMA store and (a base off 16 bytes) the pointer store."""
     case = Case(300, 333, dtype="bf16", head_dim=head_dim, batch=2, heads_q=4, heads_kv=2, causal=True)
     _skip_without_gluon(case, config)
     q, k, v = case.inputs(torch.device("cuda"))
     offset = 0 if aligned else 1
-    buffer = torch.full((2 * 4 * 300 * 136 + offset, ), math.nan, dtype=q.dtype, device="cuda")
-    wide = buffer[offset:].view(2, 4, 300, 136)
+    width = head_dim + 16
+    buffer = torch.full((2 * 4 * 300 * width + offset, ), math.nan, dtype=q.dtype, device="cuda")
+    wide = buffer[offset:].view(2, 4, 300, width)
     wide[..., head_dim:] = 7.0
     out = wide[..., :head_dim]
     spec, left, right, scale, softcap = prepare_call(q, k, v, True, None, None, None, True)

@@ -67,6 +67,7 @@ _WS_SHORT_CAUSAL = Config(128, 64, 8, 3, tma=1, wgmma=2)
 _WS_PINGPONG = Config(128, 128, 8, 2, tma=1, wgmma=3)
 _WS_THREE = Config(192, 128, 12, 2, tma=1, wgmma=2)
 _WS_THREE_PINGPONG = Config(192, 128, 12, 2, tma=1, wgmma=3)
+_WS_WIDE = Config(128, 64, 8, 2, tma=1, wgmma=2)  # head dims 136 ... 256
 
 
 def tile_space(device: DeviceInfo) -> dict[str, list[int]]:
@@ -114,10 +115,10 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
-    # Head dims 72 ... 120 are read into 128 columns, which TMA fills with zeros past the tensor's (a spec's
-    # head dim is a multiple of 8, so a row is a multiple of TMA's 16 bytes).
-    if spec.dv != spec.head_dim or not 64 <= spec.head_dim <= 128:
-        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes equal ones from 64 to 128"
+    # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256, which TMA fills with zeros past
+    # the tensor's (a spec's head dim is a multiple of 8, so a row is a multiple of TMA's 16 bytes).
+    if spec.dv != spec.head_dim or not 64 <= spec.head_dim <= 256:
+        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes equal ones from 64 to 256"
     if spec.dtype not in ("bf16", "fp16"):
         return f"dtype={spec.dtype}: the Gluon kernel takes bf16 or fp16"
     return None
@@ -162,6 +163,11 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"{knob}: three consumer warpgroups (BM192) fit in registers at head dim 64 only, not {spec.head_dim}"
     if config.block_n not in (64, 128):
         return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
+    if spec.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
+                                or config.num_stages != 2):
+        # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers; Q's buffers (64 KiB, the
+        # output staged in them) and two slots of 64 keys (128 KiB) fill the shared memory.
+        return f"{knob}: head dim {spec.head_dim} (read as 256) takes two consumers, BM128-BN64 and two slots, not {config}"
     if config.num_stages < 2:
         return f"{knob}: K and V need at least two slots each"
     return None
@@ -251,4 +257,10 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # 447, the Triton row 446).
             rule[1:] = causal + [(None, _WS_PINGPONG if spec.score_mod is not None else _WARP_SPECIALIZED)]
         return rule
+    if _defaults_to_wgmma(spec, device):
+        # Head dims 136 ... 256 fit the warp-specialized kernel with 64-key blocks and two slots only. On the H200
+        # (bf16, GQA 32/8, 16k tokens, TFLOP/s) it read 0.93-1.13 of cuDNN at d256 from 512 to 16k keys, causal and
+        # full (the Triton row BM64-BN32 0.59-0.63: causal 4k 644 against 360, cuDNN 605), and 0.80-0.89 at d192
+        # (read into 256 columns); ping-pong was level or slower (causal 1k 492 against 557).
+        return [(None, _WS_WIDE)]
     return [(None, Config(64, 32, 4, 2))]

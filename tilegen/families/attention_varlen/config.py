@@ -34,6 +34,10 @@ def ragged_wgmma_unsupported(spec) -> str | None:
         return f"kv_layout={spec.kv_layout!r}: the Gluon kernel reads packed KV through one descriptor, not pages"
     if spec.score_mod is not None or spec.softcap:
         return "score_mod, softcap: the ragged Gluon kernel takes neither"
+    if max(spec.head_dim, spec.dv) > 128:
+        # Past 128 columns the dense kernel stages its output in Q's buffer and stores it through TMA, which a
+        # ragged tile (whose last rows may be the next sequence's) cannot use.
+        return f"head dims {spec.head_dim}/{spec.dv}: the ragged Gluon kernel takes equal ones from 64 to 128"
     return wgmma_unsupported(spec)
 
 
