@@ -67,7 +67,8 @@ def test_offered_on_hopper_with_triton_36_only():
 @pytest.mark.parametrize("spec,config,reason", [
     (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "no window"),
     (AttentionSpec(head_dim=32, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
-    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
+    (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "a narrower V is the warp-specialized"),
+    (AttentionSpec(head_dim=256, head_dim_v=192, dtype="bf16"), WS, "or a V of 64 to 128 below a wider QK"),
     (AttentionSpec(head_dim=96, head_dim_v=128, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
     (AttentionSpec(head_dim=192, dtype="bf16"), WGMMA, "takes two consumers, BM128-BN64 and two slots"),
     (AttentionSpec(head_dim=256, dtype="bf16"), WS, "takes two consumers, BM128-BN64 and two slots"),
@@ -129,6 +130,10 @@ def test_feasible_configs_and_default_rule():
         "block_m": [64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4],
         "wgmma": [0, 2, 3]}
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, softcap=True, dtype="bf16"), HOPPER))
+    # Past 128 a softcap keeps the Triton kernel in 128 x 64 tiles with TMA (Gemma 2's d256).
+    wide_softcap = AttentionSpec(head_dim=256, q_per_kv=2, mask="causal", softcap=True, dtype="bf16")
+    assert [c for _, c in default_rule(wide_softcap, HOPPER)] == [Config(128, 64, 8, 2, tma=1)]
+    assert feasible(wide_softcap, Config(128, 64, 8, 2, tma=1), HOPPER) is None
     assert not any(c.wgmma for _, c in default_rule(AttentionSpec(head_dim=128, dtype="bf16"), AMPERE))
 
 
@@ -138,7 +143,7 @@ def test_only_specs_it_implements_carry_the_kernel():
     source = source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
     assert "_wgmma(" in source and "_wgmma_ws(" in source
     assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
-    assert "gluon" not in source_for(AttentionSpec(head_dim=128, head_dim_v=64, dtype="fp16"))
+    assert "gluon" not in source_for(AttentionSpec(head_dim=96, head_dim_v=128, dtype="fp16"))
     # Past 128 into 256 columns, the output staged in Q's buffer.
     wide = source_for(AttentionSpec(head_dim=192, dtype="fp16"))
     assert "[1, 1, q_rows, 256], [1, 1, block_n, 256]" in wide and "< 192" in wide and "o_smem = q_smem\n" in wide
@@ -424,6 +429,9 @@ GPU_CASES = [
     param(Case(257, dtype="fp16", head_dim=256, heads_q=4, heads_kv=1)),
     param(Case(300, 100, dtype="bf16", head_dim=192, heads_q=4, heads_kv=2, causal=True)),  # rows that see no key
     param(Case(1050, 900, dtype="bf16", head_dim=192, batch=3, heads_q=11, heads_kv=11)),
+    # A narrower V: its own descriptors and output columns (DeepSeek's 192/128).
+    param(Case(1000, 1100, dtype="bf16", head_dim=192, head_dim_v=128, batch=2, heads_q=8, heads_kv=8, causal=True)),
+    param(Case(257, 300, dtype="fp16", head_dim=128, head_dim_v=64, heads_q=4, heads_kv=2)),
 ]
 
 
@@ -435,6 +443,8 @@ def _skip_without_gluon(case, config) -> None:
     if case.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
                                 or config.num_stages != 2):
         pytest.skip("past head dim 128: two consumers, BM128-BN64 and two slots only")
+    if case.dv != case.head_dim and config.wgmma == 1:
+        pytest.skip("a narrower V: the warp-specialized kernel only")
 
 
 def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, out=None, **launch_kwargs):
@@ -533,7 +543,8 @@ def test_gluon_kernel_with_a_softcap_matches_reference(case, config, monkeypatch
 
 def test_the_head_dim_presets_render_and_their_defaults_are_feasible():
     """The presets for the other common head dims (96, 128 with a softcap, 192/128) build, render, and take a
-    feasible default on an H200; the softcap at 128 and d96 are offered the Gluon kernels, 192 is not."""
+    feasible default on an H200, where d96, the softcap at 128 and 192/128 are offered the Gluon kernels (192/128
+    by default: the warp-specialized kernel with 64-key blocks)."""
     from tilegen.cli.spec_args import presets
     from tilegen.codegen import source_for
 
@@ -543,4 +554,7 @@ def test_the_head_dim_presets_render_and_their_defaults_are_feasible():
         for _, config in default_rule(spec, HOPPER):
             assert feasible(spec, config, HOPPER) is None, (name, config)
     assert wgmma_unsupported(presets()["gemma2-27b"]) is None and wgmma_unsupported(presets()["phi3-prefill"]) is None
-    assert wgmma_unsupported(presets()["deepseek-prefill"])
+    deepseek = presets()["deepseek-prefill"]
+    assert wgmma_unsupported(deepseek) is None
+    if TRITON_36:  # the Gluon kernels run under Triton 3.6 only
+        assert [c for _, c in default_rule(deepseek, HOPPER)] == [Config(128, 64, 8, 2, tma=1, wgmma=2)]

@@ -117,8 +117,11 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
     # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256, which TMA fills with zeros past
     # the tensor's (a spec's head dim is a multiple of 8, so a row is a multiple of TMA's 16 bytes).
-    if spec.dv != spec.head_dim or not 64 <= spec.head_dim <= 256:
-        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes equal ones from 64 to 256"
+    # A narrower V (DeepSeek's 192/128) up to 128 columns: a wider one stages the output in Q's buffer, which
+    # then must be as wide.
+    if not 64 <= spec.dv <= spec.head_dim <= 256 or (spec.dv != spec.head_dim and spec.dv > 128):
+        return (f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernel takes equal ones from 64 to 256, or a V of "
+                f"64 to 128 below a wider QK")
     if spec.dtype not in ("bf16", "fp16"):
         return f"dtype={spec.dtype}: the Gluon kernel takes bf16 or fp16"
     return None
@@ -163,6 +166,8 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"{knob}: three consumer warpgroups (BM192) fit in registers at head dim 64 only, not {spec.head_dim}"
     if config.block_n not in (64, 128):
         return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
+    if spec.dv != spec.head_dim and config.wgmma == 1:
+        return f"{knob}: a narrower V is the warp-specialized kernel's (wgmma 2 or 3)"
     if spec.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
                                 or config.num_stages != 2):
         # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers; Q's buffers (64 KiB, the
@@ -261,6 +266,13 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         # Head dims 136 ... 256 fit the warp-specialized kernel with 64-key blocks and two slots only. On the H200
         # (bf16, GQA 32/8, 16k tokens, TFLOP/s) it read 0.93-1.13 of cuDNN at d256 from 512 to 16k keys, causal and
         # full (the Triton row BM64-BN32 0.59-0.63: causal 4k 644 against 360, cuDNN 605), and 0.80-0.89 at d192
-        # (read into 256 columns); ping-pong was level or slower (causal 1k 492 against 557).
+        # (read into 256 columns); ping-pong was level or slower (causal 1k 492 against 557). DeepSeek's 192/128
+        # (MHA): 0.91-1.02 of cuDNN, against about 0.5 for the Triton row.
         return [(None, _WS_WIDE)]
+    if spec.softcap and has_tma(device):
+        # A softcap keeps the Triton kernel (its Gluon paths were slower at d128), but in wider tiles: on the H200
+        # (bf16, d256, causal, 16k tokens, TFLOP/s) BM128-BN64 with TMA read 286-393 against 240-302 for BM64-BN32
+        # at 1k and 4k keys, GQA 16/8 and 32/8 (16/8 4k: 379 against 292; Flex 164), and led the warp-specialized
+        # kernel but at 32/8 4k (393 against 399).
+        return [(None, Config(128, 64, 8, 2, tma=1))]
     return [(None, Config(64, 32, 4, 2))]
