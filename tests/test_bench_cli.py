@@ -164,3 +164,15 @@ def test_the_mods_plot_draws_what_a_run_measured(tmp_path):
             {"mod": "relative-bias", "flex TFLOP/s": 90.0, "tilegen us": "OutOfResources"}]
     path = tmp_path / "mods.png"
     assert plot(rows, str(path)) == str(path) and path.stat().st_size > 10_000
+
+
+def test_head_dims_take_a_narrower_v_and_refuse_what_is_not_one():
+    """--head-dims: D or D/DV; a case with a V dim names it in its variant (one panel of the plot), and anything
+    else is refused before any GPU work."""
+    from tilegen.bench import attention as bench
+
+    case = bench.Case(512, 192, True, 8, "bf16", 128)
+    assert case.dv == 128 and case.variant == "d=192v128 causal gqa4" and bench.Case(512, 64, False).dv == 64
+    for given in ("192/x", "192/128/64", "0", "-64"):
+        result = runner.invoke(app, ["bench", "attention", "--head-dims", given])
+        assert result.exit_code == 2 and "--head-dims: expected comma-separated D or D/DV" in result.output, given

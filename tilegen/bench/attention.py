@@ -50,6 +50,11 @@ class Case:
     causal: bool
     heads_kv: int = HEADS
     dtype: str = "bf16"
+    head_dim_v: int | None = None  # None: the head dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def batch(self) -> int:
@@ -64,7 +69,8 @@ class Case:
         """The case without its length: one line of the plot."""
         gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
         dtype = "" if self.dtype == "bf16" else f" {self.dtype}"
-        return f"d={self.head_dim} {'causal' if self.causal else 'full'}{gqa}{dtype}"
+        dims = f"{self.head_dim}" if self.head_dim_v is None else f"{self.head_dim}v{self.head_dim_v}"
+        return f"d={dims} {'causal' if self.causal else 'full'}{gqa}{dtype}"
 
     def __str__(self) -> str:
         return f"N={self.seqlen} {self.variant}"
@@ -77,7 +83,7 @@ def _inputs(case: Case, seed: int = 0):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
     q = torch.randn(shape_q, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(shape_kv, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(shape_kv[:3] + (case.dv, ), device="cuda", dtype=dtype, generator=g)
     return q, k, v
 
 
@@ -147,13 +153,15 @@ def _error(e: Exception, width: int = 120) -> str:
 
 
 def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, configs=()) -> dict:
-    """One case: every provider's error against SDPA flash, then its time; ``configs`` (attention_fwd configs) are
+    """One case: every provider's error against SDPA flash (memory-efficient for a narrower V), then its time; ``configs`` (attention_fwd configs) are
     more providers, ``tilegen <config>``, each the generated kernel under that config."""
     q, k, v = _inputs(case)
     providers = _providers(case, (q, k, v), configs)
     if only:
         providers = {name: fn for name, fn in providers.items() if name in only or name.startswith("tilegen ")}
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+    # SDPA flash, or where it refuses the shapes (a V narrower than Q and K) its memory-efficient backend.
+    backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+    with torch.nn.attention.sdpa_kernel(backends):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
     choice = tilegen.explain(q, k, v, causal=case.causal)
     flops = case.flops(prepare_call(q, k, v, case.causal, None, None, None, False)[0])
@@ -264,7 +272,8 @@ def _table(rows: list[dict], configs=()) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--head-dims", default="64,128",
+                        help="comma-separated head dims, each D or D/DV for a V of DV columns (DeepSeek's 192/128)")
     parser.add_argument("--masks", default="causal,full")
     parser.add_argument("--kv-heads", default="32", help="KV heads per case (32 query heads): 32 is MHA, 8 GQA 32/8")
     parser.add_argument("--dtypes", default="bf16", help="bf16 and/or fp16")
@@ -287,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--providers: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
     if any(not h.isdigit() or int(h) < 1 or HEADS % int(h) for h in args.kv_heads.split(",")):
         parser.error(f"--kv-heads: expected divisors of {HEADS}, got {args.kv_heads!r}")
+    head_dims = []
+    for item in args.head_dims.split(","):
+        dims = item.split("/")
+        if len(dims) > 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            parser.error(f"--head-dims: expected comma-separated D or D/DV (positive ints), got {item!r}")
+        head_dims.append((int(dims[0]), int(dims[1]) if len(dims) == 2 else None))
     if args.rounds < 1:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
@@ -304,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dispatch.reset()
     cases = [
-        Case(int(n), int(d), m == "causal", int(h), dt)
+        Case(int(n), d, m == "causal", int(h), dt, dv)
         for dt in args.dtypes.split(",")
         for h in args.kv_heads.split(",")
-        for d in args.head_dims.split(",")
+        for d, dv in head_dims
         for m in args.masks.split(",")
         for n in args.seqlens.split(",")
     ]
