@@ -153,8 +153,9 @@ def _error(e: Exception, width: int = 120) -> str:
 
 
 def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, configs=()) -> dict:
-    """One case: every provider's error against SDPA flash (memory-efficient for a narrower V), then its time; ``configs`` (attention_fwd configs) are
-    more providers, ``tilegen <config>``, each the generated kernel under that config."""
+    """One case: every provider's error against SDPA flash (memory-efficient for a narrower V), then its time;
+    ``configs`` (attention_fwd configs) are more providers, ``tilegen <config>``, each the generated kernel under
+    that config."""
     q, k, v = _inputs(case)
     providers = _providers(case, (q, k, v), configs)
     if only:

@@ -172,7 +172,8 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
                                 or config.num_stages != 2):
         # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers; Q's buffers (64 KiB, the
         # output staged in them) and two slots of 64 keys (128 KiB) fill the shared memory.
-        return f"{knob}: head dim {spec.head_dim} (read as 256) takes two consumers, BM128-BN64 and two slots, not {config}"
+        return (f"{knob}: head dim {spec.head_dim} (read as 256) takes two consumers, BM128-BN64 and two slots, "
+                f"not {config}")
     if config.num_stages < 2:
         return f"{knob}: K and V need at least two slots each"
     return None

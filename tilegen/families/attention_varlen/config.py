@@ -35,8 +35,9 @@ def ragged_wgmma_unsupported(spec) -> str | None:
     if spec.score_mod is not None or spec.softcap:
         return "score_mod, softcap: the ragged Gluon kernel takes neither"
     if max(spec.head_dim, spec.dv) > 128:
-        # Past 128 columns the dense kernel stages its output in Q's buffer and stores it through TMA, which a
-        # ragged tile (whose last rows may be the next sequence's) cannot use.
+        # The ragged tile's store (through pointers: its last rows may be the next sequence's) is written for
+        # equal head dims up to 128: past that the dense kernel stages its output in Q's buffer and releases it
+        # after a TMA store, and a narrower V's columns reach the dense kernel's stores alone.
         return f"head dims {spec.head_dim}/{spec.dv}: the ragged Gluon kernel takes equal ones from 64 to 128"
     return wgmma_unsupported(spec)
 
