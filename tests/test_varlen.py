@@ -381,11 +381,11 @@ PAGED_K_LENS = [40, 35, 5, 20]
 PAGE = 16
 
 
-def guarded_cache(k_lens, page_size, kv_heads, dim, device, gen, fault=None):
+def guarded_cache(k_lens, page_size, kv_heads, dim, device, gen, fault=None, dtype=torch.float32):
     """``make_cache``'s cache with finite unused slots, its pages between NaN pages and its page
     table between entries of -1 (a page id that points into those NaN pages), with ``fault``
     (one of ``PAGE_TABLE_FAULTS``) written into the table."""
-    cache = make_cache(k_lens, page_size, kv_heads, dim, torch.float32, device, gen)
+    cache = make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen)
     k_pages, _ = inside(cache.k_pages.nan_to_num(0.0), 2, math.nan)
     v_pages, _ = inside(cache.v_pages.nan_to_num(0.0), 2, math.nan)
     indptr, indices, last = (t.tolist() for t in (cache.indptr, cache.indices, cache.last_page_len))

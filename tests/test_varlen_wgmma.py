@@ -1,9 +1,10 @@
-"""Ragged batches on the warp-specialized Gluon kernel (the attention_varlen family's ``wgmma`` knob).
+"""Ragged and paged batches on the warp-specialized Gluon kernel (the attention_varlen family's ``wgmma`` knob).
 
-On the CPU: what the knob is offered for and refused for, the default rule, and the sm90 compile of the ragged
-kernel with every wgmma asynchronous. On a GPU (``gpu``): ragged batches with empty and one-token sequences,
-lengths off every block, keys longer than queries, GQA and padded head dims, against the float64 reference,
-into a poisoned output; and wrong offsets that stay inside the tensors.
+On the CPU: what the knob is offered for and refused for, the default rule, the sm90 compile of the ragged and
+paged kernels with every wgmma asynchronous, and the descriptors the launches build. On a GPU (``gpu``): ragged
+batches with empty and one-token sequences, lengths off every block, keys longer than queries, GQA and padded
+head dims, against the float64 reference, into a poisoned output; paged batches over shuffled pages of 8 to 128
+slots, last pages partly filled; and wrong offsets or page tables that stay inside the tensors.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ WS = VarlenConfig(128, 128, 8, 2, wgmma=2)
 WS_PINGPONG = VarlenConfig(128, 128, 8, 2, wgmma=3)
 WS_SHORT = VarlenConfig(128, 64, 8, 3, wgmma=2)
 LLAMA = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
+PAGED = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged", page_size=16)
 
 
 def test_the_knob_reads_and_labels_like_the_dense_ones():
@@ -48,8 +50,10 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 @pytest.mark.parametrize("spec,config,reason", [
-    (VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged", page_size=16),
-     WS, "not pages"),
+    (VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged", page_size=16,
+                         kv_dtype="fp8e4m3"), WS, "pages of the queries' dtype"),
+    (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", kv_layout="paged", page_size=1), WS,
+     "multiple of 8 slots"),
     (VarlenAttentionSpec(head_dim=128, mask="window", dtype="bf16"), WS, "no window"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True), WS, "takes neither"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="fp32"), WS, "bf16 or fp16"),
@@ -62,46 +66,53 @@ def test_refuses_what_the_ragged_kernel_does_not_run(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
     offered = search_space(spec, HOPPER)["wgmma"]
     assert offered == [0, 2, 3] if spec == LLAMA else offered == [0]
+    assert search_space(PAGED, HOPPER)["wgmma"] == [0, 2, 3]
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 def test_default_rule_takes_the_warp_specialized_kernel_from_512_tokens_on_hopper():
-    for spec in (LLAMA, VarlenAttentionSpec(head_dim=96, dtype="fp16"), VarlenAttentionSpec(head_dim=64, dtype="bf16")):
+    for spec in (LLAMA, PAGED, VarlenAttentionSpec(head_dim=96, dtype="fp16"),
+                 VarlenAttentionSpec(head_dim=64, dtype="bf16", kv_layout="paged", page_size=128)):
         rule = default_rule(spec, HOPPER)
         assert rule[0][0] == 256 and not rule[0][1].wgmma and rule[-1] == (None, WS), (spec, rule)
         for _, config in rule:
             assert feasible(spec, config, HOPPER) is None, (spec, config)
     assert (1024, WS_SHORT) in default_rule(LLAMA, HOPPER)
     assert not any(c.wgmma for _, c in default_rule(LLAMA, AMPERE))
-    paged = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged",
-                                page_size=16)
-    assert not any(c.wgmma for _, c in default_rule(paged, HOPPER))
+    for spec in (PAGED.replace(kv_dtype="fp8e4m3"), PAGED.replace(page_size=1)):
+        assert not any(c.wgmma for _, c in default_rule(spec, HOPPER)), spec
 
 
-def test_only_ragged_specs_carry_the_gluon_kernel():
+def test_ragged_and_paged_specs_carry_the_gluon_kernel():
     from tilegen.codegen import source_for
 
     source = source_for(LLAMA)
     assert "_wgmma_ws(" in source and "_ws_tile_ragged" in source and "def _gluon_ragged" in source
+    assert "_ws_load_pages" not in source
     # The one-partition kernel (wgmma=1) is the dense family's alone.
     assert "_kernel_wgmma(" not in source
-    assert "gluon" not in source_for(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
-                                                         kv_layout="paged", page_size=16))
+    paged = source_for(PAGED)
+    assert "def _gluon_paged" in paged and "_ws_load_pages(" in paged and "def _gluon_ragged" not in paged
+    for spec in (PAGED.replace(kv_dtype="fp8e4m3"), PAGED.replace(page_size=1)):
+        assert "gluon" not in source_for(spec), spec
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
 @pytest.mark.parametrize("spec", [
     VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
     VarlenAttentionSpec(head_dim=96, mask="none", dtype="fp16"),
+    PAGED.replace(return_lse=True),
 ], ids=lambda s: s.name)
 def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
     dim = triton.next_power_of_2(spec.head_dim)
+    kv_rows = min(spec.page_size or 128, 128)  # a paged descriptor's block is a page
     pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "CuQ": "*i32",
-                "CuK": "*i32", "q_desc": gluon_descriptor(64, dim, spec.dtype), "k_desc": gluon_descriptor(128, dim, spec.dtype),
-                "v_desc": gluon_descriptor(128, dim, spec.dtype)}
+                "CuK": "*i32", "PageIndptr": "*i32", "Pages": "*i32", "LastLen": "*i32",
+                "q_desc": gluon_descriptor(64, dim, spec.dtype), "k_desc": gluon_descriptor(kv_rows, dim, spec.dtype),
+                "v_desc": gluon_descriptor(kv_rows, dim, spec.dtype)}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma_ws", "ptxas": True,
                "configs": [{"PINGPONG": pingpong, "CONSUMERS": 2, "TMA_STORE": False, "SCHEDULED": False,
                             "BLOCK_N": 128, "STAGES": 2, "num_warps": 4} for pingpong in (False, True)]}
@@ -150,6 +161,44 @@ def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_
     # stride_ob, stride_oh, stride_om, stride_od, n_heads, n_bh, n_q, n_k, diag_offset
     assert args[6:15] == (0, 96, 768, 1, 8, 32, 1000, 0, 0)
     assert args[16] is cu and args[17] is cu and args[18:21] == (total, total, 8)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_the_paged_launch_views_the_pages_as_one_tensor_of_slots(whole, monkeypatch):
+    """K's and V's descriptors view pages [num_pages, 16, kv_heads, dim] as [1, kv_heads, num_pages * 16, dim] in
+    blocks of one page; the kernel takes the page table after CuQ, with its extents. Pages whose slots do not
+    follow one another (every other page of a larger tensor) allow no such view and take the Triton kernel."""
+    from tilegen.codegen.cache import module_for
+
+    spec = PAGED.replace(return_lse=True)
+    module = module_for(spec)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    launches = []
+    spy = type("Spy", (), {"__getitem__": lambda self, grid: (lambda *a, **k: launches.append((grid, a, k)))})()
+    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
+    monkeypatch.setattr(module, f"_{spec.name}_kernel", spy)
+    k_pages, v_pages = (torch.empty(20 if whole else 40, 16, 2, 128, dtype=torch.bfloat16)[::1 if whole else 2]
+                        .as_subclass(OnGpu) for _ in range(2))
+    q = torch.empty(300, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+    out, lse = torch.empty(300, 8, 128, dtype=torch.bfloat16), torch.empty(300, 8)
+    cu_q = torch.tensor([0, 290, 300], dtype=torch.int32)
+    indptr, indices, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 19, 20], list(range(20)), [5, 16]))
+    module.launch(q, k_pages, v_pages, out, lse, cu_q, indptr, indices, last, 290, scale=0.1, softcap=0.0,
+                  window_left=1 << 30, window_right=0, **WS.to_dict())
+    (grid, args, kwargs), = launches
+    if not whole:
+        assert "PINGPONG" not in kwargs and grid == (3, 2, 8)  # the Triton kernel's (query blocks, batch, heads)
+        return
+    assert grid == (3 * 2 * 8, ) and kwargs["BLOCK_N"] == 128 and kwargs["TMA_STORE"] is False
+    for desc in args[1:3]:
+        assert desc.shape == [1, 2, 20 * 16, 128] and desc.strides == [20 * 16 * 256, 128, 256, 1]
+        assert desc.block_shape == [1, 1, 16, 128]
+    assert args[0].block_shape == [1, 1, 64, 128]
+    # n_heads, n_bh, n_q, n_k, diag_offset, then CuQ, the page table, total_q, n_indices, num_pages, the LSE's stride
+    assert args[10:15] == (8, 16, 290, 0, 0)
+    assert args[16] is cu_q and args[17] is indptr and args[18] is indices and args[19] is last
+    assert args[20:24] == (300, 20, 20, 8)
 
 
 # --------------------------------------------------------------------------------------------------- on a GPU
@@ -260,3 +309,81 @@ def test_ragged_gluon_offsets_wrong_in_value_stay_inside_the_tensors(which, entr
     assert_guard_bands(out_buffer, pad, -77.0)
     assert torch.isfinite(out).all(), "a kernel read outside q, k or v"
     assert relative_error(out[good], ref[good])[0] < 1e-2
+
+
+PAGED_CASES = [
+    # (page size, query lengths, extra keys per sequence, query heads / KV heads, head dim, dtype)
+    pytest.param(16, [0, 1, 17, 300, 5], [0, 40, 0, 700, 64], (8, 2), 128, torch.bfloat16, id="p16-d128-gqa4"),
+    pytest.param(8, [129, 3, 64], [7, 1000, 0], (4, 4), 64, torch.float16, id="p8-d64-mha-fp16"),
+    pytest.param(64, [257, 1, 90], [63, 0, 1], (8, 1), 96, torch.bfloat16, id="p64-d96-mqa"),
+    pytest.param(128, [500, 33], [129, 300], (8, 2), 128, torch.bfloat16, id="p128-d128"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size, q_lens, extra, heads, dim, dtype", PAGED_CASES)
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT], ids=str)
+def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dtype, config):
+    """Chunked prefill over shuffled pages (NaN in every unused slot), into a poisoned output: BN128 reads whole
+    pages a copy each, or two 64-key blocks of one 128-slot page (WS_SHORT), at the page's offset."""
+    from test_varlen import make_cache, paged_reference
+
+    if config != WS and page_size not in (16, 128):
+        pytest.skip("ping-pong and 64-key blocks are checked on pages of 16 and 128 slots")
+    gen = torch.Generator().manual_seed(page_size + dim)
+    k_lens = [n + e for n, e in zip(q_lens, extra)]
+    cache = make_cache(k_lens, page_size, heads[1], dim, dtype, "cuda", gen)
+    spec = PAGED.replace(head_dim=dim, q_per_kv=heads[0] // heads[1], page_size=page_size, return_lse=True,
+                         dtype="bf16" if dtype == torch.bfloat16 else "fp16")
+    if has_no_gluon(spec):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
+    cu_q = _cu(q_lens)
+    attn = tilegen.PagedAttention()
+    out = torch.full_like(q, math.nan)
+    with forced_config("attention_varlen", config):
+        attn.plan(cu_q, cache, heads_q=heads[0], causal=True, return_lse=True, max_seqlen_q=max(q_lens),
+                  max_seqlen_k=max(k_lens))
+        names = _gluon_ran(lambda: attn.run(q, cache, out=out))
+    _, lse = attn.run(q, cache, out=out)
+    assert any("_wgmma_ws" in n for n in names), names
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    ref, ref_lse = paged_reference(q, cache, cu_q, causal=True)
+    assert relative_error(out.cpu(), ref)[0] < 1e-2
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fault, spoiled", [
+    pytest.param("page-past-the-cache", {1}), pytest.param("page-negative", {1}),
+    pytest.param("last-page-too-long", {1}), pytest.param("indptr-past-indices", {3}),
+    pytest.param("indptr-decreasing", {1, 2}), pytest.param("indptr-negative", {0}),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_paged_gluon_with_a_wrong_page_table_stays_inside_the_cache(fault, spoiled, monkeypatch):
+    from test_varlen import PAGED_K_LENS, guarded_cache
+
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    if has_no_gluon(PAGED):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    caches = [guarded_cache(PAGED_K_LENS, 16, 2, 128, "cuda", torch.Generator().manual_seed(1), f,
+                            dtype=torch.bfloat16) for f in (None, fault)]
+    q_lens, pad = [3, 17, 2, 5], 8
+    cu_q = _cu(q_lens)
+    q, _ = inside(torch.randn(sum(q_lens), 8, 128, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16),
+                  pad, math.nan)
+    from test_varlen import paged_reference
+
+    ref, _ = paged_reference(q, caches[0], cu_q, causal=True)
+    out, out_buffer = inside(torch.full((q.shape[0], 8, 128), 1e3, device="cuda", dtype=torch.bfloat16), pad, -77.0)
+    attn = tilegen.PagedAttention()
+    with forced_config("attention_varlen", WS):
+        attn.plan(cu_q, caches[1], heads_q=8, causal=True, max_seqlen_q=max(q_lens), max_seqlen_k=max(PAGED_K_LENS))
+        names = _gluon_ran(lambda: attn.run(q, caches[1], out=out))
+    assert any("_wgmma_ws" in n for n in names), names
+    assert_guard_bands(out_buffer, pad, -77.0)
+    assert torch.isfinite(out).all(), "a kernel read outside q, the pages or the page table"
+    cq = cu_q.tolist()
+    good = [r for b in sorted(set(range(4)) - spoiled) for r in range(cq[b], cq[b + 1])]
+    assert relative_error(out[good].cpu(), ref[good])[0] < 1e-2

@@ -43,8 +43,9 @@ def attention_values(spec) -> dict[str, Any]:
         "dot_precision_arg": ', input_precision="ieee"' if spec.dtype == "fp32" else "",
         # Only the dense forward kernel takes TMA descriptors (its config's tma knob).
         "tma": False,
-        # The Gluon kernels over a packed batch (attention_varlen's ragged layout).
+        # The Gluon kernels over a packed batch (attention_varlen's layouts), and over its pages.
         "ragged": False,
+        "paged": False,
         # The Gluon kernels' element type: Gluon names its dtypes as torch does.
         "wgmma_dtype": str(TORCH_DTYPES[spec.dtype]).removeprefix("torch."),
         # FP8 pages (the paged families' kv_dtype): loaded as fp8 and widened for the dots, in fp16 for a

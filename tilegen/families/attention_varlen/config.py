@@ -1,6 +1,6 @@
-"""Ragged and paged attention configs: the dense family's tiles, warps and stages, and for packed (ragged) KV
-on Hopper the dense family's warp-specialized Gluon kernel (``wgmma``), its descriptors viewing the packed
-tensors whole. Paged KV has no such knob: a page table is not one tensor a descriptor describes."""
+"""Ragged and paged attention configs: the dense family's tiles, warps and stages, and on Hopper the dense
+family's warp-specialized Gluon kernel (``wgmma``), its descriptors viewing the packed tensors whole, or the
+pages as one tensor of slots that the loader copies a page at a time."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class VarlenConfig(TileConfig):
     """Launch parameters of one ragged or paged attention kernel."""
 
     # 2: the dense family's warp-specialized Gluon kernel (a loader warp, two consumer warpgroups of 64 rows)
-    # over the packed sequences, one program a tile; 3: as 2, the consumers taking turns (ping-pong).
+    # over the packed sequences or the pages, one program a tile; 3: as 2, the consumers taking turns (ping-pong).
     wgmma: int = 0
 
     choices = MappingProxyType({"wgmma": (0, 2, 3)})
@@ -29,9 +29,13 @@ class VarlenConfig(TileConfig):
 
 
 def ragged_wgmma_unsupported(spec) -> str | None:
-    """Why the Gluon kernel does not run ``spec``'s ragged batches, or ``None`` when it does."""
-    if spec.kv_layout != "ragged":
-        return f"kv_layout={spec.kv_layout!r}: the Gluon kernel reads packed KV through one descriptor, not pages"
+    """Why the Gluon kernel does not run ``spec``'s ragged or paged batches, or ``None`` when it does."""
+    if spec.kv_layout == "paged":
+        if spec.kv_dtype is not None:
+            return f"kv_dtype={spec.kv_dtype!r}: the Gluon kernel reads pages of the queries' dtype"
+        if spec.page_size % 8:
+            # Each page's copy lands in its rows of the key block, at whole 8-row groups of the 128-byte swizzle.
+            return f"page_size={spec.page_size}: the Gluon kernel copies pages of a multiple of 8 slots"
     if spec.score_mod is not None or spec.softcap:
         return "score_mod, softcap: the ragged Gluon kernel takes neither"
     if max(spec.head_dim, spec.dv) > 128:
@@ -64,7 +68,7 @@ def feasible(spec, config: VarlenConfig, device: DeviceInfo) -> str | None:
 
 def default_rule(spec, device: DeviceInfo) -> list[tuple[int | None, VarlenConfig]]:
     """The dense family's rule as it stood before its TMA knob, fitted on dense causal bf16 grids on
-    an H200 (these kernels share that inner loop); for ragged batches on Hopper from 512 tokens on, the
+    an H200 (these kernels share that inner loop); for ragged and paged batches on Hopper from 512 tokens on, the
     dense rule's warp-specialized configs (the bucket here is the longest sequence)."""
     if device.is_interpreter:
         return [(None, VarlenConfig(32, 32, 4, 1))]

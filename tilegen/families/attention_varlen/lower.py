@@ -18,5 +18,5 @@ def lower(spec: VarlenAttentionSpec) -> dict[str, Any]:
             # paged one masks per element only: its table would follow each sequence's own bottom-right
             # positions, which the plan never reads on the host.
             "mask_mod_blocks": spec.mask_mod is not None and not paged,
-            # The dense family's warp-specialized Gluon kernel over the packed sequences (wgmma 2 and 3).
-            "wgmma": ragged_wgmma_unsupported(spec) is None, "ragged": True}
+            # The dense family's warp-specialized Gluon kernel over the packed sequences or the pages (wgmma 2, 3).
+            "wgmma": ragged_wgmma_unsupported(spec) is None, "ragged": True, "paged": paged}
