@@ -102,6 +102,7 @@ def test_ragged_and_paged_specs_carry_the_gluon_kernel():
     VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
     VarlenAttentionSpec(head_dim=96, mask="none", dtype="fp16"),
     PAGED.replace(return_lse=True),
+    PAGED.replace(head_dim=96, q_per_kv=8, page_size=64),
 ], ids=lambda s: s.name)
 def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
