@@ -184,6 +184,11 @@ def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 
              **_row("tilegen-paged", lambda: attn.run(q, cache), flops, ref)}]
     rows.append({"part": "paged", **_row("tilegen-dense-contiguous", lambda: tilegen.attention(qd, kd, vd, causal=True),
                                          flops, ref, lambda o: o[0].transpose(0, 1))})
+    # The paged path's yardstick: the ragged op over the same keys, contiguous.
+    cu_k = torch.tensor([0, n_k], dtype=torch.int32, device="cuda")
+    rows.append({"part": "paged", **_row("tilegen-varlen-contiguous",
+                                         lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, new, n_k, causal=True),
+                                         flops, ref)})
     zeros = torch.zeros(new, dtype=torch.long, device="cuda")
     n_q_t, n_k_t = torch.tensor([new], device="cuda"), torch.tensor([n_k], device="cuda")
     zeros_k = torch.zeros(n_k, dtype=torch.long, device="cuda")
