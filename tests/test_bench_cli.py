@@ -5,6 +5,7 @@ from __future__ import annotations
 import pkgutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import tilegen.bench
@@ -176,3 +177,22 @@ def test_head_dims_take_a_narrower_v_and_refuse_what_is_not_one():
     for given in ("192/x", "192/128/64", "0", "-64"):
         result = runner.invoke(app, ["bench", "attention", "--head-dims", given])
         assert result.exit_code == 2 and "--head-dims: expected comma-separated D or D/DV" in result.output, given
+
+
+def test_softcap_cases_carry_their_cap_and_a_reference_that_agrees_with_the_familys():
+    """--softcap: every case's scores capped (named in the variant); its reference, a head at a time in float32,
+    agrees with the family's float64 reference (GQA, causal bottom-right with more keys than queries); a cap that
+    is not a positive finite number is refused before any GPU work."""
+    from tilegen.bench import attention as bench
+    from tilegen.families.attention_fwd.reference import attention_reference
+
+    assert bench.Case(512, 256, True, 16, softcap=50.0).variant == "d=256 causal gqa2 softcap 50"
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 17, 32, generator=gen) * 4
+    k, v = (torch.randn(2, 2, 23, 32, generator=gen) * 4 for _ in range(2))
+    ref, _ = attention_reference(q, k, v, causal=True, softcap=5.0)
+    got = bench.softcap_reference(q, k, v, True, 5.0)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    for given in ("0", "-3", "nan", "inf"):
+        result = runner.invoke(app, ["bench", "attention", "--softcap", given])
+        assert result.exit_code == 2 and "--softcap: expected a positive finite cap" in result.output, given

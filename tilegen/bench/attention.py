@@ -4,6 +4,8 @@
     python -m tilegen.bench.attention --plot attention.png   # and TFLOP/s against length, per variant
     python -m tilegen.bench.attention --sweep            # also time every feasible config
     python -m tilegen.bench.attention --rounds 3         # each figure the median of 3 alternating rounds
+    python -m tilegen.bench.attention --head-dims 256 --kv-heads 16 --softcap 50 --providers tilegen,flex
+                                                         # Gemma 2's softcap (SDPA has none)
     python -m tilegen.bench.attention --seqlens 1024,2048,4096,8192,16384,32768 --kv-heads 32,8 \
         --dtypes bf16,fp16 --providers tilegen,sdpa-cudnn   # the whole grid against cuDNN
 
@@ -51,6 +53,7 @@ class Case:
     heads_kv: int = HEADS
     dtype: str = "bf16"
     head_dim_v: int | None = None  # None: the head dim
+    softcap: float | None = None  # Gemma 2's tanh softcap on the scores; SDPA has none
 
     @property
     def dv(self) -> int:
@@ -70,7 +73,8 @@ class Case:
         gqa = f" gqa{HEADS // self.heads_kv}" if self.heads_kv != HEADS else ""
         dtype = "" if self.dtype == "bf16" else f" {self.dtype}"
         dims = f"{self.head_dim}" if self.head_dim_v is None else f"{self.head_dim}v{self.head_dim_v}"
-        return f"d={dims} {'causal' if self.causal else 'full'}{gqa}{dtype}"
+        cap = "" if self.softcap is None else f" softcap {self.softcap:g}"
+        return f"d={dims} {'causal' if self.causal else 'full'}{gqa}{cap}{dtype}"
 
     def __str__(self) -> str:
         return f"N={self.seqlen} {self.variant}"
@@ -87,15 +91,18 @@ def _inputs(case: Case, seed: int = 0):
     return q, k, v
 
 
-def peers(causal: bool, gqa: bool, seqlen: int) -> dict:
+def peers(causal: bool, gqa: bool, seqlen: int, softcap: float | None = None) -> dict:
     """SDPA's flash and cuDNN backends and compiled FlexAttention, each ``fn(q, k, v)`` as users call it
     (the backward benchmark differentiates through the same calls). Flex's causal block mask is made
-    at its first call, so a machine without flex fails that call, not this one."""
+    at its first call, so a machine without flex fails that call, not this one. With a ``softcap`` Flex
+    takes it as a score mod, and SDPA, which has none, raises at its call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def sdpa(backend):
         def run(q, k, v):
+            if softcap is not None:
+                raise NotImplementedError("SDPA has no softcap")
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return run
@@ -105,12 +112,14 @@ def peers(causal: bool, gqa: bool, seqlen: int) -> dict:
     torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     masks = []
+    score_mod = None if softcap is None else (
+        lambda score, b, h, q_idx, kv_idx: softcap * torch.tanh(score / softcap))
 
     def run_flex(q, k, v):
         if causal and not masks:
             masks.append(create_block_mask(
                 lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen, device=q.device))
-        return flex(q, k, v, block_mask=masks[0] if causal else None, enable_gqa=gqa)
+        return flex(q, k, v, block_mask=masks[0] if causal else None, enable_gqa=gqa, score_mod=score_mod)
 
     return {"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
             "flex": run_flex}
@@ -119,7 +128,7 @@ def peers(causal: bool, gqa: bool, seqlen: int) -> dict:
 def _providers(case: Case, inputs, configs=()):
     # Decided once, outside the timed call: the op's own column pays for its dispatch, and this
     # one should differ from it only in the config.
-    spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, None, None, None, False)
+    spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, None, case.softcap, None, False)
     family = family_of(spec)
     device = device_info()
 
@@ -133,11 +142,30 @@ def _providers(case: Case, inputs, configs=()):
         return run
 
     return {
-        "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal),
+        "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal, softcap=case.softcap),
         "tilegen-default": with_config(family.default_config(spec, device, family.buckets.of(case.seqlen))),
-        **peers(case.causal, case.heads_kv != HEADS, case.seqlen),
+        **peers(case.causal, case.heads_kv != HEADS, case.seqlen, case.softcap),
         **{f"tilegen {config}": with_config(config) for config in configs},
     }
+
+
+def softcap_reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:
+    """Softcapped attention in float32, one (batch, head) at a time so that a 16k-token score matrix fits; the
+    causal mask aligned bottom-right, as tilegen's."""
+    out = torch.empty(q.shape[:3] + (v.shape[3], ), device=q.device, dtype=q.dtype)
+    group = q.shape[1] // k.shape[1]
+    n_q, n_k = q.shape[2], k.shape[2]
+    keep = None
+    if causal:
+        keep = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + n_k - n_q
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            s = (q[b, h].float() @ k[b, h // group].float().T) / math.sqrt(q.shape[3])
+            s = softcap * torch.tanh(s / softcap)
+            if keep is not None:
+                s = s.masked_fill(~keep, -math.inf)
+            out[b, h] = (torch.softmax(s, -1) @ v[b, h // group].float()).to(out.dtype)
+    return out
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -160,12 +188,15 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
     providers = _providers(case, (q, k, v), configs)
     if only:
         providers = {name: fn for name, fn in providers.items() if name in only or name.startswith("tilegen ")}
-    # SDPA flash, or where it refuses the shapes (a V narrower than Q and K) its memory-efficient backend.
-    backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
-    with torch.nn.attention.sdpa_kernel(backends):
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
-    choice = tilegen.explain(q, k, v, causal=case.causal)
-    flops = case.flops(prepare_call(q, k, v, case.causal, None, None, None, False)[0])
+    if case.softcap is None:
+        # SDPA flash, or where it refuses the shapes (a V narrower than Q and K) its memory-efficient backend.
+        backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+        with torch.nn.attention.sdpa_kernel(backends):
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+    else:
+        ref = softcap_reference(q, k, v, case.causal, case.softcap)
+    choice = tilegen.explain(q, k, v, causal=case.causal, softcap=case.softcap)
+    flops = case.flops(prepare_call(q, k, v, case.causal, None, case.softcap, None, False)[0])
     row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
            "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
@@ -201,9 +232,12 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
 def sweep_case(case: Case) -> list[dict]:
     """Time every feasible config of the case's spec (to pick defaults and check the search space)."""
     q, k, v = _inputs(case)
-    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, None, False)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, case.softcap, None, False)
+    if case.softcap is None:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+    else:
+        ref = softcap_reference(q, k, v, case.causal, case.softcap)
     results = []
     for config in family_of(spec).candidates(spec, device_info()):
         entry = {"case": str(case), "config": str(config)}
@@ -276,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default="64,128",
                         help="comma-separated head dims, each D or D/DV for a V of DV columns (DeepSeek's 192/128)")
     parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--softcap", type=float, default=None,
+                        help="Gemma 2's tanh softcap on every case's scores (tilegen and Flex; SDPA has none)")
     parser.add_argument("--kv-heads", default="32", help="KV heads per case (32 query heads): 32 is MHA, 8 GQA 32/8")
     parser.add_argument("--dtypes", default="bf16", help="bf16 and/or fp16")
     parser.add_argument("--providers", default=None,
@@ -303,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(dims) > 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
             parser.error(f"--head-dims: expected comma-separated D or D/DV (positive ints), got {item!r}")
         head_dims.append((int(dims[0]), int(dims[1]) if len(dims) == 2 else None))
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        parser.error(f"--softcap: expected a positive finite cap, got {args.softcap}")
     if args.rounds < 1:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
@@ -320,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dispatch.reset()
     cases = [
-        Case(int(n), d, m == "causal", int(h), dt, dv)
+        Case(int(n), d, m == "causal", int(h), dt, dv, args.softcap)
         for dt in args.dtypes.split(",")
         for h in args.kv_heads.split(",")
         for d, dv in head_dims
