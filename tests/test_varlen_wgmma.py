@@ -124,15 +124,11 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
     assert len(lines) == 2 and all(line.endswith("wgmma async") for line in lines), done.stdout
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_tile(aligned, monkeypatch):
-    """The descriptors view Q, K and V [total, heads, dim] as [1, heads, total, dim] with their own strides,
-    padded to 128 columns at d96; the grid is every (sequence, head)'s tiles of the longest sequence; the lengths
-    go per tile (n_q the longest, n_k and the diagonal 0); a Q whose head dim is not contiguous (no descriptor)
-    takes the Triton kernel."""
+def _spied_module(spec, monkeypatch):
+    """``spec``'s generated module with its Gluon and Triton kernels replaced by a spy, and the list of the
+    launches (grid, arguments, keywords) it records."""
     from tilegen.codegen.cache import module_for
 
-    spec = VarlenAttentionSpec(head_dim=96, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True)
     module = module_for(spec)
     if module.gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -140,6 +136,17 @@ def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_
     spy = type("Spy", (), {"__getitem__": lambda self, grid: (lambda *a, **k: launches.append((grid, a, k)))})()
     monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
     monkeypatch.setattr(module, f"_{spec.name}_kernel", spy)
+    return module, launches
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_tile(aligned, monkeypatch):
+    """The descriptors view Q, K and V [total, heads, dim] as [1, heads, total, dim] with their own strides,
+    padded to 128 columns at d96; the grid is every (sequence, head)'s tiles of the longest sequence; the lengths
+    go per tile (n_q the longest, n_k and the diagonal 0); a Q whose head dim is not contiguous (no descriptor)
+    takes the Triton kernel."""
+    module, launches = _spied_module(
+        VarlenAttentionSpec(head_dim=96, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True), monkeypatch)
     lengths, total = [300, 0, 1000, 5], 1305
     q = torch.empty(total, 8, 96 if aligned else 192, dtype=torch.bfloat16)[..., :96].as_subclass(OnGpu)
     if not aligned:
@@ -169,16 +176,7 @@ def test_the_paged_launch_views_the_pages_as_one_tensor_of_slots(whole, monkeypa
     """K's and V's descriptors view pages [num_pages, 16, kv_heads, dim] as [1, kv_heads, num_pages * 16, dim] in
     blocks of one page; the kernel takes the page table after CuQ, with its extents. Pages whose slots do not
     follow one another (every other page of a larger tensor) allow no such view and take the Triton kernel."""
-    from tilegen.codegen.cache import module_for
-
-    spec = PAGED.replace(return_lse=True)
-    module = module_for(spec)
-    if module.gluon is None:
-        pytest.skip("this Triton has no Gluon")
-    launches = []
-    spy = type("Spy", (), {"__getitem__": lambda self, grid: (lambda *a, **k: launches.append((grid, a, k)))})()
-    monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
-    monkeypatch.setattr(module, f"_{spec.name}_kernel", spy)
+    module, launches = _spied_module(PAGED.replace(return_lse=True), monkeypatch)
     k_pages, v_pages = (torch.empty(20 if whole else 40, 16, 2, 128, dtype=torch.bfloat16)[::1 if whole else 2]
                         .as_subclass(OnGpu) for _ in range(2))
     q = torch.empty(300, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
