@@ -361,7 +361,7 @@ def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dty
     pytest.param("indptr-decreasing", {1, 2}), pytest.param("indptr-negative", {0}),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_paged_gluon_with_a_wrong_page_table_stays_inside_the_cache(fault, spoiled, monkeypatch):
-    from test_varlen import PAGED_K_LENS, guarded_cache
+    from test_varlen import PAGED_K_LENS, guarded_cache, paged_reference
 
     monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
     if has_no_gluon(PAGED):
@@ -370,10 +370,8 @@ def test_paged_gluon_with_a_wrong_page_table_stays_inside_the_cache(fault, spoil
                             dtype=torch.bfloat16) for f in (None, fault)]
     q_lens, pad = [3, 17, 2, 5], 8
     cu_q = _cu(q_lens)
-    q, _ = inside(torch.randn(sum(q_lens), 8, 128, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16),
-                  pad, math.nan)
-    from test_varlen import paged_reference
-
+    q = torch.randn(sum(q_lens), 8, 128, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    q, _ = inside(q, pad, math.nan)
     ref, _ = paged_reference(q, caches[0], cu_q, causal=True)
     out, out_buffer = inside(torch.full((q.shape[0], 8, 128), 1e3, device="cuda", dtype=torch.bfloat16), pad, -77.0)
     attn = tilegen.PagedAttention()
