@@ -384,3 +384,22 @@ def test_paged_gluon_with_a_wrong_page_table_stays_inside_the_cache(fault, spoil
     cq = cu_q.tolist()
     good = [r for b in sorted(set(range(4)) - spoiled) for r in range(cq[b], cq[b + 1])]
     assert relative_error(out[good].cpu(), ref[good])[0] < 1e-2
+
+
+def test_a_launch_asks_gluon_for_a_blocks_shared_layout_once(monkeypatch):
+    """The launchers keep each TMA block shape's layout (Gluon's get_default_for costs microseconds a call): the
+    kept one is Gluon's, asked for once however many launches use it."""
+    from tilegen.codegen.cache import module_for
+
+    module = module_for(PAGED)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    layouts = module.gl.NVMMASharedLayout
+    real = layouts.get_default_for
+    asked = []
+    monkeypatch.setattr(layouts, "get_default_for", lambda *a, **k: asked.append(a) or real(*a, **k))
+    monkeypatch.setattr(module, "_SMEM_LAYOUTS", {})
+    first = module._smem_layout([1, 1, 48, 128])
+    assert module._smem_layout([1, 1, 48, 128]) is first and len(asked) == 1
+    assert first == real([1, 1, 48, 128], module.gl.bfloat16)
+    assert module._smem_layout([1, 1, 16, 64]) == real([1, 1, 16, 64], module.gl.bfloat16) and len(asked) == 2
