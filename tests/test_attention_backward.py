@@ -397,6 +397,68 @@ def test_compiled_training_step_matches_eager(device):
     assert any(t.abs().max() > 0 for t in eager)
 
 
+
+def _varlen_leaves(device, grad=True):
+    """A packed batch of three sequences (one empty, one of a single query) with more keys than queries."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(n, h, 16, generator=gen).to(device).requires_grad_(grad)
+               for n, h in ((10, 4), (17, 2), (17, 2)))
+    cu_q = torch.tensor([0, 9, 9, 10], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 12, 13, 17], dtype=torch.int32, device=device)
+    return q, k, v, cu_q, cu_k
+
+
+def test_varlen_attention_compiles_whole_and_matches_eager(device):
+    """Under torch.compile(fullgraph=True) the call's arguments are checked in traced code and the custom op plans
+    and launches (no dispatch table is traced, even in a process that has read none): forward with and without the
+    LSE, into `out` too, and a training step whose gradients are the eager call's."""
+    q, k, v, cu_q, cu_k = _varlen_leaves(device, grad=False)
+
+    def infer(q, k, v, out=None):
+        return tilegen.varlen_attention(q, k, v, cu_q, cu_k, 9, 12, causal=True, softcap=5.0, return_lse=True,
+                                        out=out)
+
+    def loss_of(q, k, v):
+        out, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, 9, 12, causal=True, return_lse=True)
+        return (out * out).sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()
+
+    from tilegen import dispatch
+
+    dispatch.reset()  # a cold process: the op, not traced code, loads the tables
+    torch._dynamo.reset()
+    for backend in ("eager", "aot_eager"):
+        out, lse = torch.compile(infer, fullgraph=True, backend=backend)(q, k, v)
+        want, want_lse = infer(q, k, v)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+        given = torch.full_like(q, math.nan)
+        got, _ = torch.compile(infer, fullgraph=True, backend=backend)(q, k, v, given)
+        assert got.data_ptr() == given.data_ptr()
+        torch.testing.assert_close(given, want, rtol=1e-6, atol=1e-6)
+
+    def step(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    eager = step(loss_of)
+    compiled = step(torch.compile(loss_of, fullgraph=True, backend="aot_eager"))
+    for e, c in zip(eager, compiled):
+        assert c is not None and e.abs().max() > 0
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+
+
+def test_varlen_attention_under_compile_refuses_bad_input_by_name(device):
+    q, k, v, cu_q, cu_k = _varlen_leaves(device, grad=False)
+    wrong = cu_q.to(torch.int64)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: tilegen.varlen_attention(q, k, v, wrong, cu_k, 9, 12), fullgraph=True,
+                             backend="eager")
+    with pytest.raises(Exception) as caught:
+        compiled(q, k, v)
+    assert "cu_seqlens_q: expected a 1-d int32 tensor" in str(caught.value) + str(caught.value.__cause__)
+
+
 # --------------------------------------------------------------------------- varlen
 
 @pytest.mark.parametrize("mask", ["causal", "none"])

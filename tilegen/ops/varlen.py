@@ -82,6 +82,9 @@ def varlen_attention(
     if score_mod is not None or mask_mod is not None:
         return _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                           scale, return_lse, out, deterministic, score_mod, mask_mod)
+    if torch.compiler.is_compiling():
+        return _compiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                         scale, return_lse, out, deterministic, trains)
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
@@ -197,6 +200,29 @@ def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, args["scale"], args["softcap"],
         args["window_left"], args["window_right"], deterministic)
+    return (result, lse) if return_lse else result
+
+
+def _compiled(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic,
+              trains):
+    """A call under ``torch.compile``: the arguments checked in traced code, then the custom op, which plans and
+    launches opaquely (its plans and the dispatch tables are host state Dynamo should not trace) and is
+    differentiable; it always makes the LSE. A result asked into ``out`` is the op's copied there."""
+    if trains:
+        attention_grad.check_training_args(out, deterministic)
+    else:
+        check_bool("deterministic", deterministic)
+    spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
+                                                        scale, return_lse)
+    result, lse = torch.ops.tilegen.varlen_attention_fwd(
+        q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, scale, softcap, left, right, deterministic)
+    if out is not None:
+        shape = (q.shape[0], q.shape[1], spec.dv)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+            raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
+        if out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out: expected {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+        result = out.copy_(result)
     return (result, lse) if return_lse else result
 
 
@@ -393,6 +419,16 @@ def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, head
 
 
 def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
+    spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
+                                                        scale, return_lse)
+    return _planned(spec, q.device, max(max_q, max_k),
+                    {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
+                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0)
+
+
+def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse):
+    """Every argument of a ragged call checked (errors name the argument): ``(spec, window_left, window_right,
+    scale, softcap)``. Reads no table, so ``torch.compile`` traces it."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: expected [total_tokens, heads, head_dim], got {_shape(t)}")
@@ -416,13 +452,8 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     _check_max("max_seqlen_k", max_k)
     _check_rows("max_seqlen_q", max_q, "cu_seqlens_q", cu_q.numel() - 1, "q", q.shape[0])
     _check_rows("max_seqlen_k", max_k, "cu_seqlens_k", cu_k.numel() - 1, "k", k.shape[0])
-    spec, left, right, scale, softcap = _prepare(
-        q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], causal, window, softcap, scale, return_lse,
-        max_q, max_k, layout="ragged", page_size=None,
-    )
-    return _planned(spec, q.device, max(max_q, max_k),
-                    {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
-                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0)
+    return _prepare(q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], causal, window, softcap, scale,
+                    return_lse, max_q, max_k, layout="ragged", page_size=None)
 
 
 def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: dict[str, Any], **fields) -> _Plan:
