@@ -211,19 +211,78 @@ def test_mod_made_inside_the_compiled_function_reads_globals_and_constants(devic
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=0, atol=0)
 
 
-def test_varlen_attention_with_mods_under_compile_is_refused_by_name(device):
+def _varlen(device):
+    """``_inputs`` packed as two sequences of 8 and 12 tokens: ``(q, k, v, cu_seqlens)``."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in _inputs(device))  # [total, heads, dim]
-    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=device)
-    score_mod = library.alibi(torch.ones(2, device=device))
+    return q, k, v, torch.tensor([0, 8, 20], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_varlen_attention_with_mods_compiles_and_trains_as_eager(device, backend):
+    """Through tilegen::varlen_attention_mods_fwd (and _bwd): the eager call's kernels, so the same bits, captured
+    tensors read at every call, and the captured slopes' gradient too."""
+    q, k, v, cu = _varlen(device)
+    score_mod, mask_mod, slopes, _ = _mods("alibi+doc", device)
 
     def f(q, k, v):
-        return tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, score_mod=score_mod)
+        return tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, score_mod=score_mod, mask_mod=mask_mod,
+                                        return_lse=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    for _ in range(2):
+        for got, want in zip(compiled(q, k, v), f(q, k, v)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        slopes.mul_(2)  # in place: a graph input, so the compiled call sees it
+    ref, _ = attention_reference(q[8:].transpose(0, 1)[None], k[8:].transpose(0, 1)[None],
+                                 v[8:].transpose(0, 1)[None], score_mod=score_mod, mask_mod=mask_mod,
+                                 batch_ids=torch.tensor([1], device=device))
+    assert relative_error(compiled(q, k, v)[0][8:], ref[0].transpose(0, 1))[0] < 1e-4
+
+    slopes.requires_grad_()
+
+    def loss(q, k, v):
+        out, lse = f(q, k, v)
+        return out.square().sum() + lse.sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        slopes.grad = None
+        fn(*leaves).backward()
+        return [t.grad for t in leaves] + [slopes.grad]
+
+    for got, want in zip(grads(torch.compile(loss, fullgraph=True, backend=backend)), grads(loss)):
+        assert got is not None and want.abs().max() > 0
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_paged_plans_with_mods_under_compile_are_refused_by_name(device):
+    from tilegen.ops.varlen import paged_mods
+
+    def f(q):
+        paged_mods(None, library.alibi(torch.ones(2, device=device)), None, q.device, 1, 2, 16)
+        return q
 
     torch._dynamo.reset()
     with pytest.raises(Exception) as caught:
-        torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
-    assert "tilegen.varlen_attention: score_mod/mask_mod are not supported under torch.compile yet" in (
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(1, device=device))
+    assert "PagedAttention.plan and PagedDecode.plan: score_mod/mask_mod are not supported under torch.compile" in (
         str(caught.value) + str(caught.value.__cause__))
+
+
+@pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])
+def test_varlen_mods_custom_op_passes_opcheck(device, trains):
+    from tilegen.mods.trace import bind_mods
+    from tilegen.ops.varlen import _checked_ragged
+
+    q, k, v, cu = _varlen(device)
+    score_mod, mask_mod, slopes, _ = _mods("alibi+doc", device)
+    q.requires_grad_(trains), slopes.requires_grad_(trains)
+    spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu, cu, 12, 12, False, None, None, None, True)
+    mods = bind_mods(score_mod, mask_mod, q.device, {"b": 2, "h": 2, "q_idx": 12, "kv_idx": 12})
+    args = (q, k, v, cu, cu, 12, 12, list(mods.tensors), 1, mods.score_mod, mods.mask_mod, spec.dv, spec.mask,
+            spec.softcap, True, scale, softcap, left, right, False)
+    torch.library.opcheck(torch.ops.tilegen.varlen_attention_mods_fwd.default, args)
 
 
 @pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])

@@ -314,6 +314,58 @@ def attach_mods(forward_op) -> None:
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
 
 
+@torch.library.custom_op("tilegen::varlen_attention_mods_bwd", mutates_args=())
+def _varlen_attention_mods_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, mod_tensors: list[torch.Tensor], wants: list[bool], score_tensors: int, score_mod: str | None,
+    mask_mod: str | None, mask: str, has_softcap: bool, scale: float, softcap: float, window_left: int,
+    window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    spec = with_mod_fields(backward_spec(q.dtype, q.shape[2], v.shape[2], q.shape[1] // k.shape[1], mask, has_softcap,
+                                         "ragged"), score_mod, mask_mod)
+    mods = ModCall(score_mod, mask_mod, tuple(mod_tensors), tuple(mod_tensors[score_tensors:]))
+    fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
+    dq, dk, dv, grads = run_with_mods(spec, mods, wants, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                      max_seqlen_q, max_seqlen_k, fixed, deterministic)
+    return dq, dk, dv, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, mod_tensors)]
+
+
+@_varlen_attention_mods_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
+
+
+def attach_ragged_mods(forward_op) -> None:
+    """Make ``tilegen::varlen_attention_mods_fwd`` differentiable (``torch.compile``'s ragged calls with mods). Its
+    arguments: ``(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors, score_tensors,
+    score_mod, mask_mod, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left, window_right,
+    deterministic)``."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, _, \
+            *rest = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *tensors)
+        ctx.args = (max_q, max_k, score_tensors, score_mod, mask_mod, mask, has_softcap, *rest)
+        ctx.name = "tilegen.varlen_attention"
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k, *tensors = ctx.saved_tensors
+        grads = _grads(ctx, dout, dlse, out, lse)
+        if grads is None:
+            return (None,) * 7 + ([None] * len(tensors),) + (None,) * 12
+        dout, dlse = grads
+        wants = list(ctx.needs_input_grad[7])  # per captured tensor: the Tensor[] argument's
+        max_q, max_k, *rest = ctx.args
+        dq, dk, dv, dts = _varlen_attention_mods_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, tensors,
+                                                     wants, *rest)
+        return (dq, dk, dv) + (None,) * 4 + ([g if w else None for g, w in zip(dts, wants)],) + (None,) * 12
+
+    torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
+
+
 def attach_ragged(forward_op) -> None:
     """Make ``tilegen::varlen_attention_fwd`` differentiable. Its arguments: ``(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim_v, mask, has_softcap, scale, softcap, window_left,

@@ -38,7 +38,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import bind_mods, refuse_compiling, wants_grad
+from tilegen.mods.trace import ModCall, bind_mods, bind_traced, refuse_compiling, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
@@ -129,17 +129,24 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     Differentiated (Q, K, V or a captured tensor requires grad) through ``attention_grad.apply_with_mods``.
     A mod that means a built-in option becomes it first (``tilegen.mods.builtin``); a mask, only where every
     sequence's queries are its keys (``cu_seqlens_q is cu_seqlens_k``), since the mods' positions are aligned
-    top-left in each sequence and the built-ins' bottom-right."""
-    refuse_compiling("tilegen.varlen_attention")
-    plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
-    absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None)
+    top-left in each sequence and the built-ins' bottom-right. Under ``torch.compile``, the
+    ``tilegen::varlen_attention_mods_fwd`` op (``_compiled_with_mods``)."""
+    # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
+    found = _compiled_mods().entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
+    checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
+    absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None,
+                      known=None if found is None else tuple(e and e.builtin for e in found))
     if absorbed[3:] != (score_mod, mask_mod):
         causal, window, softcap, score_mod, mask_mod = absorbed
         return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
                                 scale=scale, return_lse=return_lse, out=out, deterministic=deterministic,
                                 score_mod=score_mod, mask_mod=mask_mod)
-    mods = bind_mods(score_mod, mask_mod, q.device,
-                     {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k})
+    ranges = {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k}
+    if found is not None:
+        mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
+        return _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return_lse, out, deterministic)
+    plan = _plan_checked(q, max_q, max_k, checked)
+    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
     spec = with_mod_fields(plan.spec, mods.score_mod, mods.mask_mod)
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
@@ -161,6 +168,37 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
         check_bool("deterministic", deterministic)
         out, lse = _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out)
     return (out, lse) if return_lse else out
+
+
+def _compiled_mods():
+    """``tilegen.mods.compiled``, imported at the first call under ``torch.compile`` (it imports Dynamo)."""
+    from tilegen.mods import compiled
+
+    return compiled
+
+
+def _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return_lse, out, deterministic):
+    """A call with mods under ``torch.compile``: the ``tilegen::varlen_attention_mods_fwd`` custom op, which plans
+    and launches as an eager call does, differentiable through ``tilegen::varlen_attention_mods_bwd``
+    (``attention_grad.attach_ragged_mods``). ``checked``: ``_checked_ragged``'s spec and launch values."""
+    spec, left, right, scale, softcap = checked
+    trains = wants_grad(q, k, v, mods.tensors)
+    if trains:
+        attention_grad.check_training_args(out, deterministic)
+        _compiled_mods().check_differentiable(mods.score_mod)
+    else:
+        check_bool("deterministic", deterministic)
+    if env.debug():
+        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+    result, lse = torch.ops.tilegen.varlen_attention_mods_fwd(
+        q, k, v, cu_q, cu_k, max_q, max_k, list(mods.tensors), len(mods.tensors) - len(mods.mask_tensors),
+        mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, spec.return_lse or trains, scale, softcap,
+        left, right, deterministic)
+    if out is not None:
+        _check_out_shape(out, q, spec.dv)
+        result = out.copy_(result)
+    return (result, lse) if return_lse else result
 
 
 def _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out):
@@ -217,13 +255,17 @@ def _compiled(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale,
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, scale, softcap, left, right, deterministic)
     if out is not None:
-        shape = (q.shape[0], q.shape[1], spec.dv)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
-            raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
-        if out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out: expected {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
+        _check_out_shape(out, q, spec.dv)
         result = out.copy_(result)
     return (result, lse) if return_lse else result
+
+
+def _check_out_shape(out, q, dv) -> None:
+    shape = (q.shape[0], q.shape[1], dv)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
+    if out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out: expected {q.dtype} on {q.device}, got {out.dtype} on {out.device}")
 
 
 _op_plans = dispatch.plan_cache()
@@ -262,6 +304,43 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dim_
 
 
 attention_grad.attach_ragged(_varlen_op)
+
+
+@torch.library.custom_op("tilegen::varlen_attention_mods_fwd", mutates_args=())
+def _varlen_mods_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, mod_tensors: list[torch.Tensor], score_tensors: int, score_mod: str | None,
+    mask_mod: str | None, head_dim_v: int, mask: str, has_softcap: bool, return_lse: bool, scale: float,
+    softcap: float, window_left: int, window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # As tilegen::attention_mods_fwd: the score mod's tensors first (score_tensors of them), then the mask mod's;
+    # deterministic is the backward's, without a default (the dispatcher would drop it from the arguments).
+    base = _spec_for(SPEC_DTYPES[q.dtype], q.shape[2], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap,
+                     return_lse, "ragged", None)
+    spec = with_mod_fields(base, score_mod, mask_mod)
+    key = (q.shape, k.shape, q.device, cu_seqlens_q.shape, base, max_seqlen_q, max_seqlen_k, scale, softcap,
+           window_left, window_right)
+    plan = _op_plans.get(key)
+    if plan is None:
+        fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
+        plan = _planned(base, q.device, max(max_seqlen_q, max_seqlen_k), fixed, heads_q=q.shape[1],
+                        launches=max_seqlen_q > 0 and q.shape[0] > 0)
+        _op_plans.put(key, plan)
+    mods = ModCall(score_mod, mask_mod, tuple(mod_tensors), tuple(mod_tensors[score_tensors:]))
+    out, lse = _launch_with_mods(spec, plan, mods, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 None)
+    # A custom op returns tensors only: an empty one stands for "no LSE".
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@_varlen_mods_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors, score_tensors, score_mod,
+      mask_mod, head_dim_v, mask, has_softcap, return_lse, *args):
+    return (q.new_empty((q.shape[0], q.shape[1], head_dim_v)),
+            q.new_empty(q.shape[:2] if return_lse else (0,), dtype=torch.float32))
+
+
+attention_grad.attach_ragged_mods(_varlen_mods_op)
 
 
 class PagedAttention:
@@ -419,8 +498,13 @@ def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, head
 
 
 def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
-    spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
-                                                        scale, return_lse)
+    return _plan_checked(q, max_q, max_k, _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
+                                                          scale, return_lse))
+
+
+def _plan_checked(q, max_q, max_k, checked) -> _Plan:
+    """The plan of a ragged call whose arguments ``_checked_ragged`` checked (``checked``: what it returned)."""
+    spec, left, right, scale, softcap = checked
     return _planned(spec, q.device, max(max_q, max_k),
                     {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
                     heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0)
