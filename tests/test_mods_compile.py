@@ -28,7 +28,17 @@ def test_an_older_torch_is_refused_by_name(device, monkeypatch):
     compiled, _ = _compiled("eager", library.alibi(torch.ones(2, device=device)), None)
     with pytest.raises(Exception) as caught:
         compiled(q, k, v)
-    assert "under torch.compile need torch 99.0 or later" in str(caught.value) + str(caught.value.__cause__)
+    assert "tilegen.attention: score_mod/mask_mod under torch.compile need torch 99.0 or later" in (
+        str(caught.value) + str(caught.value.__cause__))
+    q, k, v, cu = _varlen(device)
+    score_mod = library.alibi(torch.ones(2, device=device))
+    torch._dynamo.reset()
+    varlen = torch.compile(lambda q, k, v: tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, score_mod=score_mod),
+                           fullgraph=True, backend="eager")
+    with pytest.raises(Exception) as caught:
+        varlen(q, k, v)
+    assert "tilegen.varlen_attention: score_mod/mask_mod under torch.compile need torch 99.0" in (
+        str(caught.value) + str(caught.value.__cause__))
 
 
 def test_a_process_that_first_meets_mods_under_compile_imports_their_tracing_there(tmp_path):

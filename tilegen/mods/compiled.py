@@ -64,11 +64,12 @@ def _trace(fn: Callable, kind: str) -> Entry:
     return Entry(kind, mod.canonical, mod.names, mod.checks, paths, builtin_of(mod.canonical, kind))
 
 
-def entries(score_mod, mask_mod) -> tuple[Entry | None, Entry | None]:
-    """The mods' entries, read at trace time; Dynamo guards on the functions' identity."""
+def entries(score_mod, mask_mod, op: str = "tilegen.attention") -> tuple[Entry | None, Entry | None]:
+    """The mods' entries, read at trace time; Dynamo guards on the functions' identity. ``op`` names the caller in
+    the refusal an older torch gets."""
     if not compiles_mods():
         raise NotImplementedError(
-            f"tilegen.attention: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
+            f"{op}: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
             f"{torch.__version__}'s Dynamo does not guard a graph on the mod function itself, so a second mod of the "
             "same code would reuse the first's. Call it eagerly, or outside the compiled function")
     found = []

@@ -132,7 +132,8 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     top-left in each sequence and the built-ins' bottom-right. Under ``torch.compile``, the
     ``tilegen::varlen_attention_mods_fwd`` op (``_compiled_with_mods``)."""
     # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
-    found = _compiled_mods().entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
+    found = (_compiled_mods().entries(score_mod, mask_mod, "tilegen.varlen_attention")
+             if torch.compiler.is_compiling() else None)
     checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None,
                       known=None if found is None else tuple(e and e.builtin for e in found))
