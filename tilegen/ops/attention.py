@@ -218,12 +218,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
 def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic):
     """A call with mods under ``torch.compile``: the ``tilegen::attention_mods_fwd`` custom op, which launches as an
     eager call does, differentiable through ``tilegen::attention_mods_bwd`` (``attention_grad.attach_mods``)."""
-    trains = wants_grad(q, k, v, mods.tensors)
-    if trains:
-        attention_grad.check_training_args(out, deterministic)
-        _compiled_mods().check_differentiable(mods.score_mod)
-    else:
-        check_bool("deterministic", deterministic)
+    trains = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
     score_count = len(mods.tensors) - len(mods.mask_tensors)
     result, lse = torch.ops.tilegen.attention_mods_fwd(
         q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,

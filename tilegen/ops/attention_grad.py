@@ -31,8 +31,9 @@ from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
 from tilegen.mods.blocks import backward_tables
 from tilegen.mods.grad import check_differentiable, grad_tensors
-from tilegen.mods.trace import ModCall
+from tilegen.mods.trace import ModCall, wants_grad
 from tilegen.ops.memo import memoized, with_mod_fields
+from tilegen.ops.tensors import check_bool
 
 __all__ = ["attach_dense", "attach_ragged", "apply_with_mods", "backward_spec", "check_training_args",
            "explain_backward", "mod_backward_spec", "run_with_mods"]
@@ -52,6 +53,20 @@ def mod_backward_spec(spec, layout: str) -> AttentionBwdSpec:
     bwd = backward_spec(TORCH_DTYPES[spec.dtype], spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                         layout)
     return with_mod_fields(bwd, spec.score_mod, spec.mask_mod)
+
+
+def check_compiled_mods(q, k, v, mods, out, deterministic) -> bool:
+    """A compiled call with mods (``tilegen.mods.compiled``): whether it trains, its training arguments checked and
+    its score mod's derivative formed at trace time when it does, ``deterministic`` checked when it does not."""
+    trains = wants_grad(q, k, v, mods.tensors)
+    if trains:
+        check_training_args(out, deterministic)
+        from tilegen.mods import compiled  # imports Dynamo: only a compiled call gets here
+
+        compiled.check_differentiable(mods.score_mod)
+    else:
+        check_bool("deterministic", deterministic)
+    return trains
 
 
 def check_training_args(out, deterministic) -> None:

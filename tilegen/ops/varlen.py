@@ -183,12 +183,7 @@ def _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return
     and launches as an eager call does, differentiable through ``tilegen::varlen_attention_mods_bwd``
     (``attention_grad.attach_ragged_mods``). ``checked``: ``_checked_ragged``'s spec and launch values."""
     spec, left, right, scale, softcap = checked
-    trains = wants_grad(q, k, v, mods.tensors)
-    if trains:
-        attention_grad.check_training_args(out, deterministic)
-        _compiled_mods().check_differentiable(mods.score_mod)
-    else:
-        check_bool("deterministic", deterministic)
+    trains = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
@@ -272,6 +267,21 @@ def _check_out_shape(out, q, dv) -> None:
 _op_plans = dispatch.plan_cache()
 
 
+def _op_plan(q, k, cu_q, max_q, max_k, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left,
+             window_right) -> _Plan:
+    """The custom ops' plan of a call (their arguments were checked in traced code), kept per shape and value."""
+    spec = _spec_for(SPEC_DTYPES[q.dtype], q.shape[2], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap,
+                     return_lse, "ragged", None)
+    key = (q.shape, k.shape, q.device, cu_q.shape, spec, max_q, max_k, scale, softcap, window_left, window_right)
+    plan = _op_plans.get(key)
+    if plan is None:
+        fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
+        plan = _planned(spec, q.device, max(max_q, max_k), fixed, heads_q=q.shape[1],
+                        launches=max_q > 0 and q.shape[0] > 0)
+        _op_plans.put(key, plan)
+    return plan
+
+
 @torch.library.custom_op("tilegen::varlen_attention_fwd", mutates_args=())
 def _varlen_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -279,16 +289,8 @@ def _varlen_op(
     softcap: float, window_left: int, window_right: int, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Always with the LSE: the op exists for training, whose backward reads it.
-    spec = _spec_for(SPEC_DTYPES[q.dtype], q.shape[2], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap, True,
-                     "ragged", None)
-    key = (q.shape, k.shape, q.device, cu_seqlens_q.shape, spec, max_seqlen_q, max_seqlen_k, scale, softcap,
-           window_left, window_right)
-    plan = _op_plans.get(key)
-    if plan is None:
-        fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
-        plan = _planned(spec, q.device, max(max_seqlen_q, max_seqlen_k), fixed, heads_q=q.shape[1],
-                        launches=max_seqlen_q > 0 and q.shape[0] > 0)
-        _op_plans.put(key, plan)
+    plan = _op_plan(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, head_dim_v, mask, has_softcap, True, scale,
+                    softcap, window_left, window_right)
     out = q.new_empty((q.shape[0], q.shape[1], head_dim_v))
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
     if plan.launches:
@@ -316,17 +318,9 @@ def _varlen_mods_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # As tilegen::attention_mods_fwd: the score mod's tensors first (score_tensors of them), then the mask mod's;
     # deterministic is the backward's, without a default (the dispatcher would drop it from the arguments).
-    base = _spec_for(SPEC_DTYPES[q.dtype], q.shape[2], head_dim_v, q.shape[1] // k.shape[1], mask, has_softcap,
-                     return_lse, "ragged", None)
-    spec = with_mod_fields(base, score_mod, mask_mod)
-    key = (q.shape, k.shape, q.device, cu_seqlens_q.shape, base, max_seqlen_q, max_seqlen_k, scale, softcap,
-           window_left, window_right)
-    plan = _op_plans.get(key)
-    if plan is None:
-        fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
-        plan = _planned(base, q.device, max(max_seqlen_q, max_seqlen_k), fixed, heads_q=q.shape[1],
-                        launches=max_seqlen_q > 0 and q.shape[0] > 0)
-        _op_plans.put(key, plan)
+    plan = _op_plan(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, head_dim_v, mask, has_softcap, return_lse, scale,
+                    softcap, window_left, window_right)
+    spec = with_mod_fields(plan.spec, score_mod, mask_mod)
     mods = ModCall(score_mod, mask_mod, tuple(mod_tensors), tuple(mod_tensors[score_tensors:]))
     out, lse = _launch_with_mods(spec, plan, mods, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  None)
