@@ -9,10 +9,12 @@ does (``tilegen.dispatch.planned``) with the ``attention_bwd`` family's own tune
 ``deterministic=True`` takes the row's config without atomics. A second derivative raises
 ``NotImplementedError`` naming the op.
 
-Calls with score or mask mods (``tilegen.mods``) differentiate through a ``torch.autograd.Function``
-(``apply_with_mods``) instead: mods are eager only, and their captured tensors are inputs of the graph too,
-so a learned bias table or ALiBi slopes get gradients. The backward spec holds the mods, and its kernels
-recompute the scores through them (``tilegen.mods.grad``).
+Eager calls with score or mask mods (``tilegen.mods``) differentiate through a ``torch.autograd.Function``
+(``apply_with_mods``) instead; their captured tensors are inputs of the graph too, so a learned bias table or
+ALiBi slopes get gradients. The backward spec holds the mods, and its kernels recompute the scores through them
+(``tilegen.mods.grad``). Under ``torch.compile`` such calls are the mods' custom ops
+(``tilegen::attention_mods_fwd``, ``tilegen::varlen_attention_mods_fwd``), made differentiable here
+(``attach_mods``, ``attach_ragged_mods``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from tilegen.mods.trace import ModCall, wants_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_bool
 
-__all__ = ["attach_dense", "attach_ragged", "apply_with_mods", "backward_spec", "check_training_args",
-           "explain_backward", "mod_backward_spec", "run_with_mods"]
+__all__ = ["attach_dense", "attach_ragged", "attach_ragged_mods", "apply_with_mods", "backward_spec",
+           "check_compiled_mods", "check_training_args", "explain_backward", "mod_backward_spec", "run_with_mods"]
 
 
 @memoized
