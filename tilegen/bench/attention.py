@@ -149,6 +149,16 @@ def _providers(case: Case, inputs, configs=()):
     }
 
 
+def _reference(case: Case, q, k, v) -> torch.Tensor:
+    """What every provider is checked against: SDPA flash, or where it refuses the shapes (a V narrower than Q and
+    K) its memory-efficient backend; with a softcap, ``softcap_reference``."""
+    if case.softcap is not None:
+        return softcap_reference(q, k, v, case.causal, case.softcap)
+    backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+    with torch.nn.attention.sdpa_kernel(backends):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+
+
 def softcap_reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:
     """Softcapped attention in float32, one (batch, head) at a time so that a 16k-token score matrix fits; the
     causal mask aligned bottom-right, as tilegen's."""
@@ -188,13 +198,7 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
     providers = _providers(case, (q, k, v), configs)
     if only:
         providers = {name: fn for name, fn in providers.items() if name in only or name.startswith("tilegen ")}
-    if case.softcap is None:
-        # SDPA flash, or where it refuses the shapes (a V narrower than Q and K) its memory-efficient backend.
-        backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
-        with torch.nn.attention.sdpa_kernel(backends):
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
-    else:
-        ref = softcap_reference(q, k, v, case.causal, case.softcap)
+    ref = _reference(case, q, k, v)
     choice = tilegen.explain(q, k, v, causal=case.causal, softcap=case.softcap)
     flops = case.flops(prepare_call(q, k, v, case.causal, None, case.softcap, None, False)[0])
     row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
@@ -233,11 +237,7 @@ def sweep_case(case: Case) -> list[dict]:
     """Time every feasible config of the case's spec (to pick defaults and check the search space)."""
     q, k, v = _inputs(case)
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, case.softcap, None, False)
-    if case.softcap is None:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
-    else:
-        ref = softcap_reference(q, k, v, case.causal, case.softcap)
+    ref = _reference(case, q, k, v)
     results = []
     for config in family_of(spec).candidates(spec, device_info()):
         entry = {"case": str(case), "config": str(config)}

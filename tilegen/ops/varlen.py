@@ -82,12 +82,12 @@ def varlen_attention(
     if score_mod is not None or mask_mod is not None:
         return _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                           scale, return_lse, out, deterministic, score_mod, mask_mod)
-    if torch.compiler.is_compiling():
-        return _compiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
-                         scale, return_lse, out, deterministic, trains)
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
+    if torch.compiler.is_compiling():
+        return _compiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
+                         scale, return_lse, out, deterministic)
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     key = None
@@ -221,31 +221,27 @@ def _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out):
 def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out,
                     deterministic):
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
-    checked before the forward runs."""
+    checked before the forward runs. Reads no table (the op plans), so ``torch.compile`` traces it."""
     attention_grad.check_training_args(out, deterministic)
     check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
-    plan = _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, True)
+    spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
+                                                        scale, True)
     check_grid("cu_seqlens_q", (cu_q.numel() - 1) * q.shape[1], "(sequence, head) pairs of the backward")
-    spec, args = plan.spec, plan.launch_args
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "ragged")
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
-        q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, args["scale"], args["softcap"],
-        args["window_left"], args["window_right"], deterministic)
+        q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, scale, softcap, left, right,
+        deterministic)
     return (result, lse) if return_lse else result
 
 
-def _compiled(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic,
-              trains):
-    """A call under ``torch.compile``: the arguments checked in traced code, then the custom op, which plans and
-    launches opaquely (its plans and the dispatch tables are host state Dynamo should not trace) and is
-    differentiable; it always makes the LSE. A result asked into ``out`` is the op's copied there."""
-    if trains:
-        attention_grad.check_training_args(out, deterministic)
-    else:
-        check_bool("deterministic", deterministic)
+def _compiled(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic):
+    """A call that does not train, under ``torch.compile``: the arguments checked in traced code, then the custom
+    op, which plans and launches opaquely (its plans and the dispatch tables are host state Dynamo should not
+    trace); it always makes the LSE. A result asked into ``out`` is the op's copied there."""
+    check_bool("deterministic", deterministic)
     spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
                                                         scale, return_lse)
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
