@@ -87,12 +87,13 @@ def test_ragged_and_paged_specs_carry_the_gluon_kernel():
     from tilegen.codegen import source_for
 
     source = source_for(LLAMA)
-    assert "_wgmma_ws(" in source and "_ws_tile_ragged" in source and "def _gluon_ragged" in source
+    # The launch takes it over the packed K and V, or over the pages.
+    assert "_wgmma_ws(" in source and "_ws_tile_ragged" in source and "sequences = (cu_seqlens_k," in source
     assert "_ws_load_pages" not in source
     # The one-partition kernel (wgmma=1) is the dense family's alone.
     assert "_kernel_wgmma(" not in source
     paged = source_for(PAGED)
-    assert "def _gluon_paged" in paged and "_ws_load_pages(" in paged and "def _gluon_ragged" not in paged
+    assert "sequences = (page_indptr," in paged and "_ws_load_pages(" in paged and "cu_seqlens_k" not in paged
     for spec in (PAGED.replace(kv_dtype="fp8e4m3"), PAGED.replace(page_size=1)):
         assert "gluon" not in source_for(spec), spec
 
@@ -387,19 +388,24 @@ def test_paged_gluon_with_a_wrong_page_table_stays_inside_the_cache(fault, spoil
 
 
 def test_a_launch_asks_gluon_for_a_blocks_shared_layout_once(monkeypatch):
-    """The launchers keep each TMA block shape's layout (Gluon's get_default_for costs microseconds a call): the
-    kept one is Gluon's, asked for once however many launches use it."""
-    from tilegen.codegen.cache import module_for
-
-    module = module_for(PAGED)
-    if module.gluon is None:
-        pytest.skip("this Triton has no Gluon")
+    """The launcher keeps each key block size's TMA layouts (Gluon's get_default_for costs microseconds a call):
+    the kept ones are Gluon's, asked for at the first launch with that block size only."""
+    module, launches = _spied_module(PAGED, monkeypatch)
     layouts = module.gl.NVMMASharedLayout
     real = layouts.get_default_for
     asked = []
     monkeypatch.setattr(layouts, "get_default_for", lambda *a, **k: asked.append(a) or real(*a, **k))
     monkeypatch.setattr(module, "_SMEM_LAYOUTS", {})
-    first = module._smem_layout([1, 1, 48, 128])
-    assert module._smem_layout([1, 1, 48, 128]) is first and len(asked) == 1
-    assert first == real([1, 1, 48, 128], module.gl.bfloat16)
-    assert module._smem_layout([1, 1, 16, 64]) == real([1, 1, 16, 64], module.gl.bfloat16) and len(asked) == 2
+    k_pages, v_pages = (torch.empty(4, 16, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    q = torch.empty(40, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+    out, lse = torch.empty(40, 8, 128, dtype=torch.bfloat16), torch.empty(40, 8)
+    cu_q, indptr, indices, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 40], [0, 4], [0, 1, 2, 3], [16]))
+    for config in (WS, WS, WS_SHORT, WS):
+        module.launch(q, k_pages, v_pages, out, lse, cu_q, indptr, indices, last, 40, scale=0.1, softcap=0.0,
+                      window_left=1 << 30, window_right=0, **config.to_dict())
+    assert [a[0] for a in asked] == [[1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 64, 128], [1, 1, 64, 128]]
+    assert len(launches) == 4 and all(grid == (8, ) for grid, _, _ in launches)  # one tile per head
+    first, short = launches[0][1], launches[2][1]
+    assert first[0].layout == real([1, 1, 64, 128], module.gl.bfloat16) and first[1].layout is launches[1][1][1].layout
+    assert first[1].layout == real([1, 1, 128, 128], module.gl.bfloat16)
+    assert short[1].layout == real([1, 1, 64, 128], module.gl.bfloat16) and launches[3][1][1].layout is first[1].layout

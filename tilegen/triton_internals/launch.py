@@ -367,14 +367,7 @@ class Launcher:
                 self._kernels[name] = DirectKernel(value, variant)
         self.direct = _rebind(launch, self._kernels)
         self._capture = _rebind(launch, {name: _Capture(self, kernel) for name, kernel in self._kernels.items()})
-        # A launcher that calls module functions of its own could launch kernels out of sight of
-        # the capture: such a launcher is never replayed, unless every such function provably reaches
-        # no kernel (a causal launcher's tile-schedule arithmetic, say).
-        self._replayable = all(
-            _host_only(module, value)
-            for name in names - {"launch"}
-            if isinstance(value := getattr(module, name, None), types.FunctionType)
-        )
+        self._replayable = replayable(module)
 
     @property
     def launch(self):
@@ -396,6 +389,17 @@ class Launcher:
                 return self._sink
             finally:
                 self._sink = None
+
+
+def replayable(module: types.ModuleType) -> bool:
+    """Whether a generated module's ``launch`` may be replayed. A launcher that calls module functions of its
+    own could launch kernels out of sight of the capture: such a launcher is never replayed, unless every
+    such function provably reaches no kernel (a causal launcher's tile-schedule arithmetic, say)."""
+    return all(
+        _host_only(module, value)
+        for name in set(module.launch.__code__.co_names) - {"launch"}
+        if isinstance(value := getattr(module, name, None), types.FunctionType)
+    )
 
 
 def _host_only(module: types.ModuleType, function: types.FunctionType, seen: frozenset = frozenset()) -> bool:
