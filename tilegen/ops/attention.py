@@ -43,7 +43,8 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
-from tilegen.ops.tensors import MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, refuse_grad
+from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, empty_like_template,
+                                  refuse_grad)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -282,7 +283,7 @@ def attention_seq_major(q, k, v, *, causal=False, window=None, softcap=None, sca
     if planned is None:
         plan = _plan(q, k, v, causal, window, softcap, scale, False, out_view=_heads_first)
         batch, heads, n_q, dv = plan.out_shape
-        planned = plan, _empty_like_template((batch, n_q, heads, dv), q.dtype, q.device)
+        planned = plan, empty_like_template((batch, n_q, heads, dv), q.dtype, q.device)
         _seq_major_plans.put(key, planned)
     plan, out_like = planned
     out = torch.empty_like(out_like)
@@ -294,12 +295,6 @@ def attention_seq_major(q, k, v, *, causal=False, window=None, softcap=None, sca
 def _heads_first(out: torch.Tensor) -> torch.Tensor:
     """The launcher's ``[batch, heads, n, dim]`` view of a ``[batch, n, heads, dim]`` output (same data pointer)."""
     return out.transpose(1, 2)
-
-
-def _empty_like_template(shape, dtype, device) -> torch.Tensor:
-    """One element expanded to ``shape``: ``empty_like`` of it is a contiguous tensor of that shape, in about
-    half ``new_empty``'s host time, and the template holds no storage of that size."""
-    return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +375,7 @@ def _sliced_plan(q, k, v, spec: AttentionSpec, out_shape, left, right, scale, so
 
 
 def _lse_like(shape, device) -> torch.Tensor | None:
-    return None if shape is None else _empty_like_template(shape, torch.float32, device)
+    return None if shape is None else empty_like_template(shape, torch.float32, device)
 
 
 def _decode_plan(q, k, spec: AttentionSpec, out_shape, left, right, scale, softcap, views) -> _Plan:

@@ -8,14 +8,20 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_grid", "check_out", "refuse_grad",
-           "writable"]
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_grid", "check_out", "empty_like_template",
+           "refuse_grad", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
 
 #: CUDA's bound on a launch grid's second and third axes.
 MAX_GRID_YZ = 65535
+
+
+def empty_like_template(shape, dtype, device) -> torch.Tensor:
+    """One element expanded to ``shape``: ``empty_like`` of it is a contiguous tensor of that shape, in about
+    half ``new_empty``'s host time, and the template holds no storage of that size."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
 def check_device(name: str, device: torch.device) -> None:

@@ -44,7 +44,8 @@ from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
-from tilegen.ops.tensors import NO_BACKWARD, check_bool, check_device, check_grid, check_out, refuse_grad
+from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_grid, check_out, empty_like_template,
+                                  refuse_grad)
 
 __all__ = ["varlen_attention", "PagedAttention"]
 
@@ -109,10 +110,15 @@ def varlen_attention(
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    out = _output(plan, q, out, {"k": k, "v": v})
-    if out.requires_grad and torch.is_grad_enabled():
-        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if plan.spec.return_lse else None
+    if out is None and plan.out_like_q:
+        # As tilegen.attention allocates: empty_like(q) where the output has q's shape, and the LSE from a
+        # storage-free template (each about 0.7 us less host time than new_empty on the CPU machine).
+        out = torch.empty_like(q)
+    else:
+        out = _output(plan, q, out, {"k": k, "v": v})
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
+    lse = torch.empty_like(plan.lse_like) if plan.lse_like is not None else None
     if plan.launches:
         # The plan's key fixes every shape, dtype and scalar the launcher reads; the strides complete the
         # key under which its launches are replayed (tilegen.triton_internals.launch.Replay).
@@ -477,6 +483,10 @@ class _Plan:
     q_dtype: torch.dtype | None = None
     scale_kinds: tuple = ()  # the paged cache's scale sizes (one or per head), which the launch is keyed by
     mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time (PagedAttention.plan)
+    # varlen_attention's plans, whose key fixes q's shape: the output has q's shape (empty_like(q) makes it), and
+    # the fp32 LSE's template ([total_q, heads_q], one element expanded), or None.
+    out_like_q: bool = False
+    lse_like: torch.Tensor | None = None
 
 
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
@@ -496,9 +506,11 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
 def _plan_checked(q, max_q, max_k, checked) -> _Plan:
     """The plan of a ragged call whose arguments ``_checked_ragged`` checked (``checked``: what it returned)."""
     spec, left, right, scale, softcap = checked
+    lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if spec.return_lse else None
     return _planned(spec, q.device, max(max_q, max_k),
                     {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
-                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0)
+                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0, out_like_q=spec.dv == q.shape[2],
+                    lse_like=lse_like)
 
 
 def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse):
