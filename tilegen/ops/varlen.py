@@ -452,7 +452,10 @@ class PagedAttention:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
                              f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
-        out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
+        if out is None and spec.dv == spec.head_dim:
+            out = torch.empty_like(q)  # q's shape, checked above: as varlen_attention allocates
+        else:
+            out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
                                         or cache.v_pages.requires_grad):
