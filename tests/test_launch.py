@@ -439,9 +439,11 @@ def test_only_helpers_that_cannot_reach_a_kernel_keep_a_launcher_replayable(devi
         "KERNELS = (kernel, 2)\n"
         "def via_tuple(n): return PAIR[n % 2]\n"
         "def via_kernel_tuple(n): return KERNELS[0]\n"
-        "def recursive(n): return recursive(n - 1) if n else 0\n",
+        "def recursive(n): return recursive(n - 1) if n else 0\n"
+        "def launch(n): return [through(i) for i in range(n)]\n",
         vars(module),
     )
+    assert not replayable(module), "a helper that reaches a kernel from inside a comprehension still counts"
     verdicts = {name: _host_only(module, getattr(module, name))
                 for name in ("pure", "nested", "launches", "through", "via_module", "via_getattr", "recursive",
                              "via_tuple", "via_kernel_tuple")}

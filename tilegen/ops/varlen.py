@@ -110,9 +110,9 @@ def varlen_attention(
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    if out is None and plan.out_like_q:
-        # As tilegen.attention allocates: empty_like(q) where the output has q's shape, and the LSE from a
-        # storage-free template (each about 0.7 us less host time than new_empty on the CPU machine).
+    if out is None and plan.out_like_q and q.is_contiguous():
+        # empty_like(q) where the output has q's shape (contiguous, as new_empty gives it), and the LSE from a
+        # storage-free template: each about 0.7 us less host time than new_empty (CPU machine).
         out = torch.empty_like(q)
     else:
         out = _output(plan, q, out, {"k": k, "v": v})
@@ -452,7 +452,7 @@ class PagedAttention:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
                              f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
-        if out is None and spec.dv == spec.head_dim:
+        if out is None and spec.dv == spec.head_dim and q.is_contiguous():
             out = torch.empty_like(q)  # q's shape, checked above: as varlen_attention allocates
         else:
             out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
@@ -502,18 +502,19 @@ def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, head
 
 
 def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
-    return _plan_checked(q, max_q, max_k, _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
-                                                          scale, return_lse))
+    """varlen_attention's cached plan, which also fixes how the call allocates its output and LSE."""
+    checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
+    spec = checked[0]
+    lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if spec.return_lse else None
+    return _plan_checked(q, max_q, max_k, checked, out_like_q=spec.dv == q.shape[2], lse_like=lse_like)
 
 
-def _plan_checked(q, max_q, max_k, checked) -> _Plan:
+def _plan_checked(q, max_q, max_k, checked, **fields) -> _Plan:
     """The plan of a ragged call whose arguments ``_checked_ragged`` checked (``checked``: what it returned)."""
     spec, left, right, scale, softcap = checked
-    lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if spec.return_lse else None
     return _planned(spec, q.device, max(max_q, max_k),
                     {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
-                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0, out_like_q=spec.dv == q.shape[2],
-                    lse_like=lse_like)
+                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0, **fields)
 
 
 def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse):

@@ -54,7 +54,7 @@ from tilegen import env
 from tilegen.triton_internals import gate, kernel_index, warmup
 from tilegen.triton_internals.gate import Variant
 
-__all__ = ["DirectKernel", "Launcher", "Replay", "support"]
+__all__ = ["DirectKernel", "Launcher", "Replay", "replayable", "support"]
 
 log = logging.getLogger("tilegen.launch")
 
@@ -359,7 +359,7 @@ class Launcher:
 
         variant = gate.internals()
         launch = self.jit
-        names = set(launch.__code__.co_names)
+        names = _names(launch.__code__)  # nested code too: a kernel called from a comprehension is captured
         for name, value in vars(module).items():
             # Gluon kernels too (a JITFunction subclass with the same run): their launches are captured
             # like the others, and go through the JIT where no fingerprint describes their arguments.
@@ -397,9 +397,19 @@ def replayable(module: types.ModuleType) -> bool:
     such function provably reaches no kernel (a causal launcher's tile-schedule arithmetic, say)."""
     return all(
         _host_only(module, value)
-        for name in set(module.launch.__code__.co_names) - {"launch"}
+        for name in _names(module.launch.__code__) - {"launch"}
         if isinstance(value := getattr(module, name, None), types.FunctionType)
     )
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and its nested code (comprehensions, generator expressions, lambdas) read."""
+    codes, names = [code], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
 
 
 def _host_only(module: types.ModuleType, function: types.FunctionType, seen: frozenset = frozenset()) -> bool:
@@ -412,13 +422,8 @@ def _host_only(module: types.ModuleType, function: types.FunctionType, seen: fro
     if function.__module__ != module.__name__:
         return False  # imported from elsewhere: not the generated code this proof reads
     seen = seen | {function.__code__}
-    codes, names = [function.__code__], set()
-    while codes:
-        code = codes.pop()
-        names.update(code.co_names)
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     namespace = vars(module)
-    for name in names:
+    for name in _names(function.__code__):
         if name in namespace:
             value = namespace[name]
             if isinstance(value, types.FunctionType):
