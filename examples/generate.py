@@ -5,7 +5,7 @@
         --out results.json                                        # a GPU: Llama-3-8B widths, 4 layers
 
 The model is a ``LlamaForCausalLM`` with random weights (no download). ``Engine`` runs it with the
-model's own modules (embedding, per-layer RMSNorms, projections and MLP, final norm, LM head) and
+model's own modules (embedding, projections and MLP, LM head; its RMSNorms' weights through torch's fused kernel) and
 tilegen's ops for everything between the projections:
 
 - a page pool: one ``[layers, pages + 1, page_size, kv_heads, head_dim]`` tensor each for K and V
@@ -126,7 +126,8 @@ class Engine:
 
     Args:
         model: a ``LlamaForCausalLM`` (or a model of its layout: ``model.model.{embed_tokens, layers,
-            norm, rotary_emb}``, ``model.lm_head``); its modules are called as they are.
+            norm, rotary_emb}``, ``model.lm_head``); its modules are called as they are, but for Llama's
+            RMSNorms, which run torch's fused ``rms_norm`` with their weights.
         page_size: tokens per page (one of ``tilegen.ops.kv_cache.PAGE_SIZES``).
         num_pages: pages in the pool; default enough for ``max_batch`` sequences of ``max_seq_len``.
         max_batch: most requests running at once.
@@ -310,7 +311,7 @@ class Engine:
         """One decoder layer as transformers' ``LlamaDecoderLayer``, attention through tilegen."""
         n = h.shape[0]
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
+        x = _rms_norm(layer.input_layernorm, h)
         q = attn.q_proj(x).view(n, self.heads, self.head_dim)
         k = attn.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = attn.v_proj(x).view(n, self.kv_heads, self.head_dim)
@@ -318,10 +319,10 @@ class Engine:
         k = tilegen.apply_rope(k, cos, sin)
         o = attend(q, k, v, cache)
         h = h + attn.o_proj(o.reshape(n, self.heads * self.head_dim))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
     def _logits(self, h):
-        return self.lm_head(self.norm(h))
+        return self.lm_head(_rms_norm(self.norm, h))
 
     def _prefill(self, admitted: list[Request], indices: list[int]) -> list[int]:
         """Prefill the admitted requests as one ragged batch; each one's first generated token."""
@@ -455,6 +456,17 @@ class Engine:
             for r, row in zip(running, b.logits.clone()):
                 r.logits.append(row)
         return b.next[:len(running)].tolist()
+
+
+def _rms_norm(module, h: torch.Tensor) -> torch.Tensor:
+    """``module(h)`` for transformers' ``LlamaRMSNorm`` by torch's fused kernel (one pass over ``h``, where the
+    module's fp32 elementwise ops make about seven: 895 against 83 µs for 16384 x 4096 bf16 rows on the H200). The
+    weight multiplies in fp32 before the one rounding, where the module rounds first: equal in fp32, one bf16
+    rounding apart in bf16. Any other norm module is called as it is (Gemma's, say, scales by 1 + weight)."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__ == "LlamaRMSNorm" and isinstance(weight, torch.Tensor) and eps is not None:
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps)
+    return module(h)
 
 
 def _fed(r: Request, token: int) -> int:
