@@ -97,13 +97,21 @@ class _Bucket:
     def __init__(self, engine: Engine, size: int):
         self.size = size
         cap = engine.num_pages + size  # every real page, and a scratch page per padded slot
-        self.n_meta = 3 * size + (size + 1) + cap
+        self.n_meta = 4 * size + (size + 1) + cap
         device = engine.device
         self.meta = torch.zeros(self.n_meta, dtype=torch.int32, device=device)
-        self.host = torch.zeros(self.n_meta, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # Two pinned staging buffers, taken in turn: a step's copy up may still be queued behind the step before
+        # while the host writes the next step's table; ``copied`` holds each buffer's last copy (an event).
+        self.hosts = [torch.zeros(self.n_meta, dtype=torch.int32, pin_memory=device.type == "cuda") for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+        self.host = self.hosts[0]
         s = size
         self.tokens, self.positions, self.last = self.meta[:s], self.meta[s:2 * s], self.meta[2 * s:3 * s]
-        self.indptr, self.indices = self.meta[3 * s:4 * s + 1], self.meta[4 * s + 1:]
+        # Per slot, where its token comes from when the host does not know it yet: its slot in the tokens of the
+        # step before (overlapped steps), else -1.
+        self.src = self.meta[3 * s:4 * s]
+        self.indptr, self.indices = self.meta[4 * s:5 * s + 1], self.meta[5 * s + 1:]
         self.cu = torch.arange(size + 1, dtype=torch.int32, device=device)  # one new token per sequence
         self.caches = [tilegen.PagedKVCache(engine.k_pages[i], engine.v_pages[i], self.indptr, self.indices,
                                             self.last, **engine.scales) for i in range(engine.n_layers)]
@@ -209,6 +217,12 @@ class Engine:
         self.graph_errors: list[str] = []  # captures that failed (their buckets decode eagerly)
         self.page_log: list[tuple[int, int]] = []  # (request index, page) for every page the last call took
         self.stats: dict[str, int] = {}
+        # Overlapped decode steps (``_decode``): the tokens still on the device, by step; the last step's tokens
+        # and each of its requests' slot in them.
+        self._overlap = False
+        self._pending: list[tuple[list[Request], list[int], torch.Tensor]] = []
+        self._carried: torch.Tensor | None = None
+        self._slots: dict[int, int] = {}
 
     # ----------------------------------------------------------------- requests
     def check(self, request: Request) -> None:
@@ -263,6 +277,11 @@ class Engine:
         self.stats = {"steps": 0, "prefills": 0, "decode_steps": 0, "graph_replays": 0, "padded_slots": 0,
                       "peak_pages": 0}  # of this call
         self.page_log = []
+        # Steps overlap when no step's schedule depends on the tokens: retiring by count (no EOS), none forced,
+        # no logits kept per step.
+        self._overlap = self.eos_token_id is None and not self.keep_logits and all(r.forced is None for r in requests)
+        self.stats["overlapped"] = int(self._overlap)
+        self._pending, self._carried, self._slots = [], None, {}
         index = {id(r): i for i, r in enumerate(requests)}
         waiting = deque(sorted(requests, key=lambda r: r.arrival))  # stable: ties keep their order
         running: list[Request] = []
@@ -287,11 +306,10 @@ class Engine:
                 running += admitted
             running = self._retire(running, step)
             if running:
-                tokens = self._decode(running, [index[id(r)] for r in running])
-                for r, token in zip(running, tokens):
-                    r.output.append(_fed(r, token))
+                self._decode(running, [index[id(r)] for r in running])
                 running = self._retire(running, step)
             step += 1
+        self._resolve()
         self.stats["steps"] = step
         return [r.output for r in requests]
 
@@ -420,11 +438,13 @@ class Engine:
         for size in reversed(self.buckets):
             self._bucket(size)
 
-    def _fill(self, b: _Bucket, running: list[Request]) -> int:
-        """Write the step's tokens, positions and page table into ``b.host``; how many entries are used."""
+    def _fill(self, b: _Bucket, running: list[Request], src: list[int] | None = None) -> int:
+        """Write the step's tokens, positions and page table into ``b.host``; how many entries are used. A token
+        still on the device (``None`` in ``output``) is written as 0, and ``src`` says where it is."""
         s, n = b.size, len(running)
         pad = s - n
-        tokens = [r.output[-1] for r in running] + [0] * pad
+        tokens = [0 if r.output[-1] is None else r.output[-1] for r in running] + [0] * pad
+        src = (src or [-1] * n) + [-1] * pad
         positions = [r.length - 1 for r in running] + [0] * pad  # the new token's: lengths already grown
         last = [r.length - (len(r.pages) - 1) * self.page_size for r in running] + [1] * pad
         indptr, indices = [0], []
@@ -434,19 +454,36 @@ class Engine:
         for _ in range(pad):
             indices.append(self.scratch)
             indptr.append(len(indices))
-        values = tokens + positions + last + indptr + indices
+        values = tokens + positions + last + src + indptr + indices
         b.host[:len(values)] = torch.frombuffer(array("i", values), dtype=torch.int32)  # a third of torch.tensor's time
         return len(values)
 
-    def _decode(self, running: list[Request], indices: list[int]) -> list[int]:
-        """One decode step for every running request; their next tokens."""
+    def _decode(self, running: list[Request], indices: list[int]) -> None:
+        """One decode step for every running request, each one's next token appended to its ``output``: at once,
+        or, when the step overlaps (``_overlap``), as ``None`` until ``_resolve`` reads it. An overlapped step
+        does not wait for its tokens: the next step takes them from it on the device, so that the host prepares
+        that step (pages, table, copy up) while this one runs, where a wait per step would leave the GPU idle
+        for all of the host's work."""
         self.stats["decode_steps"] += 1
         for i, r in zip(indices, running):
             self._grow(i, r, r.length + 1)  # the page table includes the token being appended
-        b = self._bucket(len(running))
-        used = self._fill(b, running)
-        self.stats["padded_slots"] += b.size - len(running)
+        n = len(running)
+        b = self._bucket(n)
+        src = [self._slots[id(r)] if r.output[-1] is None else -1 for r in running] if self._overlap else None
+        turn, b.turn = b.turn, b.turn ^ 1
+        if b.copied[turn] is not None:
+            b.copied[turn].synchronize()  # that buffer's copy up, two steps back, has run
+        b.host = b.hosts[turn]
+        used = self._fill(b, running, src)
+        self.stats["padded_slots"] += b.size - n
         b.meta[:used].copy_(b.host[:used], non_blocking=True)
+        if b.meta.is_cuda:
+            b.copied[turn] = torch.cuda.Event()
+            b.copied[turn].record()
+        if src is not None and any(i >= 0 for i in src):
+            slots = b.src[:n]
+            carried = self._carried.index_select(0, slots.clamp(min=0)).to(torch.int32)
+            b.tokens[:n].copy_(torch.where(slots >= 0, carried, b.tokens[:n]))
         if b.graph is not None:
             b.graph.replay()
             self.stats["graph_replays"] += 1
@@ -455,7 +492,26 @@ class Engine:
         if b.logits is not None:
             for r, row in zip(running, b.logits.clone()):
                 r.logits.append(row)
-        return b.next[:len(running)].tolist()
+        if self._overlap:
+            # A copy: the bucket's next step overwrites ``b.next``.
+            self._carried = b.next[:n].clone()
+            self._slots = {id(r): i for i, r in enumerate(running)}
+            self._pending.append((list(running), [len(r.output) for r in running], self._carried))
+            for r in running:
+                r.output.append(None)
+            return
+        for r, token in zip(running, b.next[:n].tolist()):
+            r.output.append(_fed(r, token))
+
+    def _resolve(self) -> None:
+        """Write the overlapped steps' tokens into the outputs that wait for them (one wait for the device)."""
+        if not self._pending:
+            return
+        values = iter(torch.cat([tokens for *_, tokens in self._pending]).tolist())
+        for requests, positions, _ in self._pending:
+            for r, at in zip(requests, positions):
+                r.output[at] = next(values)
+        self._pending = []
 
 
 def _rms_norm(module, h: torch.Tensor) -> torch.Tensor:

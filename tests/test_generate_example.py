@@ -62,9 +62,11 @@ def served():
 
 
 def test_greedy_tokens_equal_transformers_generate(served):
-    _, _, _, outputs, refs = served
+    _, engine, _, outputs, refs = served
     assert [len(o) for o in outputs] == list(NEW)
     assert outputs == refs
+    # No EOS, nothing forced: each step's tokens went to the next on the device, read back once at the end.
+    assert engine.stats["overlapped"] == 1 and engine._pending == []
 
 
 def test_requests_join_and_leave_between_steps(served):
@@ -102,6 +104,7 @@ def test_the_engine_serves_again_and_stops_at_eos(served):
     finally:
         engine.eos_token_id = None
     assert outputs == [refs[0][:stop]]
+    assert engine.stats["overlapped"] == 0  # an EOS decides the schedule: every step waits for its tokens
     assert sorted(engine.free) == list(range(engine.num_pages))
 
 
