@@ -9,6 +9,7 @@ interpreter every launch is slow, so shapes are small and only a couple reach 25
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -486,6 +487,57 @@ def test_varlen_gradients_match_reference(mask, device):
                                             as_dense(dout, qs, qe), dlse=dlse[qs:qe].T.unsqueeze(0), causal=causal)
         grads = (as_dense(q.grad, qs, qe), as_dense(k.grad, ks, ke), as_dense(v.grad, ks, ke))
         check_grads(grads, refs, torch.float32, what=f"sequence {b}: ")
+
+
+def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3):
+    """One direct launch of ``spec`` (ragged) with ``config`` over sequences of ``lens_q`` queries and ``lens_k``
+    keys, into NaN-poisoned gradients, each sequence's rows against the float64 reference of that sequence alone."""
+    heads_kv, d = heads_q // spec.q_per_kv, spec.head_dim
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    causal = spec.mask == "causal"
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(sum(lens_q), heads_q, d, generator=gen).to(device, torch_dtype) for _ in "qo")
+    k, v = (torch.randn(sum(lens_k), heads_kv, d, generator=gen).to(device, torch_dtype) for _ in "kv")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+                  for lens in (lens_q, lens_k))
+    spans = [(cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()) for b in range(len(lens_q))]
+
+    def as_dense(t, s, e):
+        return t[s:e].transpose(0, 1).unsqueeze(0)
+
+    out, lse = torch.zeros_like(q), torch.full((q.shape[0], heads_q), -math.inf, device=device)
+    for qs, qe, ks, ke in spans:
+        if qe > qs and ke > ks:
+            o, l = attention_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke), causal=causal)
+            out[qs:qe], lse[qs:qe] = o[0].transpose(0, 1).to(torch_dtype), l[0].T.float()
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
+    dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=device)
+    wl, wr = launch_window(spec.mask, None, 0 if causal else None, max(lens_q), max(lens_k))
+    module_for(spec).launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, dq_acc, cu_q, cu_k, max(lens_q),
+                            max(lens_k), scale=d ** -0.5, softcap=0.0, window_left=wl, window_right=wr,
+                            **config.to_dict())
+    for b, (qs, qe, ks, ke) in enumerate(spans):
+        grads = (as_dense(dq, qs, qe), as_dense(dk, ks, ke), as_dense(dv, ks, ke))
+        if ke == ks:  # no keys: nothing reaches dq
+            assert (grads[0] == 0).all(), f"sequence {b}: dq"
+        elif qe == qs:  # no queries: nothing reaches dk or dv
+            assert all((g == 0).all() for g in grads[1:]), f"sequence {b}: dk, dv"
+        else:
+            refs = attention_backward_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke),
+                                                as_dense(dout, qs, qe), causal=causal)
+            check_grads(grads, refs, torch_dtype, what=f"sequence {b}: ")
+
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("config", [Config(16, 32, 4, 1, 32, 16, 4, 1, tma=1), Config(32, 16, 4, 1, 32, 16, 4, 1,
+                                                                                     atomic_dq=1, tma=1)], ids=str)
+def test_ragged_launch_through_tma_descriptors(mask, config, device):
+    """Q and dO (dK/dV kernel), K and V (dQ kernel) through descriptors of the packed tensors: a block past its
+    sequence reads the next one's rows, which the masks must leave out (lengths that end mid-block, an empty
+    sequence, one without keys, more keys than queries)."""
+    spec = AttentionBwdSpec(head_dim=32, q_per_kv=2, mask=mask, dtype="fp32", layout="ragged")
+    ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device)
 
 
 # --------------------------------------------------------------------------- against SDPA on a GPU

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 from helpers import Case, compile_for_sm90, gluon_descriptor, param
-from test_attention_backward import _direct_inputs, _launch, check_grads
+from test_attention_backward import _direct_inputs, _launch, check_grads, ragged_launch_matches_reference
 
 from tilegen.codegen import module_for
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
@@ -34,8 +34,8 @@ WS = Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
 
 
 @pytest.mark.parametrize("spec,reason", [
-    (AttentionBwdSpec(head_dim=128, layout="ragged"), "layout='ragged'"),
     (AttentionBwdSpec(head_dim=128, mask="window"), "mask='window'"),
+    (AttentionBwdSpec(head_dim=128, mask="window", layout="ragged"), "mask='window'"),
     (AttentionBwdSpec(head_dim=128, softcap=True), "softcap"),
     (AttentionBwdSpec(head_dim=96), "head dims 96/96"),
     (AttentionBwdSpec(head_dim=128, head_dim_v=64), "head dims 128/64"),
@@ -78,6 +78,21 @@ def test_offered_on_hopper_with_triton_36_only():
         assert "Triton 3.6" in feasible(D128, BOTH, HOPPER)
 
 
+def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
+    ragged = D128.replace(layout="ragged")
+    assert wgmma_unsupported(ragged) is None
+    if not TRITON_36:
+        assert search_space(ragged, HOPPER)["wgmma"] == [0]
+        return
+    assert search_space(ragged, HOPPER)["wgmma"] == [0, 3]
+    assert feasible(ragged, WS, HOPPER) is None
+    for config in (DKDV, BOTH):
+        assert "a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)" in feasible(
+            ragged, config, HOPPER)
+    [(_, rule)] = default_rule(ragged, HOPPER)
+    assert rule.wgmma == 3
+
+
 def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     """A CPU launch with the knob on runs the Triton kernels with the same tiles: right gradients, every element."""
     if device != "cpu":
@@ -95,6 +110,7 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
 @pytest.mark.parametrize("spec,kernel,held,streamed,stages", [
     (D128, "_dkdv_wgmma", 128, 64, 2),
     (D128, "_dkdv_wgmma_ws", 64, 64, 2),  # each consumer's 64 keys
+    (D128.replace(layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
     (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
@@ -110,7 +126,8 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed,
         pointers = {"q_desc": held_desc, "do_desc": held_desc, "k_desc": streamed_desc, "v_desc": streamed_desc,
                     "dQ": f"*{dt}"}
         blocks = {"BLOCK_M": held, "BLOCK_N": streamed}
-    pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"})
+    pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32", "CuQ": "*i32",
+                     "CuK": "*i32"})
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                "configs": [{**blocks, "STAGES": stages, "num_warps": 4 if kernel.endswith("_ws") else held // 16}]}
     out = compile_for_sm90(request, tmp_path, kernels=1)
@@ -154,3 +171,23 @@ def test_gluon_kernels_match_reference(case, config, monkeypatch):
     taken = {1: ["_dkdv_wgmma"], 2: ["_dkdv_wgmma", "_dq_wgmma"], 3: ["_dkdv_wgmma_ws"]}[config.wgmma]
     assert runs == taken, "the launcher did not take the Gluon kernels the config names"
     check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), case.torch_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_ragged_batch_through_the_warp_specialized_kernel(causal, dtype, monkeypatch):
+    """A packed batch of odd lengths through the warp-specialized dK/dV kernel, whose tiles read past each sequence
+    into the next (``ragged_launch_matches_reference``)."""
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernels need an sm90 GPU and Triton 3.6")
+    spec = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal" if causal else "none", dtype=dtype,
+                            layout="ragged")
+    module = module_for(spec)
+    runs = []
+    kernel = module._dkdv_wgmma_ws
+    monkeypatch.setattr(module, "_dkdv_wgmma_ws",
+                        type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+    ragged_launch_matches_reference(spec, WS, [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7],
+                                    heads_q=8, device="cuda")
+    assert runs, "the launcher did not take the warp-specialized kernel"

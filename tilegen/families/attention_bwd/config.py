@@ -40,7 +40,7 @@ class Config(base.Config):
     # the adds varies, so dQ is not bit-reproducible); 0: a separate dQ kernel.
     atomic_dq: int = 0
     # 1: Q and dO (dK/dV kernel), K and V (dQ kernel) stream through TMA tensor descriptors (Hopper and later)
-    # where the tensors allow one; else through pointers. Dense batches only: a ragged call reads pointers.
+    # where the tensors allow one; else through pointers. A ragged batch's are viewed as [1, heads, total, dim].
     tma: int = 0
     # Gluon kernels (Hopper wgmma, their pipelines written out, attention_bwd/attention_bwd_wgmma) on TMA
     # descriptors, where the call allows them: 1 the dK/dV kernel, 2 the dQ kernel too, 3 the dK/dV kernel
@@ -84,13 +84,19 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
     return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
             "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3, 4],
             "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0],
-            "wgmma": list(Config.choices["wgmma"]) if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+            "wgmma": _wgmma_choices(spec) if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+
+
+def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
+    # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows).
+    return [0, 3] if spec.layout == "ragged" else list(Config.choices["wgmma"])
 
 
 def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
-    """Why the Gluon kernels do not implement ``spec``, or ``None`` when they do."""
-    if spec.layout != "dense":
-        return f"layout={spec.layout!r}: the Gluon kernels read TMA descriptors of dense batches"
+    """Why the Gluon kernels do not implement ``spec``, or ``None`` when they do (for a ragged batch: the
+    warp-specialized dK/dV kernel, ``wgmma=3``)."""
+    if spec.layout not in ("dense", "ragged"):
+        return f"layout={spec.layout!r}: the Gluon kernels read TMA descriptors of dense or ragged batches"
     if spec.score_mod is not None or spec.mask_mod is not None:
         return "score_mod/mask_mod: the Gluon kernels take no mods"
     if spec.softcap:
@@ -115,6 +121,8 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
         # dQ by atomics in the Gluon dK/dV kernel (dS staged through shared memory, fp32 reductions) ran at
         # 0.67-0.89x the Triton kernels on the H200 (BENCHMARKS.md): the atomics stall the one partition.
         return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0)"
+    if spec.layout == "ragged" and config.wgmma != 3:
+        return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
         return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
                f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
