@@ -13,9 +13,7 @@ __all__ = ["lower"]
 
 
 def lower(spec: AttentionBwdSpec) -> dict[str, Any]:
-    # TMA descriptors address [batch, heads, seq, dim]; a ragged batch's [total, heads, dim] is viewed as
-    # [1, heads, total, dim].
-    return {**attention_values(spec), "layout": spec.layout, "tma": True,
+    return {**attention_values(spec), "layout": spec.layout,
             # The Gluon kernels, for the specs they implement (rendered only there, so the others' modules and
             # hashes stay as they were).
             "wgmma": wgmma_unsupported(spec) is None,
