@@ -5,8 +5,8 @@
         --out results.json                                        # a GPU: Llama-3-8B widths, 4 layers
 
 The model is a ``LlamaForCausalLM`` with random weights (no download). ``Engine`` runs it with the
-model's own modules (embedding, projections and MLP, LM head; its RMSNorms' weights through torch's fused kernel) and
-tilegen's ops for everything between the projections:
+model's own modules (embedding, projections and MLP, LM head; its RMSNorms' weights through torch's fused
+kernel) and tilegen's ops for everything between the projections:
 
 - a page pool: one ``[layers, pages + 1, page_size, kv_heads, head_dim]`` tensor each for K and V
   (the extra page is a scratch page that padded decode slots write into), a free list, pages
@@ -20,7 +20,11 @@ tilegen's ops for everything between the projections:
   ``tilegen.PagedDecode``, the batch padded to a bucket (powers of two up to ``max_batch``). On a
   GPU each bucket's step is captured once in a CUDA graph (``PagedDecode`` is planned for the
   longest sequence the engine holds, so the plan, its split partials and every shape stay fixed)
-  and replayed; the step's token ids, positions and page table go up in one copy before the replay.
+  and replayed; the step's positions and page table go up in one copy before the replay. When no
+  step's schedule depends on a token (no ``eos_token_id``, nothing forced, no logits kept), a step
+  does not wait for its tokens: the next one takes them on the device, the host prepares it while
+  the GPU runs, and every token is read back once at the end. Otherwise the tokens go up with the
+  table, each step waiting for the one before.
 - continuous batching: requests wait in a queue (each may arrive at a later step), join the
   running batch when a slot, the prefill token budget and their pages allow, and leave it when
   they have their ``max_new_tokens`` (or hit ``eos_token_id``).
