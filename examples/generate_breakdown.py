@@ -1,6 +1,6 @@
 """Where the engine's time goes at one batch size (H200 only): the whole ``generate``, the wall time inside its
-prefills and its decode steps (host work and the step's synchronizing ``tolist`` included), the decode step's CUDA
-graph replayed alone, and a prefill-only run (one new token per request).
+prefills and its decode steps (host work included, and, where steps do not overlap, each one's wait for its tokens),
+the decode step's CUDA graph replayed alone, and a prefill-only run (one new token per request).
 
     python examples/generate_breakdown.py --batch 64 --prompt 2048 --new 256
 

@@ -108,6 +108,28 @@ def test_the_engine_serves_again_and_stops_at_eos(served):
     assert sorted(engine.free) == list(range(engine.num_pages))
 
 
+def test_projections_are_joined_without_copying_the_weights(served):
+    model, engine, *_ = served
+    for layer, fused in zip(model.model.layers, engine.fused):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert fused is not None
+        for joined, parts in ((fused.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                              (fused.gate_up, (mlp.gate_proj, mlp.up_proj))):
+            torch.testing.assert_close(joined, torch.cat([m.weight for m in parts]), rtol=0, atol=0)
+            assert all(m.weight.untyped_storage().data_ptr() == joined.untyped_storage().data_ptr() for m in parts)
+    again = gen.Engine(model, page_size=8, num_pages=6, max_batch=4, max_seq_len=32, buckets=(2, 4))
+    assert [f.qkv.data_ptr() for f in again.fused] == [f.qkv.data_ptr() for f in engine.fused]  # viewed, not re-joined
+
+
+def test_a_layer_with_biases_runs_its_own_projections():
+    model = _model(attention_bias=True, mlp_bias=True)
+    prompts = _prompts(LENGTHS[:2])
+    refs = [_reference(model, p, n) for p, n in zip(prompts, NEW)]
+    engine = gen.Engine(model, page_size=8, num_pages=6, max_batch=4, max_seq_len=32, buckets=(2, 4))
+    assert engine.fused == [None, None]
+    assert engine.generate([gen.Request(p, n) for p, n in zip(prompts, NEW)]) == refs
+
+
 def test_bad_requests_are_refused_before_anything_runs():
     model = _model()
     engine = gen.Engine(model, page_size=8, num_pages=3, max_batch=2, max_seq_len=32)
@@ -146,13 +168,18 @@ def test_rope_tables_are_the_models_own_and_length_dependent_ones_are_refused():
 @pytest.mark.skipif(HAS_CUDA, reason="the command's CPU smoke run (on a GPU it builds Llama-3-8B widths)")
 def test_the_command_runs_and_matches_transformers(tmp_path, capsys):
     out = tmp_path / "results.json"
-    assert gen.main(["--batch", "2", "--prompt", "5", "--new", "3", "--hf-cache", "dynamic", "--out", str(out)]) == 0
+    assert gen.main(["--batch", "2", "--prompt", "5", "--new", "3", "--hf-cache", "dynamic", "--prefill-tokens", "5,10",
+                     "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [2]
     row = rows[0]
     assert row["hf"]["cache"] == "dynamic" and not row["hf"]["torch_compile"]
     assert row["match_first32"] == 1.0 and row["match_all"] == 1.0
-    assert row["tilegen"]["tokens_per_s"] > 0 and row["tilegen"]["stats"]["decode_steps"] == 2
+    assert row["tilegen"]["tokens_per_s"] > 0 and row["tilegen"]["stats"]["decode_steps"] == 3
+    assert row["tilegen"]["stats"]["prefills"] == 2  # a budget of one prompt a step
+    [both] = row["tilegen_budgets"]
+    assert both["prefill_tokens"] == 10 and both["stats"]["prefills"] == 1 and both["stats"]["decode_steps"] == 2
+    assert both["same_tokens_as_first_budget"]
     assert "match@32" in capsys.readouterr().out
 
 
