@@ -62,3 +62,14 @@ def test_setting_triton_interpret_after_import_says_what_to_do():
     assert done.returncode != 0
     assert "TRITON_INTERPRET=1 was set after triton was imported" in done.stderr
     assert "above `import tilegen`" in done.stderr
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), (None, False)])
+def test_tilegen_debug_follows_the_environment_as_it_changes(monkeypatch, value, on):
+    from tilegen import env
+
+    if value is None:
+        monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("TILEGEN_DEBUG", value)
+    assert env.debug() is on

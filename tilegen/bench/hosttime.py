@@ -198,6 +198,21 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
         {"shape": layout, "provider": "tilegen via transformers' AttentionInterface",
          "call": lambda: attention_forward(module, qt, kt, vt, None)[0], "reference": gqa.transpose(1, 2)},
     ]
+    # The ragged batch as a padded one, transformers' way: [2, heads, 9, dim] views, the first sequence right-padded,
+    # and a 2-d padding mask, the same object at every call (as every layer of one forward gets it: the first
+    # builds the ragged layout, the rest reuse it).
+    padding = torch.zeros(2, 9, dtype=torch.bool, device=device)
+    padding[0, :7] = padding[1] = True
+
+    def padded(t):
+        rows = t.new_zeros(2, 9, *t.shape[1:])
+        rows[0, :7], rows[1] = t[:7], t[7:]
+        return rows.transpose(1, 2)
+
+    qp, kp, vp = (padded(t) for t in packed)
+    rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "tilegen via transformers' "
+                 "AttentionInterface, padded 2 x 9", "call": lambda: attention_forward(module, qp, kp, vp, padding)[0],
+                 "reference": padded(ragged_ref).transpose(1, 2)})
     for row in rows:
         row["context"] = contextlib.nullcontext
     if device == "cuda":

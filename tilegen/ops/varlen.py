@@ -93,10 +93,13 @@ def varlen_attention(
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     key = None
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               cu_seqlens_q.shape, cu_seqlens_k.shape, cu_seqlens_q.stride(), cu_seqlens_k.stride(),
-               cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device,
-               cu_seqlens_k.device, type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
+        cq, ck = cu_seqlens_q, cu_seqlens_k
+        # One tensor of offsets for both (self-attention) is keyed once: half the offsets' part of the key's
+        # host time.
+        offsets = (cq.shape, cq.stride(), cq.dtype, cq.device) if ck is cq else (
+            cq.shape, ck.shape, cq.stride(), ck.stride(), cq.dtype, ck.dtype, cq.device, ck.device)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, offsets,
+               type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
                causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
                return_lse, window if window is None else (window.__class__, *map(type, window), *window))
         plan = _plans.get(key)
@@ -362,6 +365,7 @@ class PagedAttention:
 
     def __init__(self) -> None:
         self._plan: _Plan | None = None
+        self._pages_layout: tuple | None = None  # the planned cache's (PagedKVCache._pages_layout)
 
     def plan(
         self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
@@ -421,6 +425,7 @@ class PagedAttention:
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
         )
+        self._pages_layout = cache._pages_layout
         if env.debug():
             cache.validate()
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
@@ -433,15 +438,19 @@ class PagedAttention:
         plan = self._plan
         if plan is None:
             raise RuntimeError("PagedAttention.run: call plan(...) first, once per batch")
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         spec = plan.spec
+        # A cache laid out as the planned one's passes in one comparison; any other is checked field by field.
+        if cache.__class__ is not PagedKVCache or cache._pages_layout != self._pages_layout:
+            if not isinstance(cache, PagedKVCache):
+                raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+            pages = cache.k_pages
+            if (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], SPEC_KV_DTYPES.get(pages.dtype),
+                    cache._scale_kinds) != (spec.page_size, spec.head_dim, spec.dv, spec.kv_dtype, plan.scale_kinds) \
+                    or (spec.kv_dtype is None and SPEC_DTYPES.get(pages.dtype) != spec.dtype) \
+                    or plan.heads_q // spec.q_per_kv != cache.kv_heads:
+                raise ValueError(f"cache: page size, heads, dims, dtype or scales differ from the plan's "
+                                 f"({spec.name})")
         pages = cache.k_pages
-        if (pages.shape[1], pages.shape[3], cache.v_pages.shape[3], SPEC_KV_DTYPES.get(pages.dtype),
-                cache._scale_kinds) != (spec.page_size, spec.head_dim, spec.dv, spec.kv_dtype, plan.scale_kinds) \
-                or (spec.kv_dtype is None and SPEC_DTYPES.get(pages.dtype) != spec.dtype) \
-                or plan.heads_q // spec.q_per_kv != cache.kv_heads:
-            raise ValueError(f"cache: page size, heads, dims, dtype or scales differ from the plan's ({spec.name})")
         cu_q, indptr, indices, last, max_q, _ = plan.extra
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
@@ -461,9 +470,8 @@ class PagedAttention:
             # The plan and the checks above fix what the launcher reads but the strides, q's token count
             # and the page count (the kernel clamps into both): they complete the replay key. The page
             # table is the plan's, as run() has always used it.
-            v_pages = cache.v_pages
-            plan.launch((q.shape[0], pages.shape[0], q.stride(), pages.stride(), v_pages.stride(), out.stride()),
-                        q, pages, v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q,
+            plan.launch((q.shape[0], cache._pages_key, q.stride(), out.stride()),
+                        q, pages, cache.v_pages, out, out if lse is None else lse, cu_q, indptr, indices, last, max_q,
                         *cache._scales, *plan.mod_tensors)
         elif lse is not None:
             lse.fill_(-math.inf)
