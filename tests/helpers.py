@@ -283,7 +283,7 @@ def gluon_descriptor(rows: int, head_dim: int, dtype: str) -> str:
     request (``compile_for_sm90``) names a kernel argument."""
     from triton.experimental.gluon import language as gl
 
-    element = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], element)
     return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout!r}>"
 

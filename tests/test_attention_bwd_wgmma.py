@@ -49,6 +49,7 @@ def test_refuses_what_the_kernels_do_not_implement(spec, reason):
 @pytest.mark.parametrize("config,reason", [
     (Config(64, 128, 8, 2, 128, 64, 8, 2, tma=0, wgmma=1), "tma=1"),
     (Config(64, 128, 8, 2, 64, 128, 8, 2, atomic_dq=1, tma=1, wgmma=1), "atomic_dq=0"),
+    (Config(64, 128, 8, 2, 64, 128, 8, 2, atomic_dq=1, tma=1, wgmma=2), "atomic_dq=0"),
     (Config(64, 128, 4, 2, 128, 64, 8, 2, tma=1, wgmma=1), "num_warps1=4"),
     (Config(64, 32, 4, 2, 128, 64, 8, 2, tma=1, wgmma=1), "block_n1=32"),
     (Config(64, 128, 8, 2, 128, 64, 4, 2, tma=1, wgmma=2), "num_warps2=4"),
@@ -76,6 +77,22 @@ def test_offered_on_hopper_with_triton_36_only():
         assert "shared memory" in feasible(D128, Config(64, 128, 8, 6, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER)
     else:
         assert "Triton 3.6" in feasible(D128, BOTH, HOPPER)
+
+
+def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch():
+    atomic = Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)
+    full = D128.replace(mask="none")
+    if not TRITON_36:
+        assert "Triton 3.6" in feasible(full, atomic, HOPPER)
+        return
+    assert feasible(full, atomic, HOPPER) is None and feasible(D128, atomic, HOPPER) is None
+    assert "atomic_dq=0" in feasible(full.replace(layout="ragged"), atomic, HOPPER)
+    assert "head_dim=128 only" in feasible(full.replace(head_dim=64), atomic, HOPPER)
+    # The default takes it without a mask, where it was measured ahead; causal keeps the dQ kernel.
+    [(_, rule)] = default_rule(full, HOPPER)
+    assert rule.atomic_dq and rule.wgmma == 3
+    [(_, rule)] = default_rule(D128, HOPPER)
+    assert not rule.atomic_dq and rule.wgmma == 3
 
 
 def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
@@ -111,17 +128,27 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (D128, "_dkdv_wgmma", 128, 64, 2),
     (D128, "_dkdv_wgmma_ws", 64, 64, 2),  # each consumer's 64 keys
     (D128.replace(layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
+    (D128.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),  # dQ by TMA reductions too
     (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     d, dt = spec.head_dim, spec.dtype
     streamed_desc, held_desc = gluon_descriptor(streamed, d, dt), gluon_descriptor(held, d, dt)
+    atomic = kernel.endswith("_atomic")
+    kernel = kernel.removesuffix("_atomic")
     if kernel.startswith("_dkdv"):
         pointers = {"q_desc": streamed_desc, "do_desc": streamed_desc, "k_desc": held_desc, "v_desc": held_desc,
                     "dK": f"*{dt}", "dV": f"*{dt}"}
         # The warp-specialized kernel's warps are its first consumer's; its key block is two of k_desc's.
         blocks = {"BLOCK_M": streamed} if kernel.endswith("_ws") else {"BLOCK_M": streamed, "BLOCK_N": held}
+        if kernel.endswith("_ws"):
+            # dQ's fp32 sum, in tiles of half the head dim, or none.
+            blocks["ATOMIC_DQ"] = atomic
+            if atomic:
+                pointers["dq_desc"] = gluon_descriptor(streamed, d // 2, "fp32")
+            else:
+                pointers["dq_desc"], blocks["dq_desc"] = "constexpr", None
     else:
         pointers = {"q_desc": held_desc, "do_desc": held_desc, "k_desc": streamed_desc, "v_desc": streamed_desc,
                     "dQ": f"*{dt}"}
@@ -150,7 +177,8 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DKDV, BOTH, Config(32, 128, 8, 3, 64, 64, 4, 3, tma=1, wgmma=2),
                                     Config(64, 64, 4, 2, 128, 128, 8, 2, tma=1, wgmma=2), WS,
-                                    Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)], ids=str)
+                                    Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3),
+                                    Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gluon_kernels_match_reference(case, config, monkeypatch):
     if not has_wgmma(device_info(torch.cuda.current_device())):

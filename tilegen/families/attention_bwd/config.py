@@ -117,10 +117,14 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
     reason = wgmma_unsupported(spec)
     if reason is not None:
         return f"{knob}: {reason}"
-    if not config.tma or config.atomic_dq:
-        # dQ by atomics in the Gluon dK/dV kernel (dS staged through shared memory, fp32 reductions) ran at
-        # 0.67-0.89x the Triton kernels on the H200 (BENCHMARKS.md): the atomics stall the one partition.
-        return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0)"
+    if not config.tma or config.atomic_dq and (config.wgmma != 3 or spec.layout != "dense"):
+        # dQ by register atomics in the one-partition Gluon dK/dV kernel ran at 0.67-0.89x the Triton kernels on
+        # the H200 (BENCHMARKS.md): the atomics stall the partition. The warp-specialized kernel adds dQ by TMA
+        # reductions from shared memory instead (dense batches).
+        return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0), " \
+               "but the warp-specialized dK/dV kernel of a dense batch (wgmma=3), which may add it (atomic_dq=1)"
+    if config.atomic_dq and spec.head_dim != 128:
+        return f"{knob}: the warp-specialized kernel adds dQ in tiles of 64 head dims, at head_dim=128 only"
     if spec.layout == "ragged" and config.wgmma != 3:
         return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
@@ -209,6 +213,11 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
         # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
+        if spec.mask == "none" and spec.layout == "dense":
+            # Without a mask it also adds dQ by TMA reductions, five products a block pair where the dQ kernel made
+            # it seven: 32/8 full 4k 465 against 425, 32/32 full 16k 473 against 453. Causal it lost (16k 366
+            # against 438: BENCHMARKS.md).
+            return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
         return [(None, Config(64, 128, 8, 3, 128, 64, 8, 3, tma=1, wgmma=3))]
     if spec.mask == "causal" and spec.score_mod is not None:
         # ALiBi, causal (bf16, 4 x 4096, 32/8 heads, d128, the H200): 2 stages 4.59 ms against 5.32 for 3. Without
