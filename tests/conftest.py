@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 _SESSION_DIR = tempfile.mkdtemp(prefix="tilegen-tests-")
 os.environ["TILEGEN_CACHE_DIR"] = os.path.join(_SESSION_DIR, "cache")
 os.environ["TILEGEN_DB"] = os.path.join(_SESSION_DIR, "tuning.sqlite")
+# The CLI's tables are checked cell by cell. Rich fits them to the console, 80 columns without a terminal, and
+# elides the cells a long path crowds out (a pytest-xdist worker's temporary folders are longer).
+os.environ.setdefault("COLUMNS", "250")
 
 import pytest  # noqa: E402
 
