@@ -83,7 +83,7 @@ class _Plan:
 def _layout(cache: PagedKVCache) -> tuple:
     """What a plan fixes of a cache: page size, heads, head dims, dtype, scale kinds and page count
     (not the batch: the levels, not the cache's page table, say which pages a token reads)."""
-    return cache._layout[:4] + cache._layout[5:] + (cache.num_pages,)
+    return cache._pages_layout + (cache.num_pages,)
 
 
 class CascadeAttention:

@@ -108,10 +108,11 @@ class PagedKVCache:
         # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],
                                              self.indptr.shape[0], k.dtype, self._scale_kinds))
-        # Likewise what a prefill plan fixes (its page table is its own), and the pages' extents and strides,
-        # which key its replayed launches: a run compares one tuple and reads these where it read six values.
+        # Likewise what a prefill or cascade plan fixes (the batch aside: their page tables are their own), and the
+        # pages' extents and strides, which key a prefill's replayed launches: a run compares one tuple and reads
+        # these where it read six values.
         object.__setattr__(self, "_pages_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3], k.dtype,
-                                                   k.device, self._scale_kinds))
+                                                   self._scale_kinds))
         object.__setattr__(self, "_pages_key", (k.shape[0], k.stride(), v.stride()))
         if env.debug():
             self.validate()

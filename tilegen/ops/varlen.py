@@ -365,7 +365,6 @@ class PagedAttention:
 
     def __init__(self) -> None:
         self._plan: _Plan | None = None
-        self._pages_layout: tuple | None = None  # the planned cache's (PagedKVCache._pages_layout)
 
     def plan(
         self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
@@ -424,8 +423,8 @@ class PagedAttention:
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
+            pages_layout=cache._pages_layout,
         )
-        self._pages_layout = cache._pages_layout
         if env.debug():
             cache.validate()
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
@@ -440,7 +439,7 @@ class PagedAttention:
             raise RuntimeError("PagedAttention.run: call plan(...) first, once per batch")
         spec = plan.spec
         # A cache laid out as the planned one's passes in one comparison; any other is checked field by field.
-        if cache.__class__ is not PagedKVCache or cache._pages_layout != self._pages_layout:
+        if cache.__class__ is not PagedKVCache or cache._pages_layout != plan.pages_layout:
             if not isinstance(cache, PagedKVCache):
                 raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
             pages = cache.k_pages
@@ -489,6 +488,7 @@ class _Plan:
     q_dtype: torch.dtype | None = None
     scale_kinds: tuple = ()  # the paged cache's scale sizes (one or per head), which the launch is keyed by
     mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time (PagedAttention.plan)
+    pages_layout: tuple = ()  # the planned cache's PagedKVCache._pages_layout (PagedAttention.plan)
     # varlen_attention's plans, whose key fixes q's shape: the fp32 LSE's template ([total_q, heads_q], one element
     # expanded), or None.
     lse_like: torch.Tensor | None = None
