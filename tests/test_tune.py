@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -279,6 +280,31 @@ def test_an_interrupted_pool_leaves_no_trial_running_and_measures_its_trials_in_
     assert rerun.returncode == 0, rerun.stderr
     after = _configs(_trials(db, 32))
     assert all(after[c] == 1 for c in interrupted) and max(after.values()) == 1, after
+
+
+def test_a_dead_process_trial_queued_again_is_not_reaped_while_another_process_takes_it(tmp_path):
+    """The copy of a dead process's trial carries no worker label: while a second process has taken
+    it from the queue but not yet labelled it, a third one's reap would otherwise read the dead
+    process's label, fail the copy and queue it again, and the config would be measured twice."""
+    from tilegen.tuning.tuner import WORKER_ATTR
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with TuningDB(tmp_path / "tuning.sqlite") as db, Tuner(db, CPU_INTERPRETER, trials=3) as tuner:
+        run = tuner._open(SPEC, 32, None)
+        storage = run.study._storage
+        trial = run.study.ask()
+        trial.set_user_attr(WORKER_ATTR, f"{socket.gethostname()}:{dead.pid}")
+        run.space.suggest(trial)
+        tuner._reap(run)  # the dead process's trial: failed and queued again
+        (copy,) = [t for t in run.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+                   if t.system_attrs.get("failed_trial") == trial.number]
+        assert copy.params == storage.get_trial(trial._trial_id).params and WORKER_ATTR not in copy.user_attrs
+        assert storage.set_trial_state_values(copy._trial_id, optuna.trial.TrialState.RUNNING)  # taken
+        tuner._reap(run)
+        assert storage.get_trial(copy._trial_id).state == optuna.trial.TrialState.RUNNING
+        copies = [t for t in run.study.get_trials(deepcopy=False) if t.system_attrs.get("failed_trial") is not None]
+        assert [t.number for t in copies] == [copy.number]
 
 
 def _config_of(params: dict) -> str:

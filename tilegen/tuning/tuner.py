@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import errno
 import inspect
 import logging
@@ -586,8 +587,10 @@ class Tuner:
     def _in_flight(self, run: _Run, trial: optuna.Trial | None) -> set[str]:
         """Configs (canonical JSON) that other live processes' trials of the study are measuring now.
 
-        A RUNNING trial without a worker label comes from a tilegen that ran no heartbeats: its
-        process is long gone, and nothing will ever finish it, so it holds no config.
+        A RUNNING trial without a worker label comes from a tilegen that ran no heartbeats (its
+        process is long gone, and nothing will ever finish it), or was just taken from the queue by
+        a process that labels it before it decides, under the studies lock, what it measures: that
+        process then sees this one's config in flight, so neither holds a config from the other.
         """
         running = run.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         others = (t for t in running if (trial is None or t.number != trial.number) and _alive(t))
@@ -697,8 +700,9 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
     name = "heartbeat_stale_trial_callback" if renamed else "failed_trial_callback"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback" if renamed else "RetryFailedTrialCallback")(
-            max_retry=_RETRIES)
+        retry = _unlabelled(getattr(
+            optuna.storages, "RetryHeartbeatStaleTrialCallback" if renamed else "RetryFailedTrialCallback")(
+            max_retry=_RETRIES))
         storage = optuna.storages.RDBStorage(
             db.studies_url(), engine_kwargs=engine, heartbeat_interval=heartbeat,
             grace_period=_GRACE_BEATS * heartbeat, **{name: retry},
@@ -728,6 +732,20 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
 
         storage.set_trial_state_values = set_trial_state_values
     return storage, retry
+
+
+def _unlabelled(retry):
+    """``retry``, queuing its copy of a failed trial without the worker label. Optuna copies a failed
+    trial's user attributes, and the label would name the dead process from the moment another
+    process takes the copy until it labels it as its own: a third process reading the trial then
+    would reap it while it is measured, or measure its config beside it."""
+
+    def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        trial = copy.copy(trial)
+        trial.user_attrs = {name: value for name, value in trial.user_attrs.items() if name != WORKER_ATTR}
+        retry(study, trial)
+
+    return requeue
 
 
 class _Knobs:
