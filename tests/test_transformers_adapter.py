@@ -18,9 +18,9 @@ from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.integrations import transformers as tilegen_hf
 
 
-def _qkv(device, n=19, heads=4, heads_kv=2, d=16, seed=0):
+def _qkv(device, n=19, heads=4, heads_kv=2, d=16, seed=0, batch=2):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, h, n, d, generator=gen).to(device) for h in (heads, heads_kv, heads_kv))
+    q, k, v = (torch.randn(batch, h, n, d, generator=gen).to(device) for h in (heads, heads_kv, heads_kv))
     return q, k, v
 
 
@@ -77,23 +77,62 @@ def _causal(n_q, n_k, device, window=None):
     return allowed[None, None]
 
 
+def _poisoned(t, padding):
+    """``t`` [batch, heads, n, dim] with NaN in its padded positions (the last n of the mask's)."""
+    return t.masked_fill(~padding[:, None, -t.shape[2]:, None], math.nan)
+
+
 @pytest.mark.parametrize("n_q", [19, 3, 1], ids=["prefill", "chunk", "decode"])
 def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monkeypatch):
-    q, k, v = _qkv(device)
-    q = q[:, :, -n_q:].contiguous()
-    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    """Left and right padding (and a row with no real token) are read in place: the padded positions
+    hold NaN here, and reach neither a real row nor a padded one."""
+    q, k, v = _qkv(device, batch=3)
+    padding = torch.ones(3, 19, dtype=torch.bool, device=device)
     padding[0, :6] = False  # left
     padding[1, 15:] = False  # right
+    padding[2] = False  # nothing real
+    q, k, v = (_poisoned(t, padding) for t in (q[:, :, -n_q:].contiguous(), k, v))
     ran = []
     real = tilegen_hf.varlen_attention
-    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(a[3].tolist()) or real(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "index_select", None)  # nothing gathered
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
-    assert ran == [1] and out.shape == (2, n_q, 4, 16)
+    assert len(ran) == 1 and len(ran[0]) == 3 * 3 + 3 and out.shape == (3, n_q, 4, 16)
     allowed = _causal(n_q, 19, device) & padding[:, None, None, :]
-    ref = _dense_reference(q, k, v, allowed)
+    ref = _dense_reference(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(), allowed)
     real_rows = padding[:, -n_q:]
     assert _rel(out[real_rows], ref[real_rows]) < 1e-4
     assert (out[~real_rows] == 0).all()
+
+
+def test_a_padded_batch_differentiates_in_place_with_no_gradient_through_padding(device):
+    q, k, v = _qkv(device, seed=3)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :7] = False
+    padding[1, 12:] = False
+    leaves = [_poisoned(t, padding).requires_grad_() for t in (q, k, v)]
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), *leaves, padding)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    grads = torch.autograd.grad(out, leaves, dout)
+    refs = [t.detach().nan_to_num().double().requires_grad_() for t in leaves]
+    ref = _dense_reference(*refs, _causal(19, 19, device) & padding[:, None, None, :])
+    want = torch.autograd.grad(ref, refs, dout.double().masked_fill(~padding[:, :, None, None], 0.0))
+    for name, got, expected in zip("qkv", grads, want):
+        assert torch.isfinite(got).all(), name
+        assert (got.transpose(1, 2)[~padding] == 0).all(), name
+        assert _rel(got, expected) < 1e-4, name
+
+
+def test_a_padding_mask_with_holes_gathers_its_real_tokens(device):
+    q, k, v = _qkv(device)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, 4:9] = False  # a hole: two runs of real tokens
+    padding[1, :3] = False
+    layout = tilegen_hf._layout(padding, 19, 19, True, tilegen_hf._padding_layout)
+    assert layout.rows_q is not None and not layout.contiguous
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+    ref = _dense_reference(q, k, v, _causal(19, 19, device) & padding[:, None, None, :])
+    assert _rel(out[padding], ref[padding]) < 1e-4 and (out[~padding] == 0).all()
 
 
 def test_packed_ids_keep_sequences_apart(device):
@@ -176,7 +215,9 @@ def test_a_mask_changed_in_place_gets_a_new_layout(device):
     assert tilegen_hf._layout(padding, 9, 9, True, tilegen_hf._padding_layout) is first
     padding[1, :5] = False
     second = tilegen_hf._layout(padding, 9, 9, True, tilegen_hf._padding_layout)
-    assert second is not first and second.cu_k.tolist() == [0, 7, 11]
+    # [padding, no keys], [no queries, padding], [row 0's tokens], ... in place of the packed [0, 7, 11]
+    assert second is not first and second.cu_q.tolist() == [0, 2, 2, 9, 14, 14, 18, 18, 18]
+    assert second.cu_k.tolist() == [0, 0, 2, 9, 9, 14, 18, 18, 18] and (second.max_q, second.max_k) == (7, 7)
 
 
 def test_register_without_transformers_says_what_it_needs(monkeypatch):

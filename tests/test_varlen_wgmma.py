@@ -226,12 +226,16 @@ def _cu(lengths) -> torch.Tensor:
 
 
 CASES = [
-    # (query lengths, extra keys per sequence, causal, query heads / KV heads, head dim, dtype)
+    # (query lengths, extra keys per sequence (or the key lengths), causal, query heads / KV heads, head dim, dtype)
     pytest.param([0, 1, 17, 257, 1000, 130], 0, True, (8, 2), 128, torch.bfloat16, id="bf16-d128-gqa4-causal"),
     pytest.param([300, 0, 129, 1], 70, True, (4, 4), 128, torch.float16, id="fp16-d128-mha-causal-longer-keys"),
     pytest.param([64, 1000, 5, 333], 0, False, (8, 1), 64, torch.bfloat16, id="bf16-d64-mqa-full"),
     pytest.param([257, 3, 700], 9, True, (4, 2), 96, torch.bfloat16, id="bf16-d96-causal"),
     pytest.param([2000], 0, True, (2, 2), 80, torch.float16, id="fp16-d80-one-sequence"),
+    # A padded batch read in place (tilegen.integrations.transformers): each padding run is queries with no
+    # keys, then keys with no queries, beside each row's real tokens. Key lengths given whole.
+    pytest.param([130, 0, 257, 61, 0, 700, 9, 0], [0, 130, 257, 0, 61, 700, 0, 40], True, (8, 2), 128,
+                 torch.bfloat16, id="bf16-d128-causal-padding-in-place"),
 ]
 
 
@@ -240,7 +244,7 @@ CASES = [
 @pytest.mark.parametrize("q_lens, extra, causal, heads, dim, dtype", CASES)
 def test_ragged_gluon_matches_reference(q_lens, extra, causal, heads, dim, dtype, config):
     gen = torch.Generator().manual_seed(sum(q_lens) + dim)
-    k_lens = [n + extra for n in q_lens]
+    k_lens = extra if isinstance(extra, list) else [n + extra for n in q_lens]
     q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
     k, v = (torch.randn(sum(k_lens), heads[1], dim, generator=gen).to("cuda", dtype) for _ in range(2))
     cu_q, cu_k = _cu(q_lens), _cu(k_lens)

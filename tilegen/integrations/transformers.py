@@ -8,7 +8,8 @@ Every attention call of the model then runs in tilegen:
 
 - no mask (or an all-ones one): ``tilegen.attention``, causal from the module, aligned bottom-right, so a
   decoding step against transformers' caches (fewer queries than keys) is the same call;
-- padding, left or right, and packed sequences: ``tilegen.varlen_attention`` on the real tokens only.
+- padding, left or right, and packed sequences: ``tilegen.varlen_attention`` on the real tokens only,
+  read where they lie in the padded tensors (a mask with holes in a row has its real tokens gathered).
   ``register()`` installs a mask builder that, like FlashAttention-2's, hands the attention function the
   2-d padding mask (bool) or the packed sequences' ids (int64, one id per sequence) instead of a dense
   ``[batch, 1, n_q, n_k]`` mask; transformers' ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword
@@ -156,6 +157,9 @@ def attention_forward(
         # transformers counts a window in positions, the ragged batch in real tokens: they differ across a hole.
         return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
+    if layout.rows_q is None:  # each row's real tokens are one run: read in place
+        return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
+                       softcap, scaling)
     batch, heads, _, dim = query.shape
     q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
     k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
@@ -191,7 +195,7 @@ class _Layout:
 
     full: bool  # no padding at all: the dense kernel, with no gather
     contiguous: bool  # every row's real tokens form one run (a window measures the same in either)
-    rows_q: torch.Tensor | None
+    rows_q: torch.Tensor | None  # None: the flattened tensors are the ragged batch, no gather
     rows_k: torch.Tensor | None
     cu_q: torch.Tensor | None
     cu_k: torch.Tensor | None
@@ -228,17 +232,44 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
         mask_q = mask_k.new_ones(mask_k.shape[0], n_q)
     lens_q = mask_q.sum(-1, dtype=torch.int32)
     lens_k = mask_k.sum(-1, dtype=torch.int32)
-    runs = mask_k[:, :1].sum(-1) + (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(-1)
-    max_q, max_k, max_runs, real = torch.stack(
-        [lens_q.max(), lens_k.max(), runs.max(), lens_q.sum() + lens_k.sum()]).tolist()
+    runs = mask_k[:, :1].sum(-1) + (mask_k[:, 1:] & ~mask_k[:, :-1]).sum(-1)  # mask_q's: a suffix's, or one
+    before_q, starts_q = _runs(mask_q, lens_q)
+    before_k, starts_k = _runs(mask_k, lens_k)
+    # Sequence i of the queries pairs with sequence i of the keys: [padding queries, no keys], [no queries,
+    # padding keys], [real queries, real keys], ... (see _runs).
+    cu_q = torch.stack([before_q, starts_q, starts_q], -1).view(-1)
+    cu_k = torch.stack([before_k, before_k, starts_k], -1).view(-1)
+    # The in-place batch's longest sequences: its padding runs are sequences too.
+    max_q, max_k, max_runs, real, run_q, run_k = torch.stack(
+        [lens_q.max(), lens_k.max(), runs.max(), lens_q.sum() + lens_k.sum(), cu_q.diff().max(),
+         cu_k.diff().max()]).tolist()
     batch = mask_k.shape[0]
     full = real == batch * (n_q + n_k)
     if full:
         return _Layout(True, True, None, None, None, None, n_q, n_k)
+    if max_runs <= 1:
+        return _Layout(False, True, None, None, cu_q, cu_k, run_q, run_k)
     zero = lens_q.new_zeros(1)
-    return _Layout(False, max_runs <= 1, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
+    return _Layout(False, False, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
                    torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
+
+
+def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a mask whose rows each hold one run of real tokens (left or right padding), where in the
+    flattened ``[batch * n]`` tensor the padding before each row's run starts, and where the run starts;
+    one more entry past the last row, for the padding after it.
+
+    Offsets made of them make the padded tensor itself a ragged batch: each row's run is a sequence,
+    and each run of padding two more, one of queries paired with no keys (written as zeros, the padded
+    rows' output) and one of keys that no query reads. No token is gathered, none of the padding is
+    computed, and its values (whatever a cache holds there) never reach a real row.
+    """
+    batch, n = mask.shape
+    # A row's run starts at its first real token (an empty row's, anywhere: it has none).
+    starts = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=mask.device)
+    starts[:batch] += mask.to(torch.int8).argmax(-1).to(torch.int32)
+    return torch.cat([starts.new_zeros(1), starts[:batch] + lens]), starts  # a run's padding starts where the last ended
 
 
 def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.Tensor | None:
