@@ -208,6 +208,17 @@ def test_what_nothing_can_serve_is_refused_by_name(device, _fresh_warnings):
         tilegen_hf.attention_forward(module, q, k, v, mask, softcap=2.0)
 
 
+@pytest.mark.parametrize("wrong", ["key", "value", "attention_mask"])
+def test_a_batch_that_disagrees_with_the_masks_is_refused_by_name(wrong, device):
+    q, k, v = _qkv(device)
+    args = {"key": k, "value": v, "attention_mask": torch.ones(2, 19, dtype=torch.bool, device=device)}
+    args["attention_mask"][0, :3] = False
+    args[wrong] = args[wrong][:1]
+    with pytest.raises(ValueError, match=f"{wrong} has a batch of 1, query of 2"):
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, args["key"], args["value"],
+                                     args["attention_mask"])
+
+
 def test_a_mask_changed_in_place_gets_a_new_layout(device):
     padding = torch.ones(2, 9, dtype=torch.bool, device=device)
     padding[0, :2] = False

@@ -138,6 +138,10 @@ def attention_forward(
         return _dense(query, key, value, causal, window, softcap, scaling), None
 
     n_q, n_k = query.shape[2], key.shape[2]
+    for name, t in (("key", key), ("value", value), ("attention_mask", attention_mask)):
+        # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens.
+        if t.shape[0] != query.shape[0]:
+            raise ValueError(f"tilegen attention: {name} has a batch of {t.shape[0]}, query of {query.shape[0]}")
     if attention_mask.dtype != torch.bool:  # packed sequences' ids
         if n_q != n_k or attention_mask.shape != (query.shape[0], n_q):
             return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
