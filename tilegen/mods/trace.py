@@ -382,8 +382,8 @@ def refuse_compiling(op: str) -> None:
     """Where mods run eagerly only: under ``torch.compile`` a ``NotImplementedError`` says so before anything is
     traced."""
     if torch.compiler.is_compiling():
-        raise NotImplementedError(f"{op}: score_mod/mask_mod are not supported under torch.compile yet (only "
-                                  "tilegen.attention's are); call it eagerly")
+        raise NotImplementedError(f"{op}: score_mod/mask_mod are not supported under torch.compile yet "
+                                  "(tilegen.attention's and tilegen.varlen_attention's are); call it eagerly")
 
 
 def wants_grad(q, k, v, tensors) -> bool:
