@@ -282,6 +282,7 @@ def test_an_interrupted_pool_leaves_no_trial_running_and_measures_its_trials_in_
     assert all(after[c] == 1 for c in interrupted) and max(after.values()) == 1, after
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_a_dead_process_trial_queued_again_is_not_reaped_while_another_process_takes_it(tmp_path):
     """The copy of a dead process's trial carries no worker label: while a second process has taken
     it from the queue but not yet labelled it, a third one's reap would otherwise read the dead

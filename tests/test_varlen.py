@@ -94,6 +94,23 @@ def test_ragged_hypothesis_batches(lengths, extra, causal, group, device):
     _check(out, lse, ref, ref_lse, torch.float32)
 
 
+def test_a_strided_q_after_a_contiguous_one_gets_a_contiguous_output(device):
+    """The plan, made by the contiguous call, is reused by the strided one (the same key but for strides): its
+    output is laid out as new_empty lays it out, not as q is."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [7, 0, 12]
+    q = _randn(gen, 4, sum(lengths), 32, dtype=torch.float32, device=device).transpose(0, 1)  # heads outermost
+    k, v = (_randn(gen, sum(lengths), 2, 32, dtype=torch.float32, device=device) for _ in "kv")
+    cu = _cu(lengths, device)
+    tilegen.varlen_attention(q.contiguous(), k, v, cu, cu, 12, 12, causal=True)
+    out = tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, causal=True)
+    assert out.is_contiguous() and out.shape == q.shape
+    c = cu.tolist()
+    ref, _ = varlen_reference(q, [k[a:b] for a, b in zip(c, c[1:])], [v[a:b] for a, b in zip(c, c[1:])], cu.cpu(),
+                              causal=True)
+    _check(out, None, ref, None, torch.float32)
+
+
 # -------------------------------------------------------------------------------- paged
 
 def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):

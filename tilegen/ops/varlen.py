@@ -113,10 +113,13 @@ def varlen_attention(
     if env.debug():
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    # The hot path builds no dict of the inputs to check against: there is no out to check.
-    out = _new_output(plan, q) if out is None else _output(plan, q, out, {"k": k, "v": v})
-    if out.requires_grad and torch.is_grad_enabled():
-        refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
+    if out is None:
+        # The plan's key fixes q's shape: whether the output has it was settled with the plan.
+        out = torch.empty_like(q) if plan.out_like_q and q.is_contiguous() else _new_output(plan, q)
+    else:
+        out = _output(plan, q, out, {"k": k, "v": v})
+        if out.requires_grad and torch.is_grad_enabled():
+            refuse_grad("tilegen.varlen_attention", missing=NO_BACKWARD, out=out)
     # From a storage-free template kept in the plan: about 0.7 us less host time than new_empty (CPU machine).
     lse = torch.empty_like(plan.lse_like) if plan.lse_like is not None else None
     if plan.launches:
@@ -492,6 +495,7 @@ class _Plan:
     # varlen_attention's plans, whose key fixes q's shape: the fp32 LSE's template ([total_q, heads_q], one element
     # expanded), or None.
     lse_like: torch.Tensor | None = None
+    out_like_q: bool = False  # varlen_attention's: the output has q's shape (one empty_like of a contiguous q)
 
 
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
@@ -507,7 +511,7 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     """varlen_attention's cached plan, which also holds its LSE's template."""
     checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if checked[0].return_lse else None
-    return _plan_checked(q, max_q, max_k, checked, lse_like=lse_like)
+    return _plan_checked(q, max_q, max_k, checked, lse_like=lse_like, out_like_q=checked[0].dv == q.shape[2])
 
 
 def _plan_checked(q, max_q, max_k, checked, **fields) -> _Plan:
