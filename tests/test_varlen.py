@@ -190,6 +190,21 @@ def test_one_plan_serves_every_layer(device):
         assert error < 1e-4
 
 
+def test_paged_run_of_a_strided_q_gets_a_contiguous_output(device):
+    gen = torch.Generator().manual_seed(8)
+    k_lens, q_lens = [30, 9], [4, 9]
+    cache = make_cache(k_lens, 16, 2, 32, torch.float32, device, gen)
+    cu_q = _cu(q_lens, device)
+    attn = tilegen.PagedAttention()
+    attn.plan(cu_q, cache, heads_q=4, causal=True)
+    q = _randn(gen, 4, sum(q_lens), 32, dtype=torch.float32, device=device).transpose(0, 1)  # heads outermost
+    attn.run(q.contiguous(), cache)
+    out = attn.run(q, cache)
+    assert out.is_contiguous() and out.shape == q.shape
+    ref, _ = paged_reference(q, cache, cu_q, causal=True)
+    _check(out.cpu(), None, ref, None, torch.float32)
+
+
 def test_block_table_gives_flashinfer_csr(device):
     k_pages = torch.randn(6, 8, 1, 16, device=device)
     table = torch.tensor([[4, 1, 5], [2, 0, 0], [3, 3, 3]], dtype=torch.int32, device=device)

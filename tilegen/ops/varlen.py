@@ -426,7 +426,7 @@ class PagedAttention:
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
-            pages_layout=cache._pages_layout,
+            pages_layout=cache._pages_layout, out_like_q=spec.dv == spec.head_dim,
         )
         if env.debug():
             cache.validate()
@@ -460,8 +460,10 @@ class PagedAttention:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
                              f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
-        out = _new_output(plan, q) if out is None else _output(
-            plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
+        if out is None:  # q's heads and head dim are the plan's (checked above)
+            out = torch.empty_like(q) if plan.out_like_q and q.is_contiguous() else _new_output(plan, q)
+        else:
+            out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
                                         or cache.v_pages.requires_grad):
@@ -495,7 +497,7 @@ class _Plan:
     # varlen_attention's plans, whose key fixes q's shape: the fp32 LSE's template ([total_q, heads_q], one element
     # expanded), or None.
     lse_like: torch.Tensor | None = None
-    out_like_q: bool = False  # varlen_attention's: the output has q's shape (one empty_like of a contiguous q)
+    out_like_q: bool = False  # the output has q's shape (an empty_like of a contiguous q) wherever q passes the plan
 
 
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
