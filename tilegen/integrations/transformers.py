@@ -273,7 +273,8 @@ def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     # A row's run starts at its first real token (an empty row's, anywhere: it has none).
     starts = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=mask.device)
     starts[:batch] += mask.to(torch.int8).argmax(-1).to(torch.int32)
-    return torch.cat([starts.new_zeros(1), starts[:batch] + lens]), starts  # a run's padding starts where the last ended
+    # The padding before a run starts where the last run ended.
+    return torch.cat([starts.new_zeros(1), starts[:batch] + lens]), starts
 
 
 def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.Tensor | None:

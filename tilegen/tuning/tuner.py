@@ -736,8 +736,8 @@ def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
 
 def _unlabelled(retry):
     """``retry``, queuing its copy of a failed trial without the worker label. Optuna copies a failed
-    trial's user attributes, and the label would name the dead process from the moment another
-    process takes the copy until it labels it as its own: a third process reading the trial then
+    trial's user attributes, and the label would name the dead process from the moment a process
+    takes the copy until it labels it as its own: any other process reading the trial meanwhile
     would reap it while it is measured, or measure its config beside it."""
 
     def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
