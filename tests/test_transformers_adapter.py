@@ -132,6 +132,15 @@ def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, seed
         assert _rel(out[seen], ref[seen]) < 1e-4
 
 
+@pytest.mark.parametrize("n_q, n_k, causal", [(0, 0, True), (3, 0, False), (0, 5, True)])
+def test_a_padding_mask_over_no_tokens(n_q, n_k, causal, device):
+    q, k, v = (torch.randn(2, h, n, 16, device=device) for h, n in ((4, n_q), (2, n_k), (2, n_k)))
+    mask = torch.zeros(2, n_k, dtype=torch.bool, device=device)
+    mask[0, 2:] = True
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, mask)
+    assert out.shape == (2, n_q, 4, 16) and (out == 0).all()
+
+
 def test_a_padded_batch_differentiates_in_place_with_no_gradient_through_padding(device):
     q, k, v = _qkv(device, seed=3)
     padding = torch.ones(2, 19, dtype=torch.bool, device=device)

@@ -271,8 +271,9 @@ def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """
     batch, n = mask.shape
     # A row's run starts at its first real token (an empty row's, anywhere: it has none).
-    starts = torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=mask.device)
-    starts[:batch] += mask.to(torch.int8).argmax(-1).to(torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=mask.device) * n
+    if n:
+        starts[:batch] += mask.to(torch.int8).argmax(-1).to(torch.int32)
     # The padding before a run starts where the last run ended.
     return torch.cat([starts.new_zeros(1), starts[:batch] + lens]), starts
 
