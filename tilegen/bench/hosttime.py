@@ -213,6 +213,18 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
     rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "tilegen via transformers' "
                  "AttentionInterface, padded 2 x 9", "call": lambda: attention_forward(module, qp, kp, vp, padding)[0],
                  "reference": padded(ragged_ref).transpose(1, 2)})
+    # A decoding step of the same two sequences, left-padded as transformers' generate pads them: one query each
+    # against 9 cached keys in a cache's [batch, kv_heads, n, head_dim] layout, the first row's 2 keys padding.
+    left = torch.ones(2, 9, dtype=torch.bool, device=device)
+    left[0, :2] = False
+    q_step = q[:, :, 6:8].transpose(0, 2).transpose(1, 2).contiguous().transpose(1, 2)  # [2, 8, 1, 64]
+    k_cache, v_cache = (t[0, :, 7:16].expand(2, -1, -1, -1).contiguous() for t in (kg, vg))  # [2, 2, 9, 64]
+    step_mask = left[:, None, None, :]
+    step_ref = F.scaled_dot_product_attention(q_step.float(), k_cache.float(), v_cache.float(), attn_mask=step_mask,
+                                              enable_gqa=True).transpose(1, 2)
+    rows.append({"shape": "decode step, 2 x 1 query over 7 and 9 keys, 8/2 heads", "provider": "tilegen via "
+                 "transformers' AttentionInterface, left-padded 2 x 9",
+                 "call": lambda: attention_forward(module, q_step, k_cache, v_cache, left)[0], "reference": step_ref})
     for row in rows:
         row["context"] = contextlib.nullcontext
     if device == "cuda":
