@@ -266,8 +266,8 @@ def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     Offsets made of them make the padded tensor itself a ragged batch: each row's run is a sequence,
     and each run of padding two more, one of queries paired with no keys (written as zeros, the padded
-    rows' output) and one of keys that no query reads. No token is gathered, none of the padding is
-    computed, and its values (whatever a cache holds there) never reach a real row.
+    rows' output) and one of keys that no query reads. No token is gathered, no padded query attends a
+    key, and the padding's values (whatever a cache holds there) never reach a real row.
     """
     batch, n = mask.shape
     # A row's run starts at its first real token (an empty row's, anywhere: it has none).
