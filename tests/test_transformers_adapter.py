@@ -109,10 +109,13 @@ def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monke
 
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(runs=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 12)), min_size=1, max_size=4),
-       after=st.integers(0, 4), fewer_queries=st.integers(0, 12), causal=st.booleans(), seed=st.integers(0, 99))
-def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, seed, device):
+       after=st.integers(0, 4), fewer_queries=st.integers(0, 12), causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 8)), seed=st.integers(0, 99))
+def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, window, seed, device):
     """Any rows of one run of real tokens each (left, right, both, none at all), queries the last n_q of the keys
-    (or, bidirectional with fewer queries, cross-attention: every query real), NaN in every padded position."""
+    (or, bidirectional with fewer queries, cross-attention: every query real), a causal sliding window or none,
+    NaN in every padded position."""
+    window = window if causal else None
     n = max(1, max(lead + length for lead, length in runs) + after)
     padding = torch.zeros(len(runs), n, dtype=torch.bool)
     for b, (lead, length) in enumerate(runs):
@@ -123,8 +126,9 @@ def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, seed
     real_q = padding[:, -n_q:] if causal or n_q == n else torch.ones_like(padding[:, :n_q])
     q = q[:, :, -n_q:].masked_fill(~real_q[:, None, :, None], math.nan)
     k, v = (_poisoned(t, padding) for t in (k, v))
-    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, padding)
-    pattern = _causal(n_q, n, device)[0, 0] if causal else torch.ones(n_q, n, dtype=torch.bool, device=device)
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, padding,
+                                          sliding_window=window)
+    pattern = _causal(n_q, n, device, window)[0, 0] if causal else torch.ones(n_q, n, dtype=torch.bool, device=device)
     ref = _dense_reference(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(), pattern & padding[:, None, None, :])
     seen = real_q & (pattern & padding[:, None, :]).any(-1)  # real queries that see a key
     assert not out.isnan().any() and (out[~seen] == 0).all()
