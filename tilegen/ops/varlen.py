@@ -114,8 +114,7 @@ def varlen_attention(
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if out is None:
-        # The plan's key fixes q's shape: whether the output has it was settled with the plan.
-        out = torch.empty_like(q) if plan.out_like_q and q.is_contiguous() else _new_output(plan, q)
+        out = _new_output(plan, q)
     else:
         out = _output(plan, q, out, {"k": k, "v": v})
         if out.requires_grad and torch.is_grad_enabled():
@@ -426,7 +425,7 @@ class PagedAttention:
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
-            pages_layout=cache._pages_layout, out_like_q=spec.dv == spec.head_dim,
+            pages_layout=cache._pages_layout,
         )
         if env.debug():
             cache.validate()
@@ -460,10 +459,8 @@ class PagedAttention:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
                              f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
-        if out is None:  # q's heads and head dim are the plan's (checked above)
-            out = torch.empty_like(q) if plan.out_like_q and q.is_contiguous() else _new_output(plan, q)
-        else:
-            out = _output(plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
+        out = _new_output(plan, q) if out is None else _output(
+            plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
                                         or cache.v_pages.requires_grad):
@@ -497,7 +494,9 @@ class _Plan:
     # varlen_attention's plans, whose key fixes q's shape: the fp32 LSE's template ([total_q, heads_q], one element
     # expanded), or None.
     lse_like: torch.Tensor | None = None
-    out_like_q: bool = False  # the output has q's shape (an empty_like of a contiguous q) wherever q passes the plan
+    # Every plan is used with q of its heads_q heads of spec.head_dim (its key or run's checks fix them): then the
+    # output has q's shape exactly when V's head dim is Q's.
+    out_like_q: bool = False
 
 
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
@@ -513,7 +512,7 @@ def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     """varlen_attention's cached plan, which also holds its LSE's template."""
     checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if checked[0].return_lse else None
-    return _plan_checked(q, max_q, max_k, checked, lse_like=lse_like, out_like_q=checked[0].dv == q.shape[2])
+    return _plan_checked(q, max_q, max_k, checked, lse_like=lse_like)
 
 
 def _plan_checked(q, max_q, max_k, checked, **fields) -> _Plan:
@@ -562,7 +561,8 @@ def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: 
 
     def make(choice: dispatch.Choice) -> _Plan:
         launch_args = {**fixed, **choice.config.to_dict()}
-        return _Plan(spec=spec, launch=launcher.replay(launch_args), launch_args=launch_args, **fields)
+        return _Plan(spec=spec, launch=launcher.replay(launch_args), launch_args=launch_args,
+                     out_like_q=spec.dv == spec.head_dim, **fields)
 
     return dispatch.planned(table, size, make)
 
@@ -604,7 +604,7 @@ def _table(spec: VarlenAttentionSpec, device: torch.device) -> dispatch.Table:
 def _new_output(plan: _Plan, q: torch.Tensor) -> torch.Tensor:
     """A call's output: empty_like(q) where it has q's shape (contiguous, as new_empty gives it), about 0.7 us
     less host time than new_empty (CPU machine)."""
-    if plan.spec.dv == q.shape[2] and plan.heads_q == q.shape[1] and q.is_contiguous():
+    if plan.out_like_q and q.is_contiguous():
         return torch.empty_like(q)
     return q.new_empty((q.shape[0], plan.heads_q, plan.spec.dv))
 
