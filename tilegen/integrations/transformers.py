@@ -157,13 +157,13 @@ def attention_forward(
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
-    if window is not None and not layout.contiguous:
-        # transformers counts a window in positions, the ragged batch in real tokens: they differ across a hole.
-        return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
-                         sliding_window, softcap, kwargs)
     if layout.rows_q is None:  # each row's real tokens are one run: read in place
         return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
                        softcap, scaling)
+    if window is not None:
+        # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
+        return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
+                         sliding_window, softcap, kwargs)
     batch, heads, _, dim = query.shape
     q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
     k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
@@ -198,8 +198,8 @@ class _Layout:
     offsets per sequence and the host-side max lengths."""
 
     full: bool  # no padding at all: the dense kernel, with no gather
-    contiguous: bool  # every row's real tokens form one run (a window measures the same in either)
-    rows_q: torch.Tensor | None  # None: the flattened tensors are the ragged batch, no gather
+    # None: the flattened tensors are the ragged batch (each row's real tokens one run), no gather
+    rows_q: torch.Tensor | None
     rows_k: torch.Tensor | None
     cu_q: torch.Tensor | None
     cu_k: torch.Tensor | None
@@ -250,11 +250,11 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     batch = mask_k.shape[0]
     full = real == batch * (n_q + n_k)
     if full:
-        return _Layout(True, True, None, None, None, None, n_q, n_k)
+        return _Layout(True, None, None, None, None, n_q, n_k)
     if max_runs <= 1:
-        return _Layout(False, True, None, None, cu_q, cu_k, run_q, run_k)
+        return _Layout(False, None, None, cu_q, cu_k, run_q, run_k)
     zero = lens_q.new_zeros(1)
-    return _Layout(False, False, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
+    return _Layout(False, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
                    torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
 
@@ -311,7 +311,7 @@ def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     starts[1:] = flat[1:] != flat[:-1]
     cu = torch.cat([starts.nonzero().view(-1), flat.new_tensor([batch * n])]).to(torch.int32)
     longest = int(cu.diff().max()) if batch * n else 0
-    return _Layout(False, True, None, None, cu, cu, longest, longest)
+    return _Layout(False, None, None, cu, cu, longest, longest)
 
 
 def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal, sliding_window, softcap, kwargs):
