@@ -266,20 +266,6 @@ def test_varlen_attention_with_mods_compiles_and_trains_as_eager(device, backend
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_paged_plans_with_mods_under_compile_are_refused_by_name(device):
-    from tilegen.ops.varlen import paged_mods
-
-    def f(q):
-        paged_mods(None, library.alibi(torch.ones(2, device=device)), None, q.device, 1, 2, 16)
-        return q
-
-    torch._dynamo.reset()
-    with pytest.raises(Exception) as caught:
-        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(1, device=device))
-    assert "PagedAttention.plan and PagedDecode.plan: score_mod/mask_mod are not supported under torch.compile" in (
-        str(caught.value) + str(caught.value.__cause__))
-
-
 @pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])
 def test_varlen_mods_custom_op_passes_opcheck(device, trains):
     from tilegen.mods.trace import bind_mods

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "locate", "fetch", "refuse_compiling",
-           "wants_grad", "ROLES", "DTYPE_NAMES"]
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "locate", "fetch", "wants_grad",
+           "ROLES", "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
 ROLES = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
@@ -376,14 +376,6 @@ def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: dict
         tensors.extend(mod.tensors)
     return ModCall(mods[0].canonical if mods[0] else None, mods[1].canonical if mods[1] else None, tuple(tensors),
                    mods[1].tensors if mods[1] else ())
-
-
-def refuse_compiling(op: str) -> None:
-    """Where mods run eagerly only: under ``torch.compile`` a ``NotImplementedError`` says so before anything is
-    traced."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(f"{op}: score_mod/mask_mod are not supported under torch.compile yet "
-                                  "(tilegen.attention's and tilegen.varlen_attention's are); call it eagerly")
 
 
 def wants_grad(q, k, v, tensors) -> bool:

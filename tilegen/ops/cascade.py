@@ -41,6 +41,7 @@ from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
+from tilegen.ops.planned import Planner
 from tilegen.ops.tensors import check_bool, check_out, refuse_grad
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
@@ -86,11 +87,12 @@ def _layout(cache: PagedKVCache) -> tuple:
     return cache._pages_layout + (cache.num_pages,)
 
 
-class CascadeAttention:
+class CascadeAttention(Planner):
     """Queries under a prefix tree of paged KV levels (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self._plan: _Plan | None = None
+    op = "tilegen.CascadeAttention.run"
+
+    _plan: _Plan | None
 
     def plan(self, cache: PagedKVCache, levels: Sequence[CascadeLevel], *, heads_q: int, causal: bool = True,
              softcap: float | None = None, scale: float | None = None, return_lse: bool = False,
@@ -99,6 +101,7 @@ class CascadeAttention:
         tokens aligned bottom-right on its keys; every key of an earlier level is seen whole (it precedes
         every query token under its node). Windows are not built for levels. ``q_dtype``: the query's
         dtype, the pages' unless they are FP8 (then float16, bfloat16 or float32; bfloat16 when left out)."""
+        self._refuse_plan_compiling()
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
@@ -161,6 +164,8 @@ class CascadeAttention:
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attend ``q`` ``[tokens, heads_q, head_dim]`` over the planned levels of ``cache``'s pages;
         ``(out, lse)`` when planned with ``return_lse`` (LSE fp32 ``[tokens, heads_q]``, natural log)."""
+        if torch.compiler.is_compiling():
+            return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:
             raise RuntimeError("CascadeAttention.run: call plan(...) first, once per step")

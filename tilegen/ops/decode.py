@@ -37,6 +37,7 @@ from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.mods import absorb
+from tilegen.ops.planned import Planner
 from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
 from tilegen.ops.varlen import paged_mods
 
@@ -62,7 +63,7 @@ class _Plan:
     mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time
 
 
-class PagedDecode:
+class PagedDecode(Planner):
     """One new token per sequence attending to its whole paged context.
 
     Example::
@@ -73,8 +74,9 @@ class PagedDecode:
             out = decode.run(q[layer], caches[layer])   # q [batch, heads_q, head_dim]
     """
 
-    def __init__(self) -> None:
-        self._plan: _Plan | None = None
+    op = "tilegen.PagedDecode.run"
+
+    _plan: _Plan | None
 
     def plan(
         self, cache: PagedKVCache, *, heads_q: int, window: tuple[int | None, int | None] | None = None,
@@ -97,6 +99,7 @@ class PagedDecode:
         ``score_mod``/``mask_mod``: as in ``PagedAttention.plan``, bound here: ``q_idx`` is the query's
         position in its sequence, ``n_k - 1``, and ``h`` its query head.
         """
+        self._refuse_plan_compiling()
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
@@ -168,6 +171,8 @@ class PagedDecode:
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Decode ``q`` ``[batch, heads_q, head_dim]`` against one layer's ``cache``; ``(out, lse)`` with LSE."""
+        if torch.compiler.is_compiling():
+            return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:
             raise RuntimeError("PagedDecode.run: call plan(...) first, once per step")

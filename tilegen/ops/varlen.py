@@ -38,12 +38,13 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import ModCall, bind_mods, bind_traced, refuse_compiling, wants_grad
+from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
+from tilegen.ops.planned import Planner
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_grid, check_out, empty_like_template,
                                   refuse_grad)
 
@@ -342,7 +343,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tenso
 attention_grad.attach_ragged_mods(_varlen_mods_op)
 
 
-class PagedAttention:
+class PagedAttention(Planner):
     """Prefill and append attention against a paged KV cache, FlashInfer's plan/run split.
 
     ``plan`` takes the batch's layout once per batch (query lengths, the page table, the
@@ -365,8 +366,9 @@ class PagedAttention:
             out = attn.run(q[layer], caches[layer])
     """
 
-    def __init__(self) -> None:
-        self._plan: _Plan | None = None
+    op = "tilegen.PagedAttention.run"
+
+    _plan: _Plan | None
 
     def plan(
         self, cu_seqlens_q: torch.Tensor, cache: PagedKVCache, *, heads_q: int, head_dim: int | None = None,
@@ -388,6 +390,7 @@ class PagedAttention:
         mods reach at plan time; every ``run`` reads their values then, so they may change in place between
         runs (a CUDA graph replay included), while a new tensor needs a new plan. Their indices are
         range-checked here against the batch, ``heads_q`` and ``max_seqlen_k``."""
+        self._refuse_plan_compiling()
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         _check_lengths("cu_seqlens_q", cu_seqlens_q, cache.k_pages.device)
@@ -436,6 +439,8 @@ class PagedAttention:
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
+        if torch.compiler.is_compiling():
+            return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:
             raise RuntimeError("PagedAttention.run: call plan(...) first, once per batch")
@@ -502,7 +507,6 @@ class _Plan:
 def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
     """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
     the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence)."""
-    refuse_compiling("PagedAttention.plan and PagedDecode.plan")
     mods = bind_mods(score_mod, mask_mod, device,
                      {"b": batch, "h": heads_q, "q_idx": max_seqlen_k, "kv_idx": max_seqlen_k})
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors

@@ -1,0 +1,95 @@
+"""The plan/run objects (``PagedAttention``, ``PagedDecode``, ``CascadeAttention``) under ``torch.compile``.
+
+Their ``plan`` reads lengths and page tables on the host and fixes a config, buffers and a replayed launch; their
+``run`` launches what the plan fixed on one layer's pages. A compiled function therefore takes ``run`` and leaves
+``plan`` outside, once per batch or step, as FlashInfer's plan stays outside a CUDA graph. Under ``torch.compile``
+``run`` is the custom op ``tilegen::planned_run``: the graph holds the object's handle, an int fixed for the object's
+life, and the layer's tensors; the op runs the object's current plan eagerly. A new plan on the same object therefore
+runs in the same graph; another object's handle is another constant, so it recompiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.tensors import refuse_grad
+
+__all__ = ["Planner"]
+
+_handles = itertools.count()
+_planners: weakref.WeakValueDictionary[int, Planner] = weakref.WeakValueDictionary()
+
+
+class Planner:
+    """Base of the plan/run objects: ``self._plan`` (None until ``plan``) and the handle the compiled op finds the
+    object by. A subclass names itself (``op``, as errors call it) and implements ``run``."""
+
+    op = "tilegen.Planner"
+
+    def __init__(self) -> None:
+        if torch.compiler.is_compiling():  # its handle must outlive the trace: the graph holds it
+            raise NotImplementedError(f"{self.op.removesuffix('.run')}: make and plan it outside the compiled "
+                                      "function; run(...) compiles")
+        self._plan = None
+        self._handle = next(_handles)
+        _planners[self._handle] = self
+
+    def _refuse_plan_compiling(self) -> None:
+        # plan() reads device values on the host and builds Python state, which a graph cannot hold.
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(f"{self.op.removesuffix('.run')}.plan: plan outside the compiled function "
+                                      "(it reads the page table on the host, once per batch); run(...) compiles")
+
+    def _compiled_run(self, q: torch.Tensor, cache: PagedKVCache, out: torch.Tensor | None):
+        """``run`` traced by Dynamo: what the graph can check, then the custom op (which checks the rest as an eager
+        ``run`` does, and launches)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"{self.op}: call plan(...) first")
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
+        if not isinstance(q, torch.Tensor):
+            raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
+        pages, v_pages = cache.k_pages, cache.v_pages
+        if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad
+                                        or (out is not None and out.requires_grad)):
+            refuse_grad(self.op, q=q, out=out, **{"cache.k_pages": pages, "cache.v_pages": v_pages})
+        return_lse = plan.spec.return_lse
+        result, lse = torch.ops.tilegen.planned_run(self._handle, q, pages, v_pages, cache.indptr, cache.indices,
+                                                    cache.last_page_len, cache.k_scale, cache.v_scale, return_lse)
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != q.dtype \
+                    or out.device != q.device:
+                raise ValueError(f"out: expected {list(result.shape)} {q.dtype} on {q.device}")
+            result = out.copy_(result)  # the op allocates its output: a given one receives a copy
+        return (result, lse) if return_lse else result
+
+
+@torch.library.custom_op("tilegen::planned_run", mutates_args=())
+def _planned_run(
+    handle: int, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
+    indices: torch.Tensor, last_page_len: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    planner = _planners.get(handle)
+    if planner is None:
+        raise RuntimeError("tilegen: the PagedAttention, PagedDecode or CascadeAttention object this compiled "
+                           "function was traced with no longer exists")
+    result = planner.run(q, PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale))
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    if (lse is not None) != return_lse:  # a guard on the plan's return_lse makes Dynamo retrace first
+        raise RuntimeError(f"{planner.op}: planned with return_lse={lse is not None} after the compiled function "
+                           f"was traced with return_lse={return_lse}")
+    # A custom op returns tensors only: an empty one stands for "no LSE".
+    return out, lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@_planned_run.register_fake
+def _(handle, q, k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale, return_lse):
+    # Every plan/run op writes [tokens, heads_q, head_dim_v] in q's dtype, and an fp32 LSE [tokens, heads_q].
+    return (q.new_empty((*q.shape[:-1], v_pages.shape[-1])),
+            q.new_empty(q.shape[:-1] if return_lse else (0,), dtype=torch.float32))
