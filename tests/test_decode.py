@@ -149,6 +149,25 @@ def test_decode_allocates_its_output_in_the_query_s_layout(device):
     _check(out, None, ref, None, torch.float32)
 
 
+def test_one_page_table_over_each_layers_pages(device):
+    """``with_pages``: the page table (and its checks) of one layer's cache over another layer's pages."""
+    gen = torch.Generator().manual_seed(6)
+    cache = make_cache([40, 17, 0, 3], 16, 2, 32, torch.float32, device, gen)
+    layer = cache.with_pages(cache.k_pages * 2 + 1, 0.5 - cache.v_pages)
+    assert layer.indices is cache.indices and layer._layout == cache._layout and cache.k_pages is not layer.k_pages
+    q = torch.randn(cache.batch, 4, 32, generator=gen).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=4, return_lse=True)
+    one_each = torch.arange(cache.batch + 1, dtype=torch.int32)
+    _check(*decode.run(q, layer), *paged_reference(q, layer, one_each), torch.float32)
+    _check(*decode.run(q, cache), *paged_reference(q, cache, one_each), torch.float32)
+    # Pages laid out otherwise are checked as a new cache's.
+    with pytest.raises(ValueError, match="page size 3 is not supported"):
+        cache.with_pages(cache.k_pages[:, :3], cache.v_pages[:, :3])
+    with pytest.raises(ValueError, match="v_pages: pages, page size and heads"):
+        cache.with_pages(cache.k_pages, cache.v_pages[:, :, :1])
+
+
 def test_the_split_rule_fills_the_gpu_and_never_exceeds_the_key_blocks():
     from tilegen.device import DeviceInfo
     from tilegen.families.attention_decode.config import MAX_SPLITS, DecodeConfig, split_count

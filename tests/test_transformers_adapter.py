@@ -136,6 +136,91 @@ def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, wind
         assert _rel(out[seen], ref[seen]) < 1e-4
 
 
+def _refuse_ragged(monkeypatch):
+    """Make the ragged path (and any gather or flattening copy of K and V) fail: the call must not take it."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the ragged path ran")
+
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", refused)
+    monkeypatch.setattr(torch.Tensor, "index_select", None)
+
+
+@pytest.mark.parametrize("cache", ["head-major", "static", "token-major"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padded_decoding_step_reads_the_cache_in_place(cache, causal, device, monkeypatch):
+    """One query a row against transformers' cache: left padding, a row with holes, a row with no key, GQA 4/2,
+    softcap and a scale, NaN in every padded key. PagedDecode reads the keys where the cache holds them."""
+    batch, n, length = 4, 19, 23
+    gen = torch.Generator().manual_seed(5 + causal)
+    padding = torch.ones(batch, n, dtype=torch.bool)
+    padding[0, :6] = False  # left
+    padding[1, 3:8] = False  # holes
+    padding[2] = False  # no key at all
+    padding = padding.to(device)
+    q = torch.randn(batch, 4, 1, 16, generator=gen).to(device)
+    if cache == "static":  # [batch, kv_heads, max length, dim], the mask covering the first n keys
+        k, v = (torch.randn(batch, 2, length, 16, generator=gen).to(device) for _ in "kv")
+    elif cache == "head-major":  # what transformers' dynamic cache concatenates
+        k, v = (torch.randn(batch, 2, n, 16, generator=gen).to(device) for _ in "kv")
+    else:  # the projections' own layout, [batch, n, kv_heads, dim] transposed
+        k, v = (torch.randn(batch, n, 2, 16, generator=gen).to(device).transpose(1, 2) for _ in "kv")
+    k[:, :, :n], v[:, :, :n] = (_poisoned(t[:, :, :n], padding) for t in (k, v))
+    _refuse_ragged(monkeypatch)
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, padding, scaling=0.3,
+                                          softcap=2.0)
+    assert out.shape == (batch, 1, 4, 16)
+    keys, values = (t[:, :, :n].nan_to_num().double().repeat_interleave(2, dim=1) for t in (k, v))
+    scores = 2.0 * torch.tanh(q.double() @ keys.transpose(-1, -2) * 0.3 / 2.0)
+    weights = scores.masked_fill(~padding[:, None, None, :], -math.inf).softmax(-1).nan_to_num()
+    ref = (weights @ values).transpose(1, 2)  # one query, at the last key: causal or not, it sees every key
+    real = padding.any(-1)
+    assert not out.isnan().any() and (out[~real] == 0).all()
+    assert _rel(out[real], ref[real]) < 1e-4
+
+
+def test_a_padded_decoding_step_with_a_window(device, monkeypatch):
+    q, k, v = _qkv(device, n=19, batch=2)
+    q = q[:, :, -1:]
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :11] = False
+    k, v = (_poisoned(t, padding) for t in (k, v))
+    _refuse_ragged(monkeypatch)
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding, sliding_window=5)
+    allowed = _causal(1, 19, device, window=5) & padding[:, None, None, :]
+    assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), allowed)) < 1e-4
+
+
+@pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides", "holes in a window"])
+def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monkeypatch, _fresh_warnings):
+    q, k, v = _qkv(device, n=19, batch=2, seed=6)
+    q = q[:, :, -1:]
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :4] = False
+    window = None
+    if why == "the query is padding":  # right padding: row 1's last position, the query's, is padding
+        padding[1, 15:] = False
+    elif why == "a gradient":  # the decode kernel has no backward
+        q.requires_grad_()
+    elif why == "strides":  # rows 8 elements apart beyond their tokens: no fixed distance in tokens between rows
+        k, v = (torch.empty(2 * 2 * 19 * 16 + 8, device=device).as_strided(t.shape, (2 * 19 * 16 + 8, 19 * 16, 16, 1))
+                .copy_(t) for t in (k, v))
+    else:
+        padding[1, 5:7] = False
+        window = 4
+    served = []
+    for name in ("varlen_attention", "_fallback"):
+        real = getattr(tilegen_hf, name)
+        monkeypatch.setattr(tilegen_hf, name, lambda *a, _real=real, _name=name, **kw: served.append(_name)
+                            or _real(*a, **kw))
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding,
+                                          sliding_window=window)
+    assert served == ["_fallback" if window else "varlen_attention"]
+    allowed = _causal(1, 19, device, window) & padding[:, None, None, :]
+    ref = _dense_reference(q.detach(), k, v, allowed)
+    real = padding[:, -1:]
+    assert _rel(out.detach()[real], ref[real]) < 1e-4 and (out[~real] == 0).all()
+
+
 @pytest.mark.parametrize("n_q, n_k, causal", [(0, 0, True), (3, 0, False), (0, 5, True)])
 def test_a_padding_mask_over_no_tokens(n_q, n_k, causal, device):
     q, k, v = (torch.randn(2, h, n, 16, device=device) for h, n in ((4, n_q), (2, n_k), (2, n_k)))

@@ -78,6 +78,15 @@ class _Calls:
                 return _real(*args, **kwargs)
 
             monkeypatch.setattr(tilegen_hf, name, spy)
+        real_decode = tilegen_hf._decode
+
+        def decode(*args, **kwargs):  # a padded decoding step on PagedDecode, when it serves the call
+            out = real_decode(*args, **kwargs)
+            if out is not None:
+                self.ops.append("decode")
+            return out
+
+        monkeypatch.setattr(tilegen_hf, "_decode", decode)
 
 
 def _compare(ref, model, mask=None, real=None, **inputs):
@@ -154,8 +163,9 @@ def test_cached_greedy_decode_of_a_left_padded_batch(monkeypatch):
         got = model.generate(**kwargs)
     assert torch.equal(got.sequences, want.sequences)
     assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
-    # The prefill and every decode step with the padded row: ragged, 2 layers each.
-    assert calls.ops == ["varlen_attention"] * 8
+    # The prefill with the padded row is ragged; every decoding step after it reads transformers' cache in place
+    # through PagedDecode; 2 layers each.
+    assert calls.ops == ["varlen_attention"] * 2 + ["decode"] * 6
 
 
 def test_cached_decode_without_padding_is_bottom_right_causal(monkeypatch):

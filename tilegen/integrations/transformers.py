@@ -14,6 +14,9 @@ Every attention call of the model then runs in tilegen:
   2-d padding mask (bool) or the packed sequences' ids (int64, one id per sequence) instead of a dense
   ``[batch, 1, n_q, n_k]`` mask; transformers' ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword
   arguments (padding-free training) are taken as they are. Padded rows' outputs are zeros;
+- a decoding step of a padded batch (one query a row, at its row's last key): ``tilegen.PagedDecode`` over
+  transformers' cache where it lies, each key a page of one slot (``_decode``), instead of a ragged copy of K
+  and V on every step and layer;
 - sliding windows (``sliding_window``: the ``sliding_window`` keys up to and including the query's own,
   as transformers' masks keep ``kv_idx > q_idx - sliding_window``), softcap, GQA, the module's scaling;
 - training: both tilegen ops are differentiable.
@@ -35,12 +38,14 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tilegen.ops.attention import attention_seq_major
+from tilegen.ops.decode import PagedDecode
+from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.varlen import varlen_attention
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
@@ -157,6 +162,10 @@ def attention_forward(
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
+    if n_q == 1 and layout.decodes and (window is None or layout.rows_q is None):
+        out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling)
+        if out is not None:
+            return out, None
     if layout.rows_q is None:  # each row's real tokens are one run: read in place
         return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
                        softcap, scaling)
@@ -187,6 +196,75 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, causal, window, softcap
     return out.view(batch, n_q, heads, out.shape[2]), None
 
 
+def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Tensor | None:
+    """A padded decoding step (one query a row, at its row's last key) on ``PagedDecode``, reading transformers'
+    cache where it lies: each key a page of one slot, the page table listing each row's real keys. ``None`` when
+    the cache's layout cannot be read so (the caller takes the ragged path) or a gradient is wanted (the decode
+    kernel has no backward)."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    pages = _slots(key, n_k)
+    v_pages = _slots(value, n_k)
+    if pages is None or v_pages is None or pages[1] != v_pages[1]:
+        return None
+    table = _layout(mask, 1, n_k, pages[1], _slot_table)
+    # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks.
+    cache = table.cache = PagedKVCache(pages[0], v_pages[0], *table.pages) if table.cache is None \
+        else table.cache.with_pages(pages[0], v_pages[0])
+    plan_key = (query.shape[1], query.dtype, cache._layout, window, softcap, scaling)
+    decode = table.plans.get(plan_key)
+    if decode is None:
+        decode = table.plans[plan_key] = PagedDecode()
+        # n_k bounds every row; the longest real row would need a synchronization to read.
+        decode.plan(cache, heads_q=query.shape[1], window=window, softcap=softcap, scale=scaling, max_seqlen_k=n_k,
+                    q_dtype=query.dtype)
+    return decode.run(query[:, :, 0], cache).unsqueeze(1)
+
+
+def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
+    """``t`` ``[batch, heads, n, dim]`` seen as pages of one slot ``[slots, 1, heads, dim]`` in place, with the
+    slot of row ``b``'s token ``i`` at ``b * row + i``: ``(pages, row)``, or ``None`` when the strides do not allow
+    it. Slots between rows alias other heads' keys (a head-major cache); the page table never lists them."""
+    batch, heads, _, dim = t.shape
+    s_batch, s_head, s_token, s_dim = t.stride()
+    if (s_dim != 1 and dim > 1) or s_token <= 0 or s_batch % s_token:
+        return None
+    row = s_batch // s_token
+    slots = (batch - 1) * row + n
+    if slots >= 2 ** 31:  # page ids are int32
+        return None
+    try:
+        return t.as_strided((slots, 1, heads, dim), (s_token, s_token, s_head, 1)), row
+    except RuntimeError:  # past the storage: a view whose rows are not laid out at a fixed distance
+        return None
+
+
+@dataclass
+class _SlotTable:
+    """A padding mask's page table over one-slot pages: ``pages`` ``(indptr, indices, last_page_len)``, the
+    ``PagedDecode`` plans made on it (one per head count, dtype, window, softcap and scale) and the last
+    layer's cache over it."""
+
+    pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    plans: dict = field(default_factory=dict)
+    cache: PagedKVCache | None = None
+
+
+def _slot_table(mask: torch.Tensor, n_q: int, n_k: int, row: int) -> _SlotTable:
+    mask_k = mask[:, -n_k:] if mask.shape[1] > n_k else mask
+    batch = mask_k.shape[0]
+    lens = mask_k.sum(-1)
+    indptr = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    # Each row's real keys first, in order; entry e of the table is key e - indptr[b] of its row b. Computed
+    # for every slot of the padded batch (the entries past indptr[-1] are never read): no synchronization.
+    real_first = torch.sort((~mask_k).to(torch.int8), dim=1, stable=True).indices
+    entry = torch.arange(batch * n_k, device=mask.device)
+    b = (torch.searchsorted(indptr[1:], entry, right=True)).clamp_max(batch - 1)
+    i = (entry - indptr[b]).clamp(0, n_k - 1)
+    indices = (b * row + real_first.reshape(-1)[b * n_k + i]).to(torch.int32)
+    return _SlotTable((indptr.to(torch.int32), indices, (lens > 0).to(torch.int32)))
+
+
 def _as_offsets(cu: torch.Tensor) -> torch.Tensor:
     # transformers' collators give int64 (or int32) offsets; the kernel reads contiguous int32.
     return cu if cu.dtype == torch.int32 and cu.is_contiguous() else cu.to(torch.int32).contiguous()
@@ -198,6 +276,9 @@ class _Layout:
     offsets per sequence and the host-side max lengths."""
 
     full: bool  # no padding at all: the dense kernel, with no gather
+    # Every row's queries are real, or it has no key: with one query a row (a decoding step), each query sits at
+    # its row's last key, so PagedDecode serves the call (_decode).
+    decodes: bool
     # None: the flattened tensors are the ragged batch (each row's real tokens one run), no gather
     rows_q: torch.Tensor | None
     rows_k: torch.Tensor | None
@@ -244,17 +325,17 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     cu_q = torch.stack([before_q, starts_q, starts_q], -1).view(-1)
     cu_k = torch.stack([before_k, before_k, starts_k], -1).view(-1)
     # The in-place batch's longest sequences: its padding runs are sequences too.
-    max_q, max_k, max_runs, real, run_q, run_k = torch.stack(
+    max_q, max_k, max_runs, real, run_q, run_k, decodes = torch.stack(
         [lens_q.max(), lens_k.max(), runs.max(), lens_q.sum() + lens_k.sum(), cu_q.diff().max(),
-         cu_k.diff().max()]).tolist()
+         cu_k.diff().max(), ((lens_q == n_q) | (lens_k == 0)).all()]).tolist()
     batch = mask_k.shape[0]
     full = real == batch * (n_q + n_k)
     if full:
-        return _Layout(True, None, None, None, None, n_q, n_k)
+        return _Layout(True, True, None, None, None, None, n_q, n_k)
     if max_runs <= 1:
-        return _Layout(False, None, None, cu_q, cu_k, run_q, run_k)
+        return _Layout(False, bool(decodes), None, None, cu_q, cu_k, run_q, run_k)
     zero = lens_q.new_zeros(1)
-    return _Layout(False, mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
+    return _Layout(False, bool(decodes), mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
                    torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
 
@@ -311,7 +392,7 @@ def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     starts[1:] = flat[1:] != flat[:-1]
     cu = torch.cat([starts.nonzero().view(-1), flat.new_tensor([batch * n])]).to(torch.int32)
     longest = int(cu.diff().max()) if batch * n else 0
-    return _Layout(False, None, None, cu, cu, longest, longest)
+    return _Layout(False, False, None, None, cu, cu, longest, longest)
 
 
 def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal, sliding_window, softcap, kwargs):

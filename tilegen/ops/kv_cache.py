@@ -117,6 +117,20 @@ class PagedKVCache:
         if env.debug():
             self.validate()
 
+    def with_pages(self, k_pages: torch.Tensor, v_pages: torch.Tensor) -> PagedKVCache:
+        """This page table and these scales over other pages, such as another layer's. Pages of this cache's
+        shapes, strides, dtype and device take its checks and derived values as they are (one comparison, for
+        a call per layer); any others are checked as a new cache's are."""
+        k, v = self.k_pages, self.v_pages
+        if isinstance(k_pages, torch.Tensor) and isinstance(v_pages, torch.Tensor) and (
+                k_pages.shape, v_pages.shape, k_pages.stride(), v_pages.stride(), k_pages.dtype, v_pages.dtype,
+                k_pages.device, v_pages.device) == (k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype,
+                                                    k.device, v.device):
+            same = object.__new__(PagedKVCache)
+            same.__dict__.update(self.__dict__, k_pages=k_pages, v_pages=v_pages)
+            return same
+        return PagedKVCache(k_pages, v_pages, self.indptr, self.indices, self.last_page_len, self.k_scale, self.v_scale)
+
     def _check_scales(self) -> None:
         # Contiguous, one element or one per head: the kernels read scale h at address + h * (numel > 1).
         k = self.k_pages
