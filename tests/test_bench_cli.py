@@ -73,6 +73,21 @@ def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value,
     assert result.exit_code == 2 and message in result.output
 
 
+def test_the_padded_decoding_step_benchmark_runs_every_provider(monkeypatch):
+    """``--padded``'s case on the CPU (the interpreter, small heads), each provider called once where the GPU run
+    times it: both integration paths agree with SDPA, and every provider has a figure."""
+    from tilegen.bench import decode as bench
+
+    monkeypatch.setattr(bench, "HQ", 4)
+    monkeypatch.setattr(bench, "HKV", 2)
+    monkeypatch.setattr(bench, "D", 16)
+    timed = []
+    monkeypatch.setattr(bench, "_bench", lambda fn: timed.append(fn()) or 1.0)
+    row = bench.padded_case(3, 37, device="cpu")
+    assert row["rel_err"] < 1e-2 and row["ragged_rel_err"] < 1e-2 and len(timed) == 4
+    assert all(row[name] > 0 for name in ("integration", "integration-ragged", "sdpa-masked", "tilegen-dense"))
+
+
 def test_rounds_alternate_the_providers_and_report_each_ones_median(monkeypatch):
     """With --rounds the providers of a case take turns, the order rotating, and each figure is the median of
     its rounds; a provider that fails while timed is reported as an error, not fatal."""

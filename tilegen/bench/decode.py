@@ -11,6 +11,16 @@ shuffled pages; the paged output is checked against SDPA's before timing. ``tile
 is ``tilegen.attention`` with one query row on the contiguous tensors, which dispatch routes
 to the decode family's dense layout.
 
+``--padded`` measures instead a padded decoding step through the transformers integration
+(``tilegen.integrations.transformers.attention_forward``), on transformers' layouts: the cache
+``[batch, 8, context, 128]`` as its dynamic cache concatenates it, the query ``[batch, 32, 1, 128]``
+a transposed view, rows left-padded by 0 to a quarter of the context. ``integration`` is the call as
+it runs (``PagedDecode`` over the cache in place, each key a one-slot page); ``integration-ragged``
+the ragged path it took before (K and V flattened, a copy, then ``varlen_attention``);
+``sdpa-masked`` SDPA with the padding as a ``[batch, 1, 1, context]`` mask, as transformers' sdpa
+attention calls it; ``tilegen-dense`` the same cache unpadded (every key read). GB/s of the real
+keys' K and V. The padding layout is made by the first call and reused, as a model's layers reuse it.
+
 ``--kv-dtype fp8`` (``fp8e4m3``; ``fp8e5m2`` too) adds, beside each bf16 row, the same decode
 over FP8 pages of the same K and V (quantized with a scale per KV head, amax / the format's
 largest value): ``tilegen-paged-fp8e4m3`` is its GB/s of the FP8 bytes actually read
@@ -133,6 +143,45 @@ def speculative_case(batch: int, ctx: int, n_q: int) -> dict:
     return row
 
 
+def padded_case(batch: int, ctx: int, device: str = "cuda") -> dict:
+    """A left-padded decoding step through the transformers integration (see the module docstring)."""
+    import types
+
+    from tilegen.integrations import transformers as tilegen_hf
+
+    gen = torch.Generator(device).manual_seed(2)
+    k = torch.randn(batch, HKV, ctx, D, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, HKV, ctx, D, device=device, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(batch, 1, HQ, D, device=device, dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    lead = torch.randint(0, max(ctx // 4, 1), (batch,), device=device, generator=gen)
+    lead[0] = 0
+    mask = torch.arange(ctx, device=device)[None, :] >= lead[:, None]
+    module = types.SimpleNamespace(is_causal=True)
+    gb = 2 * HKV * int(mask.sum()) * D * 2 / 1e9
+
+    def integration():
+        return tilegen_hf.attention_forward(module, q, k, v, mask)[0]
+
+    def ragged():
+        decode, tilegen_hf._decode = tilegen_hf._decode, lambda *args: None
+        try:
+            return integration()
+        finally:
+            tilegen_hf._decode = decode
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True)
+
+    ref = sdpa().transpose(1, 2)
+    row = {"batch": batch, "context": ctx, "real_keys": int(mask.sum()),
+           "rel_err": relative_error(integration().float(), ref.float())[0],
+           "ragged_rel_err": relative_error(ragged().float(), ref.float())[0]}
+    for name, fn in (("integration", integration), ("integration-ragged", ragged), ("sdpa-masked", sdpa),
+                     ("tilegen-dense", lambda: tilegen.attention(q, k, v, causal=True))):
+        row[name] = gb / _bench(fn) * 1e3
+    return row
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -142,6 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-dtype", default="bf16",
                         help="comma-separated page dtypes among bf16, fp8 (= fp8e4m3) and fp8e5m2: each FP8 one adds "
                              "its decode's GB/s of FP8 bytes beside bf16's, on the same shapes (default: bf16)")
+    parser.add_argument("--padded", action="store_true",
+                        help="a left-padded decoding step through the transformers integration instead (see above)")
     args = parser.parse_args(argv)
     kv_dtypes = []
     for name in args.kv_dtype.split(","):
@@ -162,7 +213,11 @@ def main(argv=None) -> None:
         raise SystemExit("tilegen.bench.decode times CUDA kernels; run it on a GPU")
     contiguous = list(dict.fromkeys((batch, ctx, None) for batch, ctx, _ in CASES))
     rows = []
-    for n_q in tokens:
+    for batch, ctx, _ in contiguous if args.padded else ():
+        rows.append(padded_case(batch, ctx))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    for n_q in tokens if not args.padded else ():
         for batch, ctx, page_size in CASES if n_q == 1 else contiguous:
             rows.append(case(batch, ctx, page_size, tuple(kv_dtypes)) if n_q == 1
                         else speculative_case(batch, ctx, n_q))

@@ -218,7 +218,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
         # n_k bounds every row; the longest real row would need a synchronization to read.
         decode.plan(cache, heads_q=query.shape[1], window=window, softcap=softcap, scale=scaling, max_seqlen_k=n_k,
                     q_dtype=query.dtype)
-    return decode.run(query[:, :, 0], cache).unsqueeze(1)
+    return decode.run(query.select(2, 0), cache).unsqueeze(1)
 
 
 def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
