@@ -190,6 +190,23 @@ def test_a_padded_decoding_step_with_a_window(device, monkeypatch):
     assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), allowed)) < 1e-4
 
 
+def test_a_padded_decoding_step_under_torch_compile(device):
+    """A compiled model's padded decoding step: the padding layout breaks the graph (it reads the mask on the host),
+    and the step gives what it gives eagerly."""
+    q, k, v = _qkv(device, n=19, batch=2, seed=7)
+    q = q[:, :, -1:]
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[1, :6] = False
+
+    def step(q, k, v, padding):
+        return tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)[0]
+
+    torch._dynamo.reset()
+    got = torch.compile(step, backend="eager")(q, k, v, padding)
+    assert torch.equal(got, step(q, k, v, padding))
+    assert _rel(got, _dense_reference(q, k, v, padding[:, None, None, :])) < 1e-4
+
+
 @pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides", "holes in a window"])
 def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monkeypatch, _fresh_warnings):
     q, k, v = _qkv(device, n=19, batch=2, seed=6)

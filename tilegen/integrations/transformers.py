@@ -214,6 +214,8 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
     plan_key = (query.shape[1], query.dtype, cache._layout, window, softcap, scaling)
     decode = table.plans.get(plan_key)
     if decode is None:
+        if torch.compiler.is_compiling():  # a plan is made eagerly (PagedDecode.plan reads the host); run compiles
+            return None
         decode = table.plans[plan_key] = PagedDecode()
         # n_k bounds every row; the longest real row would need a synchronization to read.
         decode.plan(cache, heads_q=query.shape[1], window=window, softcap=softcap, scale=scaling, max_seqlen_k=n_k,
