@@ -111,6 +111,30 @@ def test_the_ffn_op_in_place_and_strided(dtype, device):
     assert relative_error(y, ref)[0] < TOL[dtype]
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_the_ffn_op_under_torch_compile(backend, device):
+    """``fullgraph=True`` traces ``tilegen::blockwise_ffn``: the same bits as an eager call, a given ``out`` (``x``
+    itself included) filled; ``opcheck`` passes on the op."""
+    spec = _spec("layernorm", "gelu_mlp")
+    w = random_weights(spec, torch.Generator().manual_seed(3), device, torch.float32)
+    kwargs = dict(w_norm=w.w_norm, b_norm=w.b_norm, w_up=w.w_up, w_down=w.w_down, norm="layernorm", eps=1e-6)
+    x = _x((TOKENS, D_MODEL), torch.float32, device, seed=4)
+    want = tilegen.blockwise_ffn(x, **kwargs)
+
+    def f(x, out):
+        return tilegen.blockwise_ffn(x, **kwargs) * 2, tilegen.blockwise_ffn(x, **kwargs, out=out)
+
+    torch._dynamo.reset()
+    out = torch.full_like(x, math.nan)
+    doubled, result = torch.compile(f, fullgraph=True, backend=backend)(x, out)
+    assert torch.equal(doubled, want * 2) and result is out and torch.equal(out, want)
+    y = x.clone()
+    torch.compile(lambda y: tilegen.blockwise_ffn(y, **kwargs, out=y), fullgraph=True, backend=backend)(y)
+    assert torch.equal(y, want)
+    torch.library.opcheck(torch.ops.tilegen.blockwise_ffn.default,
+                          (x, w.w_norm, w.w_up, w.w_down, None, w.b_norm, "layernorm", 1e-6))
+
+
 def test_the_ffn_op_names_bad_arguments(device):
     spec = _spec("rmsnorm", "swiglu")
     w = random_weights(spec, torch.Generator().manual_seed(2), device, torch.float32)

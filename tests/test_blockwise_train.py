@@ -195,3 +195,29 @@ def test_trains_in_place_of_a_transformers_llama_layer(device):
     errors.update({name: _rel(p.grad, reference[name].grad.double()) for name, p in layer.named_parameters()})
     assert set(errors) == {"x", *reference}
     assert max(errors.values()) < 1e-4, errors
+
+
+def test_the_layer_in_a_compiled_model_runs_eagerly_with_the_same_gradients(device):
+    """``torch.compile`` of a model holding the layer: the layer is a graph break (it runs eagerly, forward and
+    backward, the graph around it compiled), so values and gradients are the eager ones; ``fullgraph=True`` says
+    why it cannot take the layer."""
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(21, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device)
+
+    def model(x):
+        return layer(x * 0.5).square().mean()
+
+    grads = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        torch._dynamo.reset()
+        leaf = x.clone().requires_grad_()
+        loss = run(leaf)
+        loss.backward()
+        grads.append((loss.detach(), leaf.grad, [p.grad.clone() for p in layer.parameters()]))
+        layer.zero_grad()
+    (loss, dx, dw), (compiled_loss, compiled_dx, compiled_dw) = grads
+    assert torch.equal(loss, compiled_loss) and torch.equal(dx, compiled_dx)
+    assert all(torch.equal(a, b) for a, b in zip(dw, compiled_dw))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="tilegen.blockwise_layer runs eagerly under torch.compile"):
+        torch.compile(model, backend="eager", fullgraph=True)(x)

@@ -87,7 +87,14 @@ def blockwise_layer(
     weights and attention's output and LSE, nothing of the FFN's width; ``out`` is then refused
     (a result written in place cannot be differentiated). Weights that do not match the config
     (missing, unexpected, wrong shape, dtype or device) raise an error naming the weight.
+
+    Under ``torch.compile`` the layer is a graph break: it runs eagerly, forward and backward, and the graph
+    around it is compiled (``fullgraph=True`` refuses it, saying so).
     """
+    if torch.compiler.is_compiling():
+        from tilegen.layers import compiled  # imports Dynamo: only a compiled call gets here
+
+        return compiled.eagerly(blockwise_layer, x, weights, config, block=block, out=out, **config_kwargs)
     w, config = _resolve(x, weights, config, config_kwargs)
     # A module's state_dict() is detached: its parameters say whether they require grad.
     held = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else w

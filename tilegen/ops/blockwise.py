@@ -10,7 +10,8 @@ it lives above the ops, in ``tilegen.layers``.
 It launches as every op does (``tilegen.dispatch.planned``): the fusion block chosen for the
 token bucket, the launcher (whose block buffers keep its launches from being recorded, so
 every call runs the launcher's Python with direct kernels), a tuned row that fails at the
-first launch skipped for the next choice, except in place (``out`` over ``x``).
+first launch skipped for the next choice, except in place (``out`` over ``x``). Under ``torch.compile`` the
+call is the custom op ``tilegen::blockwise_ffn``, which launches the same plans.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def blockwise_ffn(
             raise ValueError(f"{name}: on {t.device} while x is on {x.device}")
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
+    if torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, w_norm, w_gate, w_up, w_down, b_norm, out)):
+            refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                        b_norm=b_norm, out=out)
+        result = torch.ops.tilegen.blockwise_ffn(x, w_norm, w_up, w_down, w_gate, b_norm, norm, float(eps))
+        return result if out is None else out.copy_(result)  # the op allocates its output
     if out is None:
         out = torch.empty_like(x)
     else:
@@ -142,3 +150,16 @@ class _Plan:
 
 
 _plans = dispatch.plan_cache()
+
+
+@torch.library.custom_op("tilegen::blockwise_ffn", mutates_args=())
+def _blockwise_ffn_op(x: torch.Tensor, w_norm: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      w_gate: torch.Tensor | None, b_norm: torch.Tensor | None, norm: str, eps: float) -> torch.Tensor:
+    """``blockwise_ffn`` under ``torch.compile``: its arguments were checked in traced code; it launches as an eager
+    call does."""
+    return blockwise_ffn(x, w_norm=w_norm, w_up=w_up, w_down=w_down, w_gate=w_gate, b_norm=b_norm, norm=norm, eps=eps)
+
+
+@_blockwise_ffn_op.register_fake
+def _(x, w_norm, w_up, w_down, w_gate, b_norm, norm, eps):
+    return torch.empty_like(x)
