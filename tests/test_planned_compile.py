@@ -146,6 +146,8 @@ def test_the_op_passes_opcheck(device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # opcheck's NaN-aware comparison warns about the pages' NaN slots
         torch.library.opcheck(torch.ops.tilegen.planned_run.default, args)
+    # A CUDA graph of torch.compile must not replay a plan that a new one replaced (and freed the buffers of).
+    assert torch.Tag.cudagraph_unsafe in torch.ops.tilegen.planned_run.default.tags
 
 
 def test_plan_inside_the_compiled_function_is_refused(device):

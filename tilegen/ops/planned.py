@@ -69,7 +69,10 @@ class Planner:
         return (result, lse) if return_lse else result
 
 
-@torch.library.custom_op("tilegen::planned_run", mutates_args=())
+# Not capturable by torch.compile's CUDA graphs: a replay would launch the traced plan's kernels with its buffers,
+# which a new plan on the object frees and replaces. mode="reduce-overhead" therefore leaves the op outside its
+# graphs (with torch._inductor.config.graph_partition, the rest of the step is captured around it).
+@torch.library.custom_op("tilegen::planned_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _planned_run(
     handle: int, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
     indices: torch.Tensor, last_page_len: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
