@@ -230,3 +230,25 @@ def test_a_whole_decode_step_traces_without_a_break(backend, device):
     _check(got, want, paged_reference(rotated, cache, one_each), torch.float32)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs == 1 and not torch._dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_graphs_never_replay_a_replaced_plan():
+    """mode="reduce-overhead" over a decode loop that plans every step anew, lengths growing past a split's chunk:
+    each step matches its eager run (a CUDA graph replaying the first plan's launches would read too few keys and
+    write into the freed partials of a replaced plan)."""
+    gen = torch.Generator().manual_seed(13)
+    k_pages = torch.randn(64, 16, 2, 128, generator=gen).to("cuda", torch.bfloat16)
+    v_pages = torch.randn(64, 16, 2, 128, generator=gen).to("cuda", torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32, device="cuda").reshape(2, 32)
+    decode = tilegen.PagedDecode()
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, cache: decode.run(q, cache) * 1.0, mode="reduce-overhead")
+    for lens in ([40, 17], [41, 18], [300, 200], [500, 511]):
+        cache = tilegen.PagedKVCache.from_block_table(k_pages, v_pages, table, torch.tensor(lens, device="cuda"))
+        decode.plan(cache, heads_q=8)
+        q = torch.randn(2, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+        want = decode.run(q, cache)
+        for _ in range(3):  # recorded, then replayed
+            got = step(q, cache)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
