@@ -67,9 +67,10 @@ def test_the_plot_has_a_panel_per_variant_and_a_line_per_provider(tmp_path):
 @pytest.mark.parametrize("value, message", [
     ("9", "--q-tokens: each must be 1 to 8 (the decode family's), got '9'"),
     ("2,x", "--q-tokens: expected comma-separated whole numbers, got '2,x'"),
+    ("2 --padded", "--padded: a bf16 decoding step of one query token"),
 ])
 def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value, message):
-    result = runner.invoke(app, ["bench", "decode", "--q-tokens", value])
+    result = runner.invoke(app, ["bench", "decode", "--q-tokens", *value.split()])
     assert result.exit_code == 2 and message in result.output
 
 

@@ -161,6 +161,12 @@ def test_one_page_table_over_each_layers_pages(device):
     one_each = torch.arange(cache.batch + 1, dtype=torch.int32)
     _check(*decode.run(q, layer), *paged_reference(q, layer, one_each), torch.float32)
     _check(*decode.run(q, cache), *paged_reference(q, cache, one_each), torch.float32)
+    # Kept between layers without pages, it keeps no layer's pages alive and still takes each layer's.
+    bare = cache._without_pages()
+    assert bare.k_pages is None and bare.v_pages is None
+    again = bare.with_pages(layer.k_pages, layer.v_pages)
+    assert again.k_pages is layer.k_pages and again.indices is cache.indices
+    _check(*decode.run(q, again), *paged_reference(q, layer, one_each), torch.float32)
     # Pages laid out otherwise are checked as a new cache's.
     with pytest.raises(ValueError, match="page size 3 is not supported"):
         cache.with_pages(cache.k_pages[:, :3], cache.v_pages[:, :3])

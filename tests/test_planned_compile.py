@@ -141,11 +141,13 @@ def test_the_op_passes_opcheck(device):
     q = torch.randn(2, 2, D, generator=gen).to(device)
     decode = tilegen.PagedDecode()
     decode.plan(cache, heads_q=2, return_lse=True)
-    args = (decode._handle, q, cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len,
-            None, None, True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # opcheck's NaN-aware comparison warns about the pages' NaN slots
-        torch.library.opcheck(torch.ops.tilegen.planned_run.default, args)
+        # A contiguous q, and one laid out head-major (an eager run's output takes q's layout, the op's never).
+        for q in (q, q.transpose(0, 1).contiguous().transpose(0, 1)):
+            args = (decode._handle, q, cache.k_pages, cache.v_pages, cache.indptr, cache.indices,
+                    cache.last_page_len, None, None, [], True)
+            torch.library.opcheck(torch.ops.tilegen.planned_run.default, args)
     # A CUDA graph of torch.compile must not replay a plan that a new one replaced (and freed the buffers of).
     assert torch.Tag.cudagraph_unsafe in torch.ops.tilegen.planned_run.default.tags
 
@@ -199,7 +201,43 @@ def test_a_handle_whose_object_is_gone_is_refused(device):
     del decode
     with pytest.raises(RuntimeError, match="no longer exists"):
         torch.ops.tilegen.planned_run(handle, torch.randn(1, 1, D, device=device), cache.k_pages, cache.v_pages,
-                                      cache.indptr, cache.indices, cache.last_page_len, None, None, False)
+                                      cache.indptr, cache.indices, cache.last_page_len, None, None, [], False)
+
+
+def test_a_copy_runs_its_own_plan_when_compiled(device):
+    import copy
+
+    gen = torch.Generator().manual_seed(14)
+    cache = make_cache([30, 12], 8, 1, D, torch.float32, device, gen)
+    q = torch.randn(2, 2, D, generator=gen).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=2, window=(3, 0))
+    twin = copy.copy(decode)
+    assert twin._handle != decode._handle
+    twin.plan(cache, heads_q=2)  # no window
+    step = _compiled(lambda q, cache: twin.run(q, cache))
+    assert torch.equal(step(q, cache), twin.run(q, cache))
+    assert not torch.equal(step(q, cache), decode.run(q, cache))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_head_major_query_and_a_captured_tensor_written_in_the_compiled_function(backend, device):
+    gen = torch.Generator().manual_seed(15)
+    slopes = torch.rand(4, generator=gen).to(device)
+    cache = make_cache([33, 9], 8, 2, D, torch.float32, device, gen)
+    q = torch.randn(4, 2, D, generator=gen).to(device).transpose(0, 1)  # [batch, heads, dim], head-major
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=4, score_mod=library.alibi(slopes))
+
+    def step(q, cache):
+        slopes.mul_(2)  # read by this run: the op takes the captured tensors as inputs
+        return decode.run(q, cache)
+
+    got = _compiled(step, backend)(q, cache)
+    ref = paged_reference(q, cache, torch.arange(3, dtype=torch.int32), score_mod=library.alibi(slopes),
+                          paged_positions=True)[0]
+    assert relative_error(got.cpu(), ref)[0] < 1e-4
+    assert torch.equal(got, decode.run(q, cache))  # slopes as written, read again eagerly
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

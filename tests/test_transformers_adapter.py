@@ -190,9 +190,9 @@ def test_a_padded_decoding_step_with_a_window(device, monkeypatch):
     assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), allowed)) < 1e-4
 
 
-def test_a_padded_decoding_step_under_torch_compile(device):
+def test_a_padded_decoding_step_under_torch_compile(device, monkeypatch):
     """A compiled model's padded decoding step: the padding layout breaks the graph (it reads the mask on the host),
-    and the step gives what it gives eagerly."""
+    and the step runs the ragged path's op (a PagedDecode plan is made outside a trace only), as right as eagerly."""
     q, k, v = _qkv(device, n=19, batch=2, seed=7)
     q = q[:, :, -1:]
     padding = torch.ones(2, 19, dtype=torch.bool, device=device)
@@ -201,10 +201,38 @@ def test_a_padded_decoding_step_under_torch_compile(device):
     def step(q, k, v, padding):
         return tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)[0]
 
+    ran = []
+    real = tilegen_hf.varlen_attention
+    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append("varlen") or real(*a, **kw))
     torch._dynamo.reset()
     got = torch.compile(step, backend="eager")(q, k, v, padding)
-    assert torch.equal(got, step(q, k, v, padding))
-    assert _rel(got, _dense_reference(q, k, v, padding[:, None, None, :])) < 1e-4
+    assert ran == ["varlen"]
+    want = step(q, k, v, padding)
+    assert ran == ["varlen"], "eagerly, PagedDecode"
+    ref = _dense_reference(q, k, v, padding[:, None, None, :])
+    assert _rel(got, ref) < 1e-4 and _rel(want, ref) < 1e-4
+
+
+def test_a_decoding_step_keeps_no_key_or_value_alive(device):
+    """Generation makes new K and V tensors (a dynamic cache concatenates) and a new mask every step: once the
+    step's tensors are gone, nothing of the integration's holds them or the mask's layouts."""
+    import gc
+    import weakref
+
+    q, k, v = _qkv(device, n=19, batch=2, seed=8)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :5] = False
+    for _ in range(2):  # two layers: the second takes the first's page table
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q[:, :, -1:], k, v, padding)
+    gone = [weakref.ref(t) for t in (k, v)]
+    del k, v
+    gc.collect()
+    assert all(ref() is None for ref in gone), "the mask's page table holds a layer's keys"
+    mask_id = id(padding)
+    assert [key for key in tilegen_hf._layouts if key[0] == mask_id]
+    del padding
+    gc.collect()
+    assert not [key for key in tilegen_hf._layouts if key[0] == mask_id], "a dead mask's layouts are kept"
 
 
 @pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides", "holes in a window"])

@@ -207,6 +207,8 @@ def main(argv=None) -> None:
         parser.error(f"--q-tokens: expected comma-separated whole numbers, got {args.q_tokens!r}")
     if any(not 1 <= t <= MAX_Q_TOKENS for t in tokens):
         parser.error(f"--q-tokens: each must be 1 to {MAX_Q_TOKENS} (the decode family's), got {args.q_tokens!r}")
+    if args.padded and (kv_dtypes or tokens != [1]):
+        parser.error("--padded: a bf16 decoding step of one query token; --q-tokens and --kv-dtype do not apply")
     if kv_dtypes and tokens != [1]:
         parser.error("--kv-dtype: FP8 pages are measured on the paged decode of one query token (--q-tokens 1)")
     if not torch.cuda.is_available():

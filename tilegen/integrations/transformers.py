@@ -46,6 +46,7 @@ import torch
 from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.decode import PagedDecode
 from tilegen.ops.kv_cache import PagedKVCache
+from tilegen.ops.tensors import MAX_GRID_YZ
 from tilegen.ops.varlen import varlen_attention
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
@@ -201,26 +202,37 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
     cache where it lies: each key a page of one slot, the page table listing each row's real keys. ``None`` when
     the cache's layout cannot be read so (the caller takes the ragged path) or a gradient is wanted (the decode
     kernel has no backward)."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    # Under torch.compile the ragged path's op runs (a PagedDecode plan would have to be made outside the trace).
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                                      or value.requires_grad)):
+        return None
+    batch = query.shape[0]
+    if batch > MAX_GRID_YZ or batch * n_k > _MAX_SLOTS:
         return None
     pages = _slots(key, n_k)
     v_pages = _slots(value, n_k)
     if pages is None or v_pages is None or pages[1] != v_pages[1]:
         return None
     table = _layout(mask, 1, n_k, pages[1], _slot_table)
-    # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks.
-    cache = table.cache = PagedKVCache(pages[0], v_pages[0], *table.pages) if table.cache is None \
-        else table.cache.with_pages(pages[0], v_pages[0])
+    # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
+    # table keeps it without pages: a layer's K and V must not outlive its call.
+    if table.cache is None:
+        cache = PagedKVCache(pages[0], v_pages[0], *table.pages)
+        table.cache = cache._without_pages()
+    else:
+        cache = table.cache.with_pages(pages[0], v_pages[0])
     plan_key = (query.shape[1], query.dtype, cache._layout, window, softcap, scaling)
     decode = table.plans.get(plan_key)
     if decode is None:
-        if torch.compiler.is_compiling():  # a plan is made eagerly (PagedDecode.plan reads the host); run compiles
-            return None
         decode = table.plans[plan_key] = PagedDecode()
         # n_k bounds every row; the longest real row would need a synchronization to read.
         decode.plan(cache, heads_q=query.shape[1], window=window, softcap=softcap, scale=scaling, max_seqlen_k=n_k,
                     q_dtype=query.dtype)
     return decode.run(query.select(2, 0), cache).unsqueeze(1)
+
+
+# The page table's token positions are int32 (PagedKVCache's bound); a launch grid holds MAX_GRID_YZ sequences.
+_MAX_SLOTS = 2 ** 31 - 1
 
 
 def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
@@ -233,7 +245,7 @@ def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
         return None
     row = s_batch // s_token
     slots = (batch - 1) * row + n
-    if slots >= 2 ** 31:  # page ids are int32
+    if slots > _MAX_SLOTS:  # page ids are int32
         return None
     try:
         return t.as_strided((slots, 1, heads, dim), (s_token, s_token, s_head, 1)), row
@@ -244,8 +256,8 @@ def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
 @dataclass
 class _SlotTable:
     """A padding mask's page table over one-slot pages: ``pages`` ``(indptr, indices, last_page_len)``, the
-    ``PagedDecode`` plans made on it (one per head count, dtype, window, softcap and scale) and the last
-    layer's cache over it."""
+    ``PagedDecode`` plans made on it (one per head count, dtype, window, softcap and scale) and the first layer's
+    cache over it, holding no pages (``PagedKVCache.with_pages`` gives it each layer's)."""
 
     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     plans: dict = field(default_factory=dict)
@@ -306,7 +318,8 @@ def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
     layout = build(mask, n_q, n_k, pattern)
     if len(_layouts) >= _MAX_LAYOUTS:
         _layouts.clear()
-    _layouts[key] = (weakref.ref(mask), mask._version, layout)
+    # The entry goes with its mask (generation makes a new one every step): a decode table holds plans' buffers.
+    _layouts[key] = (weakref.ref(mask, lambda _, key=key: _layouts.pop(key, None)), mask._version, layout)
     return layout
 
 

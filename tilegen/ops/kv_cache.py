@@ -121,15 +121,22 @@ class PagedKVCache:
         """This page table and these scales over other pages, such as another layer's. Pages of this cache's
         shapes, strides, dtype and device take its checks and derived values as they are (one comparison, for
         a call per layer); any others are checked as a new cache's are."""
-        k, v = self.k_pages, self.v_pages
-        if isinstance(k_pages, torch.Tensor) and isinstance(v_pages, torch.Tensor) and (
-                k_pages.shape, v_pages.shape, k_pages.stride(), v_pages.stride(), k_pages.dtype, v_pages.dtype,
-                k_pages.device, v_pages.device) == (k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype,
-                                                    k.device, v.device):
+        own = self.__dict__.get("_pages_signature") or _pages_signature(self.k_pages, self.v_pages)
+        if isinstance(k_pages, torch.Tensor) and isinstance(v_pages, torch.Tensor) \
+                and _pages_signature(k_pages, v_pages) == own:
             same = object.__new__(PagedKVCache)
             same.__dict__.update(self.__dict__, k_pages=k_pages, v_pages=v_pages)
+            same.__dict__.pop("_pages_signature", None)
             return same
         return PagedKVCache(k_pages, v_pages, self.indptr, self.indices, self.last_page_len, self.k_scale, self.v_scale)
+
+    def _without_pages(self) -> PagedKVCache:
+        """For ``with_pages`` only: this cache's page table, scales and checks holding no pages, so that a caller
+        keeping it between layers keeps no layer's pages alive."""
+        bare = object.__new__(PagedKVCache)
+        bare.__dict__.update(self.__dict__, k_pages=None, v_pages=None,
+                             _pages_signature=_pages_signature(self.k_pages, self.v_pages))
+        return bare
 
     def _check_scales(self) -> None:
         # Contiguous, one element or one per head: the kernels read scale h at address + h * (numel > 1).
@@ -265,6 +272,11 @@ class PagedKVCache:
         indices = chosen.to(torch.int32)
         last = torch.where(pages > 0, lens - (pages - 1) * page_size, 0)
         return cls(k_pages, v_pages, indptr.to(torch.int32), indices, last.to(torch.int32), k_scale, v_scale)
+
+
+def _pages_signature(k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What every check and derived value of a cache reads of its pages."""
+    return k.shape, v.shape, k.stride(), v.stride(), k.dtype, v.dtype, k.device, v.device
 
 
 def _check_scale_values(name: str, t: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ runs in the same graph; another object's handle is another constant, so it recom
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -35,8 +36,17 @@ class Planner:
             raise NotImplementedError(f"{self.op.removesuffix('.run')}: make and plan it outside the compiled "
                                       "function; run(...) compiles")
         self._plan = None
+        self._register()
+
+    def _register(self) -> None:
         self._handle = next(_handles)
         _planners[self._handle] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.copy, deepcopy, pickle) is another object: its own handle, or a compiled graph of the
+        # copy would run the original's plan.
+        self.__dict__.update(state)
+        self._register()
 
     def _refuse_plan_compiling(self) -> None:
         # plan() reads device values on the host and builds Python state, which a graph cannot hold.
@@ -59,8 +69,12 @@ class Planner:
                                         or (out is not None and out.requires_grad)):
             refuse_grad(self.op, q=q, out=out, **{"cache.k_pages": pages, "cache.v_pages": v_pages})
         return_lse = plan.spec.return_lse
+        # The mods' captured tensors are inputs of the op, so a write to one earlier in the compiled function is
+        # ordered before it (and, functionalized, the op reads the written value).
+        mod_tensors = list(getattr(plan, "mod_tensors", ()))
         result, lse = torch.ops.tilegen.planned_run(self._handle, q, pages, v_pages, cache.indptr, cache.indices,
-                                                    cache.last_page_len, cache.k_scale, cache.v_scale, return_lse)
+                                                    cache.last_page_len, cache.k_scale, cache.v_scale, mod_tensors,
+                                                    return_lse)
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != q.dtype \
                     or out.device != q.device:
@@ -76,13 +90,22 @@ class Planner:
 def _planned_run(
     handle: int, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
     indices: torch.Tensor, last_page_len: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-    return_lse: bool,
+    mod_tensors: list[torch.Tensor], return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     planner = _planners.get(handle)
     if planner is None:
         raise RuntimeError("tilegen: the PagedAttention, PagedDecode or CascadeAttention object this compiled "
                            "function was traced with no longer exists")
-    result = planner.run(q, PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale))
+    plan = planner._plan
+    if plan is not None and any(a is not b for a, b in zip(mod_tensors, getattr(plan, "mod_tensors", ()))):
+        # The graph's values of the captured tensors (written in it): the plan run with them, in a stand-in object.
+        stand_in = object.__new__(type(planner))
+        stand_in.__dict__.update(planner.__dict__, _plan=dataclasses.replace(plan, mod_tensors=tuple(mod_tensors)))
+        planner = stand_in
+    cache = PagedKVCache(k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale)
+    # Into a contiguous output, as the fake implementation gives it (an eager run lays a new one out as q).
+    out = q.new_empty((*q.shape[:-1], v_pages.shape[-1])) if q.dim() == 3 else None
+    result = planner.run(q, cache, out=out)
     out, lse = result if isinstance(result, tuple) else (result, None)
     if (lse is not None) != return_lse:  # a guard on the plan's return_lse makes Dynamo retrace first
         raise RuntimeError(f"{planner.op}: planned with return_lse={lse is not None} after the compiled function "
@@ -92,7 +115,7 @@ def _planned_run(
 
 
 @_planned_run.register_fake
-def _(handle, q, k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale, return_lse):
+def _(handle, q, k_pages, v_pages, indptr, indices, last_page_len, k_scale, v_scale, mod_tensors, return_lse):
     # Every plan/run op writes [tokens, heads_q, head_dim_v] in q's dtype, and an fp32 LSE [tokens, heads_q].
     return (q.new_empty((*q.shape[:-1], v_pages.shape[-1])),
             q.new_empty(q.shape[:-1] if return_lse else (0,), dtype=torch.float32))
