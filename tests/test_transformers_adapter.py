@@ -178,15 +178,28 @@ def test_a_padded_decoding_step_reads_the_cache_in_place(cache, causal, device, 
     assert _rel(out[real], ref[real]) < 1e-4
 
 
-def test_a_padded_decoding_step_with_a_window(device, monkeypatch):
-    q, k, v = _qkv(device, n=19, batch=2)
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padded_decoding_step_with_a_window(holes, causal, device, monkeypatch, _fresh_warnings):
+    """The window counts positions, as transformers' masks do, holes in a row included: the page table lists the
+    keys inside it."""
+    q, k, v = _qkv(device, n=19, batch=3)
     q = q[:, :, -1:]
-    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding = torch.ones(3, 19, dtype=torch.bool, device=device)
     padding[0, :11] = False
+    if holes:
+        padding[1, 14:17] = False  # inside the window
+        padding[2, 2:9] = False  # before it
     k, v = (_poisoned(t, padding) for t in (k, v))
     _refuse_ragged(monkeypatch)
-    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding, sliding_window=5)
-    allowed = _causal(1, 19, device, window=5) & padding[:, None, None, :]
+    module = types.SimpleNamespace(is_causal=causal)
+    out, _ = tilegen_hf.attention_forward(module, q, k, v, padding, sliding_window=5)
+    assert not tilegen_hf._warned
+    if causal:  # the query and the 4 keys before it
+        allowed = _causal(1, 19, device, window=5)
+    else:  # transformers' bidirectional window: |q_idx - kv_idx| <= 5, the query at the last key
+        allowed = (torch.arange(19, device=device) >= 13)[None, None, None, :]
+    allowed = allowed & padding[:, None, None, :]
     assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), allowed)) < 1e-4
 
 
@@ -235,13 +248,12 @@ def test_a_decoding_step_keeps_no_key_or_value_alive(device):
     assert not [key for key in tilegen_hf._layouts if key[0] == mask_id], "a dead mask's layouts are kept"
 
 
-@pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides", "holes in a window"])
+@pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides"])
 def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monkeypatch, _fresh_warnings):
     q, k, v = _qkv(device, n=19, batch=2, seed=6)
     q = q[:, :, -1:]
     padding = torch.ones(2, 19, dtype=torch.bool, device=device)
     padding[0, :4] = False
-    window = None
     if why == "the query is padding":  # right padding: row 1's last position, the query's, is padding
         padding[1, 15:] = False
     elif why == "a gradient":  # the decode kernel has no backward
@@ -249,18 +261,14 @@ def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monk
     elif why == "strides":  # rows 8 elements apart beyond their tokens: no fixed distance in tokens between rows
         k, v = (torch.empty(2 * 2 * 19 * 16 + 8, device=device).as_strided(t.shape, (2 * 19 * 16 + 8, 19 * 16, 16, 1))
                 .copy_(t) for t in (k, v))
-    else:
-        padding[1, 5:7] = False
-        window = 4
     served = []
     for name in ("varlen_attention", "_fallback"):
         real = getattr(tilegen_hf, name)
         monkeypatch.setattr(tilegen_hf, name, lambda *a, _real=real, _name=name, **kw: served.append(_name)
                             or _real(*a, **kw))
-    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding,
-                                          sliding_window=window)
-    assert served == ["_fallback" if window else "varlen_attention"]
-    allowed = _causal(1, 19, device, window) & padding[:, None, None, :]
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+    assert served == ["varlen_attention"]
+    allowed = _causal(1, 19, device) & padding[:, None, None, :]
     ref = _dense_reference(q.detach(), k, v, allowed)
     real = padding[:, -1:]
     assert _rel(out.detach()[real], ref[real]) < 1e-4 and (out[~real] == 0).all()

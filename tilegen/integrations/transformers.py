@@ -163,7 +163,7 @@ def attention_forward(
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
-    if n_q == 1 and layout.decodes and (window is None or layout.rows_q is None):
+    if n_q == 1 and layout.decodes:
         out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling)
         if out is not None:
             return out, None
@@ -213,7 +213,10 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
     v_pages = _slots(value, n_k)
     if pages is None or v_pages is None or pages[1] != v_pages[1]:
         return None
-    table = _layout(mask, 1, n_k, pages[1], _slot_table)
+    # The window is the table's: it lists the keys the query sees by position, so holes in a row count as
+    # transformers counts them.
+    left = None if window is None else window[0]
+    table = _layout(mask, 1, n_k, (pages[1], left), _slot_table)
     # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
     # table keeps it without pages: a layer's K and V must not outlive its call.
     if table.cache is None:
@@ -221,13 +224,13 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
         table.cache = cache._without_pages()
     else:
         cache = table.cache.with_pages(pages[0], v_pages[0])
-    plan_key = (query.shape[1], query.dtype, cache._layout, window, softcap, scaling)
+    plan_key = (query.shape[1], query.dtype, cache._layout, softcap, scaling)
     decode = table.plans.get(plan_key)
     if decode is None:
         decode = table.plans[plan_key] = PagedDecode()
-        # n_k bounds every row; the longest real row would need a synchronization to read.
-        decode.plan(cache, heads_q=query.shape[1], window=window, softcap=softcap, scale=scaling, max_seqlen_k=n_k,
-                    q_dtype=query.dtype)
+        # n_k (or the window) bounds every row; the longest real row would need a synchronization to read.
+        decode.plan(cache, heads_q=query.shape[1], softcap=softcap, scale=scaling,
+                    max_seqlen_k=n_k if left is None else min(n_k, left + 1), q_dtype=query.dtype)
     return decode.run(query.select(2, 0), cache).unsqueeze(1)
 
 
@@ -255,8 +258,9 @@ def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
 
 @dataclass
 class _SlotTable:
-    """A padding mask's page table over one-slot pages: ``pages`` ``(indptr, indices, last_page_len)``, the
-    ``PagedDecode`` plans made on it (one per head count, dtype, window, softcap and scale) and the first layer's
+    """A padding mask's page table over one-slot pages (within a window, when the call has one): ``pages``
+    ``(indptr, indices, last_page_len)``, the ``PagedDecode`` plans made on it (one per head count, dtype, softcap
+    and scale) and the first layer's
     cache over it, holding no pages (``PagedKVCache.with_pages`` gives it each layer's)."""
 
     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -264,8 +268,11 @@ class _SlotTable:
     cache: PagedKVCache | None = None
 
 
-def _slot_table(mask: torch.Tensor, n_q: int, n_k: int, row: int) -> _SlotTable:
+def _slot_table(mask: torch.Tensor, n_q: int, n_k: int, pattern: tuple[int, int | None]) -> _SlotTable:
+    row, left = pattern
     mask_k = mask[:, -n_k:] if mask.shape[1] > n_k else mask
+    if left is not None:  # the query sits at key n_k - 1 and sees the left keys before it
+        mask_k = mask_k & (torch.arange(n_k, device=mask.device) >= n_k - 1 - left)
     batch = mask_k.shape[0]
     lens = mask_k.sum(-1)
     indptr = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
