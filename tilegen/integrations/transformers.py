@@ -25,7 +25,7 @@ What it cannot serve it hands to PyTorch's SDPA (or the model's eager attention 
 sinks or the attention weights are needed), with one warning per reason: a mask pattern transformers
 built from anything but causal, sliding-window, padding and packing (chunked, image-token overlays, a
 4-d mask of the caller's that is not causal over padding), attention dropout while training,
-``output_attentions``, attention sinks, a sliding window over a padding mask with holes.
+``output_attentions``, attention sinks, a sliding window over a padding mask with holes (several queries a row).
 
 The ragged path reads its max lengths on the host: one synchronization per forward (per mask), as
 FlashAttention-2's padding path has; the unmasked path has none.
