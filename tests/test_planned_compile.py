@@ -290,3 +290,20 @@ def test_reduce_overhead_graphs_never_replay_a_replaced_plan():
         for _ in range(3):  # recorded, then replayed
             got = step(q, cache)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_captured_tensor_that_requires_grad_is_refused_by_name(device):
+    """The paged paths have no backward: eagerly and compiled, a learned captured tensor is refused, not dropped."""
+    gen = torch.Generator().manual_seed(16)
+    slopes = torch.rand(2, generator=gen).to(device).requires_grad_()
+    cache = make_cache([20, 9], 8, 1, D, torch.float32, device, gen)
+    q = torch.randn(2, 2, D, generator=gen).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=2, score_mod=library.alibi(slopes))
+    message = r"tilegen\.PagedDecode\.run: a captured tensor of the mods \(#0\) requires grad"
+    with pytest.raises(NotImplementedError, match=message):
+        decode.run(q, cache)
+    with pytest.raises(Exception, match=message):
+        _compiled(lambda q, cache: decode.run(q, cache))(q, cache)
+    with torch.no_grad():
+        assert torch.equal(_compiled(lambda q, cache: decode.run(q, cache))(q, cache), decode.run(q, cache))

@@ -224,6 +224,18 @@ def test_a_padded_decoding_step_under_torch_compile(device, monkeypatch):
     assert ran == ["varlen"], "eagerly, PagedDecode"
     ref = _dense_reference(q, k, v, padding[:, None, None, :])
     assert _rel(got, ref) < 1e-4 and _rel(want, ref) < 1e-4
+    # With the mask's plan made eagerly first, the compiled step still takes the ragged path's op.
+    torch._dynamo.reset()
+    assert _rel(torch.compile(step, backend="eager")(q, k, v, padding), ref) < 1e-4
+    assert ran == ["varlen", "varlen"]
+
+
+def test_a_cache_past_int32_token_positions_is_not_paged(device):
+    """Slot ids are int32: a padded batch whose slots would pass 2**31 - 1 is not viewed as pages (meta tensors: the
+    shapes without the memory)."""
+    big = torch.empty(40000, 2, 60000, 16, device="meta")
+    assert tilegen_hf._slots(big, 60000) is None
+    assert tilegen_hf._slots(big[:2], 60000)[1] == 2 * 60000
 
 
 def test_a_decoding_step_keeps_no_key_or_value_alive(device):

@@ -46,7 +46,6 @@ import torch
 from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.decode import PagedDecode
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.tensors import MAX_GRID_YZ
 from tilegen.ops.varlen import varlen_attention
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
@@ -206,8 +205,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
         return None
-    batch = query.shape[0]
-    if batch > MAX_GRID_YZ or batch * n_k > _MAX_SLOTS:
+    if query.shape[0] * n_k > _MAX_SLOTS:  # the page table's entries, one a key of the padded batch
         return None
     pages = _slots(key, n_k)
     v_pages = _slots(value, n_k)
@@ -234,7 +232,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
     return decode.run(query.select(2, 0), cache).unsqueeze(1)
 
 
-# The page table's token positions are int32 (PagedKVCache's bound); a launch grid holds MAX_GRID_YZ sequences.
+# The page table's token positions are int32 (PagedKVCache's bound).
 _MAX_SLOTS = 2 ** 31 - 1
 
 

@@ -19,10 +19,15 @@ import torch
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.tensors import refuse_grad
 
-__all__ = ["Planner"]
+__all__ = ["Planner", "mod_tensor_names"]
 
 _handles = itertools.count()
 _planners: weakref.WeakValueDictionary[int, Planner] = weakref.WeakValueDictionary()
+
+
+def mod_tensor_names(tensors) -> dict:
+    """The mods' captured tensors by the names a refusal gives them."""
+    return {f"a captured tensor of the mods (#{i})": t for i, t in enumerate(tensors)}
 
 
 class Planner:
@@ -43,8 +48,9 @@ class Planner:
         _planners[self._handle] = self
 
     def __setstate__(self, state: dict) -> None:
-        # A copy (copy.copy, deepcopy, pickle) is another object: its own handle, or a compiled graph of the
-        # copy would run the original's plan.
+        # copy.copy's copy (sharing the plan, its buffers included) is another object: its own handle, or a
+        # compiled graph of the copy would run the original's plan. (A plan holds its launcher's module, so a
+        # planned object neither deep-copies nor pickles.)
         self.__dict__.update(state)
         self._register()
 
@@ -65,13 +71,16 @@ class Planner:
         if not isinstance(q, torch.Tensor):
             raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
+        mod_tensors = getattr(plan, "mod_tensors", ())
         if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad
-                                        or (out is not None and out.requires_grad)):
-            refuse_grad(self.op, q=q, out=out, **{"cache.k_pages": pages, "cache.v_pages": v_pages})
+                                        or (out is not None and out.requires_grad)
+                                        or any(t.requires_grad for t in mod_tensors)):
+            refuse_grad(self.op, q=q, out=out, **{"cache.k_pages": pages, "cache.v_pages": v_pages},
+                        **mod_tensor_names(mod_tensors))
         return_lse = plan.spec.return_lse
         # The mods' captured tensors are inputs of the op, so a write to one earlier in the compiled function is
         # ordered before it (and, functionalized, the op reads the written value).
-        mod_tensors = list(getattr(plan, "mod_tensors", ()))
+        mod_tensors = list(mod_tensors)
         result, lse = torch.ops.tilegen.planned_run(self._handle, q, pages, v_pages, cache.indptr, cache.indices,
                                                     cache.last_page_len, cache.k_scale, cache.v_scale, mod_tensors,
                                                     return_lse)
@@ -97,7 +106,11 @@ def _planned_run(
         raise RuntimeError("tilegen: the PagedAttention, PagedDecode or CascadeAttention object this compiled "
                            "function was traced with no longer exists")
     plan = planner._plan
-    if plan is not None and any(a is not b for a, b in zip(mod_tensors, getattr(plan, "mod_tensors", ()))):
+    planned = getattr(plan, "mod_tensors", ())
+    if len(mod_tensors) != len(planned):  # Dynamo retraces first: a guard reads them
+        raise RuntimeError(f"{planner.op}: planned with {len(planned)} captured tensors, traced with "
+                           f"{len(mod_tensors)}")
+    if any(a is not b for a, b in zip(mod_tensors, planned)):
         # The graph's values of the captured tensors (written in it): the plan run with them, in a stand-in object.
         stand_in = object.__new__(type(planner))
         stand_in.__dict__.update(planner.__dict__, _plan=dataclasses.replace(plan, mod_tensors=tuple(mod_tensors)))

@@ -44,7 +44,7 @@ from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
-from tilegen.ops.planned import Planner
+from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_grid, check_out, empty_like_template,
                                   refuse_grad)
 
@@ -468,9 +468,10 @@ class PagedAttention(Planner):
             plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
-                                        or cache.v_pages.requires_grad):
+                                        or cache.v_pages.requires_grad
+                                        or (plan.mod_tensors and any(t.requires_grad for t in plan.mod_tensors))):
             refuse_grad("tilegen.PagedAttention.run", q=q, out=out,
-                        **{"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
+                        **{"cache.k_pages": pages, "cache.v_pages": cache.v_pages}, **mod_tensor_names(plan.mod_tensors))
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides, q's token count
