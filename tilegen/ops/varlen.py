@@ -470,8 +470,8 @@ class PagedAttention(Planner):
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
                                         or cache.v_pages.requires_grad
                                         or (plan.mod_tensors and any(t.requires_grad for t in plan.mod_tensors))):
-            refuse_grad("tilegen.PagedAttention.run", q=q, out=out,
-                        **{"cache.k_pages": pages, "cache.v_pages": cache.v_pages}, **mod_tensor_names(plan.mod_tensors))
+            refuse_grad("tilegen.PagedAttention.run", q=q, out=out, **{"cache.k_pages": pages,
+                        "cache.v_pages": cache.v_pages}, **mod_tensor_names(plan.mod_tensors))
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides, q's token count
