@@ -198,9 +198,9 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, causal, window, softcap
 
 def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Tensor | None:
     """A padded decoding step (one query a row, at its row's last key) on ``PagedDecode``, reading transformers'
-    cache where it lies: each key a page of one slot, the page table listing each row's real keys. ``None`` when
-    the cache's layout cannot be read so (the caller takes the ragged path) or a gradient is wanted (the decode
-    kernel has no backward)."""
+    cache where it lies: each key a page of one slot, the page table listing each row's real keys. ``None`` (the
+    caller takes the ragged path) when the cache's layout cannot be read so, a gradient is wanted (the decode
+    kernel has no backward) or the call is being compiled."""
     # Under torch.compile the ragged path's op runs (a PagedDecode plan would have to be made outside the trace).
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
@@ -258,8 +258,8 @@ def _slots(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int] | None:
 class _SlotTable:
     """A padding mask's page table over one-slot pages (within a window, when the call has one): ``pages``
     ``(indptr, indices, last_page_len)``, the ``PagedDecode`` plans made on it (one per head count, dtype, softcap
-    and scale) and the first layer's
-    cache over it, holding no pages (``PagedKVCache.with_pages`` gives it each layer's)."""
+    and scale) and the first layer's cache over it, holding no pages (``PagedKVCache.with_pages`` gives it each
+    layer's)."""
 
     pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     plans: dict = field(default_factory=dict)
