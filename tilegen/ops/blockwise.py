@@ -99,11 +99,14 @@ def blockwise_ffn(
             raise ValueError(f"{name}: on {t.device} while x is on {x.device}")
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps: expected a positive finite number, got {eps!r}")
+    # No backward: an output without a grad_fn would silently cut the graph.
+    if torch.is_grad_enabled() and (x.requires_grad or w_norm.requires_grad or w_up.requires_grad
+                                    or w_down.requires_grad or (out is not None and out.requires_grad)
+                                    or (w_gate is not None and w_gate.requires_grad)
+                                    or (b_norm is not None and b_norm.requires_grad)):
+        refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                    b_norm=b_norm, out=out)
     if torch.compiler.is_compiling():
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, w_norm, w_gate, w_up, w_down, b_norm, out)):
-            refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                        b_norm=b_norm, out=out)
         result = torch.ops.tilegen.blockwise_ffn(x, w_norm, w_up, w_down, w_gate, b_norm, norm, float(eps))
         return result if out is None else out.copy_(result)  # the op allocates its output
     if out is None:
@@ -111,13 +114,6 @@ def blockwise_ffn(
     else:
         check_out("out", out, {"x": x, **{name: t for name, (t, _) in expected.items() if name != "out"}},
                   may_be=("x",))
-    # No backward: an output without a grad_fn would silently cut the graph.
-    if torch.is_grad_enabled() and (x.requires_grad or w_norm.requires_grad or w_up.requires_grad
-                                    or w_down.requires_grad or out.requires_grad
-                                    or (w_gate is not None and w_gate.requires_grad)
-                                    or (b_norm is not None and b_norm.requires_grad)):
-        refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                    b_norm=b_norm, out=out)
     if n == 0:
         return out
     # In place, the kernels write x's rows block by block: a launch that failed part way could not be

@@ -94,7 +94,7 @@ class Planner:
 
 # Not capturable by torch.compile's CUDA graphs: a replay would launch the traced plan's kernels with its buffers,
 # which a new plan on the object frees and replaces. mode="reduce-overhead" therefore leaves the op outside its
-# graphs (with torch._inductor.config.graph_partition, the rest of the step is captured around it).
+# graphs (with torch._inductor.config.graph_partition, Inductor splits its graphs around it).
 @torch.library.custom_op("tilegen::planned_run", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _planned_run(
     handle: int, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
