@@ -79,6 +79,8 @@ class _Plan:
     choice: dispatch.Choice
     q_dtype: torch.dtype = torch.bfloat16
     cache_layout: tuple = ()
+    # The cascade takes no mods: empty, as the paged plans' field is without them (tilegen.ops.planned reads it).
+    mod_tensors: tuple = ()
 
 
 def _layout(cache: PagedKVCache) -> tuple:

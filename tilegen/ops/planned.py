@@ -71,7 +71,7 @@ class Planner:
         if not isinstance(q, torch.Tensor):
             raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
-        mod_tensors = getattr(plan, "mod_tensors", ())
+        mod_tensors = plan.mod_tensors
         if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad
                                         or (out is not None and out.requires_grad)
                                         or any(t.requires_grad for t in mod_tensors)):
@@ -106,7 +106,7 @@ def _planned_run(
         raise RuntimeError("tilegen: the PagedAttention, PagedDecode or CascadeAttention object this compiled "
                            "function was traced with no longer exists")
     plan = planner._plan
-    planned = getattr(plan, "mod_tensors", ())
+    planned = plan.mod_tensors
     if len(mod_tensors) != len(planned):  # Dynamo retraces first: a guard reads them
         raise RuntimeError(f"{planner.op}: planned with {len(planned)} captured tensors, traced with "
                            f"{len(mod_tensors)}")
