@@ -36,6 +36,8 @@ TRITON_36 = triton.__version__.startswith("3.6.")
 WS = VarlenConfig(128, 128, 8, 2, wgmma=2)
 WS_PINGPONG = VarlenConfig(128, 128, 8, 2, wgmma=3)
 WS_SHORT = VarlenConfig(128, 64, 8, 3, wgmma=2)
+# Three slots of 128 keys leave no room for the output's own buffer: the stores go from the accumulators.
+WS_UNSTAGED = VarlenConfig(128, 128, 8, 3, wgmma=2)
 LLAMA = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
 PAGED = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged", page_size=16)
 
@@ -116,8 +118,9 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
                 "q_desc": gluon_descriptor(64, dim, spec.dtype), "k_desc": gluon_descriptor(kv_rows, dim, spec.dtype),
                 "v_desc": gluon_descriptor(kv_rows, dim, spec.dtype)}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma_ws", "ptxas": True,
-               "configs": [{"PINGPONG": pingpong, "CONSUMERS": 2, "TMA_STORE": False, "SCHEDULED": False,
-                            "BLOCK_N": 128, "STAGES": 2, "num_warps": 4} for pingpong in (False, True)]}
+               "configs": [{"PINGPONG": pingpong, "CONSUMERS": 2, "TMA_STORE": staged, "SCHEDULED": False,
+                            "BLOCK_N": 128, "STAGES": 2, "num_warps": 4}
+                           for pingpong, staged in ((False, True), (True, False))]}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py")), json.dumps(request)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -127,12 +130,13 @@ def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_p
 
 def _spied_module(spec, monkeypatch):
     """``spec``'s generated module with its Gluon and Triton kernels replaced by a spy, and the list of the
-    launches (grid, arguments, keywords) it records."""
+    launches (grid, arguments, keywords) it records; its stand-in CUDA device 0 has 132 SMs."""
     from tilegen.codegen.cache import module_for
 
     module = module_for(spec)
     if module.gluon is None:
         pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(module, "_SMS", {0: 132})
     launches = []
     spy = type("Spy", (), {"__getitem__": lambda self, grid: (lambda *a, **k: launches.append((grid, a, k)))})()
     monkeypatch.setattr(module, f"_{spec.name}_kernel_wgmma_ws", spy)
@@ -141,11 +145,11 @@ def _spied_module(spec, monkeypatch):
 
 
 @pytest.mark.parametrize("aligned", [True, False])
-def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_tile(aligned, monkeypatch):
+def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns(aligned, monkeypatch):
     """The descriptors view Q, K and V [total, heads, dim] as [1, heads, total, dim] with their own strides,
-    padded to 128 columns at d96; the grid is every (sequence, head)'s tiles of the longest sequence; the lengths
-    go per tile (n_q the longest, n_k and the diagonal 0); a Q whose head dim is not contiguous (no descriptor)
-    takes the Triton kernel."""
+    padded to 128 columns at d96; the tiles are every (sequence, head)'s of the longest sequence, taken in turns
+    by an odd count of programs below the SMs' (causal); the lengths go per tile (n_q the longest, n_k and the
+    diagonal 0); a Q whose head dim is not contiguous (no descriptor) takes the Triton kernel."""
     module, launches = _spied_module(
         VarlenAttentionSpec(head_dim=96, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True), monkeypatch)
     lengths, total = [300, 0, 1000, 5], 1305
@@ -161,7 +165,7 @@ def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_
     if not aligned:
         assert "PINGPONG" not in kwargs and grid == (8, 4, 8)  # the Triton kernel's (query blocks, batch, heads)
         return
-    assert grid == (8 * 4 * 8, ) and kwargs["PINGPONG"] is False and kwargs["TMA_STORE"] is False
+    assert grid == (131, ) and kwargs["PINGPONG"] is False and kwargs["TMA_STORE"] is True  # a staging buffer
     q_desc, k_desc = args[0], args[1]
     assert q_desc.shape == [1, 8, total, 96] and q_desc.strides == [total * q.stride(0), 96, q.stride(0), 1]
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
@@ -170,6 +174,39 @@ def test_the_ragged_launch_views_the_packed_tensors_and_gives_a_program_to_each_
     # stride_ob, stride_oh, stride_om, stride_od, n_heads, n_bh, n_q, n_k, diag_offset
     assert args[6:15] == (0, 96, 768, 1, 8, 32, 1000, 0, 0)
     assert args[16] is cu and args[17] is cu and args[18:21] == (total, total, 8)
+
+
+@pytest.mark.parametrize("mask, longest, programs", [
+    ("causal", 32 * 128, 131),  # 32 query tiles a sequence: in turns, an odd count of programs
+    ("causal", 32 * 128 + 1, 33 * 3 * 8),  # more: a program a tile, handed out as SMs free up
+    ("none", 64 * 128, 132),  # without a mask the tiles cost alike: always in turns, a program an SM
+    ("none", 2, 3 * 8),  # fewer tiles than SMs: a program each
+])
+def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles(mask, longest, programs, monkeypatch):
+    module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask=mask, dtype="bf16"),
+                                     monkeypatch)
+    total = longest + 2
+    q, out = (torch.empty(total, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    k, v = (torch.empty(total, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    cu = torch.tensor([0, longest, longest + 1, total], dtype=torch.int32)
+    module.launch(q, k, v, out, out, cu, cu, longest, scale=0.1, softcap=0.0, window_left=1 << 30,
+                  window_right=1 << 30 if mask == "none" else 0, **WS.to_dict())
+    (grid, _, _), = launches
+    assert grid == (programs, )
+
+
+@pytest.mark.parametrize("config, staged", [(WS, True), (WS_SHORT, True), (WS_UNSTAGED, False)], ids=str)
+def test_the_ragged_output_is_staged_where_a_buffer_fits_beside_the_ring(config, staged, monkeypatch):
+    """The output goes through a buffer of its own (the kernel's TMA_STORE) where Q's, the K/V ring's and its own
+    fit the H200's shared memory: two slots of 128 keys at d128, not three."""
+    module, launches = _spied_module(LLAMA, monkeypatch)
+    q, out = (torch.empty(300, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    k, v = (torch.empty(300, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    module.launch(q, k, v, out, out, cu, cu, 300, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=0,
+                  **config.to_dict())
+    (_, _, kwargs), = launches
+    assert kwargs["TMA_STORE"] is staged
 
 
 @pytest.mark.parametrize("whole", [True, False])
@@ -190,7 +227,7 @@ def test_the_paged_launch_views_the_pages_as_one_tensor_of_slots(whole, monkeypa
     if not whole:
         assert "PINGPONG" not in kwargs and grid == (3, 2, 8)  # the Triton kernel's (query blocks, batch, heads)
         return
-    assert grid == (3 * 2 * 8, ) and kwargs["BLOCK_N"] == 128 and kwargs["TMA_STORE"] is False
+    assert grid == (3 * 2 * 8, ) and kwargs["BLOCK_N"] == 128 and kwargs["TMA_STORE"] is True  # below 131
     for desc in args[1:3]:
         assert desc.shape == [1, 2, 20 * 16, 128] and desc.strides == [20 * 16 * 256, 128, 256, 1]
         assert desc.block_shape == [1, 1, 16, 128]
@@ -240,7 +277,7 @@ CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT], ids=str)
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT, WS_UNSTAGED], ids=str)
 @pytest.mark.parametrize("q_lens, extra, causal, heads, dim, dtype", CASES)
 def test_ragged_gluon_matches_reference(q_lens, extra, causal, heads, dim, dtype, config):
     gen = torch.Generator().manual_seed(sum(q_lens) + dim)
@@ -326,7 +363,7 @@ PAGED_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size, q_lens, extra, heads, dim, dtype", PAGED_CASES)
-@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT], ids=str)
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT, WS_UNSTAGED], ids=str)
 def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dtype, config):
     """Chunked prefill over shuffled pages (NaN in every unused slot), into a poisoned output: BN128 reads whole
     pages a copy each, or two 64-key blocks of one 128-slot page (WS_SHORT), at the page's offset."""

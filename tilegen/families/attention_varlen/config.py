@@ -19,7 +19,8 @@ class VarlenConfig(TileConfig):
     """Launch parameters of one ragged or paged attention kernel."""
 
     # 2: the dense family's warp-specialized Gluon kernel (a loader warp, two consumer warpgroups of 64 rows)
-    # over the packed sequences or the pages, one program a tile; 3: as 2, the consumers taking turns (ping-pong).
+    # over the packed sequences or the pages, its programs taking the tiles in turns (a program a tile for long
+    # causal sequences); 3: as 2, the consumers taking turns (ping-pong).
     wgmma: int = 0
 
     choices = MappingProxyType({"wgmma": (0, 2, 3)})
