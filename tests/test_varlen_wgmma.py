@@ -183,6 +183,7 @@ def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns
     ("none", 2, 3 * 8),  # fewer tiles than SMs: a program each
 ])
 def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles(mask, longest, programs, monkeypatch):
+    """The ragged grid is sized as the dense one (the tiles counted by the longest of three sequences)."""
     module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask=mask, dtype="bf16"),
                                      monkeypatch)
     total = longest + 2
