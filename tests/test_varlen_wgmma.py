@@ -196,6 +196,20 @@ def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles(mask, longest, 
     assert grid == (programs, )
 
 
+def test_a_ragged_batch_of_more_tiles_than_int32_numbers_is_refused_by_name(monkeypatch):
+    """The tiles (the longest sequence's for every sequence and head) are numbered in int32 inside the kernel: a
+    batch past that is refused before the launch, never run on wrapped tile numbers."""
+    module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="none", dtype="bf16"),
+                                     monkeypatch)
+    q, out = (torch.empty(16, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    k, v = (torch.empty(16, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    cu = torch.zeros(2 ** 15 + 1, dtype=torch.int32)  # 32768 sequences beside one of 2**20 tokens: 2**34 tiles
+    with pytest.raises(ValueError, match=r"max_seqlen_q=1048576: 8192 query tiles .* 32768 sequences and 8 heads"):
+        module.launch(q, k, v, out, out, cu, cu, 2 ** 20, scale=0.1, softcap=0.0, window_left=1 << 30,
+                      window_right=1 << 30, **WS.to_dict())
+    assert launches == []
+
+
 @pytest.mark.parametrize("config, staged", [(WS, True), (WS_SHORT, True), (WS_UNSTAGED, False)], ids=str)
 def test_the_ragged_output_is_staged_where_a_buffer_fits_beside_the_ring(config, staged, monkeypatch):
     """The output goes through a buffer of its own (the kernel's TMA_STORE) where Q's, the K/V ring's and its own
@@ -277,10 +291,22 @@ CASES = [
 ]
 
 
+def _few_programs(spec, programs, monkeypatch) -> None:
+    """With ``programs``, the launcher of ``spec`` sees a GPU of that many SMs: each program then takes many tiles
+    in turns, skipping those past their sequences' rows, and reuses its buffers from tile to tile."""
+    from tilegen.codegen.cache import module_for
+
+    if programs is not None:
+        monkeypatch.setitem(module_for(spec)._SMS, torch.cuda.current_device(), programs)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3], ids=["sms", "3-programs"])
 @pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT, WS_UNSTAGED], ids=str)
 @pytest.mark.parametrize("q_lens, extra, causal, heads, dim, dtype", CASES)
-def test_ragged_gluon_matches_reference(q_lens, extra, causal, heads, dim, dtype, config):
+def test_ragged_gluon_matches_reference(q_lens, extra, causal, heads, dim, dtype, config, programs, monkeypatch):
+    if programs is not None and config not in (WS, WS_UNSTAGED):
+        pytest.skip("many tiles a program are checked with the staged and the unstaged store")
     gen = torch.Generator().manual_seed(sum(q_lens) + dim)
     k_lens = extra if isinstance(extra, list) else [n + extra for n in q_lens]
     q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
@@ -291,6 +317,7 @@ def test_ragged_gluon_matches_reference(q_lens, extra, causal, heads, dim, dtype
                                dtype="bf16" if dtype == torch.bfloat16 else "fp16", return_lse=True)
     if has_no_gluon(spec):
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    _few_programs(spec, programs, monkeypatch)
     with forced_config("attention_varlen", config):
         names = _gluon_ran(lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
                                                             causal=causal, return_lse=True, out=out))
@@ -363,15 +390,19 @@ PAGED_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3], ids=["sms", "3-programs"])
 @pytest.mark.parametrize("page_size, q_lens, extra, heads, dim, dtype", PAGED_CASES)
 @pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT, WS_UNSTAGED], ids=str)
-def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dtype, config):
+def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dtype, config, programs, monkeypatch):
     """Chunked prefill over shuffled pages (NaN in every unused slot), into a poisoned output: BN128 reads whole
-    pages a copy each, or two 64-key blocks of one 128-slot page (WS_SHORT), at the page's offset."""
+    pages a copy each, or two 64-key blocks of one 128-slot page (WS_SHORT), at the page's offset; with 3
+    programs, many tiles each (the loader's zeroing barrier keeps its phase from tile to tile)."""
     from test_varlen import make_cache, paged_reference
 
     if config != WS and page_size not in (16, 128):
         pytest.skip("ping-pong and 64-key blocks are checked on pages of 16 and 128 slots")
+    if programs is not None and config not in (WS, WS_UNSTAGED):
+        pytest.skip("many tiles a program are checked with the staged and the unstaged store")
     gen = torch.Generator().manual_seed(page_size + dim)
     k_lens = [n + e for n, e in zip(q_lens, extra)]
     cache = make_cache(k_lens, page_size, heads[1], dim, dtype, "cuda", gen)
@@ -379,6 +410,7 @@ def test_paged_gluon_matches_reference(page_size, q_lens, extra, heads, dim, dty
                          dtype="bf16" if dtype == torch.bfloat16 else "fp16")
     if has_no_gluon(spec):
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    _few_programs(spec, programs, monkeypatch)
     q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
     cu_q = _cu(q_lens)
     attn = tilegen.PagedAttention()
