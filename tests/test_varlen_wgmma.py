@@ -147,9 +147,9 @@ def _spied_module(spec, monkeypatch):
 @pytest.mark.parametrize("aligned", [True, False])
 def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns(aligned, monkeypatch):
     """The descriptors view Q, K and V [total, heads, dim] as [1, heads, total, dim] with their own strides,
-    padded to 128 columns at d96; the tiles are every (sequence, head)'s of the longest sequence, taken in turns
-    by an odd count of programs below the SMs' (causal); the lengths go per tile (n_q the longest, n_k and the
-    diagonal 0); a Q whose head dim is not contiguous (no descriptor) takes the Triton kernel."""
+    padded to 128 columns at d96; the tiles are every (sequence, head)'s of the longest sequence; the lengths go
+    per tile (n_q the longest, n_k and the diagonal 0); a Q whose head dim is not contiguous (no descriptor) takes
+    the Triton kernel."""
     module, launches = _spied_module(
         VarlenAttentionSpec(head_dim=96, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True), monkeypatch)
     lengths, total = [300, 0, 1000, 5], 1305
@@ -165,7 +165,8 @@ def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns
     if not aligned:
         assert "PINGPONG" not in kwargs and grid == (8, 4, 8)  # the Triton kernel's (query blocks, batch, heads)
         return
-    assert grid == (131, ) and kwargs["PINGPONG"] is False and kwargs["TMA_STORE"] is True  # a staging buffer
+    # 1305 tokens against 4 x 1000 rows of tiles: under 2 in 5 tiles hold rows, so a program a tile
+    assert grid == (8 * 4 * 8, ) and kwargs["PINGPONG"] is False and kwargs["TMA_STORE"] is True  # a staging buffer
     q_desc, k_desc = args[0], args[1]
     assert q_desc.shape == [1, 8, total, 96] and q_desc.strides == [total * q.stride(0), 96, q.stride(0), 1]
     assert q_desc.block_shape == [1, 1, 64, 128] and k_desc.block_shape == [1, 1, 128, 128]
@@ -176,21 +177,24 @@ def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns
     assert args[16] is cu and args[17] is cu and args[18:21] == (total, total, 8)
 
 
-@pytest.mark.parametrize("mask, longest, programs", [
-    ("causal", 32 * 128, 131),  # 32 query tiles a sequence: in turns, an odd count of programs
-    ("causal", 32 * 128 + 1, 33 * 3 * 8),  # more: a program a tile, handed out as SMs free up
-    ("none", 64 * 128, 132),  # without a mask the tiles cost alike: always in turns, a program an SM
-    ("none", 2, 3 * 8),  # fewer tiles than SMs: a program each
+@pytest.mark.parametrize("mask, lengths, programs", [
+    ("causal", [4096, 4000, 3000], 131),  # 32 query tiles a sequence, most of them full: in turns, an odd count
+    ("causal", [4097, 4000, 3000], 33 * 3 * 8),  # more tiles a sequence: a program a tile, handed out as SMs free up
+    ("causal", [4096, 1, 1], 32 * 3 * 8),  # under 2 in 5 tiles hold rows: a program a tile, the empty ones exit
+    ("causal", [4096, 1000, 1000], 131),  # 6096 of 3 x 4096 rows of tiles: in turns
+    ("none", [64 * 128] * 2, 132),  # without a mask the tiles cost alike: in turns at any length, a program an SM
+    ("none", [2, 1, 1], 3 * 8),  # fewer tiles than SMs: a program each
 ])
-def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles(mask, longest, programs, monkeypatch):
-    """The ragged grid is sized as the dense one (the tiles counted by the longest of three sequences)."""
+def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles_of_a_full_batch(mask, lengths, programs,
+                                                                                 monkeypatch):
+    """The ragged grid is sized as the dense one, and a program a tile where most tiles lie past their rows."""
     module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask=mask, dtype="bf16"),
                                      monkeypatch)
-    total = longest + 2
+    total = sum(lengths)
     q, out = (torch.empty(total, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
     k, v = (torch.empty(total, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
-    cu = torch.tensor([0, longest, longest + 1, total], dtype=torch.int32)
-    module.launch(q, k, v, out, out, cu, cu, longest, scale=0.1, softcap=0.0, window_left=1 << 30,
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    module.launch(q, k, v, out, out, cu, cu, max(lengths), scale=0.1, softcap=0.0, window_left=1 << 30,
                   window_right=1 << 30 if mask == "none" else 0, **WS.to_dict())
     (grid, _, _), = launches
     assert grid == (programs, )
@@ -297,7 +301,9 @@ def _few_programs(spec, programs, monkeypatch) -> None:
     from tilegen.codegen.cache import module_for
 
     if programs is not None:
-        monkeypatch.setitem(module_for(spec)._SMS, torch.cuda.current_device(), programs)
+        module = module_for(spec)
+        monkeypatch.setitem(module._SMS, torch.cuda.current_device(), programs)
+        monkeypatch.setattr(module, "_TURNS_FILL", 0.0)  # in turns however few tiles hold rows
 
 
 @pytest.mark.gpu
