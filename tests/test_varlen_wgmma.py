@@ -178,16 +178,19 @@ def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns
 
 
 @pytest.mark.parametrize("mask, lengths, programs", [
-    ("causal", [4096, 4000, 3000], 131),  # 32 query tiles a sequence, most of them full: in turns, an odd count
-    ("causal", [4097, 4000, 3000], 33 * 3 * 8),  # more tiles a sequence: a program a tile, handed out as SMs free up
-    ("causal", [4096, 1, 1], 32 * 3 * 8),  # under 2 in 5 tiles hold rows: a program a tile, the empty ones exit
-    ("causal", [4096, 1000, 1000], 131),  # 6096 of 3 x 4096 rows of tiles: in turns
-    ("none", [64 * 128] * 2, 132),  # without a mask the tiles cost alike: in turns at any length, a program an SM
+    # 8 heads: 10 sequences of up to 32 query tiles make 2560 tiles, 19.5 a program in turns
+    ("causal", [4096] * 9 + [3000], 131),  # 32 query tiles a sequence, most of them full: in turns, an odd count
+    ("causal", [4097] + [4000] * 9, 33 * 10 * 8),  # more tiles a sequence: a program a tile, handed out as SMs free
+    ("causal", [4096] + [1] * 9, 32 * 10 * 8),  # under 2 in 5 tiles hold rows: a program a tile, the empty ones exit
+    ("causal", [4096] * 4 + [1] * 6, 131),  # 16390 of 10 x 4096 rows of tiles: in turns
+    ("causal", [4096] * 6, 32 * 6 * 8),  # 1536 tiles, 11.7 a program: a program a tile, no tail of one tile more
+    ("none", [64 * 128] * 5, 132),  # without a mask the tiles cost alike: in turns at any length, a program an SM
     ("none", [2, 1, 1], 3 * 8),  # fewer tiles than SMs: a program each
 ])
 def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles_of_a_full_batch(mask, lengths, programs,
                                                                                  monkeypatch):
-    """The ragged grid is sized as the dense one, and a program a tile where most tiles lie past their rows."""
+    """The ragged grid is sized as the dense one, and a program a tile where most tiles lie past their rows or a
+    program would take fewer than 16."""
     module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask=mask, dtype="bf16"),
                                      monkeypatch)
     total = sum(lengths)
@@ -304,6 +307,7 @@ def _few_programs(spec, programs, monkeypatch) -> None:
         module = module_for(spec)
         monkeypatch.setitem(module._SMS, torch.cuda.current_device(), programs)
         monkeypatch.setattr(module, "_TURNS_FILL", 0.0)  # in turns however few tiles hold rows
+        monkeypatch.setattr(module, "_TURNS_TILES", 1)  # and however few tiles a program takes
 
 
 @pytest.mark.gpu
