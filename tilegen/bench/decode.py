@@ -31,6 +31,7 @@ error is against SDPA on the dequantized K and V.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -214,17 +215,17 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tilegen.bench.decode times CUDA kernels; run it on a GPU")
     contiguous = list(dict.fromkeys((batch, ctx, None) for batch, ctx, _ in CASES))
+    if args.padded:
+        runs = [functools.partial(padded_case, batch, ctx) for batch, ctx, _ in contiguous]
+    else:
+        runs = [functools.partial(case, batch, ctx, page_size, tuple(kv_dtypes)) if n_q == 1
+                else functools.partial(speculative_case, batch, ctx, n_q)
+                for n_q in tokens for batch, ctx, page_size in (CASES if n_q == 1 else contiguous)]
     rows = []
-    for batch, ctx, _ in contiguous if args.padded else ():
-        rows.append(padded_case(batch, ctx))
+    for run in runs:
+        rows.append(run())
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
-    for n_q in tokens if not args.padded else ():
-        for batch, ctx, page_size in CASES if n_q == 1 else contiguous:
-            rows.append(case(batch, ctx, page_size, tuple(kv_dtypes)) if n_q == 1
-                        else speculative_case(batch, ctx, n_q))
-            print(json.dumps(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
