@@ -75,8 +75,8 @@ def test_dispatch_on_an_h200_finds_every_shipped_row(preset, tmp_path):
     assert table.choose(3000).tuned_bucket == 4096 and table.choose(3000).source == str(env.shipped_db_path())
 
 
-#: Serving presets tuned on the H200 at two buckets each.
-SERVING = {"varlen-llama": [2048, 8192], "paged16-llama": [2048, 8192]}
+#: Serving presets tuned on the H200: the ragged one down to 512-token sequences.
+SERVING = {"varlen-llama": [512, 1024, 2048, 8192], "paged16-llama": [2048, 8192]}
 
 
 @pytest.mark.parametrize("preset", sorted(SERVING))
