@@ -87,7 +87,7 @@ def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch
         return
     assert feasible(full, atomic, HOPPER) is None and feasible(D128, atomic, HOPPER) is None
     assert "atomic_dq=0" in feasible(full.replace(layout="ragged"), atomic, HOPPER)
-    assert "head_dim=128 only" in feasible(full.replace(head_dim=64), atomic, HOPPER)
+    assert feasible(full.replace(head_dim=64), atomic, HOPPER) is None  # each consumer adds 32 head dims
     # The default takes it without a mask, where it was measured ahead; causal keeps the dQ kernel.
     [(_, rule)] = default_rule(full, HOPPER)
     assert rule.atomic_dq and rule.wgmma == 3
@@ -129,6 +129,7 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (D128, "_dkdv_wgmma_ws", 64, 64, 2),  # each consumer's 64 keys
     (D128.replace(layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
     (D128.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),  # dQ by TMA reductions too
+    (AttentionBwdSpec(head_dim=64, mask="causal", dtype="bf16"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
     (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):

@@ -120,11 +120,10 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
     if not config.tma or config.atomic_dq and (config.wgmma != 3 or spec.layout != "dense"):
         # dQ by register atomics in the one-partition Gluon dK/dV kernel ran at 0.67-0.89x the Triton kernels on
         # the H200 (BENCHMARKS.md): the atomics stall the partition. The warp-specialized kernel adds dQ by TMA
-        # reductions from shared memory instead (dense batches).
+        # reductions from shared memory instead, in dense batches: in a ragged one (the reductions addressed by
+        # each sequence's first row) it ran at 0.69x the dense backward, where the dQ kernel reaches 0.87x.
         return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0), " \
                "but the warp-specialized dK/dV kernel of a dense batch (wgmma=3), which may add it (atomic_dq=1)"
-    if config.atomic_dq and spec.head_dim != 128:
-        return f"{knob}: the warp-specialized kernel adds dQ in tiles of 64 head dims, at head_dim=128 only"
     if spec.layout == "ragged" and config.wgmma != 3:
         return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
