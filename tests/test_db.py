@@ -190,19 +190,20 @@ def test_import_merges_keeping_the_faster_row(db, tmp_path):
 def test_import_with_replace_takes_the_files_rows_and_its_studies_trials(db, tmp_path):
     """A re-tune measured another way: its slower row wins, and its studies replace the stored
     ones; a study it does not hold keeps its trials."""
-    record(db, 64, 1.0)
+    record(db, 64, 1.0, trials=10)
     for number in range(3):
         trial(db, number)
     trial(db, 0, study="other study")
     with TuningDB(tmp_path / "retune.sqlite") as retune:
-        record(retune, 64, 2.0)
+        record(retune, 64, 2.0, trials=8)
         trial(retune, 7)
         exported = retune.export_json()
     db.import_json(exported)
-    assert {b: r.time_ms for b, r in db.best(**KEY).items()} == {64: 1.0}
+    assert {b: (r.time_ms, r.trials) for b, r in db.best(**KEY).items()} == {64: (1.0, 10)}
     assert sorted(t.trial_number for t in db.trials_in_studies("study")) == [0, 1, 2, 7]
     db.import_json(exported, replace=True)
-    assert {b: r.time_ms for b, r in db.best(**KEY).items()} == {64: 2.0}
+    # The row counts the re-tune's trials, not the larger count of the measurements it replaced.
+    assert {b: (r.time_ms, r.trials) for b, r in db.best(**KEY).items()} == {64: (2.0, 8)}
     assert [t.trial_number for t in db.trials_in_studies("study")] == [7]
     assert [t.trial_number for t in db.trials_in_studies("other study")] == [0]
 

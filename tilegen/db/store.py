@@ -320,8 +320,8 @@ class TuningDB:
         Tuned rows merge as ``record_best`` does; trials already here are kept as they are, and an
         imported trial whose number the study already holds for another measurement (the study
         run again elsewhere) is added after the study's last. With
-        ``replace`` the export's rows win whatever their times, and each study it holds trials of
-        loses the trials stored here first: a re-tune whose times are not comparable with the
+        ``replace`` the export's rows win whatever their times (their trial counts too), and each study it
+        holds trials of loses the trials stored here first: a re-tune whose times are not comparable with the
         stored ones (measured another way) replaces them, rows and trials alike.
         Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
         before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
@@ -342,7 +342,7 @@ class TuningDB:
                 values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
                                                 "max_error", "trials", "created_at")}
                 values.update(config_json=_canonical(entry["config"]), provenance=provenance)
-                changed += _merge_best(session, key, values, replace=replace)
+                changed += _merge_best(session, key, values, replace=replace, recount=replace)
             if replace:
                 studies = {entry["study_name"] for entry in sections["trials"]}
                 if studies:
@@ -605,11 +605,13 @@ def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Tria
         Trial.status == values["status"], time)).first()
 
 
-def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any], replace: bool = False) -> bool:
+def _merge_best(session: Session, key: dict[str, Any], values: dict[str, Any], replace: bool = False,
+                recount: bool = False) -> bool:
+    """``recount``: the row's trial count is ``values``' (its studies replace the stored ones), not the larger."""
     row, created = _insert_or_fetch(session, TunedConfig, key, values)
     if created:
         return True
-    trials = max(row.trials, values["trials"])
+    trials = values["trials"] if recount else max(row.trials, values["trials"])
     faster = replace or values["time_ms"] < row.time_ms
     if faster:
         for name, value in values.items():

@@ -121,7 +121,7 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
         # dQ by register atomics in the one-partition Gluon dK/dV kernel ran at 0.67-0.89x the Triton kernels on
         # the H200 (BENCHMARKS.md): the atomics stall the partition. The warp-specialized kernel adds dQ by TMA
         # reductions from shared memory instead, in dense batches: in a ragged one (the reductions addressed by
-        # each sequence's first row) it ran at 0.69x the dense backward, where the dQ kernel had read 0.87x.
+        # each sequence's first row) it read 320 TFLOP/s without a mask, where the dQ kernel reads 365.
         return f"{knob}: the Gluon kernels read TMA descriptors (tma=1) and write dQ by a kernel (atomic_dq=0), " \
                "but the warp-specialized dK/dV kernel of a dense batch (wgmma=3), which may add it (atomic_dq=1)"
     if spec.layout == "ragged" and config.wgmma != 3:
@@ -205,7 +205,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
         return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2, tma=tma))]
     if dim <= 64:
-        # The warp-specialized Gluon kernel, with dQ by TMA reductions or without, lost to these at d64 (0.72-0.98 of
+        # The warp-specialized Gluon kernel, with dQ by TMA reductions or without, lost to these at d64 (0.69-0.98 of
         # them with the reductions: BENCHMARKS.md).
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
