@@ -260,6 +260,32 @@ def test_a_decoding_step_keeps_no_key_or_value_alive(device):
     assert not [key for key in tilegen_hf._layouts if key[0] == mask_id], "a dead mask's layouts are kept"
 
 
+def test_a_layout_a_cuda_graph_was_captured_with_outlives_its_mask(device, monkeypatch):
+    """A graph captured over a padded step replays its layout's tensors (offsets, the page table, the decode plan's
+    partials) after the mask that made them is gone: a layout found during a capture is kept for the process."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(tilegen_hf, "_captured", {})
+    q, k, v = _qkv(device, n=19, batch=2, seed=9)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[1, :4] = False
+    module = types.SimpleNamespace(is_causal=True)
+    tilegen_hf.attention_forward(module, q[:, :, -1:], k, v, padding)  # the warm-up makes the layout
+    # The padding's layout and the decoding step's page table over one-slot pages.
+    keys = [key for key in tilegen_hf._layouts if key[0] == id(padding)]
+    layouts = [weakref.ref(tilegen_hf._layouts[key][2]) for key in keys]
+    assert len(layouts) == 2
+    monkeypatch.setattr(tilegen_hf, "_capturing", lambda t: True)
+    tilegen_hf.attention_forward(module, q[:, :, -1:], k, v, padding)  # as a capture would call it
+    monkeypatch.setattr(tilegen_hf, "_capturing", lambda t: False)
+    del padding
+    gc.collect()
+    assert not [key for key in keys if key in tilegen_hf._layouts]
+    assert all(ref() is not None for ref in layouts), "a layout a graph was captured with was freed"
+    assert sorted(map(id, tilegen_hf._captured.values())) == sorted(id(ref()) for ref in layouts)
+
+
 @pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides"])
 def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monkeypatch, _fresh_warnings):
     q, k, v = _qkv(device, n=19, batch=2, seed=6)

@@ -313,12 +313,22 @@ class _Layout:
 # or data_ptr alone can be reused by the next forward's mask once this one is freed, with other values.
 _layouts: dict[tuple, tuple[weakref.ref, int, Any]] = {}
 _MAX_LAYOUTS = 16
+# Layouts a CUDA graph was captured with, by id: the graph replays their tensors (offsets, page tables, a decode
+# plan's partials) long after their mask and its entry above are gone, so they live as long as the process.
+_captured: dict[int, Any] = {}
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
     key = (id(mask), n_q, n_k, pattern, build)
     entry = _layouts.get(key)
     if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        # A capture finds its layout here, made by the warm-up calls before it (making one synchronizes).
+        if _capturing(mask):
+            _captured.setdefault(id(entry[2]), entry[2])
         return entry[2]
     layout = build(mask, n_q, n_k, pattern)
     if len(_layouts) >= _MAX_LAYOUTS:
