@@ -286,6 +286,47 @@ def test_a_layout_a_cuda_graph_was_captured_with_outlives_its_mask(device, monke
     assert sorted(map(id, tilegen_hf._captured.values())) == sorted(id(ref()) for ref in layouts)
 
 
+@pytest.mark.gpu
+def test_a_captured_padded_decoding_step_replays_after_its_mask_is_gone():
+    """A CUDA graph of padded decoding steps (two layers), captured after a warm-up call with the same mask: its
+    replays give the eager output, and still do once the mask is gone and later steps' masks replaced its layouts."""
+    import gc
+
+    q, k, v = _qkv("cuda", n=300, heads=8, heads_kv=2, d=64, batch=3, seed=10)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    padding = torch.ones(3, 300, dtype=torch.bool, device="cuda")
+    padding[0, :40] = False
+    padding[2, 100:130] = False
+    module = types.SimpleNamespace(is_causal=True)
+    step = q[:, :, -1:].clone()
+
+    def two_layers():
+        out, _ = tilegen_hf.attention_forward(module, step, k, v, padding)
+        return tilegen_hf.attention_forward(module, out.transpose(1, 2).contiguous(), k, v, padding)[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = two_layers().clone()  # the warm-up: layouts and plans made outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = two_layers()
+    del padding
+    for n in range(2 * tilegen_hf._MAX_LAYOUTS):  # later steps' masks, enough to clear the layouts' table
+        other = torch.ones(3, 300, dtype=torch.bool, device="cuda")
+        other[n % 3, : n + 1] = False
+        tilegen_hf.attention_forward(module, step, k, v, other)
+    gc.collect()
+    torch.cuda.empty_cache()
+    junk = torch.full((1 << 24, ), float("nan"), device="cuda")  # freed memory reused, and poisoned
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    del junk
+    assert torch.equal(captured, eager)
+
+
 @pytest.mark.parametrize("why", ["the query is padding", "a gradient", "strides"])
 def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monkeypatch, _fresh_warnings):
     q, k, v = _qkv(device, n=19, batch=2, seed=6)
