@@ -319,7 +319,9 @@ _captured: dict[int, Any] = {}
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    # Not asked while Dynamo traces: the question is about an eager capture, and tracing it could break a graph
+    # that torch.compile(fullgraph=True) needs whole.
+    return t.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
