@@ -177,6 +177,14 @@ def test_the_ragged_launch_views_the_packed_tensors_and_deals_the_tiles_in_turns
     assert args[16] is cu and args[17] is cu and args[18:21] == (total, total, 8)
 
 
+def _launch_d128(module, cu, total, max_len, mask, config) -> None:
+    """``module``'s launch over ``total`` packed tokens of 8 query and 2 KV heads of 128 (stand-ins on a GPU)."""
+    q, out = (torch.empty(total, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    k, v = (torch.empty(total, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
+    module.launch(q, k, v, out, out, cu, cu, max_len, scale=0.1, softcap=0.0, window_left=1 << 30,
+                  window_right=1 << 30 if mask == "none" else 0, **config.to_dict())
+
+
 @pytest.mark.parametrize("mask, lengths, programs", [
     # 8 heads: 10 sequences of up to 32 query tiles make 2560 tiles, 19.5 a program in turns
     ("causal", [4096] * 9 + [3000], 131),  # 32 query tiles a sequence, most of them full: in turns, an odd count
@@ -193,12 +201,8 @@ def test_the_ragged_grid_takes_turns_up_to_32_causal_query_tiles_of_a_full_batch
     program would take fewer than 16."""
     module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask=mask, dtype="bf16"),
                                      monkeypatch)
-    total = sum(lengths)
-    q, out = (torch.empty(total, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
-    k, v = (torch.empty(total, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    module.launch(q, k, v, out, out, cu, cu, max(lengths), scale=0.1, softcap=0.0, window_left=1 << 30,
-                  window_right=1 << 30 if mask == "none" else 0, **WS.to_dict())
+    _launch_d128(module, cu, sum(lengths), max(lengths), mask, WS)
     (grid, _, _), = launches
     assert grid == (programs, )
 
@@ -208,12 +212,9 @@ def test_a_ragged_batch_of_more_tiles_than_int32_numbers_is_refused_by_name(monk
     batch past that is refused before the launch, never run on wrapped tile numbers."""
     module, launches = _spied_module(VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="none", dtype="bf16"),
                                      monkeypatch)
-    q, out = (torch.empty(16, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
-    k, v = (torch.empty(16, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
     cu = torch.zeros(2 ** 15 + 1, dtype=torch.int32)  # 32768 sequences beside one of 2**20 tokens: 2**34 tiles
     with pytest.raises(ValueError, match=r"max_seqlen_q=1048576: 8192 query tiles .* 32768 sequences and 8 heads"):
-        module.launch(q, k, v, out, out, cu, cu, 2 ** 20, scale=0.1, softcap=0.0, window_left=1 << 30,
-                      window_right=1 << 30, **WS.to_dict())
+        _launch_d128(module, cu, 16, 2 ** 20, "none", WS)
     assert launches == []
 
 
@@ -222,11 +223,7 @@ def test_the_ragged_output_is_staged_where_a_buffer_fits_beside_the_ring(config,
     """The output goes through a buffer of its own (the kernel's TMA_STORE) where Q's, the K/V ring's and its own
     fit the H200's shared memory: two slots of 128 keys at d128, not three."""
     module, launches = _spied_module(LLAMA, monkeypatch)
-    q, out = (torch.empty(300, 8, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
-    k, v = (torch.empty(300, 2, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(2))
-    cu = torch.tensor([0, 300], dtype=torch.int32)
-    module.launch(q, k, v, out, out, cu, cu, 300, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=0,
-                  **config.to_dict())
+    _launch_d128(module, torch.tensor([0, 300], dtype=torch.int32), 300, 300, "causal", config)
     (_, _, kwargs), = launches
     assert kwargs["TMA_STORE"] is staged
 
