@@ -95,8 +95,9 @@ def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monke
     padding[2] = False  # nothing real
     q, k, v = (_poisoned(t, padding) for t in (q[:, :, -n_q:].contiguous(), k, v))
     ran = []
-    real = tilegen_hf.varlen_attention
-    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(a[3].tolist()) or real(*a, **kw))
+    real = tilegen_hf.varlen_attention_padded
+    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded",
+                        lambda *a, **kw: ran.append(a[3].tolist()) or real(*a, **kw))
     monkeypatch.setattr(torch.Tensor, "index_select", None)  # nothing gathered
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
     assert len(ran) == 1 and len(ran[0]) == 3 * 3 + 3 and out.shape == (3, n_q, 4, 16)
@@ -142,6 +143,7 @@ def _refuse_ragged(monkeypatch):
         raise AssertionError("the ragged path ran")
 
     monkeypatch.setattr(tilegen_hf, "varlen_attention", refused)
+    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", refused)
     monkeypatch.setattr(torch.Tensor, "index_select", None)
 
 
@@ -176,6 +178,38 @@ def test_a_padded_decoding_step_reads_the_cache_in_place(cache, causal, device, 
     real = padding.any(-1)
     assert not out.isnan().any() and (out[~real] == 0).all()
     assert _rel(out[real], ref[real]) < 1e-4
+
+
+def test_every_layer_of_a_padded_decoding_step_reads_its_own_cache(device, monkeypatch):
+    """The first layer of a step runs PagedDecode.run and keeps a launch through views of transformers' tensors; the
+    other layers launch it. Each layer's cache (other values, the same layout) gives that layer's answer, every
+    output element written; a layer laid out otherwise (token-major) runs PagedDecode.run once again."""
+    batch, n = 3, 19
+    gen = torch.Generator().manual_seed(21)
+    padding = torch.ones(batch, n, dtype=torch.bool)
+    padding[0, :6] = False
+    padding[2, 4:9] = False  # holes
+    padding = padding.to(device)
+    runs = []
+    real_run = tilegen_hf.PagedDecode.run
+    monkeypatch.setattr(tilegen_hf.PagedDecode, "run",
+                        lambda self, *a, **kw: runs.append(1) or real_run(self, *a, **kw))
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+    _refuse_ragged(monkeypatch)
+    module = types.SimpleNamespace(is_causal=True)
+    for layer in range(4):
+        q = torch.randn(batch, 1, 4, 16, generator=gen).to(device).transpose(1, 2)  # transformers' query layout
+        if layer < 3:  # what a dynamic cache concatenates: [batch, kv_heads, n, dim]
+            k, v = (torch.randn(batch, 2, n, 16, generator=gen).to(device) for _ in "kv")
+        else:
+            k, v = (torch.randn(batch, n, 2, 16, generator=gen).to(device).transpose(1, 2) for _ in "kv")
+        for t in (k, v):  # in place: the layout stays the cache's
+            t.masked_fill_(~padding[:, None, :, None], math.nan)
+        out, _ = tilegen_hf.attention_forward(module, q, k, v, padding)
+        assert out.shape == (batch, 1, 4, 16) and out.is_contiguous() and not out.isnan().any()
+        assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), padding[:, None, None, :])) < 1e-4
+        assert len(runs) == (1 if layer < 3 else 2), f"layer {layer}"
 
 
 @pytest.mark.parametrize("holes", [False, True])
@@ -215,8 +249,8 @@ def test_a_padded_decoding_step_under_torch_compile(device, monkeypatch):
         return tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)[0]
 
     ran = []
-    real = tilegen_hf.varlen_attention
-    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append("varlen") or real(*a, **kw))
+    real = tilegen_hf.varlen_attention_padded
+    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", lambda *a, **kw: ran.append("varlen") or real(*a, **kw))
     torch._dynamo.reset()
     got = torch.compile(step, backend="eager")(q, k, v, padding)
     assert ran == ["varlen"]
@@ -274,16 +308,21 @@ def test_a_layout_a_cuda_graph_was_captured_with_outlives_its_mask(device, monke
     tilegen_hf.attention_forward(module, q[:, :, -1:], k, v, padding)  # the warm-up makes the layout
     # The padding's layout and the decoding step's page table over one-slot pages.
     keys = [key for key in tilegen_hf._layouts if key[0] == id(padding)]
-    layouts = [weakref.ref(tilegen_hf._layouts[key][2]) for key in keys]
-    assert len(layouts) == 2
+    found = {key[-1]: tilegen_hf._layouts[key][2] for key in keys}
+    assert set(found) == {tilegen_hf._padding_layout, tilegen_hf._slot_table}
+    layout, table = found[tilegen_hf._padding_layout], found[tilegen_hf._slot_table]
+    # What the graph replays: the page table and the decode plan's partials.
+    replayed = [*table.pages, *(t for d in table.plans.values() for t in (d._plan.part_o, d._plan.part_lse))]
+    refs = [weakref.ref(t) for t in (layout, *replayed)]
+    del found, layout, table, replayed
     monkeypatch.setattr(tilegen_hf, "_capturing", lambda t: True)
     tilegen_hf.attention_forward(module, q[:, :, -1:], k, v, padding)  # as a capture would call it
     monkeypatch.setattr(tilegen_hf, "_capturing", lambda t: False)
     del padding
     gc.collect()
     assert not [key for key in keys if key in tilegen_hf._layouts]
-    assert all(ref() is not None for ref in layouts), "a layout a graph was captured with was freed"
-    assert sorted(map(id, tilegen_hf._captured.values())) == sorted(id(ref()) for ref in layouts)
+    assert all(ref() is not None for ref in refs), "a tensor a graph was captured with was freed"
+    assert list(tilegen_hf._captured.values()) == [refs[0]()]
 
 
 @pytest.mark.gpu
@@ -341,12 +380,12 @@ def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monk
         k, v = (torch.empty(2 * 2 * 19 * 16 + 8, device=device).as_strided(t.shape, (2 * 19 * 16 + 8, 19 * 16, 16, 1))
                 .copy_(t) for t in (k, v))
     served = []
-    for name in ("varlen_attention", "_fallback"):
+    for name in ("varlen_attention", "varlen_attention_padded", "_fallback"):
         real = getattr(tilegen_hf, name)
         monkeypatch.setattr(tilegen_hf, name, lambda *a, _real=real, _name=name, **kw: served.append(_name)
                             or _real(*a, **kw))
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
-    assert served == ["varlen_attention"]
+    assert served == ["varlen_attention_padded"]
     allowed = _causal(1, 19, device) & padding[:, None, None, :]
     ref = _dense_reference(q.detach(), k, v, allowed)
     real = padding[:, -1:]
@@ -415,8 +454,8 @@ def test_a_4d_causal_mask_over_padding_runs_ragged(kind, device, monkeypatch, _f
     allowed = _causal(19, 19, device, window=6) & padding[:, None, None, :]
     mask = allowed if kind == "bool" else torch.zeros(allowed.shape, device=device).masked_fill(~allowed, -math.inf)
     ran = []
-    real = tilegen_hf.varlen_attention
-    monkeypatch.setattr(tilegen_hf, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    real = tilegen_hf.varlen_attention_padded
+    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask, sliding_window=6)
     assert ran == [1] and not tilegen_hf._warned
     assert _rel(out[padding], _dense_reference(q, k, v, allowed)[padding]) < 1e-4

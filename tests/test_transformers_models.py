@@ -70,7 +70,10 @@ class _Calls:
     def __init__(self, monkeypatch):
         self.ops = []
         # The dense calls go through attention_seq_major (tilegen.attention writing transformers' layout).
-        for name, op in (("attention_seq_major", "attention"), ("varlen_attention", "varlen_attention")):
+        # The ragged calls go through varlen_attention_padded (packed rows read in place) or, gathered,
+        # varlen_attention.
+        for name, op in (("attention_seq_major", "attention"), ("varlen_attention", "varlen_attention"),
+                         ("varlen_attention_padded", "varlen_attention")):
             real = getattr(tilegen_hf, name)
 
             def spy(*args, _real=real, _op=op, **kwargs):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import tilegen
 from tilegen.families import relative_error
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
+from tilegen.ops.varlen import varlen_attention_padded
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 LSE_TOL = 1e-4
@@ -109,6 +110,65 @@ def test_a_strided_q_after_a_contiguous_one_gets_a_contiguous_output(device):
     ref, _ = varlen_reference(q, [k[a:b] for a, b in zip(c, c[1:])], [v[a:b] for a, b in zip(c, c[1:])], cu.cpu(),
                               causal=True)
     _check(out, None, ref, None, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["token-major", "head-major"])
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window": (4, 0), "softcap": 5.0, "scale": 0.4}],
+                         ids=["causal", "window-softcap"])
+def test_a_padded_batch_is_read_in_place(layout, kwargs, device, monkeypatch):
+    """varlen_attention_padded: [batch, heads, n, dim] tensors whose flattened rows are the ragged batch (a row
+    split into sequences, an empty one, one across a row's end as packed training has none, but the offsets
+    allow). Its output, [batch, n, heads, dv], is every element written (buffers start as NaN), twice (the second
+    call takes the cached plan), and equal to varlen_attention's on the flattened tensors; a head-major tensor,
+    which does not flatten in place, is flattened by a copy."""
+    gen = torch.Generator().manual_seed(11)
+    batch, n, heads, kv_heads, dim, dim_v = 3, 17, 4, 2, 32, 16
+
+    def tensor(h, d):
+        if layout == "token-major":  # transformers' projections, [batch, n, heads, dim] transposed
+            return _randn(gen, batch, n, h, d, dtype=torch.float32, device=device).transpose(1, 2)
+        return _randn(gen, batch, h, n, d, dtype=torch.float32, device=device)
+
+    q, k, v = tensor(heads, dim), tensor(kv_heads, dim), tensor(kv_heads, dim_v)
+    cu = _cu([5, 12, 0, 20, 11, 3], device)
+    flat = [t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    want = tilegen.varlen_attention(*flat, cu, cu, 20, 20, **kwargs).view(batch, n, heads, dim_v)
+    c = cu.tolist()
+    ref, _ = varlen_reference(flat[0], [flat[1][a:b] for a, b in zip(c, c[1:])],
+                              [flat[2][a:b] for a, b in zip(c, c[1:])], cu.cpu(), **kwargs)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+    for _ in range(2):
+        out = varlen_attention_padded(q, k, v, cu, cu, 20, 20, **kwargs)
+        assert out.shape == (batch, n, heads, dim_v) and out.is_contiguous()
+        assert torch.equal(out, want)
+        _check(out.view(batch * n, heads, dim_v), None, ref, None, torch.float32)
+
+
+def test_a_padded_batch_trains_as_the_flattened_call(device):
+    """Under autograd varlen_attention_padded is varlen_attention on the flattened views: the same gradients."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (_randn(gen, 2, 9, h, 16, dtype=torch.float32, device=device).transpose(1, 2) for h in (4, 2, 2))
+    cu = _cu([4, 5, 9], device)
+    grads = []
+    for padded in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if padded:
+            out = varlen_attention_padded(*leaves, cu, cu, 9, 9, causal=True)
+        else:
+            flat = [t.transpose(1, 2).reshape(18, t.shape[1], 16) for t in leaves]
+            out = tilegen.varlen_attention(*flat, cu, cu, 9, 9, causal=True).view(2, 9, 4, 16)
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_padded_batch_of_the_wrong_rank_names_the_argument(device):
+    q = torch.randn(18, 4, 16, device=device)
+    k = torch.randn(2, 2, 9, 16, device=device)
+    with pytest.raises(ValueError, match=r"q: expected \[batch, heads, n, head_dim\]"):
+        varlen_attention_padded(q, k, k, _cu([9, 9], device), _cu([9, 9], device), 9, 9)
 
 
 # -------------------------------------------------------------------------------- paged

@@ -2,6 +2,8 @@
 
     python -m tilegen.bench.hosttime --out hosttime.json     # on a GPU, well under a minute
     TRITON_INTERPRET=1 python -m tilegen.bench.hosttime      # no GPU: checks the script, times nothing real
+    TRITON_INTERPRET=1 python -m tilegen.bench.hosttime --no-launch --rounds 20 --calls 2000
+                                                             # no GPU: times the Python of tilegen's calls
 
 Shapes (bf16): the dense op on 1 x 8 heads x 16 tokens x 64; decode of one sequence of
 16 tokens in one page of 16, 32 query and 8 KV heads of 128 (``PagedDecode.run``; the dense
@@ -262,6 +264,10 @@ def _varlen_peer(q, k, v, cu, longest: int):
     return lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **causal)
 
 
+def _no_launch(replay, key, *args) -> None:
+    """``Replay.__call__`` under ``--no-launch``."""
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -283,12 +289,17 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--calls", type=int, default=200, help="calls per round (few: the launch queue never fills)")
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--no-launch", action="store_true",
+                        help="after the checks, tilegen's launches do nothing: each tilegen row times the Python of "
+                             "its call alone, the host cost tilegen's own code adds (on a CPU too, under the "
+                             "interpreter); the peers' rows are unchanged")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         if not interpreting():
             sys.exit("no GPU: run under TRITON_INTERPRET=1, which only checks the script")
-        args.calls, args.rounds = 2, 2
+        if not args.no_launch:  # the interpreter's launches take milliseconds: nothing to time
+            args.calls, args.rounds = 2, 2
 
     rows = _rows(device)
     for row in rows:  # checked first; these calls also compile, plan and record every row
@@ -299,10 +310,17 @@ def main(argv=None) -> None:
         row["rel_err"] = float((result - reference).abs().max() / reference.abs().max())
         assert row["rel_err"] < 2e-2, f"{row['shape']} {row['provider']}: relative error {row['rel_err']:.2e}"
         row["rounds"] = []
-    for _ in range(args.rounds):
-        for row in rows:
-            with row["context"]():
-                row["rounds"].append(_round(row["call"], args.calls, device))
+    # Every tilegen launch goes through a plan's Replay, the JIT rows' too.
+    replay = launch.Replay.__call__
+    if args.no_launch:
+        launch.Replay.__call__ = _no_launch
+    try:
+        for _ in range(args.rounds):
+            for row in rows:
+                with row["context"]():
+                    row["rounds"].append(_round(row["call"], args.calls, device))
+    finally:
+        launch.Replay.__call__ = replay
 
     results = []
     for row in rows:
@@ -310,11 +328,13 @@ def main(argv=None) -> None:
         results.append({"shape": row["shape"], "provider": row["provider"], "host_us_median": statistics.median(host),
                         "host_us_min": min(host), "synced_us_median": statistics.median(s for _, s in row["rounds"]),
                         "rel_err": row["rel_err"]})
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter: times mean nothing)"
+    name = torch.cuda.get_device_name() if device == "cuda" else \
+        "cpu (interpreter)" if args.no_launch else "cpu (interpreter: times mean nothing)"
     import triton
 
     print(f"{name}; torch {torch.__version__}, Triton {triton.__version__}; {args.rounds} rounds of {args.calls} "
-          f"calls; direct launches: {launch.support() or 'on'}")
+          f"calls; direct launches: {launch.support() or 'on'}"
+          f"{'; tilegen launches nothing (--no-launch)' if args.no_launch else ''}")
     print("| shape | provider | host us/call (median) | fastest round | synchronized us/call |")
     print("|---|---|---|---|---|")
     for r in results:
@@ -323,7 +343,8 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__,
-                       "rounds": args.rounds, "calls": args.calls, "rows": results}, f, indent=1)
+                       "rounds": args.rounds, "calls": args.calls, "no_launch": args.no_launch, "rows": results},
+                      f, indent=1)
         print("wrote", args.out)
 
 

@@ -35,6 +35,7 @@ transformers is imported by ``register()``, ``use_tilegen()`` and ``mask_forward
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 import weakref
@@ -46,7 +47,8 @@ import torch
 from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.decode import PagedDecode
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.varlen import varlen_attention
+from tilegen.ops.tensors import empty_like_template
+from tilegen.ops.varlen import varlen_attention, varlen_attention_padded
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
 
@@ -142,13 +144,15 @@ def attention_forward(
     if attention_mask is None:
         return _dense(query, key, value, causal, window, softcap, scaling), None
 
-    n_q, n_k = query.shape[2], key.shape[2]
-    for name, t in (("key", key), ("value", value), ("attention_mask", attention_mask)):
-        # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens.
-        if t.shape[0] != query.shape[0]:
-            raise ValueError(f"tilegen attention: {name} has a batch of {t.shape[0]}, query of {query.shape[0]}")
+    shape_q, shape_k = query.shape, key.shape  # each .shape is a new torch.Size: read once
+    batch, n_q, n_k = shape_q[0], shape_q[2], shape_k[2]
+    # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens.
+    if shape_k[0] != batch or value.shape[0] != batch or attention_mask.shape[0] != batch:
+        name, t = next((name, t) for name, t in (("key", key), ("value", value), ("attention_mask", attention_mask))
+                       if t.shape[0] != batch)
+        raise ValueError(f"tilegen attention: {name} has a batch of {t.shape[0]}, query of {batch}")
     if attention_mask.dtype != torch.bool:  # packed sequences' ids
-        if n_q != n_k or attention_mask.shape != (query.shape[0], n_q):
+        if n_q != n_k or attention_mask.shape != (batch, n_q):
             return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
                              sliding_window, softcap, kwargs)
         layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
@@ -159,11 +163,13 @@ def attention_forward(
         # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
         n_k = attention_mask.shape[1]
         key, value = key[:, :, :n_k], value[:, :, :n_k]
+        shape_k = key.shape
     layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
     if n_q == 1 and layout.decodes:
-        out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling)
+        out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling, layout.steps,
+                      (shape_q, shape_k))
         if out is not None:
             return out, None
     if layout.rows_q is None:  # each row's real tokens are one run: read in place
@@ -173,7 +179,7 @@ def attention_forward(
         # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
         return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
-    batch, heads, _, dim = query.shape
+    heads, dim = shape_q[1], shape_q[3]
     q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
     k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
     v = value.transpose(1, 2).reshape(batch * n_k, value.shape[1], value.shape[3]).index_select(0, layout.rows_k)
@@ -185,26 +191,36 @@ def attention_forward(
 
 
 def _packed(query, key, value, cu_q, cu_k, max_q, max_k, causal, window, softcap, scaling):
-    """Sequences packed along each row (padding-free training): every token is real, so the ragged
-    batch is the flattened tensors themselves, with no gather."""
-    batch, heads, n_q, dim = query.shape
-    q = query.transpose(1, 2).reshape(batch * n_q, heads, dim)
-    k = key.transpose(1, 2).reshape(-1, key.shape[1], dim)
-    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
-    out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
-                           scale=scaling)
-    return out.view(batch, n_q, heads, out.shape[2]), None
+    """Sequences packed along each row (padding-free training), or each row's real tokens one run of it: the
+    ragged batch is the flattened tensors themselves, read in place, with no gather."""
+    return varlen_attention_padded(query, key, value, cu_q, cu_k, max_q, max_k, causal=causal, window=window,
+                                   softcap=softcap, scale=scaling), None
 
 
-def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Tensor | None:
+def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict, shapes) -> torch.Tensor | None:
     """A padded decoding step (one query a row, at its row's last key) on ``PagedDecode``, reading transformers'
     cache where it lies: each key a page of one slot, the page table listing each row's real keys. ``None`` (the
     caller takes the ragged path) when the cache's layout cannot be read so, a gradient is wanted (the decode
-    kernel has no backward) or the call is being compiled."""
+    kernel has no backward) or the call is being compiled.
+
+    ``shapes``: query's and key's. ``steps``: the mask layout's launches by everything ``PagedDecode.run`` checks
+    (shapes, strides, dtypes and devices of q, k and v, the window, softcap and scale). The first call of a kind
+    runs through ``PagedDecode.run`` and keeps a launch that takes transformers' tensors through views
+    (``PagedDecode._launch_through``); the others (every later layer of the step) launch it, where the views, the
+    layer's cache and ``run``'s checks cost about three times the rest of the call's host time (CPU machine)."""
     # Under torch.compile the ragged path's op runs (a PagedDecode plan would have to be made outside the trace).
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
         return None
+    step_key = (*shapes, value.shape, query.stride(), key.stride(), value.stride(), query.dtype,
+                key.dtype, value.dtype, query.device, key.device, value.device, n_k, window, softcap, scaling)
+    step = steps.get(step_key)
+    if step is not None:
+        launch, out_like = step
+        out = torch.empty_like(out_like)
+        # The step's own launch: its key fixes every view, so its replay needs no key of its own.
+        launch(None, query, key, value, out)
+        return out
     if query.shape[0] * n_k > _MAX_SLOTS:  # the page table's entries, one a key of the padded batch
         return None
     pages = _slots(key, n_k)
@@ -229,7 +245,20 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling) -> torch.Ten
         # n_k (or the window) bounds every row; the longest real row would need a synchronization to read.
         decode.plan(cache, heads_q=query.shape[1], softcap=softcap, scale=scaling,
                     max_seqlen_k=n_k if left is None else min(n_k, left + 1), q_dtype=query.dtype)
-    return decode.run(query.select(2, 0), cache).unsqueeze(1)
+    out = decode.run(query.select(2, 0), cache).unsqueeze(1)
+    slots = functools.partial(_slot_pages, n=n_k)
+    steps[step_key] = (decode._launch_through(cache, {1: slots, 2: slots, 3: _heads_first}),
+                       empty_like_template(out.shape, out.dtype, out.device))
+    return out
+
+
+def _slot_pages(t: torch.Tensor, n: int) -> torch.Tensor:
+    return _slots(t, n)[0]
+
+
+def _heads_first(out: torch.Tensor) -> torch.Tensor:
+    """The decode launcher's ``[batch, heads, 1, dim]`` view of a ``[batch, 1, heads, dim]`` output."""
+    return out.transpose(1, 2)
 
 
 # The page table's token positions are int32 (PagedKVCache's bound).
@@ -305,6 +334,9 @@ class _Layout:
     cu_k: torch.Tensor | None
     max_q: int
     max_k: int
+    # A padded decoding step's launches (_decode), one per kind of layer: kept with the mask, and with the layout
+    # when a CUDA graph captures it, since they hold the page table and the plans' partials that the graph replays.
+    steps: dict = field(default_factory=dict, compare=False)
 
 
 # transformers hands every layer the same mask object in one forward; its ragged layout (a host

@@ -48,9 +48,10 @@ from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_grid, check_out, empty_like_template,
                                   refuse_grad)
 
-__all__ = ["varlen_attention", "PagedAttention"]
+__all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
 _plans = dispatch.plan_cache()
+_padded_plans = dispatch.plan_cache()  # varlen_attention_padded's: (plan, output template), or None: no views
 
 
 def varlen_attention(
@@ -130,6 +131,82 @@ def varlen_attention(
     elif lse is not None:
         lse.fill_(-math.inf)
     return (out, lse) if return_lse else out
+
+
+def varlen_attention_padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None, scale: float | None = None,
+) -> torch.Tensor:
+    """``varlen_attention`` over a padded batch in transformers' layout, read where it lies: q ``[batch, heads,
+    n_q, head_dim]``, k and v ``[batch, kv_heads, n_k, head_dim]``, whose rows ``b * n + i`` are the packed rows
+    the offsets index; returns ``[batch, n_q, heads, head_dim_v]``, contiguous.
+
+    The same as flattening q, k and v to ``[batch * n, heads, dim]``, calling ``varlen_attention`` and viewing
+    its output back, but the kernel takes those flattened views at recording only (``Replay``'s ``views``):
+    the six views a call would make cost more host time than the rest of the call (CPU machine). Where a tensor
+    does not flatten in place, under autograd and under ``torch.compile``, it is that call."""
+    try:
+        plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+        cq, ck = cu_seqlens_q, cu_seqlens_k
+        strides = (q.stride(), k.stride(), v.stride())
+        offsets = (cq.shape, cq.stride(), cq.dtype, cq.device) if ck is cq else (
+            cq.shape, ck.shape, cq.stride(), ck.stride(), cq.dtype, ck.dtype, cq.device, ck.device)
+        key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, offsets,
+               type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
+               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale,
+               window if window is None else (window.__class__, *map(type, window), *window))
+        planned = _padded_plans.get(key, False) if plain and not torch.compiler.is_compiling() else None
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: varlen_attention says which
+        key, planned = None, None
+    if planned is False:
+        planned = _plan_padded(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                               softcap, scale)
+        _padded_plans.put(key, planned)
+    if planned is None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected [batch, heads, n, head_dim], got {_shape(t)}")
+        rows = [t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], t.shape[3]) for t in (q, k, v)]
+        out = varlen_attention(*rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                               window=window, softcap=softcap, scale=scale)
+        return out.view(q.shape[0], q.shape[2], q.shape[1], out.shape[2])
+    if env.debug():
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] * q.shape[2], max_seqlen_q)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] * k.shape[2], max_seqlen_k)
+    plan, out_like = planned
+    out = torch.empty_like(out_like)
+    if plan.launches:
+        # The key's strides are q's, k's and v's own, which fix their views'; the output's are its template's.
+        plan.launch(strides, q, k, v, out, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    return out
+
+
+def _plan_padded(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale):
+    """varlen_attention_padded's plan and output template, or ``None`` where a tensor does not flatten in place
+    (or is not a 4-d tensor: the call without views says what is wrong)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and _flattens(t) for t in (q, k, v)):
+        return None
+    views = {0: _flat_rows, 1: _flat_rows, 2: _flat_rows, 3: _flat_out, 4: _flat_out}  # q, k, v, out, (no) LSE
+    plan = _plan_ragged(_flat_rows(q), _flat_rows(k), _flat_rows(v), cu_q, cu_k, max_q, max_k, causal, window,
+                        softcap, scale, False, views=views)
+    return plan, empty_like_template((q.shape[0], q.shape[2], q.shape[1], plan.spec.dv), q.dtype, q.device)
+
+
+def _flattens(t: torch.Tensor) -> bool:
+    """Whether ``[batch, heads, n, dim]`` has a ``[batch * n, heads, dim]`` view: rows a fixed distance apart."""
+    batch, _, n, _ = t.shape
+    return batch <= 1 or n <= 1 or t.stride(0) == n * t.stride(2)
+
+
+def _flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, n, dim]`` as ``[batch * n, heads, dim]``, in place (``_flattens``)."""
+    return t.transpose(1, 2).view(t.shape[0] * t.shape[2], t.shape[1], t.shape[3])
+
+
+def _flat_out(out: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``[batch, n, heads, dim]`` output as the launcher's ``[batch * n, heads, dim]``."""
+    return out.view(out.shape[0] * out.shape[1], out.shape[2], out.shape[3])
 
 
 def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse, out, deterministic,
@@ -513,19 +590,21 @@ def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, head
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors
 
 
-def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse) -> _Plan:
-    """varlen_attention's cached plan, which also holds its LSE's template."""
+def _plan_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse,
+                 views=None) -> _Plan:
+    """varlen_attention's cached plan, which also holds its LSE's template. ``views``: the launch takes those
+    arguments through views of the caller's tensors (``Replay``), as ``varlen_attention_padded``'s does."""
     checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     lse_like = empty_like_template(q.shape[:2], torch.float32, q.device) if checked[0].return_lse else None
-    return _plan_checked(q, max_q, max_k, checked, lse_like=lse_like)
+    return _plan_checked(q, max_q, max_k, checked, views=views, lse_like=lse_like)
 
 
-def _plan_checked(q, max_q, max_k, checked, **fields) -> _Plan:
+def _plan_checked(q, max_q, max_k, checked, views=None, **fields) -> _Plan:
     """The plan of a ragged call whose arguments ``_checked_ragged`` checked (``checked``: what it returned)."""
     spec, left, right, scale, softcap = checked
     return _planned(spec, q.device, max(max_q, max_k),
                     {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
-                    heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0, **fields)
+                    views=views, heads_q=q.shape[1], launches=max_q > 0 and q.shape[0] > 0, **fields)
 
 
 def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse):
@@ -558,15 +637,16 @@ def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
                     return_lse, max_q, max_k, layout="ragged", page_size=None)
 
 
-def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: dict[str, Any], **fields) -> _Plan:
+def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: dict[str, Any], views=None,
+             **fields) -> _Plan:
     """The plan for ``size``'s choice (``tilegen.dispatch.planned``): the launcher's replay with the
-    ``fixed`` launch values and the config's."""
+    ``fixed`` launch values and the config's (and ``views``, as ``Launcher.replay`` takes them)."""
     table = _table(spec, device)
     launcher = launcher_for(spec)
 
     def make(choice: dispatch.Choice) -> _Plan:
         launch_args = {**fixed, **choice.config.to_dict()}
-        return _Plan(spec=spec, launch=launcher.replay(launch_args), launch_args=launch_args,
+        return _Plan(spec=spec, launch=launcher.replay(launch_args, views), launch_args=launch_args,
                      out_like_q=spec.dv == spec.head_dim, **fields)
 
     return dispatch.planned(table, size, make)
