@@ -37,8 +37,12 @@ def test_a_first_call_reads_its_rows_without_importing_sqlalchemy_or_dynamo(tmp_
 @pytest.mark.slow
 def test_the_cold_start_benchmark_runs(tmp_path):
     environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
-    done = subprocess.run([sys.executable, "-m", "tilegen.bench.coldstart", "--runs", "1"], env=environment,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "tilegen.bench.coldstart", "--runs", "1", "--ops",
+                           "attention,varlen,decode"], env=environment, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    for line in ("empty caches, split", "warm caches, as users call it", "read rows", "first call", "second call"):
+    for line in ("empty caches, split", "warm caches, as users call it", "read rows", "first call", "second call",
+                 "varlen: warm caches", "decode: empty caches"):
         assert line in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "tilegen.bench.coldstart", "--ops", "prefill"], env=environment,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--ops: expected names among attention, varlen, decode" in bad.stderr

@@ -238,6 +238,13 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
         ):
             rows.append({"shape": shape, "provider": "SDPA flash", "call": call, "context": flash,
                          "reference": next(r["reference"] for r in rows if r["shape"] == shape)})
+        # The LSE call's own peer: FlashAttention's op, which SDPA flash calls and which returns the LSE too, through
+        # its direct binding (SDPA's public call returns no LSE).
+        shape = f"{dense} causal, LSE"
+        rows.append({"shape": shape, "provider": "torch._scaled_dot_product_flash_attention (out, LSE)",
+                     "call": lambda: torch._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0],
+                     "context": contextlib.nullcontext,
+                     "reference": next(r["reference"] for r in rows if r["shape"] == shape)})
         varlen = _varlen_peer(q_packed, k_packed, v_packed, cu, 9)
         if varlen is not None:
             rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "torch varlen_attn",
