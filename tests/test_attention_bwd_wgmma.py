@@ -31,6 +31,22 @@ D128 = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
 DKDV = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=1)
 BOTH = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=2)
 WS = Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
+ATOMIC_WS = Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)
+
+
+def _mod_text(mod) -> str:
+    from tilegen.mods.trace import trace
+
+    return trace(mod, "score_mod").canonical
+
+
+def _alibi(heads: int = 8) -> str:
+    from tilegen.mods import library
+
+    return _mod_text(library.alibi(torch.rand(heads)))
+
+
+ALIBI = D128.replace(score_mod=_alibi())
 
 
 @pytest.mark.parametrize("spec,reason", [
@@ -95,6 +111,28 @@ def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch
     assert not rule.atomic_dq and rule.wgmma == 3
 
 
+def test_a_score_mod_is_offered_the_gluon_kernels_on_a_dense_batch_but_not_taken_by_default():
+    """A score mod runs in both Gluon kernels (its scores and its derivative, as the Triton kernels apply them): the
+    tuner may choose them, since it checks every candidate against the reference; the default keeps the Triton
+    kernels, the Gluon ones being untimed with a mod. A ragged batch, a mask mod and a gather by both positions stay
+    the Triton kernels'."""
+    from tilegen.mods import library
+    from tilegen.mods.trace import trace
+
+    assert wgmma_unsupported(ALIBI) is None and wgmma_unsupported(ALIBI.replace(mask="none")) is None
+    assert not any(c.wgmma for _, c in default_rule(ALIBI, HOPPER))
+    assert "dense batches only" in wgmma_unsupported(ALIBI.replace(layout="ragged"))
+    documents = D128.replace(mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
+                                            "mask_mod").canonical)
+    assert "mask mod" in wgmma_unsupported(documents)
+    assert "gather" in wgmma_unsupported(D128.replace(score_mod=_mod_text(library.relative_bias(torch.randn(8, 32)))))
+    if TRITON_36:
+        assert search_space(ALIBI, HOPPER)["wgmma"] == [0, 1, 2, 3]
+        for config in (DKDV, BOTH, WS):
+            assert feasible(ALIBI, config, HOPPER) is None
+        assert feasible(ALIBI.replace(mask="none"), ATOMIC_WS, HOPPER) is None
+
+
 def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
     ragged = D128.replace(layout="ragged")
     assert wgmma_unsupported(ragged) is None
@@ -131,6 +169,10 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (D128.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),  # dQ by TMA reductions too
     (AttentionBwdSpec(head_dim=64, mask="causal", dtype="bf16"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
     (AttentionBwdSpec(head_dim=64, mask="none", dtype="fp16"), "_dq_wgmma", 128, 64, 3),
+    (ALIBI, "_dkdv_wgmma", 128, 64, 2),  # a score mod, in every kernel
+    (ALIBI, "_dkdv_wgmma_ws", 64, 64, 3),
+    (ALIBI.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
+    (ALIBI, "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -155,7 +197,7 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed,
                     "dQ": f"*{dt}"}
         blocks = {"BLOCK_M": held, "BLOCK_N": streamed}
     pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32", "CuQ": "*i32",
-                     "CuK": "*i32"})
+                     "CuK": "*i32", "sm_t0": "*fp32"})  # the ALiBi slopes (an argument of the mod's kernels only)
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                "configs": [{**blocks, "STAGES": stages, "num_warps": 4 if kernel.endswith("_ws") else held // 16}]}
     out = compile_for_sm90(request, tmp_path, kernels=1)
@@ -200,6 +242,89 @@ def test_gluon_kernels_match_reference(case, config, monkeypatch):
     taken = {1: ["_dkdv_wgmma"], 2: ["_dkdv_wgmma", "_dq_wgmma"], 3: ["_dkdv_wgmma_ws"]}[config.wgmma]
     assert runs == taken, "the launcher did not take the Gluon kernels the config names"
     check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), case.torch_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [DKDV, BOTH, WS, ATOMIC_WS], ids=str)
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("grads", [False, True], ids=["fixed", "learned"])
+def test_a_score_mod_through_the_gluon_kernels(config, mask, grads, monkeypatch, tmp_path):
+    """ALiBi (GQA 4) through each Gluon kernel, as the tuner runs a trial (NaN-poisoned gradients, the reference's
+    autograd through the mod); with a gradient wanted for the slopes, the launcher takes the Triton kernels, which
+    add it."""
+    device = device_info(torch.cuda.current_device())
+    infeasible = feasible(ALIBI.replace(mask=mask), config, device)
+    if not has_wgmma(device) or infeasible is not None:
+        pytest.skip(f"the Gluon kernels need an sm90 GPU and Triton 3.6; {infeasible}")
+    runs = _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path)
+    gluon = {1: ["_dkdv_wgmma"], 2: ["_dkdv_wgmma", "_dq_wgmma"], 3: ["_dkdv_wgmma_ws"]}[config.wgmma]
+    assert runs == (["_dkdv"] if grads else gluon), runs
+
+
+_FACTORY = """
+import torch
+
+def make_alibi(*, batch, heads, n_q, n_k, device):
+    slopes = torch.linspace(0.05, 0.4, heads, device=device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+"""
+
+
+def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) -> list[str]:
+    """One trial of the tuner's (``Problem``: NaN-poisoned gradients, checked against the reference's autograd
+    through the mod) of an ALiBi spec with ``config``; with ``grads``, a gradient wanted for the slopes. Returns the
+    kernels the launcher ran."""
+    import json
+    import sys
+    import types
+
+    from tilegen.dispatch import launcher_for
+    from tilegen.families.attention_bwd.problem import Problem
+    from tilegen.mods import sources
+
+    (tmp_path / "bwd_mods.py").write_text(_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bwd_mods", raising=False)
+    monkeypatch.setenv(sources.ENV, json.dumps({"score_mod": "bwd_mods:make_alibi"}))
+    spec = D128.replace(mask=mask, score_mod=sources.canonical_text("bwd_mods:make_alibi", "score_mod"))
+    module = module_for(spec)
+    runs = []
+    for name in ("_dkdv_wgmma", "_dq_wgmma", "_dkdv_wgmma_ws", "_dkdv"):
+        kernel = getattr(module, name)
+        spy = type("Spy", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel:
+                               runs.append(name) or kernel[grid]})
+        monkeypatch.setattr(module, name, spy())
+    on_gpu = torch.cuda.is_available()
+    problem = Problem.for_bucket(spec, 1024, on_gpu=on_gpu, batch=2, heads_q=8)
+    inputs = problem.inputs(0)
+    outputs = problem.outputs(inputs)
+    slopes = torch.zeros_like(inputs[-1].tensors[0], dtype=torch.float32)
+    launcher = launcher_for(spec)
+    if grads:  # the trial's launch, with a gradient asked for the slopes
+        launcher = types.SimpleNamespace(launch=lambda *a, **kw: launcher_for(spec).launch(*a, **{**kw,
+                                                                                             "mod_grads": [slopes]}))
+    problem.launch(launcher, config, inputs, outputs)
+    if on_gpu:
+        torch.cuda.synchronize()
+    assert (slopes.abs().sum() > 0) == grads
+    error, _ = problem.check(inputs, outputs)
+    assert error < 1e-2, error
+    return runs
+
+
+def test_a_score_mod_with_the_gluon_knob_runs_the_triton_kernels_off_the_gpu(device, monkeypatch, tmp_path):
+    """Off the GPU (Gluon has no interpreter) the knob's launch takes the Triton kernels with its tiles: the harness
+    of the GPU test above, checked where it can run."""
+    if device != "cpu":
+        pytest.skip("the fallback is for tensors Gluon cannot take")
+    for grads in (False, True):
+        runs = _score_mod_through_the_launcher(Config(16, 32, 4, 1, 32, 16, 4, 1, tma=1, wgmma=2), "causal", grads,
+                                               monkeypatch, tmp_path)
+        assert runs == ["_dkdv"]
 
 
 @pytest.mark.gpu

@@ -97,8 +97,13 @@ def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
     warp-specialized dK/dV kernel, ``wgmma=3``)."""
     if spec.layout not in ("dense", "ragged"):
         return f"layout={spec.layout!r}: the Gluon kernels read TMA descriptors of dense or ragged batches"
-    if spec.score_mod is not None or spec.mask_mod is not None:
-        return "score_mod/mask_mod: the Gluon kernels take no mods"
+    if spec.mask_mod is not None:
+        return "mask_mod: the Gluon kernels take no mask mod"
+    if spec.score_mod is not None and spec.layout != "dense":
+        return "score_mod: the Gluon kernels take a score mod on dense batches only"
+    if gathers_per_score(spec.score_mod):
+        # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of Q and dO fill.
+        return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernels'"
     if spec.softcap:
         return "softcap: the Gluon kernels have none"
     if spec.mask not in ("none", "causal"):
@@ -210,7 +215,9 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
         return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
-    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None:
+    # A score mod keeps the Triton kernels by default: its Gluon kernels are offered to the tuner (which checks every
+    # candidate against the reference) but were never timed on the H200.
+    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is None:
         # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
         # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
