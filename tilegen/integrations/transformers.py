@@ -207,7 +207,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     (shapes, strides, dtypes and devices of q, k and v, the window, softcap and scale). The first call of a kind
     runs through ``PagedDecode.run`` and keeps a launch that takes transformers' tensors through views
     (``PagedDecode._launch_through``); the others (every later layer of the step) launch it, where the views, the
-    layer's cache and ``run``'s checks cost about three times the rest of the call's host time (CPU machine)."""
+    layer's cache and ``run``'s checks cost about twice the rest of the call's host time (CPU machine)."""
     # Under torch.compile the ragged path's op runs (a PagedDecode plan would have to be made outside the trace).
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):

@@ -144,7 +144,7 @@ def varlen_attention_padded(
 
     The same as flattening q, k and v to ``[batch * n, heads, dim]``, calling ``varlen_attention`` and viewing
     its output back, but the kernel takes those flattened views at recording only (``Replay``'s ``views``):
-    the six views a call would make cost more host time than the rest of the call (CPU machine). Where a tensor
+    the seven views a call would make cost more host time than the rest of the call (CPU machine). Where a tensor
     does not flatten in place, under autograd and under ``torch.compile``, it is that call."""
     try:
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
