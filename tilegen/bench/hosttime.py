@@ -215,6 +215,17 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
     rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "tilegen via transformers' "
                  "AttentionInterface, padded 2 x 9", "call": lambda: attention_forward(module, qp, kp, vp, padding)[0],
                  "reference": padded(ragged_ref).transpose(1, 2)})
+    # The op that call runs, on the same tensors and the offsets the integration makes of the mask: the integration's
+    # own host time is the difference.
+    from tilegen.integrations import transformers as integration
+    from tilegen.ops.varlen import varlen_attention_padded
+
+    runs = integration._padding_layout(padding, 9, 9, True)
+    rows.append({"shape": "ragged 7+9 tokens, 8/2 heads causal", "provider": "varlen_attention_padded, padded 2 x 9 "
+                 "(the op the integration runs)",
+                 "call": lambda: varlen_attention_padded(qp, kp, vp, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k,
+                                                         causal=True),
+                 "reference": padded(ragged_ref).transpose(1, 2)})
     # A decoding step of the same two sequences, left-padded as transformers' generate pads them: one query each
     # against 9 cached keys in a cache's [batch, kv_heads, n, head_dim] layout, the first row's 2 keys padding.
     left = torch.ones(2, 9, dtype=torch.bool, device=device)
@@ -227,6 +238,16 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
     rows.append({"shape": "decode step, 2 x 1 query over 7 and 9 keys, 8/2 heads", "provider": "tilegen via "
                  "transformers' AttentionInterface, left-padded 2 x 9",
                  "call": lambda: attention_forward(module, q_step, k_cache, v_cache, left)[0], "reference": step_ref})
+    # PagedDecode.run on that cache seen as the integration sees it (pages of one slot, its page table): the op.
+    k_slots, row = integration._slots(k_cache, 9)
+    slot_cache = tilegen.PagedKVCache(k_slots, integration._slots(v_cache, 9)[0],
+                                      *integration._slot_table(left, 1, 9, (row, None)).pages)
+    step_decode = tilegen.PagedDecode()
+    step_decode.plan(slot_cache, heads_q=8, max_seqlen_k=9, q_dtype=DTYPE)
+    q_token = q_step.select(2, 0)
+    rows.append({"shape": "decode step, 2 x 1 query over 7 and 9 keys, 8/2 heads", "provider": "PagedDecode.run on "
+                 "the one-slot pages (the op the integration runs)", "call": lambda: step_decode.run(q_token, slot_cache),
+                 "reference": step_ref[:, 0]})
     for row in rows:
         row["context"] = contextlib.nullcontext
     if device == "cuda":
