@@ -145,6 +145,39 @@ def test_a_padded_batch_is_read_in_place(layout, kwargs, device, monkeypatch):
         _check(out.view(batch * n, heads, dim_v), None, ref, None, torch.float32)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 3), n=st.integers(1, 21), cuts=st.lists(st.integers(0, 63), max_size=5),
+       layout=st.sampled_from(["token-major", "head-major", "a slice of a longer cache"]), causal=st.booleans(),
+       seed=st.integers(0, 99))
+def test_a_padded_batch_read_in_place_property(batch, n, cuts, layout, causal, seed, device):
+    """Any split of the flattened rows into sequences (empty ones included), over tensors laid out as transformers
+    lays them out, as its dynamic cache does, or as a static cache's first n positions (which do not flatten in
+    place): the reference per sequence, every element written."""
+    gen = torch.Generator().manual_seed(seed)
+    total = batch * n
+    bounds = sorted({0, total, *(c % (total + 1) for c in cuts)})
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+
+    def tensor(heads):
+        if layout == "token-major":
+            return _randn(gen, batch, n, heads, 16, dtype=torch.float32, device=device).transpose(1, 2)
+        if layout == "head-major":
+            return _randn(gen, batch, heads, n, 16, dtype=torch.float32, device=device)
+        return _randn(gen, batch, heads, n + 5, 16, dtype=torch.float32, device=device)[:, :, :n]
+
+    q, k, v = tensor(4), tensor(2), tensor(2)
+    empty_like = torch.empty_like
+    with pytest.MonkeyPatch.context() as patch:  # outputs start as NaN
+        patch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+        out = varlen_attention_padded(q, k, v, cu, cu, longest, longest, causal=causal)
+    assert out.shape == (batch, n, 4, 16)
+    flat = [t.transpose(1, 2).reshape(total, t.shape[1], 16) for t in (q, k, v)]
+    ref, _ = varlen_reference(flat[0], [flat[1][a:b] for a, b in zip(bounds, bounds[1:])],
+                              [flat[2][a:b] for a, b in zip(bounds, bounds[1:])], cu.cpu(), causal=causal)
+    _check(out.reshape(total, 4, 16), None, ref, None, torch.float32)
+
+
 def test_a_padded_batch_trains_as_the_flattened_call(device):
     """Under autograd varlen_attention_padded is varlen_attention on the flattened views: the same gradients."""
     gen = torch.Generator().manual_seed(12)
