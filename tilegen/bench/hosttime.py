@@ -239,9 +239,9 @@ def _mask_rows(rand, device: str, q, k, v) -> list[dict]:
                  "transformers' AttentionInterface, left-padded 2 x 9",
                  "call": lambda: attention_forward(module, q_step, k_cache, v_cache, left)[0], "reference": step_ref})
     # PagedDecode.run on that cache seen as the integration sees it (pages of one slot, its page table): the op.
-    k_slots, row = integration._slots(k_cache, 9)
+    k_slots, slots_a_row = integration._slots(k_cache, 9)
     slot_cache = tilegen.PagedKVCache(k_slots, integration._slots(v_cache, 9)[0],
-                                      *integration._slot_table(left, 1, 9, (row, None)).pages)
+                                      *integration._slot_table(left, 1, 9, (slots_a_row, None)).pages)
     step_decode = tilegen.PagedDecode()
     step_decode.plan(slot_cache, heads_q=8, max_seqlen_k=9, q_dtype=DTYPE)
     q_token = q_step.select(2, 0)
