@@ -165,6 +165,23 @@ def test_a_captured_tensor_alone_takes_a_gradient(device):
     assert table.grad is not None and table.grad.abs().sum() > 0 and q.grad is None
 
 
+def test_a_derivative_that_is_a_number_is_not_guarded():
+    """dS times a number (ALiBi's and a relative bias's 1.0, a scaling's factor) needs no select over the block, which
+    costs the Gluon backward's consumers registers; a derivative that may be infinite where no gradient arrives (log
+    at 0, a captured factor) keeps its guard."""
+    from tilegen.mods.grad import lower_score_mod_grad
+
+    def returned(fn):
+        return lower_score_mod_grad(trace(fn, "score_mod").canonical)[1][-1]
+
+    slopes = torch.rand(2)
+    for fn in (library.alibi(slopes), lambda score, b, h, q_idx, kv_idx: score * 2.0 - (kv_idx - q_idx) * 0.5):
+        assert returned(fn).startswith("return ds * d_"), returned(fn)
+    for fn in (library.softcap(30.0), lambda score, b, h, q_idx, kv_idx: torch.log(torch.abs(score)),
+               lambda score, b, h, q_idx, kv_idx: score * slopes[h]):
+        assert returned(fn).startswith("return tl.where(ds != 0, ds * d_"), returned(fn)
+
+
 def test_a_mod_without_a_derivative_is_refused_before_any_kernel_runs(device, monkeypatch):
     def stepped(score, b, h, q_idx, kv_idx):
         return score + (score * 2) // 1

@@ -11,6 +11,7 @@ does not reach. Integer and bool values have no tangent.
 from __future__ import annotations
 
 import functools
+import re
 
 from tilegen.mods.lower import ModGraph, _is_number, lower_mod, mod_ref, parse
 
@@ -90,6 +91,17 @@ def _tangents(graph: ModGraph, seed: str, tag: str, prefix: str) -> tuple[list[s
     return lines, d.get(graph.result)
 
 
+def _constants(lines: list[str]) -> set[str]:
+    """The tangents among ``lines`` (``name = expr``) whose expressions hold numbers and such tangents alone."""
+    constants: set[str] = set()
+    for line in lines:
+        name, expr = line.split(" = ", 1)
+        # An identifier, or a number's exponent ("1e-05"), makes it not a number: the guard stays, as for any value.
+        if all(word in constants for word in re.findall(r"[A-Za-z_][A-Za-z_0-9.]*", expr)):
+            constants.add(name)
+    return constants
+
+
 @functools.lru_cache(maxsize=256)  # read at every call that trains
 def grad_tensors(text: str | None) -> tuple[int, ...]:
     """The captured tensors of a score mod that can take a gradient: the floating ones."""
@@ -158,6 +170,10 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
             body += [f"if {flag}:"] + ["    " + line for line in block]
     if d_score is None:
         body.append("return tl.zeros(ds.shape, tl.float32)")
+    elif d_score in _constants(score_lines):
+        # A number (ALiBi's and a relative bias's 1.0): finite, so no guard, whose select over the block costs the
+        # Gluon backward's consumers registers (ptxas spilled 892 bytes against 280 without it, a scaling mod).
+        body.append(f"return ds * {d_score}")
     else:
         # Where no gradient arrives the mod's derivative may be inf or NaN (log at 0): 0, not 0 * inf.
         body.append(f"return tl.where(ds != 0, ds * {d_score}, 0.0)")
