@@ -220,6 +220,26 @@ def test_a_copy_runs_its_own_plan_when_compiled(device):
     assert not torch.equal(step(q, cache), decode.run(q, cache))
 
 
+def test_a_planned_object_refuses_a_deep_copy_by_name(device):
+    """An unplanned object deep-copies (with a handle of its own); a planned one, whose plan holds compiled kernels,
+    is refused with the object's name and what to do instead."""
+    import copy
+
+    gen = torch.Generator().manual_seed(16)
+    cache = make_cache([9], 8, 1, D, torch.float32, device, gen)
+    for planner, plan in ((tilegen.PagedDecode(), lambda p: p.plan(cache, heads_q=1)),
+                          (tilegen.PagedAttention(),
+                           lambda p: p.plan(torch.tensor([0, 1], dtype=torch.int32, device=device), cache, heads_q=1))):
+        twin = copy.deepcopy(planner)
+        assert twin._plan is None and twin._handle != planner._handle
+        plan(planner)
+        name = type(planner).__name__
+        with pytest.raises(TypeError, match=f"tilegen.{name}: a planned object cannot be deep-copied"):
+            copy.deepcopy(planner)
+        plan(twin)  # the copy plans and runs on its own
+        assert twin._plan is not None
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_a_head_major_query_and_a_captured_tensor_written_in_the_compiled_function(backend, device):
     gen = torch.Generator().manual_seed(15)

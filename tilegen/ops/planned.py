@@ -10,6 +10,7 @@ runs in the same graph; another object's handle is another constant, so it recom
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import weakref
@@ -49,10 +50,21 @@ class Planner:
 
     def __setstate__(self, state: dict) -> None:
         # copy.copy's copy (sharing the plan, its buffers included) is another object: its own handle, or a
-        # compiled graph of the copy would run the original's plan. (A plan holds its launcher's module, so a
-        # planned object neither deep-copies nor pickles.)
+        # compiled graph of the copy would run the original's plan.
         self.__dict__.update(state)
         self._register()
+
+    def __deepcopy__(self, memo: dict) -> Planner:
+        # A plan holds its launcher's compiled module, which nothing copies: refused by name, not by pickle's
+        # "cannot pickle 'module' object".
+        if self._plan is not None:
+            raise TypeError(f"{self.op.removesuffix('.run')}: a planned object cannot be deep-copied (its plan holds "
+                            "compiled kernels); deep-copy it before plan(...), or plan(...) a copy.copy of it, which "
+                            "shares the plan until then")
+        twin = object.__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def _refuse_plan_compiling(self) -> None:
         # plan() reads device values on the host and builds Python state, which a graph cannot hold.
