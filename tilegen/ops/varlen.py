@@ -95,15 +95,9 @@ def varlen_attention(
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     key = None
     try:
-        cq, ck = cu_seqlens_q, cu_seqlens_k
-        # One tensor of offsets for both (self-attention) is keyed once: half the offsets' part of the key's
-        # host time.
-        offsets = (cq.shape, cq.stride(), cq.dtype, cq.device) if ck is cq else (
-            cq.shape, ck.shape, cq.stride(), ck.stride(), cq.dtype, ck.dtype, cq.device, ck.device)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, offsets,
-               type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
-               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale, return_lse.__class__,
-               return_lse, window if window is None else (window.__class__, *map(type, window), *window))
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               _call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale),
+               return_lse.__class__, return_lse)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         plan = None
@@ -113,8 +107,7 @@ def varlen_attention(
         if key is not None:
             _plans.put(key, plan)
     if env.debug():
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if out is None:
         out = _new_output(plan, q)
     else:
@@ -148,14 +141,9 @@ def varlen_attention_padded(
     does not flatten in place, under autograd and under ``torch.compile``, it is that call."""
     try:
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
-        cq, ck = cu_seqlens_q, cu_seqlens_k
         strides = (q.stride(), k.stride(), v.stride())
-        offsets = (cq.shape, cq.stride(), cq.dtype, cq.device) if ck is cq else (
-            cq.shape, ck.shape, cq.stride(), ck.stride(), cq.dtype, ck.dtype, cq.device, ck.device)
-        key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, offsets,
-               type(max_seqlen_q), max_seqlen_q, type(max_seqlen_k), max_seqlen_k,
-               causal.__class__, causal, softcap.__class__, softcap, scale.__class__, scale,
-               window if window is None else (window.__class__, *map(type, window), *window))
+        key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               _call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale))
         planned = _padded_plans.get(key, False) if plain and not torch.compiler.is_compiling() else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: varlen_attention says which
         key, planned = None, None
@@ -172,14 +160,24 @@ def varlen_attention_padded(
                                window=window, softcap=softcap, scale=scale)
         return out.view(q.shape[0], q.shape[2], q.shape[1], out.shape[2])
     if env.debug():
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0] * q.shape[2], max_seqlen_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0] * k.shape[2], max_seqlen_k)
+        _check_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0] * q.shape[2], k.shape[0] * k.shape[2], max_seqlen_q,
+                       max_seqlen_k)
     plan, out_like = planned
     out = torch.empty_like(out_like)
     if plan.launches:
         # The key's strides are q's, k's and v's own, which fix their views'; the output's are its template's.
         plan.launch(strides, q, k, v, out, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
     return out
+
+
+def _call_key(cq, ck, max_q, max_k, causal, window, softcap, scale) -> tuple:
+    """The part of a ragged call's plan key past its q, k and v: the offsets' layout and the other arguments, each
+    with its type (``True == 1``, but only one was checked)."""
+    # One tensor of offsets for both (self-attention) is keyed once: half the offsets' part of the key's host time.
+    offsets = (cq.shape, cq.stride(), cq.dtype, cq.device) if ck is cq else (
+        cq.shape, ck.shape, cq.stride(), ck.stride(), cq.dtype, ck.dtype, cq.device, ck.device)
+    return (offsets, type(max_q), max_q, type(max_k), max_k, causal.__class__, causal, softcap.__class__, softcap,
+            scale.__class__, scale, window if window is None else (window.__class__, *map(type, window), *window))
 
 
 def _plan_padded(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale):
@@ -236,8 +234,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     mods = bind_mods(score_mod, mask_mod, q.device, ranges)
     spec = with_mod_fields(plan.spec, mods.score_mod, mods.mask_mod)
     if env.debug():
-        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+        _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     if wants_grad(q, k, v, mods.tensors):
         attention_grad.check_training_args(out, deterministic)
         spec = spec.replace(return_lse=True)  # the backward reads it
@@ -271,8 +268,7 @@ def _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return
     spec, left, right, scale, softcap = checked
     trains = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
     if env.debug():
-        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+        _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     result, lse = torch.ops.tilegen.varlen_attention_mods_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, list(mods.tensors), len(mods.tensors) - len(mods.mask_tensors),
         mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, spec.return_lse or trains, scale, softcap,
@@ -315,8 +311,7 @@ def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     check_grid("cu_seqlens_q", (cu_q.numel() - 1) * q.shape[1], "(sequence, head) pairs of the backward")
     attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap, "ragged")
     if env.debug():
-        _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k)
+        _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, scale, softcap, left, right,
         deterministic)
@@ -733,6 +728,12 @@ def _check_rows(name: str, max_len: int, cu_name: str, batch: int, packed: str, 
         expected = f"at most {batch * max_len} rows, as planned" if planned else f"at least {-(-total // batch)}"
         raise ValueError(f"{name}: {batch} sequences of at most {max_len} tokens cannot hold {packed}'s {total} "
                          f"rows; expected {expected}")
+
+
+def _check_offsets(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """Both offsets of a ragged call checked on the device (``TILEGEN_DEBUG=1``)."""
+    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_q)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_k)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, max_len: int) -> None:
