@@ -261,36 +261,24 @@ def test_a_score_mod_through_the_gluon_kernels(config, mask, grads, monkeypatch,
     assert runs == (["_dkdv"] if grads else gluon), runs
 
 
-_FACTORY = """
-import torch
-
-def make_alibi(*, batch, heads, n_q, n_k, device):
-    slopes = torch.linspace(0.05, 0.4, heads, device=device)
-
-    def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    return alibi
-"""
-
-
 def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) -> list[str]:
     """One trial of the tuner's (``Problem``: NaN-poisoned gradients, checked against the reference's autograd
     through the mod) of an ALiBi spec with ``config``; with ``grads``, a gradient wanted for the slopes. Returns the
     kernels the launcher ran."""
     import json
-    import sys
     import types
+
+    from test_mods_tune import MODS, _importable
 
     from tilegen.dispatch import launcher_for
     from tilegen.families.attention_bwd.problem import Problem
     from tilegen.mods import sources
 
-    (tmp_path / "bwd_mods.py").write_text(_FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "bwd_mods", raising=False)
-    monkeypatch.setenv(sources.ENV, json.dumps({"score_mod": "bwd_mods:make_alibi"}))
-    spec = D128.replace(mask=mask, score_mod=sources.canonical_text("bwd_mods:make_alibi", "score_mod"))
+    # The tuner finds a mod by import path: the tuning tests' ALiBi factory.
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    _importable(tmp_path, monkeypatch)
+    monkeypatch.setenv(sources.ENV, json.dumps({"score_mod": "tune_mods:make_alibi"}))
+    spec = D128.replace(mask=mask, score_mod=sources.canonical_text("tune_mods:make_alibi", "score_mod"))
     module = module_for(spec)
     runs = []
     for name in ("_dkdv_wgmma", "_dq_wgmma", "_dkdv_wgmma_ws", "_dkdv"):
