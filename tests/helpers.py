@@ -217,6 +217,15 @@ def poisoned_like_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.full((batch, heads, n_q, v.shape[3]), math.nan, dtype=q.dtype, device=q.device)
 
 
+_empty_like = torch.empty_like
+
+
+def nan_outputs(patch) -> None:
+    """New outputs allocated by ``torch.empty_like`` (as the ops allocate them) start as NaN, through ``patch`` (a
+    ``pytest.MonkeyPatch``): an element the kernel leaves unwritten stays NaN."""
+    patch.setattr(torch, "empty_like", lambda t, **kw: _empty_like(t, **kw).fill_(math.nan))
+
+
 def inside(t: torch.Tensor, pad: int, fill: float | int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` copied into the middle of a buffer ``pad`` rows longer on each side (dimension 0)
     and filled with ``fill`` there: ``(the view, the buffer)``. NaN around an input shows a read

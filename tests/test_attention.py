@@ -22,6 +22,7 @@ from helpers import (
     Case,
     attention_calls,
     check_against_reference,
+    nan_outputs,
     param,
     poisoned_like_out,
     run_public,
@@ -216,14 +217,13 @@ def test_seq_major_output_is_written_in_place_of_every_element(device, monkeypat
     NaN when the kernel starts), equal to the op's output transposed; the second call takes the cached plan."""
     case = Case(n_q, n_k, dtype="bf16", head_dim=64, head_dim_v=32, heads_q=4, heads_kv=2, batch=2)
     q, k, v = case.inputs(device)
-    empty_like = torch.empty_like
-    monkeypatch.setattr(attention_module.torch, "empty_like", lambda t: empty_like(t).fill_(math.nan))
+    nan_outputs(monkeypatch)
     for _ in range(2):
         out = attention_module.attention_seq_major(q, k, v, **kwargs)
         assert out.shape == (2, n_q, 4, 32) and out.is_contiguous()
         monkeypatch.undo()
         want = tilegen.attention(q, k, v, **kwargs).transpose(1, 2)
-        monkeypatch.setattr(attention_module.torch, "empty_like", lambda t: empty_like(t).fill_(math.nan))
+        nan_outputs(monkeypatch)
         assert not torch.isnan(out).any() and torch.equal(out, want)
 
 

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import nan_outputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -194,8 +195,7 @@ def test_every_layer_of_a_padded_decoding_step_reads_its_own_cache(device, monke
     real_run = tilegen_hf.PagedDecode.run
     monkeypatch.setattr(tilegen_hf.PagedDecode, "run",
                         lambda self, *a, **kw: runs.append(1) or real_run(self, *a, **kw))
-    empty_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+    nan_outputs(monkeypatch)
     _refuse_ragged(monkeypatch)
     module = types.SimpleNamespace(is_causal=True)
     for layer in range(4):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_guard_bands, inside
+from helpers import assert_guard_bands, inside, nan_outputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -136,8 +136,7 @@ def test_a_padded_batch_is_read_in_place(layout, kwargs, device, monkeypatch):
     c = cu.tolist()
     ref, _ = varlen_reference(flat[0], [flat[1][a:b] for a, b in zip(c, c[1:])],
                               [flat[2][a:b] for a, b in zip(c, c[1:])], cu.cpu(), **kwargs)
-    empty_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+    nan_outputs(monkeypatch)
     for _ in range(2):
         out = varlen_attention_padded(q, k, v, cu, cu, 20, 20, **kwargs)
         assert out.shape == (batch, n, heads, dim_v) and out.is_contiguous()
@@ -167,9 +166,8 @@ def test_a_padded_batch_read_in_place_property(batch, n, cuts, layout, causal, s
         return _randn(gen, batch, heads, n + 5, 16, dtype=torch.float32, device=device)[:, :, :n]
 
     q, k, v = tensor(4), tensor(2), tensor(2)
-    empty_like = torch.empty_like
-    with pytest.MonkeyPatch.context() as patch:  # outputs start as NaN
-        patch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(math.nan))
+    with pytest.MonkeyPatch.context() as patch:
+        nan_outputs(patch)
         out = varlen_attention_padded(q, k, v, cu, cu, longest, longest, causal=causal)
     assert out.shape == (batch, n, 4, 16)
     flat = [t.transpose(1, 2).reshape(total, t.shape[1], 16) for t in (q, k, v)]
