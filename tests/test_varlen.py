@@ -202,6 +202,34 @@ def test_a_padded_batch_of_the_wrong_rank_names_the_argument(device):
         varlen_attention_padded(q, k, k, _cu([9, 9], device), _cu([9, 9], device), 9, 9)
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["in-place", "copied"])
+@pytest.mark.parametrize("bad", ["k batch", "v batch", "v length"])
+def test_a_padded_batch_whose_rows_disagree_names_the_argument(bad, strided, device):
+    # Each disagreeing tensor flattens to as many rows as the good one: only the check tells them apart.
+    q = torch.randn(2, 4, 9, 16, device=device)
+    k = torch.randn(2, 2, 9, 16, device=device)
+    v = torch.randn(2, 2, 9, 16, device=device)
+    if bad == "k batch":
+        k = torch.randn(1, 2, 18, 16, device=device)
+    elif bad == "v batch":
+        v = torch.randn(1, 2, 18, 16, device=device)
+    else:
+        v = torch.randn(3, 2, 6, 16, device=device)
+    if strided:  # a tensor that does not flatten in place takes the flattening call
+        q = torch.randn(2, 9, 4, 32, device=device)[..., ::2].transpose(1, 2)
+    match = {"k batch": r"k: a batch of 1, q has 2", "v batch": r"v: a batch of 1, q has 2",
+             "v length": r"v: a batch of 3, q has 2"}[bad]
+    with pytest.raises(ValueError, match=match):
+        varlen_attention_padded(q, k, v, _cu([9, 9], device), _cu([9, 9], device), 9, 9)
+
+
+def test_a_padded_batch_whose_values_are_shorter_names_the_argument(device):
+    q = torch.randn(2, 4, 9, 16, device=device)
+    k = torch.randn(2, 2, 9, 16, device=device)
+    with pytest.raises(ValueError, match=r"v: 8 tokens a row, k has 9"):
+        varlen_attention_padded(q, k, k[:, :, :8], _cu([9, 9], device), _cu([9, 9], device), 9, 9)
+
+
 # -------------------------------------------------------------------------------- paged
 
 def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):

@@ -66,15 +66,15 @@ def _warn_once(reason: str, target: str) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _attribute(module: Any, name: str, default: Any) -> Any:
-    """``getattr(module, name, default)`` without ``nn.Module.__getattr__``, the path of a missing attribute
-    (a Llama attention module has no ``sliding_window``), which costs microseconds on every call."""
-    # No exception on the way: raising one costs about a microsecond, and Llama's modules lack the window.
-    value = getattr(module, "__dict__", _EMPTY).get(name, _EMPTY)
-    return getattr(type(module), name, default) if value is _EMPTY else value
-
-
 _EMPTY: Any = {}  # a missing instance dict, and the marker of a missing attribute
+
+
+@functools.cache
+def _class_defaults(cls: type) -> tuple[Any, Any]:
+    """``is_causal`` and ``sliding_window`` of an attention module's class, for the modules without their own.
+    Read at the class's first call: models set these per module, in ``__init__``, or on the class when it is
+    defined."""
+    return getattr(cls, "is_causal", True), getattr(cls, "sliding_window", None)
 
 
 def _dense(query, key, value, causal, window, softcap, scale) -> torch.Tensor:
@@ -105,9 +105,19 @@ def attention_forward(
     (what ``mask_forward`` hands over), or a 4-d mask: served when it is the causal (or bidirectional)
     pattern, window included, over padding, else handed to the fallback.
     """
-    causal = bool(is_causal if is_causal is not None else _attribute(module, "is_causal", True))
+    # The module's attributes read from its dict: nn.Module.__getattr__, the path of a missing one (a Llama
+    # module has no sliding_window), costs microseconds on every call, and so would raising on the way.
+    # A class's defaults are read once: looking up a name a class lacks costs a quarter of a microsecond.
+    attrs = getattr(module, "__dict__", _EMPTY)
+    if is_causal is None:
+        is_causal = attrs.get("is_causal", _EMPTY)
+        if is_causal is _EMPTY:
+            is_causal = _class_defaults(type(module))[0]
+    causal = bool(is_causal)
     if sliding_window is None:
-        sliding_window = _attribute(module, "sliding_window", None)
+        sliding_window = attrs.get("sliding_window", _EMPTY)
+        if sliding_window is _EMPTY:
+            sliding_window = _class_defaults(type(module))[1]
     window = None
     if sliding_window is not None:
         # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
@@ -146,12 +156,17 @@ def attention_forward(
 
     shape_q, shape_k = query.shape, key.shape  # each .shape is a new torch.Size: read once
     batch, n_q, n_k = shape_q[0], shape_q[2], shape_k[2]
+    if attention_mask.dtype is torch.bool:
+        layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
+        rows = layout.batch
+    else:
+        layout, rows = None, attention_mask.shape[0]
     # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens.
-    if shape_k[0] != batch or value.shape[0] != batch or attention_mask.shape[0] != batch:
-        name, t = next((name, t) for name, t in (("key", key), ("value", value), ("attention_mask", attention_mask))
-                       if t.shape[0] != batch)
-        raise ValueError(f"tilegen attention: {name} has a batch of {t.shape[0]}, query of {batch}")
-    if attention_mask.dtype != torch.bool:  # packed sequences' ids
+    if shape_k[0] != batch or value.shape[0] != batch or rows != batch:
+        name, size = next((name, size) for name, size in (("key", shape_k[0]), ("value", value.shape[0]),
+                                                           ("attention_mask", rows)) if size != batch)
+        raise ValueError(f"tilegen attention: {name} has a batch of {size}, query of {batch}")
+    if layout is None:  # packed sequences' ids
         if n_q != n_k or attention_mask.shape != (batch, n_q):
             return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
                              sliding_window, softcap, kwargs)
@@ -159,12 +174,11 @@ def attention_forward(
         return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
                        softcap, scaling)
 
-    if attention_mask.shape[1] < n_k:
+    if layout.keys != n_k:
         # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
-        n_k = attention_mask.shape[1]
+        n_k = layout.keys
         key, value = key[:, :, :n_k], value[:, :, :n_k]
         shape_k = key.shape
-    layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
     if n_q == 1 and layout.decodes:
@@ -334,6 +348,9 @@ class _Layout:
     cu_k: torch.Tensor | None
     max_q: int
     max_k: int
+    batch: int  # the mask's rows
+    # The keys the call reads: a static cache's keys past the mask's length are not written yet
+    keys: int
     # A padded decoding step's launches (_decode), one per kind of layer: kept with the mask, and with the layout
     # when a CUDA graph captures it, since they hold the page table and the plans' partials that the graph replays.
     steps: dict = field(default_factory=dict, compare=False)
@@ -373,7 +390,10 @@ def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
 
 
 def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
-    mask_k = mask[:, -n_k:] if mask.shape[1] > n_k else mask
+    """``n_k``: the call's keys, of which it reads the mask's length at most (``_Layout.keys``)."""
+    batch, length = mask.shape
+    n_k = min(n_k, length)
+    mask_k = mask[:, length - n_k:]
     if causal or n_q == n_k:
         # A causal layer's queries are the last n_q of its keys (a cached decode step or chunked prefill).
         mask_q = mask_k[:, n_k - n_q:]
@@ -392,16 +412,15 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     max_q, max_k, max_runs, real, run_q, run_k, decodes = torch.stack(
         [lens_q.max(), lens_k.max(), runs.max(), lens_q.sum() + lens_k.sum(), cu_q.diff().max(),
          cu_k.diff().max(), ((lens_q == n_q) | (lens_k == 0)).all()]).tolist()
-    batch = mask_k.shape[0]
     full = real == batch * (n_q + n_k)
     if full:
-        return _Layout(True, True, None, None, None, None, n_q, n_k)
+        return _Layout(True, True, None, None, None, None, n_q, n_k, batch, n_k)
     if max_runs <= 1:
-        return _Layout(False, bool(decodes), None, None, cu_q, cu_k, run_q, run_k)
+        return _Layout(False, bool(decodes), None, None, cu_q, cu_k, run_q, run_k, batch, n_k)
     zero = lens_q.new_zeros(1)
     return _Layout(False, bool(decodes), mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
-                   torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k)
+                   torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k, batch, n_k)
 
 
 def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,7 +475,7 @@ def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     starts[1:] = flat[1:] != flat[:-1]
     cu = torch.cat([starts.nonzero().view(-1), flat.new_tensor([batch * n])]).to(torch.int32)
     longest = int(cu.diff().max()) if batch * n else 0
-    return _Layout(False, False, None, None, cu, cu, longest, longest)
+    return _Layout(False, False, None, None, cu, cu, longest, longest, batch, n)
 
 
 def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal, sliding_window, softcap, kwargs):

@@ -155,6 +155,7 @@ def varlen_attention_padded(
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name}: expected [batch, heads, n, head_dim], got {_shape(t)}")
+        _check_padded(q, k, v)
         rows = [t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1], t.shape[3]) for t in (q, k, v)]
         out = varlen_attention(*rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                window=window, softcap=softcap, scale=scale)
@@ -185,10 +186,21 @@ def _plan_padded(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, sca
     (or is not a 4-d tensor: the call without views says what is wrong)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and _flattens(t) for t in (q, k, v)):
         return None
+    _check_padded(q, k, v)
     views = {0: _flat_rows, 1: _flat_rows, 2: _flat_rows, 3: _flat_out, 4: _flat_out}  # q, k, v, out, (no) LSE
     plan = _plan_ragged(_flat_rows(q), _flat_rows(k), _flat_rows(v), cu_q, cu_k, max_q, max_k, causal, window,
                         softcap, scale, False, views=views)
     return plan, empty_like_template((q.shape[0], q.shape[2], q.shape[1], plan.spec.dv), q.dtype, q.device)
+
+
+def _check_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The padded batch's rows are ``b * n + i``: a batch (or v's length) that disagrees would still flatten to as
+    many rows, and pair other rows' tokens."""
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: a batch of {t.shape[0]}, q has {q.shape[0]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v: {v.shape[2]} tokens a row, k has {k.shape[2]}")
 
 
 def _flattens(t: torch.Tensor) -> bool:
