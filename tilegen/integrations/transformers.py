@@ -226,8 +226,11 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
         return None
-    step_key = (*shapes, value.shape, query.stride(), key.stride(), value.stride(), query.dtype,
-                key.dtype, value.dtype, query.device, key.device, value.device, n_k, window, softcap, scaling)
+    # A contiguous tensor's strides follow from its shape, but for dims of one element, which address nothing:
+    # asking is_contiguous() costs half of reading them.
+    step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
+                value.is_contiguous() or value.stride(), query.dtype, key.dtype, value.dtype, query.device,
+                key.device, value.device, n_k, window, softcap, scaling)
     step = steps.get(step_key)
     if step is not None:
         launch, out_like = step
