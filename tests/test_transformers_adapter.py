@@ -507,13 +507,28 @@ def test_what_nothing_can_serve_is_refused_by_name(device, _fresh_warnings):
         tilegen_hf.attention_forward(module, q, k, v, mask, softcap=2.0)
 
 
+@pytest.mark.parametrize("mask", ["left padding", "holes", "decoding step", "no padding", "packed"])
 @pytest.mark.parametrize("wrong", ["key", "value", "attention_mask"])
-def test_a_batch_that_disagrees_with_the_masks_is_refused_by_name(wrong, device):
+def test_a_batch_that_disagrees_with_the_masks_is_refused_by_name(wrong, mask, device):
+    """Every path a mask leads to: a tensor whose batch disagrees is named, whichever check finds it (value's is the
+    op's where the call reaches one)."""
     q, k, v = _qkv(device)
-    args = {"key": k, "value": v, "attention_mask": torch.ones(2, 19, dtype=torch.bool, device=device)}
-    args["attention_mask"][0, :3] = False
+    if mask == "packed":
+        attention_mask = torch.tensor([[0] * 7 + [1] * 12, [0] * 19], device=device)
+    else:
+        attention_mask = torch.ones(2, 19, dtype=torch.bool, device=device)
+        attention_mask[0, :3] = mask == "no padding"
+        attention_mask[1, 5:8] = mask != "holes"
+    if mask == "decoding step":
+        q = q[:, :, -1:]
+    args = {"key": k, "value": v, "attention_mask": attention_mask}
     args[wrong] = args[wrong][:1]
-    with pytest.raises(ValueError, match=f"{wrong} has a batch of 1, query of 2"):
+    message = f"{wrong} has a batch of 1, query of 2"
+    if wrong == "value" and mask in ("left padding", "packed"):
+        message = r"v: a batch of 1, q has 2"  # varlen_attention_padded's own check
+    elif wrong == "value" and mask == "no padding":
+        message = r"k, v: batch sizes 2, 1 differ from q's 2"  # tilegen.attention's
+    with pytest.raises(ValueError, match=message):
         tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, args["key"], args["value"],
                                      args["attention_mask"])
 

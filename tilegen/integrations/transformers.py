@@ -148,8 +148,10 @@ def attention_forward(
     if cu_q is not None and (attention_mask is None or attention_mask.dtype != torch.bool):
         cu_k, max_q, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"), kwargs.get("max_length_k")
         if cu_k is not None and max_q is not None and max_k is not None:
-            return _packed(query, key, value, _as_offsets(cu_q), _as_offsets(cu_k), int(max_q), int(max_k),
-                           causal, window, softcap, scaling)
+            # Sequences packed along each row (padding-free training): the flattened tensors, read in place.
+            return varlen_attention_padded(query, key, value, _as_offsets(cu_q), _as_offsets(cu_k), int(max_q),
+                                           int(max_k), causal=causal, window=window, softcap=softcap,
+                                           scale=scaling), None
 
     if attention_mask is None:
         return _dense(query, key, value, causal, window, softcap, scaling), None
@@ -161,18 +163,17 @@ def attention_forward(
         rows = layout.batch
     else:
         layout, rows = None, attention_mask.shape[0]
-    # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens.
-    if shape_k[0] != batch or value.shape[0] != batch or rows != batch:
-        name, size = next((name, size) for name, size in (("key", shape_k[0]), ("value", value.shape[0]),
-                                                           ("attention_mask", rows)) if size != batch)
-        raise ValueError(f"tilegen attention: {name} has a batch of {size}, query of {batch}")
+    # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens. Value's
+    # batch is checked where the call goes: by the op (tilegen.attention, varlen_attention_padded), or below.
+    if shape_k[0] != batch or rows != batch:
+        _check_batch(batch, key=shape_k[0], attention_mask=rows)
     if layout is None:  # packed sequences' ids
         if n_q != n_k or attention_mask.shape != (batch, n_q):
             return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
                              sliding_window, softcap, kwargs)
         layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
-        return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
-                       softcap, scaling)
+        return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                                       causal=causal, window=window, softcap=softcap, scale=scaling), None
 
     if layout.keys != n_k:
         # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
@@ -187,12 +188,13 @@ def attention_forward(
         if out is not None:
             return out, None
     if layout.rows_q is None:  # each row's real tokens are one run: read in place
-        return _packed(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal, window,
-                       softcap, scaling)
+        return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                                       causal=causal, window=window, softcap=softcap, scale=scaling), None
     if window is not None:
         # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
         return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
+    _check_batch(batch, value=value.shape[0])
     heads, dim = shape_q[1], shape_q[3]
     q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
     k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
@@ -204,11 +206,10 @@ def attention_forward(
     return full.view(batch, n_q, heads, out.shape[2]), None
 
 
-def _packed(query, key, value, cu_q, cu_k, max_q, max_k, causal, window, softcap, scaling):
-    """Sequences packed along each row (padding-free training), or each row's real tokens one run of it: the
-    ragged batch is the flattened tensors themselves, read in place, with no gather."""
-    return varlen_attention_padded(query, key, value, cu_q, cu_k, max_q, max_k, causal=causal, window=window,
-                                   softcap=softcap, scale=scaling), None
+def _check_batch(batch: int, **sizes: int) -> None:
+    for name, size in sizes.items():
+        if size != batch:
+            raise ValueError(f"tilegen attention: {name} has a batch of {size}, query of {batch}")
 
 
 def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict, shapes) -> torch.Tensor | None:
@@ -238,6 +239,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
         # The step's own launch: its key fixes every view, so its replay needs no key of its own.
         launch(None, query, key, value, out)
         return out
+    _check_batch(query.shape[0], value=value.shape[0])  # once a kind of step: its key holds value's shape
     if query.shape[0] * n_k > _MAX_SLOTS:  # the page table's entries, one a key of the padded batch
         return None
     pages = _slots(key, n_k)
