@@ -147,7 +147,10 @@ def tuning_mods(spec, paths: tuple[str | None, str | None], ranges: dict[str, in
     for (kind, option), path in zip(_OPTIONS.items(), paths):
         mods.append(None if path is None else build(load(path, option), option, batch=batch, heads=heads, n_q=n_q,
                                                     n_k=n_k, device=device))
-    bound = bind_mods(*mods, torch.device(device), ranges)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as the tensors were made on
+        device = torch.device("cuda", torch.cuda.current_device())
+    bound = bind_mods(*mods, device, ranges)
     for (kind, option), path, text in zip(_OPTIONS.items(), paths, (bound.score_mod, bound.mask_mod)):
         if text != getattr(spec, kind):
             raise ValueError(f"{option}: {path} builds a different {kind} at batch {batch}, heads {heads}, "
