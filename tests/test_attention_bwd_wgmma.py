@@ -111,16 +111,21 @@ def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch
     assert not rule.atomic_dq and rule.wgmma == 3
 
 
-def test_a_score_mod_is_offered_the_gluon_kernels_on_a_dense_batch_but_not_taken_by_default():
-    """A score mod runs in both Gluon kernels (its scores and its derivative, as the Triton kernels apply them): the
-    tuner may choose them, since it checks every candidate against the reference; the default keeps the Triton
-    kernels, the Gluon ones being untimed with a mod. A ragged batch, a mask mod and a gather by both positions stay
-    the Triton kernels'."""
+def test_a_score_mod_on_a_dense_batch_takes_the_gluon_kernels():
+    """A score mod runs in the Gluon kernels (its scores and its derivative, as the Triton kernels apply them), by
+    default on Hopper with Triton 3.6 (the warp-specialized kernel; adding dQ by TMA reductions without a mask), and
+    in every Gluon config the tuner may choose. A ragged batch, a mask mod and a gather by both positions stay the
+    Triton kernels'."""
     from tilegen.mods import library
     from tilegen.mods.trace import trace
 
     assert wgmma_unsupported(ALIBI) is None and wgmma_unsupported(ALIBI.replace(mask="none")) is None
-    assert not any(c.wgmma for _, c in default_rule(ALIBI, HOPPER))
+    causal, full = (default_rule(spec, HOPPER)[0][1] for spec in (ALIBI, ALIBI.replace(mask="none")))
+    if TRITON_36:
+        assert (causal.wgmma, causal.atomic_dq, full.wgmma, full.atomic_dq) == (3, 0, 3, 1)
+        assert feasible(ALIBI, causal, HOPPER) is None and feasible(ALIBI.replace(mask="none"), full, HOPPER) is None
+    else:
+        assert not causal.wgmma and not full.wgmma
     assert "dense batches only" in wgmma_unsupported(ALIBI.replace(layout="ragged"))
     documents = D128.replace(mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
                                             "mask_mod").canonical)

@@ -215,9 +215,15 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
         return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
-    # A score mod keeps the Triton kernels by default: its Gluon kernels are offered to the tuner (which checks every
-    # candidate against the reference) but were never timed on the H200.
-    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is None:
+    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
+        # A score mod (ALiBi, bf16, 4 x 4096, 32/8 heads, the H200, backward alone): without a mask the
+        # warp-specialized kernel adding dQ by TMA reductions 6.25 ms against 7.05 for it with the dQ kernel and 6.53
+        # for the Triton kernels' default; causal the warp-specialized kernel 3.90 ms against 4.76 (BENCHMARKS.md).
+        # A call wanting a gradient for a captured tensor runs the Triton kernels whatever the config says.
+        if spec.mask == "none":
+            return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
+        return [(None, Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
+    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None:
         # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
         # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
