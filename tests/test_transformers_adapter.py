@@ -488,12 +488,65 @@ def test_what_it_cannot_serve_goes_to_sdpa_with_one_warning_per_reason(device, _
     holes[0, 4:6] = False  # a window counts positions; a ragged batch would count real tokens
     with pytest.warns(RuntimeWarning, match="not one run"):
         out, _ = tilegen_hf.attention_forward(module, q, k, v, holes, sliding_window=5)
-    allowed = _causal(19, 19, device, window=5) & holes[:, None, None, :]
-    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-5
+    # Padded queries' rows are zeros, as on tilegen's own paths.
+    allowed = _causal(19, 19, device, window=5) & holes[:, None, None, :] & holes[:, None, :, None]
+    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-5 and not out[0, 4:6].any()
 
     with pytest.warns(RuntimeWarning, match="dropout"):
         out, _ = tilegen_hf.attention_forward(module, q, k, v, None, dropout=0.5)
     assert out.shape == (2, 19, 4, 16) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("mask", ["1-d", "3-d", "4-d of another batch", "4-d of fewer keys", "float 2-d",
+                                  "ids of fewer tokens", "ids with fewer queries"])
+def test_a_mask_that_does_not_fit_the_call_is_refused_by_name(mask, device):
+    """Each is an error naming attention_mask, not a shape error from inside torch (or a float mask taken for
+    sequence ids)."""
+    q, k, v = _qkv(device)
+    masks = {"1-d": torch.ones(19, dtype=torch.bool), "3-d": torch.ones(2, 19, 19, dtype=torch.bool),
+             "4-d of another batch": torch.ones(3, 1, 19, 19, dtype=torch.bool),
+             "4-d of fewer keys": torch.ones(2, 1, 19, 18, dtype=torch.bool),
+             "float 2-d": torch.ones(2, 19), "ids of fewer tokens": torch.zeros(2, 18, dtype=torch.int64),
+             "ids with fewer queries": torch.zeros(2, 19, dtype=torch.int64)}
+    if mask == "ids with fewer queries":
+        q = q[:, :, -3:]
+    with pytest.raises(ValueError, match="attention_mask"):
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, masks[mask].to(device))
+
+
+def test_a_4d_mask_longer_than_the_keys_is_cut_as_transformers_cuts_it(device, _fresh_warnings):
+    q, k, v = _qkv(device)
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(2, 1, 19, 23, generator=gen) > 0.4).to(device)
+    mask[..., 0] = True
+    with pytest.warns(RuntimeWarning, match="a mask that is not causal"):
+        out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask)
+    assert _rel(out, _dense_reference(q, k, v, mask[..., :19])) < 1e-5
+
+
+def test_is_causal_from_a_property_of_the_class(device):
+    class Encoder(torch.nn.Module):
+        @property
+        def is_causal(self):
+            return False
+
+    q, k, v = _qkv(device)
+    out, _ = tilegen_hf.attention_forward(Encoder(), q, k, v, None)
+    full = torch.ones(1, 1, 19, 19, dtype=torch.bool, device=device)
+    assert _rel(out, _dense_reference(q, k, v, full)) < 1e-5
+
+
+@pytest.mark.parametrize("keys", [19, 23], ids=["keys of the mask", "a static cache's keys past it"])
+def test_a_causal_call_with_more_queries_than_the_masks_keys(keys, device):
+    """Queries before the first key see none: their rows are zeros, the others as without the mask's cut."""
+    q, _, _ = _qkv(device, n=25, seed=4)
+    _, k, v = _qkv(device, n=keys, seed=5)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :4] = False  # left padding
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+    k, v = k[:, :, :19], v[:, :, :19]
+    allowed = _causal(25, 19, device) & padding[:, None, None, :]
+    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-5 and not out[:, :6].any()
 
 
 def test_what_nothing_can_serve_is_refused_by_name(device, _fresh_warnings):

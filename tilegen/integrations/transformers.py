@@ -28,7 +28,9 @@ built from anything but causal, sliding-window, padding and packing (chunked, im
 ``output_attentions``, attention sinks, a sliding window over a padding mask with holes (several queries a row).
 
 The ragged path reads its max lengths on the host: one synchronization per forward (per mask), as
-FlashAttention-2's padding path has; the unmasked path has none.
+FlashAttention-2's padding path has; the unmasked path has none. That layout is kept with the mask object and its
+version counter, so an in-place write to a mask is seen, except one that bypasses the counter (through ``.data``
+or a NumPy view of the tensor): a mask changed so must be a new tensor.
 
 transformers is imported by ``register()``, ``use_tilegen()`` and ``mask_forward`` only, never when tilegen is.
 """
@@ -69,12 +71,19 @@ def _warn_once(reason: str, target: str) -> None:
 _EMPTY: Any = {}  # a missing instance dict, and the marker of a missing attribute
 
 
+def _module_attribute(module: Any, name: str, default: Any) -> Any:
+    """``getattr(module, name, default)`` for an attribute the module's instance dict lacks: the class's (a value or
+    a property). A class that lacks it too is remembered, since finding that out raises inside ``getattr``, which
+    costs a quarter of a microsecond a call (Llama's modules have no ``sliding_window``)."""
+    cls = type(module)
+    if _lacks(cls, name):
+        return default
+    return getattr(module, name, default)
+
+
 @functools.cache
-def _class_defaults(cls: type) -> tuple[Any, Any]:
-    """``is_causal`` and ``sliding_window`` of an attention module's class, for the modules without their own.
-    Read at the class's first call: models set these per module, in ``__init__``, or on the class when it is
-    defined."""
-    return getattr(cls, "is_causal", True), getattr(cls, "sliding_window", None)
+def _lacks(cls: type, name: str) -> bool:
+    return not hasattr(cls, name)
 
 
 def _dense(query, key, value, causal, window, softcap, scale) -> torch.Tensor:
@@ -107,17 +116,16 @@ def attention_forward(
     """
     # The module's attributes read from its dict: nn.Module.__getattr__, the path of a missing one (a Llama
     # module has no sliding_window), costs microseconds on every call, and so would raising on the way.
-    # A class's defaults are read once: looking up a name a class lacks costs a quarter of a microsecond.
     attrs = getattr(module, "__dict__", _EMPTY)
     if is_causal is None:
         is_causal = attrs.get("is_causal", _EMPTY)
         if is_causal is _EMPTY:
-            is_causal = _class_defaults(type(module))[0]
+            is_causal = _module_attribute(module, "is_causal", True)
     causal = bool(is_causal)
     if sliding_window is None:
         sliding_window = attrs.get("sliding_window", _EMPTY)
         if sliding_window is _EMPTY:
-            sliding_window = _class_defaults(type(module))[1]
+            sliding_window = _module_attribute(module, "sliding_window", None)
     window = None
     if sliding_window is not None:
         # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
@@ -132,11 +140,15 @@ def attention_forward(
     elif kwargs.get("s_aux") is not None:
         reason = "s_aux"
     elif attention_mask is not None and attention_mask.dim() != 2:
+        if attention_mask.dim() != 4:
+            raise ValueError(f"tilegen attention: attention_mask: expected a 2-d padding mask or sequence ids, or a "
+                             f"4-d mask, got the shape {tuple(attention_mask.shape)}")
         # A dense mask of the caller's (or a builder's): served when it is the causal (or bidirectional)
         # pattern, the window, and padding, which its 2-d padding mask then stands for.
         padding = _layout(attention_mask, query.shape[2], key.shape[2], (causal, sliding_window, query.shape[0]),
                           _padding_of_dense)
         if padding is None:
+            _check_dense_mask(attention_mask, query, key)
             reason = "mask"
         else:
             attention_mask = padding
@@ -162,6 +174,9 @@ def attention_forward(
         layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
         rows = layout.batch
     else:
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            raise ValueError(f"tilegen attention: attention_mask: a 2-d mask is a bool padding mask or integer ids "
+                             f"of packed sequences, got {attention_mask.dtype}")
         layout, rows = None, attention_mask.shape[0]
     # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens. Value's
     # batch is checked where the call goes: by the op (tilegen.attention, varlen_attention_padded), or below.
@@ -169,8 +184,8 @@ def attention_forward(
         _check_batch(batch, key=shape_k[0], attention_mask=rows)
     if layout is None:  # packed sequences' ids
         if n_q != n_k or attention_mask.shape != (batch, n_q):
-            return _fallback("mask", module, query, key, value, attention_mask, dropout, scaling, causal,
-                             sliding_window, softcap, kwargs)
+            raise ValueError(f"tilegen attention: attention_mask: packed sequences' ids [batch, n] need n queries "
+                             f"and n keys; got ids {tuple(attention_mask.shape)} for {n_q} queries and {n_k} keys")
         layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
         return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
                                        causal=causal, window=window, softcap=softcap, scale=scaling), None
@@ -400,8 +415,9 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     n_k = min(n_k, length)
     mask_k = mask[:, length - n_k:]
     if causal or n_q == n_k:
-        # A causal layer's queries are the last n_q of its keys (a cached decode step or chunked prefill).
-        mask_q = mask_k[:, n_k - n_q:]
+        # A causal layer's queries are the last n_q of its keys (a cached decode step or chunked prefill); queries
+        # before the first key see none (their rows are zeros, as padding's).
+        mask_q = _query_rows(mask_k, n_q)
     else:  # cross-attention: the mask pads the keys only
         mask_q = mask_k.new_ones(mask_k.shape[0], n_q)
     lens_q = mask_q.sum(-1, dtype=torch.int32)
@@ -426,6 +442,14 @@ def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     return _Layout(False, bool(decodes), mask_q.reshape(-1).nonzero().view(-1), mask_k.reshape(-1).nonzero().view(-1),
                    torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)]),
                    torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)]), max_q, max_k, batch, n_k)
+
+
+def _query_rows(mask_k: torch.Tensor, n_q: int) -> torch.Tensor:
+    """Which of a causal call's n_q queries are real, from its keys' padding mask (queries aligned bottom-right)."""
+    n_k = mask_k.shape[1]
+    if n_q <= n_k:
+        return mask_k[:, n_k - n_q:]
+    return torch.cat([mask_k.new_zeros(mask_k.shape[0], n_q - n_k), mask_k], 1)
 
 
 def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,6 +507,15 @@ def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _La
     return _Layout(False, False, None, None, cu, cu, longest, longest, batch, n)
 
 
+def _check_dense_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A 4-d mask the fallback hands to SDPA: one that broadcasts over ``[batch, heads, n_q, n_k]``, its keys past
+    n_k cut (as transformers' SDPA path cuts them)."""
+    want = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if any(m not in (1, w) for m, w in zip(mask.shape[:3], want)) or 1 < mask.shape[3] < want[3]:
+        raise ValueError(f"tilegen attention: attention_mask: a 4-d mask of shape {tuple(mask.shape)} does not "
+                         f"broadcast over [batch, heads, n_q, n_k] = {list(want)}")
+
+
 def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal, sliding_window, softcap, kwargs):
     """The call in SDPA, or in the model's own eager attention when SDPA cannot take it (softcap,
     attention sinks, the attention weights), on the mask transformers would have built."""
@@ -495,6 +528,8 @@ def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal,
     _warn_once(reason, "eager attention" if eager is not None else "SDPA")
     n_q, n_k = query.shape[2], key.shape[2]
     built = mask is None or mask.dim() != 4
+    if not built and mask.shape[3] > n_k:
+        mask = mask[:, :, :, :n_k]
     if built:
         if mask is not None and mask.dtype == torch.bool and mask.shape[1] < n_k:
             key, value, n_k = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]], mask.shape[1]
@@ -548,7 +583,11 @@ def _dense_mask(mask, batch, n_q, n_k, causal, sliding_window, device) -> torch.
     if mask is None:
         return allowed
     if mask.dtype == torch.bool:
-        return allowed & mask[:, -n_k:][:, None, None, :]
+        mask_k = mask[:, mask.shape[1] - n_k:]
+        allowed = allowed & mask_k[:, None, None, :]
+        if causal or n_q == n_k:  # padded queries see no key: their rows are zeros, as on tilegen's paths
+            allowed = allowed & _query_rows(mask_k, n_q)[:, None, :, None]
+        return allowed
     return allowed & (mask[:, None, :, None] == mask[:, None, None, :])
 
 
