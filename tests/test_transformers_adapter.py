@@ -524,9 +524,10 @@ def test_a_4d_mask_longer_than_the_keys_is_cut_as_transformers_cuts_it(device, _
     assert _rel(out, _dense_reference(q, k, v, mask[..., :19])) < 1e-5
 
 
-def test_a_mask_of_no_key_gives_zeros(device):
+@pytest.mark.parametrize("keys", [19, 0], ids=["keys past the mask", "no key"])
+def test_a_mask_of_no_key_gives_zeros(keys, device):
     q, k, v = _qkv(device)
-    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v,
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k[:, :, :keys], v[:, :, :keys],
                                           torch.ones(2, 0, dtype=torch.bool, device=device))
     assert out.shape == (2, 19, 4, 16) and not out.any()
 

@@ -195,8 +195,8 @@ def attention_forward(
         n_k = layout.keys
         key, value = key[:, :, :n_k], value[:, :, :n_k]
         shape_k = key.shape
-        if n_k == 0:  # a mask of no key: every query sees none, and its row is zeros, as a padded one's
-            return query.new_zeros(batch, n_q, shape_q[1], value.shape[3]), None
+    if n_k == 0:  # no key: every query sees none, and its row is zeros, as a padded one's
+        return query.new_zeros(batch, n_q, shape_q[1], value.shape[3]), None
     if layout.full:
         return _dense(query, key, value, causal, window, softcap, scaling), None
     if n_q == 1 and layout.decodes:
