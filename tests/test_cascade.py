@@ -139,6 +139,31 @@ def test_no_sharing_writes_directly_and_matches_decode(device):
     torch.testing.assert_close(cascade.run(q, cache), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_causal_queries_reaching_into_a_shared_level_are_refused(device):
+    """A shared level is read whole: causal, a request's query tokens must lie in its own level, else its earlier
+    tokens would see later keys. Levels derived without causal share pages past such tokens."""
+    gen = torch.Generator().manual_seed(5)
+    pages = [_randn(gen, 2, 8, 1, DIM, dtype=torch.float32, device=device) for _ in "kv"]
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    # Two requests on one shared full page and one page of their own each, of `own` keys, two query tokens each.
+    for own, refused in ((0, True), (1, False)):
+        cache = tilegen.PagedKVCache(*pages, ints(0, 2, 4), ints(0, 1, 0, 1), ints(own or 8, own or 8))
+        if own == 0:
+            cache = tilegen.PagedKVCache(*pages, ints(0, 1, 2), ints(0, 0), ints(8, 8))
+        root = tilegen.CascadeLevel(ints(0, 4), ints(0, 1), ints(0), ints(8))
+        mine = tilegen.CascadeLevel(ints(0, 2, 4), ints(0, 0, 0) if own == 0 else ints(0, 1, 2),
+                                    ints() if own == 0 else ints(1, 1), ints(0, 0) if own == 0 else ints(own, own))
+        if refused:
+            with pytest.raises(ValueError, match=r"levels\[1\]: node 0 has 2 query tokens over 0 keys of its own"):
+                tilegen.CascadeAttention().plan(cache, [root, mine], heads_q=2)
+            tilegen.CascadeAttention().plan(cache, [root, mine], heads_q=2, causal=False)
+        else:
+            tilegen.CascadeAttention().plan(cache, [root, mine], heads_q=2)
+
+
 def _levels(cache):
     return tilegen.cascade_levels(cache)
 

@@ -116,6 +116,8 @@ class CascadeAttention(Planner):
             raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
                              "TRITON_INTERPRET=1")
         host = _host_levels(levels, cache)
+        if causal:
+            _check_causal(host, cache.page_size)
         if env.debug():
             cache.validate()
             _check_against_cache(host, cache)
@@ -355,6 +357,23 @@ def _host_levels(levels: Sequence[CascadeLevel], cache: PagedKVCache) -> list[Ho
                                      f"levels[{i - 1}]; a node lies inside one node of each level above it")
         host.append(HostLevel(qo, kv, pages.to(torch.int32), last))
     return host
+
+
+def _check_causal(host: list[HostLevel], page_size: int) -> None:
+    """A causal plan reads a shared level's keys whole, so every query token must come after them: a node of the
+    last level with q query tokens under shared keys holds at least q - 1 keys of its own (the last token is the
+    query's own key)."""
+    last = host[-1]
+    for node in range(len(last.qo_indptr) - 1):
+        start, queries = last.qo_indptr[node], last.qo_indptr[node + 1] - last.qo_indptr[node]
+        own = last.keys(node, page_size)
+        if queries <= own + 1:
+            continue
+        shared = sum(level.keys(bisect.bisect_right(level.qo_indptr, start) - 1, page_size) for level in host[:-1])
+        if shared:
+            raise ValueError(f"levels[{len(host) - 1}]: node {node} has {queries} query tokens over {own} keys of its "
+                             f"own and {shared} shared: causal, a request's query tokens lie in its own level (at "
+                             f"least one key fewer than its query tokens), since a shared level is read whole")
 
 
 def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
