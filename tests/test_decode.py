@@ -236,6 +236,27 @@ def test_a_wrong_page_table_stays_inside_the_cache(fault, spoiled, splits, devic
     assert error < 1e-4, f"a well-formed sequence changed: relative error {error:.2e}"
 
 
+def test_a_cache_past_its_plan_is_refused_in_debug(device, monkeypatch):
+    """Keys past the plan's chunks go unread: under TILEGEN_DEBUG a run on a cache of longer sequences than planned
+    (the same pages, a longer page table) is an error, and so is a page table spoiled after the plan."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    short = make_cache([5, 9], PAGE, 2, 32, torch.float32, device, torch.Generator().manual_seed(3), spare=8)
+    pages = short.k_pages.shape[0]
+    long = tilegen.PagedKVCache(short.k_pages, short.v_pages, torch.tensor([0, 1, 5], dtype=torch.int32).to(device),
+                                torch.arange(5, dtype=torch.int32).to(device),
+                                torch.tensor([PAGE, PAGE], dtype=torch.int32).to(device))
+    assert pages >= 5
+    q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4)).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(short, heads_q=8)
+    decode.run(q, short)
+    with pytest.raises(ValueError, match=rf"cache: a sequence of {4 * PAGE} tokens, past the 9 the plan covers"):
+        decode.run(q, long)
+    short.indices[0] = pages + 3
+    with pytest.raises(ValueError, match="indices"):
+        decode.run(q, short)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_speculative_rows_split_and_merge_like_a_single_pass(splits, device):
     from tilegen.device import device_info

@@ -61,6 +61,7 @@ class _Plan:
     out_shape: tuple[int, int, int] = ()
     out_like_q: bool = False  # head_dim_v == head_dim: the output is allocated as empty_like(q), the cheapest way
     mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time
+    max_seqlen_k: int = 0  # the longest sequence the plan's chunks cover
 
 
 class PagedDecode(Planner):
@@ -143,7 +144,7 @@ class PagedDecode(Planner):
         batch, kv_heads, context = cache.batch, cache.kv_heads, max(max_seqlen_k, 1)
         layout = {"heads_q": heads_q, "batch": batch, "cache_layout": cache._layout, "q_dtype": q_dtype,
                   "q_shape": (batch, heads_q, spec.head_dim), "out_shape": (batch, heads_q, spec.dv),
-                  "out_like_q": spec.dv == spec.head_dim}
+                  "out_like_q": spec.dv == spec.head_dim, "max_seqlen_k": max_seqlen_k}
 
         def make(choice: dispatch.Choice) -> _Plan:
             config = choice.config
@@ -186,6 +187,14 @@ class PagedDecode(Planner):
         if not isinstance(q, torch.Tensor) or q.shape != plan.q_shape:
             raise ValueError(f"q: expected {list(plan.q_shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if env.debug():
+            # The page table and the scales as plan checked them: a cache of longer sequences than planned would
+            # have its keys past the plan's chunks go unread.
+            cache.validate()
+            longest = int(cache.seq_lens().max()) if cache.batch else 0
+            if longest > plan.max_seqlen_k:
+                raise ValueError(f"cache: a sequence of {longest} tokens, past the {plan.max_seqlen_k} the plan "
+                                 f"covers; plan again on this cache (or with max_seqlen_k >= {longest})")
         pages, v_pages = cache.k_pages, cache.v_pages
         if q.dtype != plan.q_dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
