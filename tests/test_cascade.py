@@ -211,6 +211,13 @@ def test_a_level_over_requests_that_do_not_hold_it_is_refused_in_debug(device, m
                                 deep.kv_indices, deep.kv_last_page_len)
     with pytest.raises(ValueError, match=r"sequence 3's pages through the levels"):
         tilegen.CascadeAttention().plan(cache, [root, deep, own], heads_q=2)
+    # Other pages, as many: the message names them, since the counts agree.
+    root, deep, own = _levels(cache)
+    root = tilegen.CascadeLevel(root.qo_indptr, root.kv_indptr, (root.kv_indices + 1) % cache.num_pages,
+                                root.kv_last_page_len)
+    with pytest.raises(ValueError, match=r"sequence 0's pages through the levels \(pages \[.*\) differ from the "
+                                         r"cache's page table \(pages \["):
+        tilegen.CascadeAttention().plan(cache, [root, deep, own], heads_q=2)
 
 
 def test_run_checks_its_arguments(device):

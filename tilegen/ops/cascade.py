@@ -397,10 +397,14 @@ def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
                 raise ValueError(f"levels[{i}]: node {node} ends in a partial page; a shared level's pages are full")
             pages += level.kv_indices[level.kv_indptr[node]:level.kv_indptr[node + 1]].tolist()
             keys += n_k
-        if pages != indices[indptr[b]:indptr[b + 1]] or keys != lens[b]:
-            raise ValueError(f"levels: sequence {b}'s pages through the levels ({len(pages)} pages, {keys} tokens) "
-                             f"differ from the cache's page table ({indptr[b + 1] - indptr[b]} pages, {lens[b]} "
-                             f"tokens): a level lists a request that does not hold its pages")
+        table = indices[indptr[b]:indptr[b + 1]]
+        if pages != table or keys != lens[b]:
+            # Named by their ids when only the pages differ, not their count or the tokens.
+            same_counts = (len(pages), keys) == (len(table), lens[b])
+            held = f"pages {pages}" if same_counts else f"{len(pages)} pages, {keys} tokens"
+            theirs = f"pages {table}" if same_counts else f"{len(table)} pages, {lens[b]} tokens"
+            raise ValueError(f"levels: sequence {b}'s pages through the levels ({held}) differ from the cache's page "
+                             f"table ({theirs}): a level lists a request that does not hold its pages")
 
 
 def _shares(host: list[HostLevel]) -> bool:
