@@ -369,7 +369,7 @@ def _check_causal(host: list[HostLevel], page_size: int) -> None:
         own = last.keys(node, page_size)
         if queries <= own + 1:
             continue
-        shared = sum(level.keys(bisect.bisect_right(level.qo_indptr, start) - 1, page_size) for level in host[:-1])
+        shared = sum(level.keys(level.node_of(start), page_size) for level in host[:-1])
         if shared:
             raise ValueError(f"levels[{len(host) - 1}]: node {node} has {queries} query tokens over {own} keys of its "
                              f"own and {shared} shared: causal, a request's query tokens lie in its own level (at "
@@ -391,7 +391,7 @@ def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
             continue
         pages, keys = [], 0
         for i, level in enumerate(host):
-            node = b if level is last else bisect.bisect_right(level.qo_indptr, start) - 1
+            node = b if level is last else level.node_of(start)
             n_k = level.keys(node, size)
             if level is not last and n_k % size:
                 raise ValueError(f"levels[{i}]: node {node} ends in a partial page; a shared level's pages are full")

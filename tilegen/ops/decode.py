@@ -109,7 +109,7 @@ class PagedDecode(Planner):
                                        or not 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")
         if max_seqlen_k is None:
-            max_seqlen_k = int(cache.seq_lens().max()) if cache.batch else 0
+            max_seqlen_k = cache.longest()
         if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
             raise ValueError(f"max_seqlen_k: expected a host int >= 0, got {max_seqlen_k!r}")
         pages = cache.k_pages
@@ -191,7 +191,7 @@ class PagedDecode(Planner):
             # The page table and the scales as plan checked them: a cache of longer sequences than planned would
             # have its keys past the plan's chunks go unread.
             cache.validate()
-            longest = int(cache.seq_lens().max()) if cache.batch else 0
+            longest = cache.longest()
             if longest > plan.max_seqlen_k:
                 raise ValueError(f"cache: a sequence of {longest} tokens, past the {plan.max_seqlen_k} the plan "
                                  f"covers; plan again on this cache (or with max_seqlen_k >= {longest})")

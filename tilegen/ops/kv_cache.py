@@ -184,6 +184,10 @@ class PagedKVCache:
         pages = (self.indptr[1:] - self.indptr[:-1]).to(torch.int32)
         return torch.where(pages > 0, (pages - 1) * self.page_size + self.last_page_len, 0).to(torch.int32)
 
+    def longest(self) -> int:
+        """The longest sequence's tokens, a host int (one synchronization)."""
+        return int(self.seq_lens().max()) if self.batch else 0
+
     def validate(self) -> None:
         """Check the page table's values and the FP8 scales on the device (one synchronization); raise
         naming what is wrong."""
@@ -299,7 +303,7 @@ def check_heads_q(cache: PagedKVCache, heads_q) -> None:
 def check_max_seqlen_k(cache: PagedKVCache, max_seqlen_k: int) -> None:
     """``TILEGEN_DEBUG=1``'s check of a plan's ``max_seqlen_k`` against the cache's longest sequence (one
     synchronization): keys past it may go unread, so a smaller one gives a wrong answer, not an error."""
-    longest = int(cache.seq_lens().max()) if cache.batch else 0
+    longest = cache.longest()
     if longest > max_seqlen_k:
         raise ValueError(f"max_seqlen_k: {max_seqlen_k}, but the cache holds a sequence of {longest} tokens; "
                          f"expected at least {longest}")

@@ -10,6 +10,7 @@ tokens of one node (which share their ancestors) agree on the slot a chunk takes
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class HostLevel:
     kv_indptr: list[int]
     kv_indices: torch.Tensor
     last_page_len: list[int]
+
+    def node_of(self, token: int) -> int:
+        """The node whose query tokens include ``token`` (the last that starts at or before it)."""
+        return bisect.bisect_right(self.qo_indptr, token) - 1
 
     def keys(self, node: int, page_size: int) -> int:
         pages = self.kv_indptr[node + 1] - self.kv_indptr[node]
