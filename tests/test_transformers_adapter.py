@@ -96,9 +96,8 @@ def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monke
     padding[2] = False  # nothing real
     q, k, v = (_poisoned(t, padding) for t in (q[:, :, -n_q:].contiguous(), k, v))
     ran = []
-    real = tilegen_hf.varlen_attention_padded
-    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded",
-                        lambda *a, **kw: ran.append(a[3].tolist()) or real(*a, **kw))
+    real = tilegen_hf.padded_call  # varlen_attention_padded with its offsets' key made once per layout
+    monkeypatch.setattr(tilegen_hf, "padded_call", lambda *a, **kw: ran.append(a[4].tolist()) or real(*a, **kw))
     monkeypatch.setattr(torch.Tensor, "index_select", None)  # nothing gathered
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
     assert len(ran) == 1 and len(ran[0]) == 3 * 3 + 3 and out.shape == (3, n_q, 4, 16)
@@ -138,6 +137,41 @@ def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, wind
         assert _rel(out[seen], ref[seen]) < 1e-4
 
 
+def test_layers_of_one_mask_with_other_arguments_each_get_their_own(device, monkeypatch):
+    """The in-place path keeps its offsets' key per layout and per module arguments: layers that share the padding
+    mask but differ in scale, softcap, window or causality (Gemma 2's alternating layers) each run with theirs,
+    in any order and again."""
+    # transformers' layout, [batch, n, heads, dim] seen as [batch, heads, n, dim]: the in-place path's
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(device, batch=2, seed=11))
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[0, :5] = False
+    padding[1, 16:] = False
+    import tilegen.ops.varlen as varlen_op
+
+    def flattened(*args, **kwargs):
+        raise AssertionError("q, k and v were flattened: the in-place launch did not run")
+
+    monkeypatch.setattr(varlen_op, "varlen_attention", flattened)
+    layers = [dict(scaling=0.25), dict(scaling=0.25, softcap=3.0), dict(scaling=0.4, sliding_window=5), dict()]
+    for kwargs in layers + layers[::-1]:
+        for causal in (True, False):
+            out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, padding, **kwargs)
+            window = kwargs.get("sliding_window")
+            allowed = (_causal(19, 19, device, window=window) if causal else
+                       torch.ones(1, 1, 19, 19, dtype=torch.bool, device=device)) & padding[:, None, None, :]
+            if window is not None and not causal:
+                i = torch.arange(19, device=device)
+                allowed &= ((i[:, None] - i[None, :]).abs() <= window)[None, None]
+            kk, vv = (t.double().repeat_interleave(2, 1) for t in (k, v))
+            scores = q.double() @ kk.transpose(-1, -2) * kwargs.get("scaling", 16 ** -0.5)
+            if "softcap" in kwargs:
+                scores = kwargs["softcap"] * torch.tanh(scores / kwargs["softcap"])
+            ref = (scores.masked_fill(~allowed, -math.inf).softmax(-1) @ vv).transpose(1, 2)
+            # Padded queries are zeros, bidirectional or not (n_q == n_k: a query's row is its token's)
+            assert _rel(out[padding], ref[padding].to(out.dtype)) < 1e-4, (kwargs, causal)
+            assert (out[~padding] == 0).all()
+
+
 def _refuse_ragged(monkeypatch):
     """Make the ragged path (and any gather or flattening copy of K and V) fail: the call must not take it."""
     def refused(*args, **kwargs):
@@ -145,6 +179,7 @@ def _refuse_ragged(monkeypatch):
 
     monkeypatch.setattr(tilegen_hf, "varlen_attention", refused)
     monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", refused)
+    monkeypatch.setattr(tilegen_hf, "padded_call", refused)
     monkeypatch.setattr(torch.Tensor, "index_select", None)
 
 
@@ -252,8 +287,8 @@ def test_a_padded_decoding_step_under_torch_compile(device, monkeypatch):
         return tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)[0]
 
     ran = []
-    real = tilegen_hf.varlen_attention_padded
-    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", lambda *a, **kw: ran.append("varlen") or real(*a, **kw))
+    real = tilegen_hf.padded_call
+    monkeypatch.setattr(tilegen_hf, "padded_call", lambda *a, **kw: ran.append("varlen") or real(*a, **kw))
     torch._dynamo.reset()
     got = torch.compile(step, backend="eager")(q, k, v, padding)
     assert ran == ["varlen"]
@@ -383,12 +418,12 @@ def test_a_decoding_step_paged_decode_cannot_serve_runs_ragged(why, device, monk
         k, v = (torch.empty(2 * 2 * 19 * 16 + 8, device=device).as_strided(t.shape, (2 * 19 * 16 + 8, 19 * 16, 16, 1))
                 .copy_(t) for t in (k, v))
     served = []
-    for name in ("varlen_attention", "varlen_attention_padded", "_fallback"):
+    for name in ("varlen_attention", "varlen_attention_padded", "padded_call", "_fallback"):
         real = getattr(tilegen_hf, name)
         monkeypatch.setattr(tilegen_hf, name, lambda *a, _real=real, _name=name, **kw: served.append(_name)
                             or _real(*a, **kw))
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
-    assert served == ["varlen_attention_padded"]
+    assert served == ["padded_call"]
     allowed = _causal(1, 19, device) & padding[:, None, None, :]
     ref = _dense_reference(q.detach(), k, v, allowed)
     real = padding[:, -1:]
@@ -457,8 +492,8 @@ def test_a_4d_causal_mask_over_padding_runs_ragged(kind, device, monkeypatch, _f
     allowed = _causal(19, 19, device, window=6) & padding[:, None, None, :]
     mask = allowed if kind == "bool" else torch.zeros(allowed.shape, device=device).masked_fill(~allowed, -math.inf)
     ran = []
-    real = tilegen_hf.varlen_attention_padded
-    monkeypatch.setattr(tilegen_hf, "varlen_attention_padded", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    real = tilegen_hf.padded_call
+    monkeypatch.setattr(tilegen_hf, "padded_call", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask, sliding_window=6)
     assert ran == [1] and not tilegen_hf._warned
     assert _rel(out[padding], _dense_reference(q, k, v, allowed)[padding]) < 1e-4

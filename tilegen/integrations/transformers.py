@@ -50,7 +50,7 @@ from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.decode import PagedDecode
 from tilegen.ops.kv_cache import PagedKVCache
 from tilegen.ops.tensors import empty_like_template
-from tilegen.ops.varlen import varlen_attention, varlen_attention_padded
+from tilegen.ops.varlen import call_key, padded_call, varlen_attention, varlen_attention_padded
 
 __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen"]
 
@@ -124,8 +124,9 @@ def attention_forward(
     causal = bool(is_causal)
     if sliding_window is None:
         sliding_window = attrs.get("sliding_window", _EMPTY)
-        if sliding_window is _EMPTY:
-            sliding_window = _module_attribute(module, "sliding_window", None)
+        if sliding_window is _EMPTY:  # a Llama module's case, every call: the class's lack is remembered
+            sliding_window = None if _lacks(type(module), "sliding_window") else getattr(module, "sliding_window",
+                                                                                           None)
     window = None
     if sliding_window is not None:
         # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
@@ -187,8 +188,7 @@ def attention_forward(
             raise ValueError(f"tilegen attention: attention_mask: packed sequences' ids [batch, n] need n queries "
                              f"and n keys; got ids {tuple(attention_mask.shape)} for {n_q} queries and {n_k} keys")
         layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
-        return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                       causal=causal, window=window, softcap=softcap, scale=scaling), None
+        return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
 
     if layout.keys != n_k:
         # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
@@ -205,8 +205,7 @@ def attention_forward(
         if out is not None:
             return out, None
     if layout.rows_q is None:  # each row's real tokens are one run: read in place
-        return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-                                       causal=causal, window=window, softcap=softcap, scale=scaling), None
+        return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
     if window is not None:
         # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
         return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
@@ -221,6 +220,20 @@ def attention_forward(
     # Padded query rows stay zeros; index_copy (not in place) keeps the scatter differentiable.
     full = out.new_zeros(batch * n_q, heads, out.shape[2]).index_copy(0, layout.rows_q, out)
     return full.view(batch, n_q, heads, out.shape[2]), None
+
+
+def _in_place(layout: _Layout, query, key, value, causal, window, softcap, scaling) -> torch.Tensor:
+    """``varlen_attention_padded`` on the layout's offsets, whose key (a quarter of the call's host time) the layout
+    keeps for each module's arguments: every layer of a forward makes the same call on the same offsets."""
+    args = (causal, window, softcap, scaling)
+    try:
+        call = layout.calls.get(args)
+    except TypeError:  # an unhashable argument: the op says which
+        return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                                       causal=causal, window=window, softcap=softcap, scale=scaling)
+    if call is None:
+        call = layout.calls[args] = call_key(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
 
 
 def _check_batch(batch: int, **sizes: int) -> None:
@@ -376,6 +389,8 @@ class _Layout:
     # A padded decoding step's launches (_decode), one per kind of layer: kept with the mask, and with the layout
     # when a CUDA graph captures it, since they hold the page table and the plans' partials that the graph replays.
     steps: dict = field(default_factory=dict, compare=False)
+    # The in-place calls' keys of their arguments past q, k and v (varlen's call_key), by those arguments
+    calls: dict = field(default_factory=dict, compare=False)
 
 
 # transformers hands every layer the same mask object in one forward; its ragged layout (a host

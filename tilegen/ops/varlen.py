@@ -96,7 +96,7 @@ def varlen_attention(
     key = None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               _call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale),
+               call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale),
                return_lse.__class__, return_lse)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
@@ -140,11 +140,24 @@ def varlen_attention_padded(
     the seven views a call would make cost more host time than the rest of the call (CPU machine). Where a tensor
     does not flatten in place, under autograd and under ``torch.compile``, it is that call."""
     try:
+        call = call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale)
+    except (AttributeError, TypeError):  # offsets that are not tensors: varlen_attention says which
+        call = None
+    return padded_call(call, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                       softcap, scale)
+
+
+def padded_call(call: tuple | None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
+                softcap, scale) -> torch.Tensor:
+    """``varlen_attention_padded`` with the key of its arguments past q, k and v made already (``call_key``;
+    ``None``: none could be). A caller that makes many calls on one set of offsets (every layer of a transformers
+    model) keys them once: the key is a quarter of the call's host time."""
+    try:
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         strides = (q.stride(), k.stride(), v.stride())
-        key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               _call_key(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap, scale))
-        planned = _padded_plans.get(key, False) if plain and not torch.compiler.is_compiling() else None
+        key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, call)
+        planned = _padded_plans.get(key, False) if (call is not None and plain
+                                                    and not torch.compiler.is_compiling()) else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: varlen_attention says which
         key, planned = None, None
     if planned is False:
@@ -171,7 +184,7 @@ def varlen_attention_padded(
     return out
 
 
-def _call_key(cq, ck, max_q, max_k, causal, window, softcap, scale) -> tuple:
+def call_key(cq, ck, max_q, max_k, causal, window, softcap, scale) -> tuple:
     """The part of a ragged call's plan key past its q, k and v: the offsets' layout and the other arguments, each
     with its type (``True == 1``, but only one was checked)."""
     # One tensor of offsets for both (self-attention) is keyed once: half the offsets' part of the key's host time.
