@@ -220,6 +220,62 @@ def test_a_level_over_requests_that_do_not_hold_it_is_refused_in_debug(device, m
         tilegen.CascadeAttention().plan(cache, [root, deep, own], heads_q=2)
 
 
+def _reordered(cache, order):
+    """``cache``'s sequences in ``order`` (a permutation, or a part of them): the same pages, other page tables."""
+    indptr, indices, last = cache.indptr.tolist(), cache.indices.tolist(), cache.last_page_len.tolist()
+    rows = [indices[indptr[b]:indptr[b + 1]] for b in order]
+    starts = [0]
+    for row in rows:
+        starts.append(starts[-1] + len(row))
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=cache.indptr.device)
+
+    return tilegen.PagedKVCache(cache.k_pages, cache.v_pages, ints(starts), ints([p for row in rows for p in row]),
+                                ints([last[b] for b in order]))
+
+
+def test_levels_over_a_cache_in_another_order_or_larger_pass_the_debug_check(device, monkeypatch):
+    """The debug check pairs a last-level node with any sequence that holds its pages: levels made for one batch
+    serve a cache that lists the same sequences in another order, or more of them (the check ran before only when
+    the last level had a node per sequence, and paired node n with sequence n)."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    gen = torch.Generator().manual_seed(21)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    levels = _levels(cache)
+    q = _randn(gen, cache.batch, 2, DIM, dtype=torch.float32, device=device)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
+    for other in (_reordered(cache, [6, 5, 4, 3, 2, 1, 0]), _reordered(cache, [0, 1, 2, 3, 4, 5, 6, 2])):
+        cascade = tilegen.CascadeAttention()
+        cascade.plan(other, levels, heads_q=2, return_lse=True)
+        _check(*cascade.run(q, other), ref, ref_lse, torch.float32)
+    # A last level that is not one node per sequence, whose node reads pages no sequence holds: named by its node.
+    root, deep, own = levels
+    own = tilegen.CascadeLevel(own.qo_indptr, own.kv_indptr, own.kv_indices.flip(0), own.kv_last_page_len)
+    with pytest.raises(ValueError, match=r"levels: node \d of the last level reads .* which no sequence of the "
+                                         r"cache holds"):
+        tilegen.CascadeAttention().plan(_reordered(cache, [0, 1, 2, 3, 4, 5, 6, 2]), [root, deep, own], heads_q=2)
+
+
+def test_run_refuses_a_cache_that_grew_since_plan_in_debug(device, monkeypatch):
+    """The levels fix each request's length: a token appended after plan would go unread, and run says so under
+    TILEGEN_DEBUG (as PagedDecode.run does for a sequence past its plan's chunks)."""
+    gen = torch.Generator().manual_seed(22)
+    cache = tree_cache(8, 1, torch.float32, device, gen)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, _levels(cache), heads_q=2)
+    q = _randn(gen, cache.batch, 2, DIM, dtype=torch.float32, device=device)
+    last = cache.last_page_len.clone()
+    last[0] += 1  # sequence 0's own one token, and now a second on its page
+    grown = tilegen.PagedKVCache(cache.k_pages, cache.v_pages, cache.indptr, cache.indices, last)
+    cascade.run(q, grown)  # not checked without the flag: run reads no page table
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cascade.run(q, cache)
+    with pytest.raises(ValueError, match=r"sequence 0's pages through the levels \(6 pages, 41 tokens\) differ from "
+                                         r"the cache's page table \(6 pages, 42 tokens\).*changed since plan"):
+        cascade.run(q, grown)
+
+
 def test_run_checks_its_arguments(device):
     gen = torch.Generator().manual_seed(4)
     cache = tree_cache(8, 1, torch.float32, device, gen)

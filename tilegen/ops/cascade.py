@@ -81,6 +81,8 @@ class _Plan:
     cache_layout: tuple = ()
     # The cascade takes no mods: empty, as the paged plans' field is without them (tilegen.ops.planned reads it).
     mod_tensors: tuple = ()
+    # The levels on the host, for run's check of its cache under TILEGEN_DEBUG
+    host: tuple = ()
 
 
 def _layout(cache: PagedKVCache) -> tuple:
@@ -145,7 +147,7 @@ class CascadeAttention(Planner):
             return _Plan(spec=spec, tokens=tokens, heads_q=heads_q, launch=launcher.replay(launch_args),
                          launch_args=launch_args, work=values["work"], state_base=values["state_base"],
                          indices=indices, part_o=values["part_o"], part_lse=values["part_lse"], choice=choice,
-                         q_dtype=q_dtype, cache_layout=_layout(cache))
+                         q_dtype=q_dtype, cache_layout=_layout(cache), host=tuple(host))
 
         if _shares(host):
             self._plan = dispatch.planned(table, _bucket_size(host, cache.page_size), make)
@@ -177,6 +179,11 @@ class CascadeAttention(Planner):
         if not isinstance(cache, PagedKVCache) or _layout(cache) != plan.cache_layout:
             raise ValueError(f"cache: expected a tilegen.PagedKVCache shaped as planned ({spec.name}, "
                              f"{plan.cache_layout[-1]} pages)")
+        if env.debug():
+            # The cache as plan checked it: a request that grew since (a token appended) would have its new keys
+            # go unread, the levels fixing each node's length.
+            cache.validate()
+            _check_against_cache(list(plan.host), cache)
         shape = (plan.tokens, plan.heads_q, spec.head_dim)
         if not isinstance(q, torch.Tensor) or q.shape != shape:
             raise ValueError(f"q: expected {list(shape)}, got "
@@ -377,34 +384,42 @@ def _check_causal(host: list[HostLevel], page_size: int) -> None:
 
 
 def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
-    """Under ``TILEGEN_DEBUG=1``, when the last level has a node per sequence of ``cache``: each
-    sequence with query tokens holds, in its page table, its nodes' pages level after level (a level
-    listed over a request that does not hold its pages would read another request's keys)."""
+    """Under ``TILEGEN_DEBUG=1``: each node of the last level with query tokens reads, level after level, the pages
+    and keys that one sequence of ``cache`` holds in its page table (a level listed over a request that does not
+    hold its pages would read another request's keys, a cache that grew since the plan has keys it would miss).
+    Node n is expected to be sequence n when the last level has a node per sequence (its error names both); any
+    sequence that holds them passes, so a batch in another order than the cache's, or a part of it, is checked."""
     last = host[-1]
-    if len(last.qo_indptr) - 1 != cache.batch:
-        return
     indptr, indices, lens = cache.indptr.tolist(), cache.indices.tolist(), cache.seq_lens().tolist()
+    held_by = {(tuple(indices[indptr[b]:indptr[b + 1]]), lens[b]) for b in range(cache.batch)}
+    per_sequence = len(last.qo_indptr) - 1 == cache.batch
     size = cache.page_size
-    for b in range(cache.batch):
-        start = last.qo_indptr[b]
-        if last.qo_indptr[b + 1] == start:
+    for n in range(len(last.qo_indptr) - 1):
+        start = last.qo_indptr[n]
+        if last.qo_indptr[n + 1] == start:
             continue
         pages, keys = [], 0
         for i, level in enumerate(host):
-            node = b if level is last else level.node_of(start)
+            node = n if level is last else level.node_of(start)
             n_k = level.keys(node, size)
             if level is not last and n_k % size:
                 raise ValueError(f"levels[{i}]: node {node} ends in a partial page; a shared level's pages are full")
             pages += level.kv_indices[level.kv_indptr[node]:level.kv_indptr[node + 1]].tolist()
             keys += n_k
-        table = indices[indptr[b]:indptr[b + 1]]
-        if pages != table or keys != lens[b]:
-            # Named by their ids when only the pages differ, not their count or the tokens.
-            same_counts = (len(pages), keys) == (len(table), lens[b])
-            held = f"pages {pages}" if same_counts else f"{len(pages)} pages, {keys} tokens"
-            theirs = f"pages {table}" if same_counts else f"{len(table)} pages, {lens[b]} tokens"
-            raise ValueError(f"levels: sequence {b}'s pages through the levels ({held}) differ from the cache's page "
-                             f"table ({theirs}): a level lists a request that does not hold its pages")
+        if (tuple(pages), keys) in held_by:
+            continue
+        if not per_sequence:
+            raise ValueError(f"levels: node {n} of the last level reads {len(pages)} pages, {keys} tokens through "
+                             f"the levels (pages {pages}), which no sequence of the cache holds: a level lists a "
+                             f"request that does not hold its pages, or the cache changed since plan")
+        table = indices[indptr[n]:indptr[n + 1]]
+        # Named by their ids when only the pages differ, not their count or the tokens.
+        same_counts = (len(pages), keys) == (len(table), lens[n])
+        held = f"pages {pages}" if same_counts else f"{len(pages)} pages, {keys} tokens"
+        theirs = f"pages {table}" if same_counts else f"{len(table)} pages, {lens[n]} tokens"
+        raise ValueError(f"levels: sequence {n}'s pages through the levels ({held}) differ from the cache's page "
+                         f"table ({theirs}): a level lists a request that does not hold its pages, or the cache "
+                         f"changed since plan")
 
 
 def _shares(host: list[HostLevel]) -> bool:
