@@ -259,9 +259,11 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
         return None
     # A contiguous tensor's strides follow from its shape, but for dims of one element, which address nothing:
     # asking is_contiguous() costs half of reading them.
+    # Devices by index (-1 on the CPU), whose hash costs a tenth of a torch.device's. n_k is not in the key: the
+    # steps are the layout's, whose length and key's shape fix it.
     step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
-                value.is_contiguous() or value.stride(), query.dtype, key.dtype, value.dtype, query.device,
-                key.device, value.device, n_k, window, softcap, scaling)
+                value.is_contiguous() or value.stride(), query.dtype, key.dtype, value.dtype, query.get_device(),
+                key.get_device(), value.get_device(), window, softcap, scaling)
     step = steps.get(step_key)
     if step is not None:
         launch, out_like = step
