@@ -199,7 +199,8 @@ def test_a_tune_at_two_batches_writes_two_rows_and_fresh_dispatch_takes_the_row_
             choices[batch] = [choice.tuned_bucket, choice.source, repr(choice)]
         print(json.dumps(choices))
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TILEGEN_DB": str(db), "TRITON_INTERPRET": "1"}
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the caller's Triton too
+    env = {**os.environ, "PYTHONPATH": path, "TILEGEN_DB": str(db), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr

@@ -76,8 +76,11 @@ def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path
     cmd = [sys.executable, "-m", "tilegen", "tune", "--preset", "default", "--db", str(db), "--seqlens", "32",
            "--trials", "1", "--score-mod", "tune_mods:make_alibi", "--mask-mod", "tune_mods:near"]
     # From the module's folder, as a user runs it: the folder is importable.
-    run = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    # This checkout first, then the caller's path (a Triton installed beside the default one must tune the rows
+    # that this process reads).
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
 
     _importable(tmp_path, monkeypatch)
