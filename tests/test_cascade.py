@@ -253,8 +253,34 @@ def test_levels_over_a_cache_in_another_order_or_larger_pass_the_debug_check(dev
     root, deep, own = levels
     own = tilegen.CascadeLevel(own.qo_indptr, own.kv_indptr, own.kv_indices.flip(0), own.kv_last_page_len)
     with pytest.raises(ValueError, match=r"levels: node \d of the last level reads .* which no sequence of the "
-                                         r"cache holds"):
+                                         r"cache left holds"):
         tilegen.CascadeAttention().plan(_reordered(cache, [0, 1, 2, 3, 4, 5, 6, 2]), [root, deep, own], heads_q=2)
+
+
+def test_the_debug_check_pairs_each_node_with_a_sequence_of_its_own(device, monkeypatch):
+    """Two nodes reading one sequence's pages, or two identical sequences of which one grew since plan: a node is
+    left without a sequence, though the pages it reads are some sequence's."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    gen = torch.Generator().manual_seed(23)
+    k_pages = _randn(gen, 8, 8, 1, DIM, dtype=torch.float32, device=device)
+    v_pages = _randn(gen, 8, 8, 1, DIM, dtype=torch.float32, device=device)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    two = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4), ints(0, 1, 2, 3), ints(3, 3))
+    both_read_one = tilegen.CascadeLevel(ints(0, 1, 2), ints(0, 2, 4), ints(2, 3, 2, 3), ints(3, 3))
+    with pytest.raises(ValueError, match=r"sequence 0's pages through the levels \(pages \[2, 3\]\) differ"):
+        tilegen.CascadeAttention().plan(two, [both_read_one], heads_q=2)
+    # Sequences 0 and 1 hold the same pages and 10 tokens; then sequence 0 has 11.
+    twins = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4, 6), ints(0, 1, 0, 1, 2, 3), ints(2, 2, 3))
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(twins, tilegen.cascade_levels(twins), heads_q=2)
+    grown = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4, 6), ints(0, 1, 0, 1, 2, 3), ints(3, 2, 3))
+    q = _randn(gen, 3, 2, DIM, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"sequence 0's pages through the levels \(2 pages, 10 tokens\) differ from "
+                                         r"the cache's page table \(2 pages, 11 tokens\)"):
+        cascade.run(q, grown)
 
 
 def test_run_refuses_a_cache_that_grew_since_plan_in_debug(device, monkeypatch):

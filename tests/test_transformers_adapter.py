@@ -172,6 +172,55 @@ def test_layers_of_one_mask_with_other_arguments_each_get_their_own(device, monk
             assert (out[~padding] == 0).all()
 
 
+def test_arguments_equal_to_served_ones_but_of_another_type_are_still_refused(device):
+    """The in-place path keeps its call keys by the module's arguments, with their types: after a call with
+    scaling 1.0, one with scaling True is refused by name as on a fresh mask (True == 1.0), and so is a window of
+    4.0 after one of 4."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(device, n=7, seed=12))
+    module = types.SimpleNamespace(is_causal=True)
+    for served, refused, message in [(dict(scaling=1.0), dict(scaling=True), "scale"),
+                                     (dict(softcap=1.0), dict(softcap=True), "softcap"),
+                                     (dict(sliding_window=4), dict(sliding_window=4.0), "window")]:
+        padding = torch.ones(2, 7, dtype=torch.bool, device=device)
+        padding[0, :2] = False
+        tilegen_hf.attention_forward(module, q, k, v, padding, **served)
+        with pytest.raises(ValueError, match=message):
+            tilegen_hf.attention_forward(module, q, k, v, padding, **refused)
+
+
+def test_a_decoding_step_over_one_key_of_other_strides_runs_with_its_own(device):
+    """A cache of one key a row is contiguous whatever its token stride, which sets where each row's slot lies:
+    two layers whose caches differ only there each get their own launch."""
+    gen = torch.Generator().manual_seed(13)
+    padding = torch.tensor([[True], [True], [False]], device=device)
+    q = torch.randn(3, 1, 4, 16, generator=gen).to(device).transpose(1, 2)
+
+    def one_key(layout):  # [3, 2, 1, 16]: token stride 16 (rows two slots apart), or 32 (one apart)
+        t = torch.randn(3, 2, 16, generator=gen)[:, :, None] if layout else torch.randn(3, 1, 2, 16, generator=gen)
+        return t.to(device) if layout else t.to(device).transpose(1, 2)
+
+    caches = [(one_key(True), one_key(True)), (one_key(False), one_key(False))]
+    assert caches[0][0].is_contiguous() and caches[1][0].is_contiguous()
+    assert caches[0][0].stride() != caches[1][0].stride()
+    for k, v in caches:
+        out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+        ref = _dense_reference(q, k, v, padding[:, None, None, :])
+        assert _rel(out[padding[:, -1:]], ref[padding[:, -1:]]) < 1e-4
+        assert (out[~padding[:, -1]] == 0).all()
+
+
+def test_a_mask_made_under_inference_mode_is_served(device):
+    """Inference tensors count no versions: the layout is kept by the mask alone (the module docstring)."""
+    with torch.inference_mode():
+        q, k, v = _qkv(device, n=7, seed=14)
+        padding = torch.ones(2, 7, dtype=torch.bool, device=device)
+        padding[0, :2] = False
+        for _ in range(2):
+            out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+            ref = _dense_reference(q, k, v, _causal(7, 7, device) & padding[:, None, None, :])
+            assert _rel(out[padding], ref[padding]) < 1e-4
+
+
 def _refuse_ragged(monkeypatch):
     """Make the ragged path (and any gather or flattening copy of K and V) fail: the call must not take it."""
     def refused(*args, **kwargs):

@@ -30,7 +30,8 @@ built from anything but causal, sliding-window, padding and packing (chunked, im
 The ragged path reads its max lengths on the host: one synchronization per forward (per mask), as
 FlashAttention-2's padding path has; the unmasked path has none. That layout is kept with the mask object and its
 version counter, so an in-place write to a mask is seen, except one that bypasses the counter (through ``.data``
-or a NumPy view of the tensor): a mask changed so must be a new tensor.
+or a NumPy view of the tensor) or one to a mask made under ``torch.inference_mode``, which counts no versions: a mask
+changed so must be a new tensor.
 
 transformers is imported by ``register()``, ``use_tilegen()`` and ``mask_forward`` only, never when tilegen is.
 """
@@ -226,14 +227,25 @@ def _in_place(layout: _Layout, query, key, value, causal, window, softcap, scali
     """``varlen_attention_padded`` on the layout's offsets, whose key (a quarter of the call's host time) the layout
     keeps for each module's arguments: every layer of a forward makes the same call on the same offsets."""
     args = (causal, window, softcap, scaling)
+    # With the arguments' types, as call_key has them (True == 1 == 1.0, but a scale of True is refused); causal is
+    # a bool, and the window's second bound is 0 or its first's type.
+    memo = (args, softcap.__class__, scaling.__class__, window if window is None else window[0].__class__)
     try:
-        call = layout.calls.get(args)
+        call = layout.calls.get(memo)
     except TypeError:  # an unhashable argument: the op says which
         return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
                                        causal=causal, window=window, softcap=softcap, scale=scaling)
-    if call is None:
-        call = layout.calls[args] = call_key(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
-    return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    if call is not None:
+        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    call = call_key(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    if torch.compiler.is_compiling():  # Dynamo guards the dictionary on what this frame found there
+        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    layout.calls[memo] = call
+    try:
+        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    except BaseException:
+        del layout.calls[memo]  # arguments the op refused are not kept (a NaN scale would add one a call)
+        raise
 
 
 def _check_batch(batch: int, **sizes: int) -> None:
@@ -257,13 +269,14 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
         return None
-    # A contiguous tensor's strides follow from its shape, but for dims of one element, which address nothing:
-    # asking is_contiguous() costs half of reading them.
-    # Devices by index (-1 on the CPU), whose hash costs a tenth of a torch.device's. n_k is not in the key: the
-    # steps are the layout's, whose length and key's shape fix it.
-    step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
-                value.is_contiguous() or value.stride(), query.dtype, key.dtype, value.dtype, query.get_device(),
-                key.get_device(), value.get_device(), window, softcap, scaling)
+    # Asking is_contiguous() costs half of reading the strides.
+    # A contiguous tensor's strides follow from its shape, but for dims of one element, which address nothing,
+    # except a cache of one key: its token stride sets the distance between rows in slots (_slots). n_k is not in
+    # the key: the steps are the layout's, whose length and key's shape fix it.
+    step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(),
+                key.stride() if n_k == 1 else key.is_contiguous() or key.stride(),
+                value.stride() if n_k == 1 else value.is_contiguous() or value.stride(), query.dtype, key.dtype,
+                value.dtype, query.device, key.device, value.device, window, softcap, scaling)
     step = steps.get(step_key)
     if step is not None:
         launch, out_like = step
@@ -417,21 +430,24 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
     global _last
+    try:
+        version = mask._version
+    except RuntimeError:  # a tensor made under torch.inference_mode counts no versions (the module docstring)
+        version = -1
     args = (n_q, n_k, pattern, build)
     last = _last
-    if last[0]() is mask and last[1] == mask._version and last[2] == args:
+    if last[0]() is mask and last[1] == version and last[2] == args:
         layout = last[3]
     else:
         key = (id(mask), *args)
         entry = _layouts.get(key)
-        if entry is None or entry[0]() is not mask or entry[1] != mask._version:
+        if entry is None or entry[0]() is not mask or entry[1] != version:
             layout = build(mask, n_q, n_k, pattern)
             if len(_layouts) >= _MAX_LAYOUTS:
                 _layouts.clear()
             # The entry goes with its mask (generation makes a new one every step): a decode table holds plans'
             # buffers.
-            entry = _layouts[key] = (weakref.ref(mask, lambda _, key=key: _layouts.pop(key, None)), mask._version,
-                                     layout)
+            entry = _layouts[key] = (weakref.ref(mask, lambda _, key=key: _layouts.pop(key, None)), version, layout)
         _last = (entry[0], entry[1], args, entry[2])
         layout = entry[2]
     # A capture finds its layout made by the warm-up calls before it (making one synchronizes).

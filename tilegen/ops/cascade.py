@@ -23,6 +23,7 @@ can be captured in a CUDA graph. Every cache a plan serves must have the planned
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -385,15 +386,16 @@ def _check_causal(host: list[HostLevel], page_size: int) -> None:
 
 def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
     """Under ``TILEGEN_DEBUG=1``: each node of the last level with query tokens reads, level after level, the pages
-    and keys that one sequence of ``cache`` holds in its page table (a level listed over a request that does not
-    hold its pages would read another request's keys, a cache that grew since the plan has keys it would miss).
-    Node n is expected to be sequence n when the last level has a node per sequence (its error names both); any
-    sequence that holds them passes, so a batch in another order than the cache's, or a part of it, is checked."""
+    and keys of a sequence of ``cache`` of its own, one that no other node reads (a level listed over a request that
+    does not hold its pages would read another request's keys; a cache that grew since the plan has keys it would
+    miss). Node n is sequence n where they agree; the others pair with the sequences left, so a batch in another
+    order than the cache's, or a part of it, is checked too. A node left without one is named, with sequence n's
+    page table when the last level has a node per sequence."""
     last = host[-1]
     indptr, indices, lens = cache.indptr.tolist(), cache.indices.tolist(), cache.seq_lens().tolist()
-    held_by = {(tuple(indices[indptr[b]:indptr[b + 1]]), lens[b]) for b in range(cache.batch)}
-    per_sequence = len(last.qo_indptr) - 1 == cache.batch
+    tables = [(tuple(indices[indptr[b]:indptr[b + 1]]), lens[b]) for b in range(cache.batch)]
     size = cache.page_size
+    reads = {}
     for n in range(len(last.qo_indptr) - 1):
         start = last.qo_indptr[n]
         if last.qo_indptr[n + 1] == start:
@@ -406,18 +408,30 @@ def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
                 raise ValueError(f"levels[{i}]: node {node} ends in a partial page; a shared level's pages are full")
             pages += level.kv_indices[level.kv_indptr[node]:level.kv_indptr[node + 1]].tolist()
             keys += n_k
-        if (tuple(pages), keys) in held_by:
+        reads[n] = (tuple(pages), keys)
+    # Sequences with the same table and length are interchangeable: counted, each taken by one node.
+    free = collections.Counter(tables)
+    unpaired = []
+    for n, read in reads.items():
+        if n < cache.batch and tables[n] == read:
+            free[read] -= 1
+        else:
+            unpaired.append(n)
+    for n in unpaired:
+        if free[reads[n]] > 0:
+            free[reads[n]] -= 1
             continue
-        if not per_sequence:
+        pages, keys = reads[n]
+        if len(last.qo_indptr) - 1 != cache.batch:
             raise ValueError(f"levels: node {n} of the last level reads {len(pages)} pages, {keys} tokens through "
-                             f"the levels (pages {pages}), which no sequence of the cache holds: a level lists a "
-                             f"request that does not hold its pages, or the cache changed since plan")
-        table = indices[indptr[n]:indptr[n + 1]]
+                             f"the levels (pages {list(pages)}), which no sequence of the cache left holds: a level "
+                             f"lists a request that does not hold its pages, or the cache changed since plan")
+        table, held = tables[n]
         # Named by their ids when only the pages differ, not their count or the tokens.
-        same_counts = (len(pages), keys) == (len(table), lens[n])
-        held = f"pages {pages}" if same_counts else f"{len(pages)} pages, {keys} tokens"
-        theirs = f"pages {table}" if same_counts else f"{len(table)} pages, {lens[n]} tokens"
-        raise ValueError(f"levels: sequence {n}'s pages through the levels ({held}) differ from the cache's page "
+        same_counts = (len(pages), keys) == (len(table), held)
+        ours = f"pages {list(pages)}" if same_counts else f"{len(pages)} pages, {keys} tokens"
+        theirs = f"pages {list(table)}" if same_counts else f"{len(table)} pages, {held} tokens"
+        raise ValueError(f"levels: sequence {n}'s pages through the levels ({ours}) differ from the cache's page "
                          f"table ({theirs}): a level lists a request that does not hold its pages, or the cache "
                          f"changed since plan")
 
