@@ -418,7 +418,8 @@ _MAX_LAYOUTS = 16
 # plan's partials) long after their mask and its entry above are gone, so they live as long as the process.
 _captured: dict[int, Any] = {}
 # The last layout found, (the weak reference to its mask, the mask's version, the other arguments, the layout):
-# the next call's first look, a third of the dictionary's host time, since every layer asks for the same one.
+# the next call's first look, a third of the dictionary's host time, since every layer asks for the same one. It
+# keeps that one layout past its mask's life, until a call with another mask.
 _last: tuple = (lambda: None, -1, None, None)
 
 
