@@ -70,10 +70,10 @@ class _Calls:
     def __init__(self, monkeypatch):
         self.ops = []
         # The dense calls go through attention_seq_major (tilegen.attention writing transformers' layout).
-        # The ragged calls go through varlen_attention_padded (packed rows read in place) or, gathered,
-        # varlen_attention.
+        # The ragged calls go through varlen_attention_padded (packed rows read in place; padded_call where the
+        # mask's layout keeps the offsets' key) or, gathered, varlen_attention.
         for name, op in (("attention_seq_major", "attention"), ("varlen_attention", "varlen_attention"),
-                         ("varlen_attention_padded", "varlen_attention")):
+                         ("varlen_attention_padded", "varlen_attention"), ("padded_call", "varlen_attention")):
             real = getattr(tilegen_hf, name)
 
             def spy(*args, _real=real, _op=op, **kwargs):
