@@ -276,10 +276,10 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                                       or value.requires_grad)):
         return None
-    # Asking is_contiguous() costs half of reading the strides.
-    # A contiguous tensor's strides follow from its shape, but for dims of one element, which address nothing,
-    # except a cache of one key: its token stride sets the distance between rows in slots (_slots). n_k is not in
-    # the key: the steps are the layout's, whose length and key's shape fix it.
+    # A contiguous tensor's strides follow from its shape, and asking is_contiguous() costs half of reading them;
+    # not for dims of one element, which address nothing but in a cache of one key: its token stride sets the
+    # distance between rows in slots (_slots). n_k is not in the key: the steps are the layout's, whose length and
+    # key's shape fix it.
     step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(),
                 key.stride() if n_k == 1 else key.is_contiguous() or key.stride(),
                 value.stride() if n_k == 1 else value.is_contiguous() or value.stride(), query.dtype, key.dtype,
