@@ -286,10 +286,10 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
                 value.dtype, query.device, key.device, value.device, window, softcap, scaling)
     step = steps.get(step_key)
     if step is not None:
-        launch, out_like = step
+        replay, tail, out_like = step
         out = torch.empty_like(out_like)
         # The step's own launch: its key fixes every view, so its replay needs no key of its own.
-        launch(None, query, key, value, out)
+        replay(None, query, key, value, out, out, *tail)
         return out
     _check_batch(query.shape[0], value=value.shape[0])  # once a kind of step: its key holds value's shape
     if query.shape[0] * n_k > _MAX_SLOTS:  # the page table's entries, one a key of the padded batch
@@ -318,7 +318,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
                     max_seqlen_k=n_k if left is None else min(n_k, left + 1), q_dtype=query.dtype)
     out = decode.run(query.select(2, 0), cache).unsqueeze(1)
     slots = functools.partial(_slot_pages, n=n_k)
-    steps[step_key] = (decode._launch_through(cache, {1: slots, 2: slots, 3: _heads_first}),
+    steps[step_key] = (*decode._launch_through(cache, {1: slots, 2: slots, 3: _heads_first}),
                        empty_like_template(out.shape, out.dtype, out.device))
     return out
 

@@ -225,26 +225,22 @@ class PagedDecode(Planner):
                         cache.indptr, cache.indices, cache.last_page_len, *cache._scales, *plan.mod_tensors)
         return (out, lse) if spec.return_lse else out
 
-    def _launch_through(self, cache: PagedKVCache, views: dict[int, Any]):
-        """``launch(key, q, k, v, out)``: this plan's kernels on ``cache``'s page table, taking q, the pages and
-        out through ``views`` of the caller's tensors (``Replay``'s views, by the launcher's argument index: 0 q,
-        1 and 2 the pages, 3 out), with nothing checked and no LSE. ``key`` must fix every view's shape and
-        strides. For a caller whose own key fixes what ``run`` checks, after a ``run`` of its layout settled the
-        plan's config (a tuned row failing at its first launch falls back there): the transformers integration's
-        padded decoding step, over transformers' cache where it lies."""
+    def _launch_through(self, cache: PagedKVCache, views: dict[int, Any]) -> tuple[Any, tuple]:
+        """``(replay, tail)``, ``replay(key, q, k, v, out, out, *tail)`` running this plan's kernels on ``cache``'s
+        page table, taking q, the pages and out through ``views`` of the caller's tensors (``Replay``'s views, by
+        the launcher's argument index: 0 q, 1 and 2 the pages, 3 out), with nothing checked and no LSE. ``key``
+        must fix every view's shape and strides. For a caller whose own key fixes what ``run`` checks, after a
+        ``run`` of its layout settled the plan's config (a tuned row failing at its first launch falls back
+        there): the transformers integration's padded decoding step, over transformers' cache where it lies,
+        which calls the replay itself (a closure around it cost a tenth of the step's host time)."""
         plan = self._plan
         if plan is None or plan.spec.return_lse:
             raise RuntimeError("PagedDecode._launch_through: needs a plan made without return_lse")
         if not plan.batch:
-            return lambda key, q, k, v, out: None
+            return (lambda *args: None), ()
         replay = launcher_for(plan.spec).replay(plan.launch_args, {**views, 4: views[3]})
-        tail = (plan.part_o, plan.part_lse, cache.indptr, cache.indices, cache.last_page_len, *cache._scales,
-                *plan.mod_tensors)
-
-        def launch(key, q, k, v, out) -> None:
-            replay(key, q, k, v, out, out, *tail)
-
-        return launch
+        return replay, (plan.part_o, plan.part_lse, cache.indptr, cache.indices, cache.last_page_len, *cache._scales,
+                        *plan.mod_tensors)
 
 
 def _token_dim(t: torch.Tensor) -> torch.Tensor:
