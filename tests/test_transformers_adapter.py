@@ -17,6 +17,7 @@ from helpers import nan_outputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tilegen.ops.varlen as varlen_op
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.integrations import transformers as tilegen_hf
 
@@ -146,7 +147,6 @@ def test_layers_of_one_mask_with_other_arguments_each_get_their_own(device, monk
     padding = torch.ones(2, 19, dtype=torch.bool, device=device)
     padding[0, :5] = False
     padding[1, 16:] = False
-    import tilegen.ops.varlen as varlen_op
 
     def flattened(*args, **kwargs):
         raise AssertionError("q, k and v were flattened: the in-place launch did not run")
