@@ -283,6 +283,22 @@ def test_the_debug_check_pairs_each_node_with_a_sequence_of_its_own(device, monk
         cascade.run(q, grown)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.lists(st.integers(0, 6), min_size=1, max_size=10))
+def test_the_debug_check_passes_a_cache_exactly_when_it_holds_every_request(order, device, monkeypatch):
+    """Levels of seven distinct requests over a cache listing any of them, in any order, some twice: the debug
+    check passes when every request is there, and names a node otherwise."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = tree_cache(8, 1, torch.float32, device, torch.Generator().manual_seed(24))
+    levels = _levels(cache)
+    other = _reordered(cache, order)
+    if set(order) == set(range(cache.batch)):
+        tilegen.CascadeAttention().plan(other, levels, heads_q=2)
+    else:
+        with pytest.raises(ValueError, match=r"levels: (sequence|node) \d+"):
+            tilegen.CascadeAttention().plan(other, levels, heads_q=2)
+
+
 def test_run_refuses_a_cache_that_grew_since_plan_in_debug(device, monkeypatch):
     """The levels fix each request's length: a token appended after plan would go unread, and run says so under
     TILEGEN_DEBUG (as PagedDecode.run does for a sequence past its plan's chunks)."""
