@@ -299,6 +299,32 @@ def test_the_debug_check_passes_a_cache_exactly_when_it_holds_every_request(orde
             tilegen.CascadeAttention().plan(other, levels, heads_q=2)
 
 
+def test_a_shared_level_may_end_in_a_partial_page_when_it_holds_the_last(device, monkeypatch):
+    """Samples of one prompt listing the same pages, the last partial: one shared node holds all their keys and
+    their own nodes none. Valid, and the debug check passes it; a later level's pages after that partial page are
+    refused by name."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    gen = torch.Generator().manual_seed(25)
+    k_pages = _randn(gen, 3, 8, 1, DIM, dtype=torch.float32, device=device)
+    v_pages = _randn(gen, 3, 8, 1, DIM, dtype=torch.float32, device=device)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cache = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4), ints(0, 1, 0, 1), ints(5, 5))  # 13 keys each
+    shared = tilegen.CascadeLevel(ints(0, 2), ints(0, 2), ints(0, 1), ints(5))
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, [shared, tilegen.CascadeLevel(ints(0, 1, 2), ints(0, 0, 0), ints(), ints(1, 1))], heads_q=2,
+                 return_lse=True)
+    q = _randn(gen, 2, 2, DIM, dtype=torch.float32, device=device)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(3, dtype=torch.int32))
+    _check(*cascade.run(q, cache), ref, ref_lse, torch.float32)
+    longer = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 3, 6), ints(0, 1, 2, 0, 1, 2), ints(1, 1))
+    own = tilegen.CascadeLevel(ints(0, 1, 2), ints(0, 1, 2), ints(2, 2), ints(1, 1))
+    with pytest.raises(ValueError, match=r"levels\[0\]: node 0 ends in a partial page, and a later level adds"):
+        tilegen.CascadeAttention().plan(longer, [shared, own], heads_q=2)
+
+
 def test_run_refuses_a_cache_that_grew_since_plan_in_debug(device, monkeypatch):
     """The levels fix each request's length: a token appended after plan would go unread, and run says so under
     TILEGEN_DEBUG (as PagedDecode.run does for a sequence past its plan's chunks)."""

@@ -178,14 +178,16 @@ def test_arguments_equal_to_served_ones_but_of_another_type_are_still_refused(de
     4.0 after one of 4."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(device, n=7, seed=12))
     module = types.SimpleNamespace(is_causal=True)
-    for served, refused, message in [(dict(scaling=1.0), dict(scaling=True), "scale"),
-                                     (dict(softcap=1.0), dict(softcap=True), "softcap"),
-                                     (dict(sliding_window=4), dict(sliding_window=4.0), "window")]:
-        padding = torch.ones(2, 7, dtype=torch.bool, device=device)
-        padding[0, :2] = False
-        tilegen_hf.attention_forward(module, q, k, v, padding, **served)
-        with pytest.raises(ValueError, match=message):
-            tilegen_hf.attention_forward(module, q, k, v, padding, **refused)
+    for n_q in (7, 1):  # the in-place prefill, and a padded decoding step (PagedDecode's plans and launches)
+        for served, refused, message in [(dict(scaling=1.0), dict(scaling=True), "scale"),
+                                         (dict(softcap=1.0), dict(softcap=True), "softcap"),
+                                         (dict(sliding_window=4), dict(sliding_window=4.0), "sliding_window")]:
+            padding = torch.ones(2, 7, dtype=torch.bool, device=device)
+            padding[0, :2] = False
+            query = q[:, :, -n_q:]
+            tilegen_hf.attention_forward(module, query, k, v, padding, **served)
+            with pytest.raises(ValueError, match=message):
+                tilegen_hf.attention_forward(module, query, k, v, padding, **refused)
 
 
 def test_a_decoding_step_over_one_key_of_other_strides_runs_with_its_own(device):

@@ -137,6 +137,8 @@ def attention_forward(
             sliding_window = None if windowless else getattr(module, "sliding_window", None)
     window = None
     if sliding_window is not None:
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1:
+            raise ValueError(f"tilegen attention: sliding_window: expected an int >= 1 or None, got {sliding_window!r}")
         # Causal: the query and the sliding_window - 1 keys before it. Bidirectional: transformers' overlay
         # keeps |q_idx - kv_idx| <= sliding_window.
         window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
@@ -235,8 +237,8 @@ def _in_place(layout: _Layout, query, key, value, causal, window, softcap, scali
     keeps for each module's arguments: every layer of a forward makes the same call on the same offsets."""
     args = (causal, window, softcap, scaling)
     # With the arguments' types, as call_key has them (True == 1 == 1.0, but a scale of True is refused); causal is
-    # a bool, and the window's second bound is 0 or its first's type.
-    memo = (args, softcap.__class__, scaling.__class__, window if window is None else window[0].__class__)
+    # a bool, and the window's bounds ints (attention_forward checks sliding_window).
+    memo = (args, softcap.__class__, scaling.__class__)
     try:
         call = layout.calls.get(memo)
     except TypeError:  # an unhashable argument: the op says which
@@ -279,11 +281,12 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     # A contiguous tensor's strides follow from its shape, and asking is_contiguous() costs half of reading them;
     # not for dims of one element, which address nothing but in a cache of one key: its token stride sets the
     # distance between rows in slots (_slots). n_k is not in the key: the steps are the layout's, whose length and
-    # key's shape fix it.
+    # key's shape fix it. The arguments enter with their types (True == 1.0, but a scale of True is refused).
     step_key = (*shapes, value.shape, query.is_contiguous() or query.stride(),
                 key.stride() if n_k == 1 else key.is_contiguous() or key.stride(),
                 value.stride() if n_k == 1 else value.is_contiguous() or value.stride(), query.dtype, key.dtype,
-                value.dtype, query.device, key.device, value.device, window, softcap, scaling)
+                value.dtype, query.device, key.device, value.device, window, softcap, scaling, softcap.__class__,
+                scaling.__class__)
     step = steps.get(step_key)
     if step is not None:
         replay, tail, out_like = step
@@ -309,7 +312,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
         table.cache = cache._without_pages()
     else:
         cache = table.cache.with_pages(pages[0], v_pages[0])
-    plan_key = (query.shape[1], query.dtype, cache._layout, softcap, scaling)
+    plan_key = (query.shape[1], query.dtype, cache._layout, softcap, scaling, softcap.__class__, scaling.__class__)
     decode = table.plans.get(plan_key)
     if decode is None:
         decode = table.plans[plan_key] = PagedDecode()

@@ -400,12 +400,16 @@ def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
         start = last.qo_indptr[n]
         if last.qo_indptr[n + 1] == start:
             continue
-        pages, keys = [], 0
+        pages, keys, partial = [], 0, None
         for i, level in enumerate(host):
             node = n if level is last else level.node_of(start)
             n_k = level.keys(node, size)
-            if level is not last and n_k % size:
-                raise ValueError(f"levels[{i}]: node {node} ends in a partial page; a shared level's pages are full")
+            if n_k and partial is not None:
+                # Only a page table's last page is partial: pages after one are no sequence's table.
+                raise ValueError(f"levels[{partial[0]}]: node {partial[1]} ends in a partial page, and a later level "
+                                 f"adds pages under it; a shared level's pages are full unless it holds the last")
+            if n_k % size:
+                partial = (i, node)
             pages += level.kv_indices[level.kv_indptr[node]:level.kv_indptr[node + 1]].tolist()
             keys += n_k
         reads[n] = (tuple(pages), keys)
