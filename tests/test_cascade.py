@@ -257,16 +257,20 @@ def test_levels_over_a_cache_in_another_order_or_larger_pass_the_debug_check(dev
         tilegen.CascadeAttention().plan(_reordered(cache, [0, 1, 2, 3, 4, 5, 6, 2]), [root, deep, own], heads_q=2)
 
 
+def _pages_of_8(count, gen, device):
+    """K and V pages of 8 slots, one KV head, and a maker of int32 tensors on their device."""
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return (*(_randn(gen, count, 8, 1, DIM, dtype=torch.float32, device=device) for _ in range(2)), ints)
+
+
 def test_the_debug_check_pairs_each_node_with_a_sequence_of_its_own(device, monkeypatch):
     """Two nodes reading one sequence's pages, or two identical sequences of which one grew since plan: a node is
     left without a sequence, though the pages it reads are some sequence's."""
     monkeypatch.setenv("TILEGEN_DEBUG", "1")
     gen = torch.Generator().manual_seed(23)
-    k_pages = _randn(gen, 8, 8, 1, DIM, dtype=torch.float32, device=device)
-    v_pages = _randn(gen, 8, 8, 1, DIM, dtype=torch.float32, device=device)
-
-    def ints(*values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    k_pages, v_pages, ints = _pages_of_8(8, gen, device)
 
     two = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4), ints(0, 1, 2, 3), ints(3, 3))
     both_read_one = tilegen.CascadeLevel(ints(0, 1, 2), ints(0, 2, 4), ints(2, 3, 2, 3), ints(3, 3))
@@ -305,11 +309,7 @@ def test_a_shared_level_may_end_in_a_partial_page_when_it_holds_the_last(device,
     refused by name."""
     monkeypatch.setenv("TILEGEN_DEBUG", "1")
     gen = torch.Generator().manual_seed(25)
-    k_pages = _randn(gen, 3, 8, 1, DIM, dtype=torch.float32, device=device)
-    v_pages = _randn(gen, 3, 8, 1, DIM, dtype=torch.float32, device=device)
-
-    def ints(*values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
+    k_pages, v_pages, ints = _pages_of_8(3, gen, device)
 
     cache = tilegen.PagedKVCache(k_pages, v_pages, ints(0, 2, 4), ints(0, 1, 0, 1), ints(5, 5))  # 13 keys each
     shared = tilegen.CascadeLevel(ints(0, 2), ints(0, 2), ints(0, 1), ints(5))
