@@ -211,6 +211,30 @@ def test_a_decoding_step_over_one_key_of_other_strides_runs_with_its_own(device)
         assert (out[~padding[:, -1]] == 0).all()
 
 
+@pytest.mark.parametrize("bad, message", [
+    ("value dtype", r"\bv\b.*float16"), ("query dtype", r"\bk\b.*differs from q's"),
+    ("head dim", r"k: head_dim 32 differs from q's 16"), ("float64", r"q: expected dtype"),
+])
+def test_a_decoding_step_the_paged_kernel_refuses_names_the_callers_tensors(bad, message, device):
+    """A padded decoding step PagedDecode cannot take is refused by the ragged path's op, which names q, k and v
+    (as an unpadded call's does), not the one-slot pages it would have read."""
+    q, k, v = _qkv(device, n=9, seed=15)
+    q = q[:, :, -1:]
+    if bad == "value dtype":
+        v = v.half()
+    elif bad == "query dtype":
+        q = q.half()
+    elif bad == "head dim":
+        k = torch.cat([k, k], -1)
+    else:
+        q, k, v = q.double(), k.double(), v.double()
+    padding = torch.ones(2, 9, dtype=torch.bool, device=device)
+    padding[0, :3] = False
+    with pytest.raises((ValueError, TypeError), match=message) as caught:
+        tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, padding)
+    assert "pages" not in str(caught.value)
+
+
 def test_a_mask_made_under_inference_mode_is_served(device):
     """Inference tensors count no versions: the layout is kept by the mask alone (the module docstring)."""
     with torch.inference_mode():

@@ -307,18 +307,27 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     table = _layout(mask, 1, n_k, (pages[1], left), _slot_table)
     # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
     # table keeps it without pages: a layer's K and V must not outlive its call.
-    if table.cache is None:
-        cache = PagedKVCache(pages[0], v_pages[0], *table.pages)
-        table.cache = cache._without_pages()
-    else:
-        cache = table.cache.with_pages(pages[0], v_pages[0])
-    plan_key = (query.shape[1], query.dtype, cache._layout, softcap, scaling, softcap.__class__, scaling.__class__)
-    decode = table.plans.get(plan_key)
-    if decode is None:
-        decode = table.plans[plan_key] = PagedDecode()
-        # n_k (or the window) bounds every row; the longest real row would need a synchronization to read.
-        decode.plan(cache, heads_q=query.shape[1], softcap=softcap, scale=scaling,
-                    max_seqlen_k=n_k if left is None else min(n_k, left + 1), q_dtype=query.dtype)
+    # What PagedDecode refuses (dtypes or head dims that disagree, a dtype it does not take) goes to the ragged
+    # path, whose op names the caller's query, key and value, as an unpadded call's does, rather than the pages.
+    if shapes[1][3] != shapes[0][3]:
+        return None
+    try:
+        if table.cache is None:
+            cache = PagedKVCache(pages[0], v_pages[0], *table.pages)
+            table.cache = cache._without_pages()
+        else:
+            cache = table.cache.with_pages(pages[0], v_pages[0])
+        plan_key = (query.shape[1], query.dtype, cache._layout, softcap, scaling, softcap.__class__,
+                    scaling.__class__)
+        decode = table.plans.get(plan_key)
+        if decode is None:
+            decode = PagedDecode()
+            # n_k (or the window) bounds every row; the longest real row would need a synchronization to read.
+            decode.plan(cache, heads_q=query.shape[1], softcap=softcap, scale=scaling,
+                        max_seqlen_k=n_k if left is None else min(n_k, left + 1), q_dtype=query.dtype)
+            table.plans[plan_key] = decode
+    except (ValueError, TypeError):
+        return None
     out = decode.run(query.select(2, 0), cache).unsqueeze(1)
     slots = functools.partial(_slot_pages, n=n_k)
     steps[step_key] = (*decode._launch_through(cache, {1: slots, 2: slots, 3: _heads_first}),
