@@ -305,13 +305,13 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     # transformers counts them.
     left = None if window is None else window[0]
     table = _layout(mask, 1, n_k, (pages[1], left), _slot_table)
-    # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
-    # table keeps it without pages: a layer's K and V must not outlive its call.
     # What PagedDecode refuses (dtypes or head dims that disagree, a dtype it does not take) goes to the ragged
     # path, whose op names the caller's query, key and value, as an unpadded call's does, rather than the pages.
     if shapes[1][3] != shapes[0][3]:
         return None
     try:
+        # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
+        # table keeps it without pages: a layer's K and V must not outlive its call.
         if table.cache is None:
             cache = PagedKVCache(pages[0], v_pages[0], *table.pages)
             table.cache = cache._without_pages()
