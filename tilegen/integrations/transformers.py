@@ -244,17 +244,15 @@ def _in_place(layout: _Layout, query, key, value, causal, window, softcap, scali
     except TypeError:  # an unhashable argument: the op says which
         return varlen_attention_padded(query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
                                        causal=causal, window=window, softcap=softcap, scale=scaling)
-    if call is not None:
-        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
-    call = call_key(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
-    if torch.compiler.is_compiling():  # Dynamo guards the dictionary on what this frame found there
-        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
-    layout.calls[memo] = call
-    try:
-        return padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
-    except BaseException:
-        del layout.calls[memo]  # arguments the op refused are not kept (a NaN scale would add one a call)
-        raise
+    fresh = call is None
+    if fresh:
+        call = call_key(layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    out = padded_call(call, query, key, value, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, *args)
+    # Kept once the op took the arguments (a NaN scale, refused, would add one a call), and not while Dynamo
+    # traces: it guards the dictionary on what this frame found there.
+    if fresh and not torch.compiler.is_compiling():
+        layout.calls[memo] = call
+    return out
 
 
 def _check_batch(batch: int, **sizes: int) -> None:

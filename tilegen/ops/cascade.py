@@ -184,7 +184,7 @@ class CascadeAttention(Planner):
             # The cache as plan checked it: a request that grew since (a token appended) would have its new keys
             # go unread, the levels fixing each node's length.
             cache.validate()
-            _check_against_cache(list(plan.host), cache)
+            _check_against_cache(plan.host, cache)
         shape = (plan.tokens, plan.heads_q, spec.head_dim)
         if not isinstance(q, torch.Tensor) or q.shape != shape:
             raise ValueError(f"q: expected {list(shape)}, got "
@@ -384,7 +384,7 @@ def _check_causal(host: list[HostLevel], page_size: int) -> None:
                              f"least one key fewer than its query tokens), since a shared level is read whole")
 
 
-def _check_against_cache(host: list[HostLevel], cache: PagedKVCache) -> None:
+def _check_against_cache(host: Sequence[HostLevel], cache: PagedKVCache) -> None:
     """Under ``TILEGEN_DEBUG=1``: each node of the last level with query tokens reads, level after level, the pages
     and keys of a sequence of ``cache`` of its own, one that no other node reads (a level listed over a request that
     does not hold its pages would read another request's keys; a cache that grew since the plan has keys it would
