@@ -293,6 +293,10 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
         replay(None, query, key, value, out, out, *tail)
         return out
     _check_batch(query.shape[0], value=value.shape[0])  # once a kind of step: its key holds value's shape
+    # What PagedDecode refuses (dtypes or head dims that disagree, a dtype it does not take) goes to the ragged
+    # path, whose op names the caller's query, key and value, as an unpadded call's does, rather than the pages.
+    if shapes[1][3] != shapes[0][3]:
+        return None
     if query.shape[0] * n_k > _MAX_SLOTS:  # the page table's entries, one a key of the padded batch
         return None
     pages = _slots(key, n_k)
@@ -303,10 +307,6 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     # transformers counts them.
     left = None if window is None else window[0]
     table = _layout(mask, 1, n_k, (pages[1], left), _slot_table)
-    # What PagedDecode refuses (dtypes or head dims that disagree, a dtype it does not take) goes to the ragged
-    # path, whose op names the caller's query, key and value, as an unpadded call's does, rather than the pages.
-    if shapes[1][3] != shapes[0][3]:
-        return None
     try:
         # The first layer's cache is checked whole; the other layers' pages, laid out alike, take its checks. The
         # table keeps it without pages: a layer's K and V must not outlive its call.
