@@ -31,11 +31,13 @@ The supported operations (anything else is refused when the mod is traced, namin
   strides, sizes), read at every call, so their values may change between calls without a new
   kernel; a new shape or dtype traces the function again.
 
-Out-of-range indices: an index that is a plain role or a role plus or minus a constant
-(``q_idx``, ``kv_idx + 1``) or a constant is checked on the host at every call against the
-role's range (``b`` in [0, batch), ``h`` in [0, heads_q), ``q_idx`` in [0, n_q), ``kv_idx`` in
-[0, n_k); for ``varlen_attention`` the longest sequences') and a ``ValueError`` names the tensor
-and dimension. Any other index expression is masked in the kernel: an element outside the
+Out-of-range indices: an index the host can bound (the roles and integer constants under ``+ - *``,
+``//`` and ``%`` by a positive constant, unary ``-``, ``abs``, ``minimum``, ``maximum``, ``clamp``,
+``where``: ``q_idx``, ``kv_idx - q_idx + n``) is checked on the host at every call over every
+(query, key) position, masked or not, against the roles' ranges (``b`` in [0, batch), ``h`` in
+[0, heads_q), ``q_idx`` in [0, n_q), ``kv_idx`` in [0, n_k); for ``varlen_attention`` the longest
+sequences'), and a ``ValueError`` names the tensor, dimension and range. Any other index (one read
+from another captured tensor, or cast from a float) is masked in the kernel: an element outside the
 tensor (a negative index included: there is no wrap-around) reads as 0 (False for bools).
 
 Gradients: with ``q``, ``k``, ``v`` or a captured tensor that requires grad (and grad mode on), the op is
@@ -43,8 +45,10 @@ differentiable: Q, K and V get theirs, and so does every captured float tensor o
 requires grad (accumulated in fp32, returned in its dtype). The score mod's derivative is formed for
 ``+ - * /``, unary ``-``, ``abs``, ``tanh``, ``exp``, ``log``, ``sqrt``, ``where``, ``minimum``,
 ``maximum``, ``clamp`` and casts; integer and bool values carry none. A float ``//`` or ``%`` that the
-score (or a captured tensor being differentiated) reaches has none: ``tilegen.mods.grad.ModGradError``
-(a ``NotImplementedError``) names it before anything runs, and only when gradients are asked for.
+score (or a captured tensor that requires grad) reaches has none: ``tilegen.mods.grad.ModGradError``
+(a ``NotImplementedError``) names it before anything runs, and only when gradients are asked for. The
+second derivative is not formed: differentiating the gradients again (``create_graph=True``, then a
+backward through them) raises a ``NotImplementedError`` naming the op.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class Entry(NamedTuple):
     kind: str
     canonical: str
     names: tuple[str, ...]
-    checks: tuple[tuple[int, int, str | None, int], ...]
+    checks: tuple[tuple[int, int, tuple], ...]  # TracedMod.checks
     paths: tuple[tuple, ...]  # per captured tensor, for fetch
     builtin: object  # builtin_of(canonical, kind)
 
@@ -90,7 +90,7 @@ def bind(score_mod, mask_mod, found: tuple[Entry | None, Entry | None]) -> list[
 
 
 @torch.compiler.assume_constant_result
-def check_differentiable(score_mod: str | None) -> None:
+def check_differentiable(score_mod: str | None, wanted: tuple[int, ...] = ()) -> None:
     """``tilegen.mods.grad.check_differentiable`` at trace time: a ``ModGradError`` names the operation when the
     graph is made, as an eager call raises it before its forward runs."""
-    _check_differentiable(score_mod)
+    _check_differentiable(score_mod, wanted)

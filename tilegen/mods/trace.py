@@ -10,8 +10,12 @@ makes a new one. Format (``;``-separated, parsed back by ``tilegen.mods.lower.pa
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import sys
+import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,30 +60,30 @@ SUPPORTED = ("+ - * / // % unary-, abs, < <= > >= == !=, & | ~, torch.where, tor
 @dataclass(frozen=True)
 class TracedMod:
     """A traced mod: its canonical text, its captured tensors (in ``t0, t1, ...`` order) and their names,
-    and the index expressions the host can range-check: ``(tensor, dim, role or None, offset)``."""
+    and the index expressions the host can range-check: ``(tensor, dim, bound)``, ``bound`` an integer
+    expression over the roles and constants (``_bound``) whose range the host computes at every call."""
 
     kind: str
     canonical: str
     tensors: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
-    checks: tuple[tuple[int, int, str | None, int], ...]
+    checks: tuple[tuple[int, int, tuple], ...]
 
     def check_ranges(self, ranges: dict[str, int]) -> None:
-        """Raise a ``ValueError`` naming the tensor and dimension that an index can leave."""
-        for t, dim, role, offset in self.checks:
+        """Raise a ``ValueError`` naming the tensor and dimension that an index can leave, over every (query, key)
+        position of the call, masked or not (as the reference applies the mod to the whole score matrix)."""
+        for t, dim, bound in self.checks:
+            span = _interval(bound, ranges)
+            if span is None:  # a role with an empty range: no score reads the tensor
+                continue
             size = self.tensors[t].shape[dim]
-            if role is None:
-                low = high = offset
-            else:
-                if ranges[role] <= 0:
-                    continue
-                low, high = offset, ranges[role] - 1 + offset
+            low, high = span
             if low < 0 or high >= size:
-                index = str(offset) if role is None else role + (f" {'+' if offset > 0 else '-'} {abs(offset)}"
-                                                                 if offset else "")
-                span = f"{index} = {low}" if role is None else f"{index} ranges over [{low}, {high}]"
+                index = _text(bound)
+                where = f"{index} = {low}" if low == high and bound[0] == "const" else (
+                    f"{index} ranges over [{low}, {high}]")
                 shape = tuple(self.tensors[t].shape)
-                raise ValueError(f"{self.kind}: captured tensor {self.names[t]!r} (shape {shape}), dim {dim}: {span}, "
+                raise ValueError(f"{self.kind}: captured tensor {self.names[t]!r} (shape {shape}), dim {dim}: {where}, "
                                  f"outside [0, {size - 1}]")
 
 
@@ -93,7 +97,7 @@ def trace(fn: Callable, kind: str) -> TracedMod:
     if not callable(fn):
         _fail(kind, f"expected a function, got {type(fn).__name__}")
     try:
-        graph_module = fx.symbolic_trace(fn)
+        graph_module = fx.symbolic_trace(_with_roles(fn, kind))
     except Exception as e:  # control flow on a traced value, an unsupported Python function, a wrong arity
         _fail(kind, f"cannot be traced with torch.fx ({type(e).__name__}: {e}); mods must be straight-line code over "
                     f"the supported operations: {SUPPORTED}")
@@ -108,7 +112,9 @@ def trace(fn: Callable, kind: str) -> TracedMod:
     meta: dict[fx.Node, Any] = {n: torch.empty((), dtype=_ROLE_DTYPES[r], device="meta")
                                 for n, r in names.items()}
     lines: list[str] = []
-    checks: list[tuple[int, int, str | None, int]] = []
+    checks: list[tuple[int, int, tuple]] = []
+    # The integer values whose range the host can bound (_bound): indices built from them are checked per call.
+    bounds: dict[fx.Node, tuple] = {n: ("role", r) for n, r in names.items() if r != "score"}
     values = 0
 
     def arg(a, node) -> str:
@@ -172,9 +178,9 @@ def trace(fn: Callable, kind: str) -> TracedMod:
                         isinstance(i, fx.Node) and meta[i].dtype == torch.bool):
                     _fail(kind, f"captured tensor {_name_of(fn, t)!r}, dim {dim}: the index is {meta[i].dtype}, "
                                 "not an integer", ValueError)
-                found = _plain_index(i, names)
-                if found is not None:
-                    checks.append((attr_index[base.target], dim, *found))
+                bound = ("const", i) if isinstance(i, int) else bounds.get(i)
+                if bound is not None:
+                    checks.append((attr_index[base.target], dim, bound))
             args = [base, *index]
         if kwargs:
             _fail(kind, f"{node.target}: keyword arguments {sorted(kwargs)} are not supported")
@@ -191,6 +197,10 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         if result.dtype not in DTYPE_NAMES:
             _fail(kind, f"{op} gives dtype {result.dtype}, which the kernel does not compute in")
         meta[node] = result
+        if not result.dtype.is_floating_point and result.dtype != torch.bool:
+            bound = _bound(op, args, bounds)
+            if bound is not None:
+                bounds[node] = bound
         names[node] = f"v{values}"
         values += 1
         lines.append(f"{names[node]}:{DTYPE_NAMES[result.dtype]}={op}({','.join(arg(a, node) for a in args)})")
@@ -223,20 +233,114 @@ def _op_of(node: fx.Node) -> str | None:
     return None
 
 
-def _plain_index(i, names) -> tuple[str | None, int] | None:
-    """``(role, offset)`` for an index that is a constant, a role, or a role plus or minus a constant."""
-    if isinstance(i, int):
-        return None, i
-    if i.op == "placeholder":
-        return names[i], 0
-    op = _op_of(i)
-    if op in ("add", "sub") and len(i.args) == 2:
-        a, c = i.args
-        if op == "add" and isinstance(a, int):
-            a, c = c, a
-        if isinstance(a, fx.Node) and a.op == "placeholder" and isinstance(c, int) and not isinstance(c, bool):
-            return names[a], c if op == "add" else -c
+def _with_roles(fn: Callable, kind: str) -> Callable:
+    """What ``torch.fx`` traces: ``fn`` itself, or, for a function whose parameters after the roles all have
+    defaults (``lambda s, b, h, q, k, t=table: ...``, the idiom that binds a loop variable), a function of the
+    roles alone that calls it, so the defaults are read as a closure's values are (FlexAttention calls a mod with
+    the roles alone too)."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    roles = ROLES[kind]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
+    extra = positional[len(roles):]
+    if not extra or any(p.default is inspect.Parameter.empty for p in extra):
+        return fn
+    if kind == "score_mod":
+        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+    return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
+
+
+def _bound(op: str, args: list, bounds: dict) -> tuple | None:
+    """An integer value as an expression the host can bound (``_interval``): roles and integer constants under
+    + - * // % (by a positive constant), unary -, abs, minimum, maximum, clamp, where and integer casts. None for
+    anything else (a value read from a captured tensor, a float cast back): an index built from it is not
+    checked on the host, and the kernel masks its reads."""
+    def of(a):
+        if isinstance(a, fx.Node):
+            return bounds.get(a)
+        return ("const", a) if isinstance(a, int) and not isinstance(a, bool) else None
+
+    if op == "clamp":
+        x, low, high = (of(a) if a is not None else ("none",) for a in args)
+        return None if None in (x, low, high) else ("clamp", x, low, high)
+    if op == "where":
+        operands = (of(args[1]), of(args[2]))
+        return None if None in operands else ("where", *operands)
+    if op == "to":
+        return of(args[0])  # an integer result: of an integer (a float cast has no bound) or a bool (no bound)
+    operands = tuple(of(a) for a in args)
+    if None in operands:
+        return None
+    if op in ("add", "sub", "mul", "minimum", "maximum", "neg", "abs"):
+        return (op, *operands)
+    if op in ("floordiv", "mod") and operands[1][0] == "const" and operands[1][1] > 0:
+        return (op, *operands)
     return None
+
+
+def _interval(bound: tuple, ranges: dict[str, int]) -> tuple[int, int] | None:
+    """``bound``'s smallest and largest value over the roles' ranges; None when a role it reads has none."""
+    op, *args = bound
+    if op == "const":
+        return args[0], args[0]
+    if op == "role":
+        n = ranges[args[0]]
+        return None if n <= 0 else (0, n - 1)
+    if op == "clamp":
+        x, low, high = (None if a == ("none",) else _interval(a, ranges) for a in args)
+        if x is None or (args[1] != ("none",) and low is None) or (args[2] != ("none",) and high is None):
+            return None
+        lo, hi = x
+        if low is not None:
+            lo, hi = max(lo, low[0]), max(hi, low[1])
+        if high is not None:
+            lo, hi = min(lo, high[0]), min(hi, high[1])
+        return lo, hi
+    spans = [_interval(a, ranges) for a in args]
+    if None in spans:
+        return None
+    a = spans[0]
+    if op == "neg":
+        return -a[1], -a[0]
+    if op == "abs":
+        return (a[0], a[1]) if a[0] >= 0 else (-a[1], -a[0]) if a[1] <= 0 else (0, max(-a[0], a[1]))
+    b = spans[1]
+    if op == "add":
+        return a[0] + b[0], a[1] + b[1]
+    if op == "sub":
+        return a[0] - b[1], a[1] - b[0]
+    if op == "mul":
+        products = [x * y for x in a for y in b]
+        return min(products), max(products)
+    if op in ("minimum", "maximum"):
+        pick = min if op == "minimum" else max
+        return pick(a[0], b[0]), pick(a[1], b[1])
+    if op == "where":
+        return min(a[0], b[0]), max(a[1], b[1])
+    c = b[0]  # floordiv, mod: a positive constant
+    if op == "floordiv":
+        return a[0] // c, a[1] // c
+    return (a[0] % c, a[1] % c) if a[0] // c == a[1] // c else (0, c - 1)
+
+
+def _text(bound: tuple) -> str:
+    """``bound`` as the mod's source would write it (roles by their names), for errors."""
+    op, *args = bound
+    if op in ("const", "role"):
+        return str(args[0])
+    parts = [_text(a) if a[0] in ("const", "role") else f"({_text(a)})" for a in args]
+    if op == "add" and args[1][0] == "const" and args[1][1] < 0:
+        return f"{parts[0]} - {-args[1][1]}"
+    infix = {"add": "+", "sub": "-", "mul": "*", "floordiv": "//", "mod": "%"}
+    if op in infix:
+        left = _text(args[0]) if op in ("add", "sub") else parts[0]
+        return f"{left} {infix[op]} {parts[1]}"
+    if op == "neg":
+        return f"-{parts[0]}"
+    if op == "clamp":
+        return f"clamp({', '.join('None' if a == ('none',) else _text(a) for a in args)})"
+    return f"{op}({', '.join(_text(a) for a in args)})"
 
 
 def _run_meta(op: str, args: list) -> Any:
@@ -265,6 +369,10 @@ def _name_of(fn, t: torch.Tensor) -> str:
     for name, value, _ in _captured_values(fn):
         if value is t:
             return name
+    if isinstance(fn, torch.nn.Module):
+        for name, value in (*fn.named_parameters(), *fn.named_buffers()):
+            if value is t:
+                return f"self.{name}"
     return "<captured tensor>"
 
 
@@ -286,8 +394,9 @@ def _captured_values(fn, depth: int = 0, path: tuple = ()):
     for name in code.co_names:
         if name in fn.__globals__:
             yield name, fn.__globals__[name], (*path, ("global", name))
-    for i, value in enumerate(fn.__defaults__ or ()):
-        yield "<default>", value, (*path, ("default", i))
+    defaults = fn.__defaults__ or ()
+    for i, value in enumerate(defaults):
+        yield code.co_varnames[code.co_argcount - len(defaults) + i], value, (*path, ("default", i))
 
 
 def locate(fn, t: torch.Tensor) -> tuple | None:
@@ -324,18 +433,82 @@ def fetch(fn, path: tuple) -> torch.Tensor:
     return fn
 
 
-def _signature(fn) -> tuple:
-    """What invalidates a trace: the captured tensors' identities, shapes and dtypes."""
-    return tuple((name, id(v), tuple(v.shape), v.dtype) for name, v, _ in _captured_values(fn)
-                 if isinstance(v, torch.Tensor))
+class _Opaque(Exception):
+    """The mod reaches state ``_state`` does not follow."""
+
+
+# How much of what a mod reaches ``_state`` walks at a call before it gives up (then the mod is traced anew at
+# every call): enough for a module's parameters and a configuration object, little host time per call.
+_STATE_BUDGET = 512
+_IDENTITIES = (torch.dtype, torch.device, types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType,
+               torch._ops.OpOverloadPacket, torch._ops.OpOverload)
+
+
+def _signature(fn) -> tuple | None:
+    """What a trace depends on, read at every call: the identity, shape and dtype of every tensor ``fn`` reaches,
+    the value of every Python number, string or dtype (the trace writes numbers into the text), and the identity
+    of every function it calls, through closure cells, the globals each function names, defaults, attributes of
+    objects and modules (``self.bias``), and containers. None when ``fn`` reaches something this does not follow
+    (or too much of it): such a mod is traced at every call."""
+    budget = [_STATE_BUDGET]
+    try:
+        return _state(fn, 0, budget)
+    except (_Opaque, RecursionError):
+        return None
+
+
+def _state(value, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 6:
+        raise _Opaque
+    if isinstance(value, torch.Tensor):
+        return id(value), value.shape, value.dtype
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return value.__class__, value
+    if isinstance(value, _IDENTITIES):
+        return id(value)
+    if isinstance(value, (tuple, list, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return value.__class__, tuple(_state(x, depth + 1, budget) for x in items)
+    if isinstance(value, dict):
+        return dict, tuple((_state(k, depth + 1, budget), _state(v, depth + 1, budget)) for k, v in value.items())
+    if isinstance(value, types.FunctionType):
+        code = value.__code__
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(_state(cell.cell_contents, depth + 1, budget))
+            except ValueError:  # an empty cell
+                cells.append(None)
+        named = tuple((name, _state(value.__globals__[name], depth + 1, budget)) for name in code.co_names
+                      if name in value.__globals__)
+        return (id(value), tuple(cells), named, _state(value.__defaults__, depth + 1, budget),
+                _state(value.__kwdefaults__, depth + 1, budget))
+    if isinstance(value, types.MethodType):
+        return _state(value.__func__, depth + 1, budget), _state(value.__self__, depth + 1, budget)
+    if isinstance(value, functools.partial):
+        return (_state(value.func, depth + 1, budget), _state(value.args, depth + 1, budget),
+                _state(value.keywords, depth + 1, budget))
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not hasattr(value.__class__, "__slots__"):
+        # An object (an nn.Module, a configuration): its attributes, and what its class's call runs.
+        call = getattr(value.__class__, "forward" if isinstance(value, torch.nn.Module) else "__call__", None)
+        return (id(value), _state(attributes, depth + 1, budget),
+                _state(call, depth + 1, budget) if isinstance(call, types.FunctionType) else None)
+    raise _Opaque
 
 
 _traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_untraceable: weakref.WeakSet = weakref.WeakSet()  # functions warned of
 
 
 def traced(fn: Callable, kind: str) -> TracedMod:
-    """``trace``, cached per function object while its captured tensors keep their identity, shape and dtype."""
+    """``trace``, cached per function object while ``_signature`` reads the same; a function it cannot follow is
+    traced at every call (with one warning: milliseconds of host time a call)."""
     signature = _signature(fn)
+    if signature is None:
+        _warn_untraceable(fn, kind)
+        return trace(fn, kind)
     try:
         cached = _traced.get(fn, {}).get(kind)
     except TypeError:  # not weak-referenceable: trace every call
@@ -345,6 +518,18 @@ def traced(fn: Callable, kind: str) -> TracedMod:
     result = trace(fn, kind)
     _traced.setdefault(fn, {})[kind] = (signature, result)
     return result
+
+
+def _warn_untraceable(fn, kind: str) -> None:
+    try:
+        if fn in _untraceable:
+            return
+        _untraceable.add(fn)
+    except TypeError:
+        pass
+    warnings.warn(f"{kind}: {getattr(fn, '__qualname__', type(fn).__name__)} reaches objects tilegen does not follow "
+                  "between calls (or too many), so it is traced again at every call (milliseconds each): capture its "
+                  "tensors and numbers in variables it closes over, globals or defaults", stacklevel=4)
 
 
 @dataclass(frozen=True)

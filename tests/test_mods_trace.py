@@ -1,0 +1,163 @@
+"""What a mod's cached trace depends on, and the host's range checks of its indices: no kernel runs here.
+
+A trace writes the mod's Python numbers into its text and keeps the tensors it reached, so it is redone
+whenever any of them changes, however the mod reaches it (closure, global, default, a helper function, an
+attribute, a container, an ``nn.Module``); an index whose range the host can bound is checked at every call.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from tilegen.mods import library
+from tilegen.mods.trace import bind_mods, trace, traced
+
+RANGES = {"b": 1, "h": 2, "q_idx": 33, "kv_idx": 33}
+
+
+def _bound_tensor(fn, kind="score_mod"):
+    (tensor,) = traced(fn, kind).tensors
+    return tensor
+
+
+def test_a_changed_number_is_traced_again():
+    width = 4
+
+    def band(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= width
+
+    assert "le(v0,4)" in traced(band, "mask_mod").canonical
+    width = 9  # noqa: F841  (read by band through its closure)
+    assert "le(v0,9)" in traced(band, "mask_mod").canonical
+
+
+_SCALE = 2.0
+
+
+def test_a_changed_global_number_is_traced_again():
+    global _SCALE
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * _SCALE
+
+    try:
+        assert "mul(score,2.0)" in traced(scaled, "score_mod").canonical
+        _SCALE = 3.0
+        assert "mul(score,3.0)" in traced(scaled, "score_mod").canonical
+    finally:
+        _SCALE = 2.0
+
+
+def test_a_tensor_replaced_behind_an_attribute_a_container_or_a_helper_is_the_one_bound():
+    config = types.SimpleNamespace(slopes=torch.rand(2))
+    tables = [torch.rand(2)]
+    helper_table = {"t": torch.rand(2)}
+
+    def lookup(h):
+        return helper_table["t"][h]
+
+    mods = [lambda s, b, h, q, k: s + config.slopes[h], lambda s, b, h, q, k: s + tables[0][h],
+            lambda s, b, h, q, k: s + lookup(h)]
+    for mod in mods:
+        _bound_tensor(mod)
+    config.slopes, tables[0], helper_table["t"] = torch.rand(2), torch.rand(3), torch.rand(2)
+    assert _bound_tensor(mods[0]) is config.slopes
+    assert _bound_tensor(mods[1]) is tables[0]
+    assert _bound_tensor(mods[2]) is helper_table["t"]
+
+
+def test_a_module_mod_binds_its_current_parameter():
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(2, 4))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.bias[h, kv_idx % 4]
+
+    module = Bias()
+    assert _bound_tensor(module) is module.bias
+    module.bias = torch.nn.Parameter(torch.ones(2, 4))
+    assert _bound_tensor(module) is module.bias
+    with pytest.raises(ValueError, match=r"'self\.bias' \(shape \(2, 4\)\), dim 0: h ranges over \[0, 2\]"):
+        bind_mods(module, None, torch.device("cpu"), {**RANGES, "h": 3})
+
+
+def test_a_mod_reaching_an_object_it_cannot_follow_is_traced_at_every_call_with_one_warning():
+    class Slotted:
+        __slots__ = ("slopes",)
+
+    holder = Slotted()
+    holder.slopes = torch.rand(2)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + holder.slopes[h]
+
+    with pytest.warns(UserWarning, match="traced again at every call"):
+        first = traced(mod, "score_mod")
+    holder.slopes = torch.rand(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per function
+        assert traced(mod, "score_mod").tensors[0] is holder.slopes is not first.tensors[0]
+
+
+def test_defaults_are_read_as_captured_values():
+    table = torch.rand(2)
+    mods = [lambda s, b, h, q, k, t=table: s + t[h], lambda s, b, h, q, k, w=4: s * w]
+    assert trace(mods[0], "score_mod").names == ("t",) and trace(mods[0], "score_mod").tensors[0] is table
+    assert "mul(score,4)" in trace(mods[1], "score_mod").canonical
+    assert "le(v0,3)" in trace(lambda b, h, q, k, w=3: q - k <= w, "mask_mod").canonical
+    with pytest.raises(TypeError, match="expected 4 arguments"):
+        trace(lambda b, h, q, k, w: q - k <= w, "mask_mod")  # an extra argument without a default
+
+
+@pytest.mark.parametrize("index, size, message", [
+    (lambda q, k: k - q + 32, 33, r"kv_idx - q_idx \+ 32 ranges over \[0, 64\], outside \[0, 32\]"),
+    (lambda q, k: q * 1, 20, r"q_idx \* 1 ranges over \[0, 32\], outside \[0, 19\]"),
+    (lambda q, k: torch.clamp(k - q, -8, 8) + 8, 16, r"ranges over \[0, 16\], outside \[0, 15\]"),
+    (lambda q, k: torch.abs(k - q) // 4, 8, r"ranges over \[0, 8\], outside \[0, 7\]"),
+    (lambda q, k: torch.where(q > k, q, k + 40), 70, r"ranges over \[0, 72\], outside \[0, 69\]"),
+    (lambda q, k: (k - q) % 5 + 29, 33, r"ranges over \[29, 33\], outside \[0, 32\]"),
+], ids=["relative", "scaled", "clamped", "bucketed", "where", "mod"])
+def test_an_index_the_host_can_bound_is_checked_over_every_position(index, size, message):
+    rel = torch.rand(2, size)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + rel[h, index(q_idx, kv_idx)]
+
+    with pytest.raises(ValueError, match=r"score_mod: captured tensor 'rel' .*dim 1: .*" + message):
+        bind_mods(mod, None, torch.device("cpu"), RANGES)
+    rel = torch.rand(2, 80)  # large enough for every position: accepted
+    bind_mods(mod, None, torch.device("cpu"), RANGES)
+
+
+def test_a_negative_index_is_refused():
+    rel = torch.rand(2, 80)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + rel[h, kv_idx - q_idx + 16]
+
+    with pytest.raises(ValueError, match=r"kv_idx - q_idx \+ 16 ranges over \[-16, 48\], outside \[0, 79\]"):
+        bind_mods(mod, None, torch.device("cpu"), RANGES)
+
+
+def test_indices_in_range_and_unbounded_ones_pass():
+    rel = torch.rand(2, 65)
+    ids = torch.randint(0, 4, (33,))
+    table = torch.rand(2, 4)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + rel[h, kv_idx - q_idx + 32]
+
+    def through_a_table(score, b, h, q_idx, kv_idx):  # the index is a value read from a tensor: the kernel masks it
+        return score + table[h, ids[kv_idx]]
+
+    bind_mods(relative, None, torch.device("cpu"), RANGES)
+    bind_mods(through_a_table, None, torch.device("cpu"), RANGES)
+    bind_mods(library.relative_bias(torch.rand(2, 32)), None, torch.device("cpu"), RANGES)
+    # No key: nothing reads the tensor, whatever the index.
+    bind_mods(relative, None, torch.device("cpu"), {**RANGES, "kv_idx": 0})
