@@ -540,3 +540,11 @@ def test_varlen_block_table_over_the_longest_sequences_holds_for_every_one(mask_
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse), ~seen)
     assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("n_q, n_k", [(5, 0), (0, 5)])
+def test_a_mask_mod_over_no_keys_or_no_queries(n_q, n_k, device):
+    """No key: zeros and an LSE of -inf, as without a mod (the block table has no key block); no query: nothing."""
+    q, k, v = _inputs(1, 2, 2, n_q, n_k, torch.float32, device)
+    out, lse = tilegen.attention(q, k, v, mask_mod=library.sliding_window(3), return_lse=True)
+    assert out.shape == (1, 2, n_q, D) and (out == 0).all() and torch.isneginf(lse).all()

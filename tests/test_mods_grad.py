@@ -134,9 +134,11 @@ def test_softcap_as_a_mod_has_the_builtin_softcap_gradients(device):
     _check_dense(library.softcap(2.0), None, [], 1, 2, 1, 17, 33, torch.float32, device, scale=1.5)
 
 
-def test_varlen_gradients_per_sequence(device):
-    """A ragged batch with an empty and a one-token sequence: learned ALiBi slopes and a prefix-LM mask (and the
-    config without atomics for dQ)."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_gradients_per_sequence(deterministic, device):
+    """A ragged batch with an empty and a one-token sequence: ALiBi slopes and a prefix-LM mask; the slopes learned,
+    or frozen with the config without atomics (deterministic=True, which a learned captured tensor is refused: its
+    gradient is a sum of atomic adds)."""
     lengths, k_lens = [17, 0, 1, 33], [17, 0, 8, 33]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=device)
                   for n in (lengths, k_lens))
@@ -144,15 +146,23 @@ def test_varlen_gradients_per_sequence(device):
     slopes = torch.rand(4, device=device).requires_grad_()
     score_mod = library.alibi(slopes)
     mask_mod = library.prefix_lm(torch.tensor([3, 0, 6, 40], dtype=torch.int32, device=device))
-    got, dout, dlse = _grads(lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, 33, 33, score_mod=score_mod,
-                                                               mask_mod=mask_mod, return_lse=True, deterministic=True),
-                             [q, k, v], [slopes], 5)
+
+    def run():
+        return tilegen.varlen_attention(q, k, v, cu_q, cu_k, 33, 33, score_mod=score_mod, mask_mod=mask_mod,
+                                        return_lse=True, deterministic=deterministic)
+
+    if deterministic:
+        with pytest.raises(NotImplementedError, match="deterministic: the gradients of a score mod's captured"):
+            run()
+        slopes.requires_grad_(False)
+    learned = [] if deterministic else [slopes]
+    got, dout, dlse = _grads(run, [q, k, v], learned, 5)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     cu = cu_k.tolist()
     out, lse = varlen_reference(leaves64[0], [leaves64[1][a:b] for a, b in zip(cu, cu[1:])],
                                 [leaves64[2][a:b] for a, b in zip(cu, cu[1:])], cu_q.cpu(), score_mod=score_mod,
                                 mask_mod=mask_mod)
-    ref = torch.autograd.grad(_loss(out, lse, dout, dlse), [*leaves64, slopes])
+    ref = torch.autograd.grad(_loss(out, lse, dout, dlse), [*leaves64, *learned])
     for name, g, r in zip(("dq", "dk", "dv", "dslopes"), got, ref):
         assert _error(g, r) < TOL[torch.float32], name
 
@@ -289,3 +299,46 @@ def test_a_gather_by_both_positions_takes_backward_tiles_that_fit_an_h200():
         assert feasible(spec, config, h200) is None
         assert feasible(spec, plain, h200) is not None or dim == 64
         assert default_rule(spec.replace(score_mod=alibi), h200)[-1][1] != config  # no gather: the usual tiles
+
+
+def test_a_step_that_no_differentiated_tensor_reaches_trains(device):
+    """A float // over a captured tensor that does not require grad has no derivative to form (the score's is 1);
+    the same tensor requiring grad is refused by name before any kernel runs."""
+    scale = torch.tensor([0.7, 1.3], device=device)
+
+    def stepped(score, b, h, q_idx, kv_idx):
+        return score + (scale[h] * (kv_idx - q_idx)) // 1.0
+
+    q, k, v = _leaves([(1, 2, 17, D)] * 3, torch.float32, device, 3)
+    got = torch.autograd.grad(tilegen.attention(q, k, v, score_mod=stepped).sum(), [q, k, v])
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_reference(*leaves64, score_mod=stepped)[0].sum(), leaves64)
+    for g, r in zip(got, ref):
+        assert _error(g, r) < TOL[torch.float32]
+    scale.requires_grad_()
+    with pytest.raises(ModGradError, match=r"captured tensor t0 of the score mod requires grad, and score_mod: the "
+                                           r"derivative of floordiv"):
+        tilegen.attention(q, k, v, score_mod=stepped)
+
+
+@pytest.mark.parametrize("mods", ["score", "mask"])
+@pytest.mark.parametrize("op", ["dense", "varlen"])
+def test_a_second_derivative_with_mods_is_refused_by_name(mods, op, device):
+    """create_graph=True gives gradients whose own backward refuses, as the ops without mods do; before, they had
+    no grad_fn, so a gradient penalty's term was silently dropped."""
+    kwargs = {"score_mod": library.alibi(torch.rand(2, device=device))} if mods == "score" else {
+        "mask_mod": library.document_mask(torch.tensor([0] * 4 + [1] * 5, device=device))}
+    q, k, v = _leaves([(1, 2, 9, D)] * 3, torch.float32, device, 5)
+    if op == "dense":
+        out = tilegen.attention(q, k, v, **kwargs)
+        name = "tilegen.attention"
+    else:
+        cu = torch.tensor([0, 9], dtype=torch.int32, device=device)
+        out = tilegen.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 9, 9,
+                                       **kwargs)
+        name = "tilegen.varlen_attention"
+    (dk,) = torch.autograd.grad(out.sum(), k, create_graph=True)
+    assert dk.grad_fn is not None
+    with pytest.raises(NotImplementedError, match=rf"{name}: the second derivative \(double backward\) of attention "
+                                                  "with mods is not implemented"):
+        (dk * dk).sum().backward()

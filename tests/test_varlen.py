@@ -461,6 +461,32 @@ def test_debug_plan_refuses_more_queries_than_cached_tokens(device, monkeypatch)
         tilegen.PagedAttention().plan(_cu([5, 1], device), cache, heads_q=4)
 
 
+def test_debug_run_refuses_a_cache_the_plan_does_not_cover(device, monkeypatch):
+    """run reads the planned page table and the planned longest sequence: under TILEGEN_DEBUG a cache that grew past
+    the plan in place, one with another page table, or one that was spoiled since is refused at run, not answered
+    wrongly; a cache of another layer that shares the table (with_pages) and one with an equal copy pass."""
+    gen = torch.Generator().manual_seed(2)
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = make_cache([11, 13], 8, 2, 32, torch.float32, device, gen, spare=6)
+    q = torch.randn(3, 4, 32, generator=gen).to(device)
+    attn = tilegen.PagedAttention()
+    attn.plan(_cu([2, 1], device), cache, heads_q=4)
+    attn.run(q, cache)
+    attn.run(q, cache.with_pages(cache.k_pages.clone(), cache.v_pages.clone()))
+    copy = tilegen.PagedKVCache(cache.k_pages, cache.v_pages, cache.indptr.clone(), cache.indices.clone(),
+                                cache.last_page_len.clone())
+    attn.run(q, copy)
+    other = make_cache([11, 13], 8, 2, 32, torch.float32, device, gen, spare=6)
+    with pytest.raises(ValueError, match=r"cache: its page table \(indptr, indices, last_page_len\) differs"):
+        attn.run(q, other)
+    cache.last_page_len[1] = 8  # the second sequence grows from 13 to 16 tokens in its last page
+    with pytest.raises(ValueError, match="cache: a sequence of 16 tokens, past the 13 the plan covers"):
+        attn.run(q, cache)
+    cache.indices[0] = cache.num_pages + 2
+    with pytest.raises(ValueError, match="indices"):
+        attn.run(q, cache)
+
+
 # ------------------------------------------------------------- offsets wrong in value only
 #
 # Values only the device holds, run without TILEGEN_DEBUG: the kernels clamp what they read, so

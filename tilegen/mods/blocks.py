@@ -164,12 +164,16 @@ def _build(text, tensors, batch, heads, n_q, n_k, block_m, block_n, device, tran
             m = torch.nn.functional.pad(keep, (0, pad_k, 0, pad_q), value=fill)
             m = m.view(rows_b, rows_h, (r1 - r0 + pad_q) // block_m, block_m, k_blocks, block_n)
             parts.append(m.any(dim=(3, 5)) if not fill else m.all(dim=(3, 5)))
+    if not any_parts:  # no query: a table of no rows' blocks
+        any_parts = all_parts = [torch.zeros((rows_b, rows_h, 0, k_blocks), dtype=torch.bool, device=device)]
     nonempty = torch.cat(any_parts, dim=2)
     full = torch.cat(all_parts, dim=2) & nonempty
     if transposed:
         nonempty, full = nonempty.transpose(2, 3), full.transpose(2, 3)
-    per_row = nonempty.shape[2]  # query blocks of a (b, h), or key blocks when transposed
-    nonempty, full = nonempty.reshape(-1, nonempty.shape[3]), full.reshape(-1, full.shape[3])
+    per_row, columns = nonempty.shape[2:]  # query blocks of a (b, h), or key blocks when transposed; the other
+    # Rows spelled out: with no key (or, transposed, no query) there are no columns to infer them from.
+    nonempty, full = nonempty.reshape(rows_b * rows_h * per_row, columns), full.reshape(rows_b * rows_h * per_row,
+                                                                                       columns)
     # Non-empty blocks first, each group in key order: the kernel reads count of them.
     order = _first(nonempty)
     count = nonempty.sum(dim=1, dtype=torch.int32)

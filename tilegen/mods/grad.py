@@ -111,10 +111,26 @@ def grad_tensors(text: str | None) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=256)  # a refusal raises, and is not cached
-def check_differentiable(text: str | None) -> None:
-    """Raise ``ModGradError`` naming the first operation whose derivative cannot be formed."""
-    if text is not None:
-        lower_score_mod_grad(text)
+def check_differentiable(text: str | None, wanted: tuple[int, ...] = ()) -> None:
+    """Raise ``ModGradError`` naming the first operation whose derivative cannot be formed: with respect to the
+    score, or to one of the captured tensors ``wanted`` (their indices among the score mod's, those that require
+    grad). A tensor that does not require grad may go through any operation."""
+    if text is None:
+        return
+    lower_score_mod_grad(text)
+    graph = parse(text)
+    for i in wanted:
+        if i in grad_tensors(text):
+            try:
+                _tensor_tangents(graph, i, "sm")
+            except ModGradError as e:
+                raise ModGradError(f"captured tensor t{i} of the score mod requires grad, and {e}") from None
+
+
+def _tensor_tangents(graph: ModGraph, i: int, prefix: str) -> list[tuple[str, tuple, list[str], str | None]]:
+    """Per gather of captured tensor ``i``: ``(site, index, tangent statements, the result's tangent)``."""
+    sites = [(name, args[1:]) for name, _, op, args in graph.values if op == "getitem" and args[0] == f"t{i}"]
+    return [(site, index, *_tangents(graph, site, f"d{site}", prefix)) for site, index in sites]
 
 
 def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]:
@@ -135,10 +151,12 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
         t = f"{prefix}_t{i}"
         flag = f"{prefix.upper()}_T{i}_G"
         params += f"{t}_g, {flag}, "
-        sites = [(name, args[1:]) for name, _, op, args in graph.values if op == "getitem" and args[0] == f"t{i}"]
+        try:
+            passes = _tensor_tangents(graph, i, prefix)
+        except ModGradError:
+            continue  # this tensor takes no gradient: a call that asks for one is refused (check_differentiable)
         block = []
-        for site, index in sites:
-            lines, d_site = _tangents(graph, site, f"d{site}", prefix)
+        for site, index, lines, d_site in passes:
             if d_site is None:
                 continue
             one = not frozenset().union(*(follows.get(x, frozenset()) for x in index))

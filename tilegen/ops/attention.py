@@ -202,14 +202,15 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     if wants_grad(q, k, v, mods.tensors):
         attention_grad.check_training_args(out, deterministic)
         spec = spec.replace(return_lse=True)  # the backward reads it
-        bwd = attention_grad.mod_backward_spec(spec, "dense")
+        bwd = attention_grad.mod_backward_spec(spec, "dense", mods, deterministic)
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
             return attention_grad.run_with_mods(bwd, mods, wants, dout, q, k, v, out, lse, dlse, None, None, n_q, n_k,
                                                 launch, deterministic)
 
         out, lse = attention_grad.apply_with_mods(
-            lambda q, k, v: _launch_with_mods(spec, mods, q, k, v, None, launch), backward, q, k, v, mods.tensors)
+            "tilegen.attention", lambda q, k, v: _launch_with_mods(spec, mods, q, k, v, None, launch), backward, q, k,
+            v, mods.tensors)
     else:
         check_bool("deterministic", deterministic)
         out, lse = _launch_with_mods(spec, mods, q, k, v, out, launch)

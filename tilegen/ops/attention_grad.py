@@ -48,10 +48,12 @@ def backward_spec(dtype: torch.dtype, head_dim: int, head_dim_v: int, q_per_kv: 
                             q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=SPEC_DTYPES[dtype], layout=layout)
 
 
-def mod_backward_spec(spec, layout: str) -> AttentionBwdSpec:
+def mod_backward_spec(spec, layout: str, mods: ModCall, deterministic: bool) -> AttentionBwdSpec:
     """The backward of a forward spec with mods; a ``ModGradError`` names an operation of the score mod whose
-    derivative cannot be formed, before anything runs."""
-    check_differentiable(spec.score_mod)
+    derivative cannot be formed (with respect to the score, or to a captured tensor that requires grad), before
+    anything runs."""
+    check_differentiable(spec.score_mod, _wanted(mods))
+    _check_deterministic(mods, deterministic)
     bwd = backward_spec(TORCH_DTYPES[spec.dtype], spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                         layout)
     return with_mod_fields(bwd, spec.score_mod, spec.mask_mod)
@@ -65,10 +67,25 @@ def check_compiled_mods(q, k, v, mods, out, deterministic) -> bool:
         check_training_args(out, deterministic)
         from tilegen.mods import compiled  # imports Dynamo: only a compiled call gets here
 
-        compiled.check_differentiable(mods.score_mod)
+        compiled.check_differentiable(mods.score_mod, _wanted(mods))
+        _check_deterministic(mods, deterministic)
     else:
         check_bool("deterministic", deterministic)
     return trains
+
+
+def _check_deterministic(mods: ModCall, deterministic: bool) -> None:
+    """``deterministic=True`` promises the same bits on every run; a captured tensor's gradient is a sum of atomic
+    adds in whatever order the programs run, so that promise cannot be kept for it."""
+    if deterministic and _wanted(mods):
+        raise NotImplementedError("deterministic: the gradients of a score mod's captured tensors are accumulated "
+                                  "with atomic adds, in no fixed order; deterministic=True covers q, k and v only. "
+                                  "Pass deterministic=False, or freeze the captured tensors (requires_grad=False)")
+
+
+def _wanted(mods: ModCall) -> tuple[int, ...]:
+    """The score mod's captured tensors that require grad, by their index among its own."""
+    return tuple(i for i, t in enumerate(mods.tensors[:len(mods.tensors) - len(mods.mask_tensors)]) if t.requires_grad)
 
 
 def check_training_args(out, deterministic) -> None:
@@ -175,28 +192,47 @@ class _WithMods(torch.autograd.Function):
     """Attention with mods as one autograd node over Q, K, V and the mods' captured tensors."""
 
     @staticmethod
-    def forward(ctx, forward, backward, q, k, v, *tensors):
+    def forward(ctx, name, forward, backward, q, k, v, *tensors):
         out, lse = forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
-        ctx.backward_fn = backward
+        ctx.backward_fn, ctx.name = backward, name
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
         if dout is None and dlse is None:
             return (None,) * len(ctx.needs_input_grad)
         dout = torch.zeros_like(out) if dout is None else dout
-        dq, dk, dv, grads = ctx.backward_fn(dout, dlse, q, k, v, out, lse, ctx.needs_input_grad[5:])
-        return None, None, dq, dk, dv, *grads
+        # Through a node of its own, so that with create_graph=True the gradients are outputs of a node whose
+        # backward refuses by name (as the ops without mods do), not tensors without a grad_fn whose second
+        # derivative would silently be taken as zero.
+        grads = _ModGradients.apply(ctx.name, ctx.backward_fn, ctx.needs_input_grad[6:], dout, dlse, q, k, v, out, lse,
+                                    *tensors)
+        return None, None, None, *grads
 
 
-def apply_with_mods(forward, backward, q, k, v, tensors) -> tuple[torch.Tensor, torch.Tensor]:
+class _ModGradients(torch.autograd.Function):
+    """The gradients of a call with mods, as a node that has no derivative of its own."""
+
+    @staticmethod
+    def forward(ctx, name, backward, wants, dout, dlse, q, k, v, out, lse, *tensors):
+        ctx.name = name
+        dq, dk, dv, grads = backward(dout, dlse, q, k, v, out, lse, wants)
+        return dq, dk, dv, *grads
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"{ctx.name}: the second derivative (double backward) of attention with mods is not "
+                                  "implemented; differentiate once (create_graph=False)")
+
+
+def apply_with_mods(name: str, forward, backward, q, k, v, tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """``forward(q, k, v) -> (out, lse)`` as a differentiable node; ``backward(dout, dlse, q, k, v, out, lse,
-    wants)`` returns ``(dq, dk, dv, grads)``, ``grads`` per captured tensor (``wants``: which require grad)."""
-    return _WithMods.apply(forward, backward, q, k, v, *tensors)
+    wants)`` returns ``(dq, dk, dv, grads)``, ``grads`` per captured tensor (``wants``: which require grad).
+    ``name``: the op, as a refused second derivative names it."""
+    return _WithMods.apply(name, forward, backward, q, k, v, *tensors)
 
 
 def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int) -> dispatch.Choice:
@@ -242,10 +278,6 @@ def _refuse_double_backward(name: str):
         raise NotImplementedError(f"{name}: the second derivative (double backward) of attention is not implemented; "
                                   "differentiate once (create_graph=False)")
     return backward
-
-
-torch.library.register_autograd("tilegen::attention_bwd", _refuse_double_backward("tilegen.attention"))
-torch.library.register_autograd("tilegen::varlen_attention_bwd", _refuse_double_backward("tilegen.varlen_attention"))
 
 
 def _grads(ctx, dout, dlse, out, lse):
@@ -406,3 +438,9 @@ def attach_ragged(forward_op) -> None:
         return (dq, dk, dv) + (None,) * 12
 
     torch.library.register_autograd(forward_op, backward, setup_context=setup_context)
+
+
+for _op, _name in (("attention_bwd", "tilegen.attention"), ("varlen_attention_bwd", "tilegen.varlen_attention"),
+                   ("attention_mods_bwd", "tilegen.attention"),
+                   ("varlen_attention_mods_bwd", "tilegen.varlen_attention")):
+    torch.library.register_autograd(f"tilegen::{_op}", _refuse_double_backward(_name))

@@ -263,7 +263,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if wants_grad(q, k, v, mods.tensors):
         attention_grad.check_training_args(out, deterministic)
         spec = spec.replace(return_lse=True)  # the backward reads it
-        bwd = attention_grad.mod_backward_spec(spec, "ragged")
+        bwd = attention_grad.mod_backward_spec(spec, "ragged", mods, deterministic)
         fixed = {key: plan.launch_args[key] for key in ("scale", "softcap", "window_left", "window_right")}
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
@@ -271,6 +271,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
                                                 max_k, fixed, deterministic)
 
         out, lse = attention_grad.apply_with_mods(
+            "tilegen.varlen_attention",
             lambda q, k, v: _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, None),
             backward, q, k, v, mods.tensors)
     else:
@@ -523,7 +524,8 @@ class PagedAttention(Planner):
             spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
             {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
             heads_q=heads_q, launches=max_seqlen_q > 0 and cache.batch > 0,
-            extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens),
+            extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens,
+                   max_seqlen_k),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
             pages_layout=cache._pages_layout,
         )
@@ -554,7 +556,9 @@ class PagedAttention(Planner):
                 raise ValueError(f"cache: page size, heads, dims, dtype or scales differ from the plan's "
                                  f"({spec.name})")
         pages = cache.k_pages
-        cu_q, indptr, indices, last, max_q, _ = plan.extra
+        cu_q, indptr, indices, last, max_q, _, _ = plan.extra
+        if env.debug():
+            _check_planned_table(cache, plan)
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != plan.q_dtype or q.device != pages.device:
@@ -580,6 +584,26 @@ class PagedAttention(Planner):
         elif lse is not None:
             lse.fill_(-math.inf)
         return (out, lse) if spec.return_lse else out
+
+
+def _check_planned_table(cache: PagedKVCache, plan: _Plan) -> None:
+    """``TILEGEN_DEBUG=1``'s check at ``PagedAttention.run`` (synchronizes): the cache is valid, its page table is
+    the one ``plan`` read (``run`` reads the planned table, not the cache's), no sequence has grown past the
+    planned ``max_seqlen_k`` (its later keys would go unread) nor holds fewer keys than it has new tokens."""
+    cache.validate()
+    cu_q, indptr, indices, last, _, _, max_k = plan.extra
+    planned = cache.indptr is indptr and cache.indices is indices and cache.last_page_len is last
+    if not planned and not (
+            torch.equal(cache.indptr, indptr) and torch.equal(cache.last_page_len, last)
+            and torch.equal(cache.indices[:int(indptr[-1])], indices[:int(indptr[-1])])):
+        raise ValueError("cache: its page table (indptr, indices, last_page_len) differs from the one plan(...) read, "
+                         "which run uses; plan again on this cache")
+    longest = cache.longest()
+    if longest > max_k:
+        raise ValueError(f"cache: a sequence of {longest} tokens, past the {max_k} the plan covers; plan again on "
+                         f"this cache (or with max_seqlen_k >= {longest})")
+    if bool(((cu_q[1:] - cu_q[:-1]) > cache.seq_lens()).any()):
+        raise ValueError("cache: a sequence has fewer tokens than its new tokens in the planned cu_seqlens_q")
 
 
 @dataclass(frozen=True)
