@@ -195,6 +195,7 @@ def test_append_quantizes_as_torch_does(fmt, per_head, device):
     round trip is within half a unit in the last place of the format (2^-4 / 2^-3 relative)."""
     gen = torch.Generator().manual_seed(7 + per_head)
     cache, k, v, cu = _append_batch(fmt, per_head, device, gen)
+    k[0, 0, :4] = torch.tensor([-0.0, -1e-30, -1e-9, 1e-30])  # -0, and negatives that round to it, keep their sign
     tilegen.append_kv(cache, k, v, cu)
     rows = torch.cat([cache.k_pages[2], cache.k_pages[0, :1], cache.k_pages[1, :5]])
     expected = _quantize(k[:, None], cache.k_scale, FORMATS[fmt])[:, 0]
