@@ -120,9 +120,11 @@ def test_defaults_are_read_as_captured_values():
     (lambda q, k: q * 1, 20, r"q_idx \* 1 ranges over \[0, 32\], outside \[0, 19\]"),
     (lambda q, k: torch.clamp(k - q, -8, 8) + 8, 16, r"ranges over \[0, 16\], outside \[0, 15\]"),
     (lambda q, k: torch.abs(k - q) // 4, 8, r"ranges over \[0, 8\], outside \[0, 7\]"),
-    (lambda q, k: torch.where(q > k, q, k + 40), 70, r"ranges over \[0, 72\], outside \[0, 69\]"),
+    # Each branch over the positions that take it: q_idx where q_idx > kv_idx (1 to 32), kv_idx + 40 elsewhere.
+    (lambda q, k: torch.where(q > k, q, k + 40), 70, r"ranges over \[1, 72\], outside \[0, 69\]"),
+    (lambda q, k: (q > k).int() * 20, 12, r"\(q_idx > kv_idx\) \* 20 ranges over \[0, 20\], outside \[0, 11\]"),
     (lambda q, k: (k - q) % 5 + 29, 33, r"ranges over \[29, 33\], outside \[0, 32\]"),
-], ids=["relative", "scaled", "clamped", "bucketed", "where", "mod"])
+], ids=["relative", "scaled", "clamped", "bucketed", "where", "bool", "mod"])
 def test_an_index_the_host_can_bound_is_checked_over_every_position(index, size, message):
     rel = torch.rand(2, size)
 
@@ -161,3 +163,38 @@ def test_indices_in_range_and_unbounded_ones_pass():
     bind_mods(library.relative_bias(torch.rand(2, 32)), None, torch.device("cpu"), RANGES)
     # No key: nothing reads the tensor, whatever the index.
     bind_mods(relative, None, torch.device("cpu"), {**RANGES, "kv_idx": 0})
+
+
+@pytest.mark.parametrize("band, ok", [((None, 0), True), ((None, None), False), ((-3, 0), True), ((None, 2), False)],
+                         ids=["causal", "no-mask", "window", "window-right"])
+def test_positions_a_built_in_mask_drops_are_not_checked(band, ok):
+    """A causal relative bias reads bias[q_idx - kv_idx] at kept positions only (kv_idx <= q_idx): accepted under
+    causal=True, refused without it (a negative index at the positions above the diagonal)."""
+    bias = torch.rand(2, 33)
+
+    def causal_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx]
+
+    ranges = {**RANGES, "band": band}
+    if ok:
+        bind_mods(causal_bias, None, torch.device("cpu"), ranges)
+    else:
+        with pytest.raises(ValueError, match=r"q_idx - kv_idx ranges over \[-\d+, 32\]"):
+            bind_mods(causal_bias, None, torch.device("cpu"), ranges)
+
+
+def test_a_where_is_checked_branch_by_branch():
+    """where(q_idx >= kv_idx, q_idx - kv_idx, 0) never reads a negative index: each branch is bounded over the
+    positions that take it. A condition the host cannot split on leaves the index to the kernel's masked read."""
+    table = torch.rand(2, 33)
+
+    def split(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.where(q_idx >= kv_idx, q_idx - kv_idx, 0)]
+
+    def unsplittable(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.where(q_idx + kv_idx > 40, q_idx - kv_idx, 0)]
+
+    bind_mods(split, None, torch.device("cpu"), RANGES)
+    bind_mods(unsplittable, None, torch.device("cpu"), RANGES)
+    with pytest.raises(ValueError, match=r"where\(q_idx >= kv_idx, q_idx - kv_idx, 0\) ranges over \[0, 33\]"):
+        bind_mods(split, None, torch.device("cpu"), {**RANGES, "q_idx": 34, "kv_idx": 34})

@@ -10,14 +10,17 @@ makes a new one. Format (``;``-separated, parsed back by ``tilegen.mods.lower.pa
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
+import numbers
 import operator
 import sys
 import types
 import warnings
 import weakref
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable
 
 import torch
@@ -69,12 +72,14 @@ class TracedMod:
     names: tuple[str, ...]
     checks: tuple[tuple[int, int, tuple], ...]
 
-    def check_ranges(self, ranges: dict[str, int]) -> None:
-        """Raise a ``ValueError`` naming the tensor and dimension that an index can leave, over every (query, key)
-        position of the call, masked or not (as the reference applies the mod to the whole score matrix)."""
+    def check_ranges(self, ranges: dict[str, Any]) -> None:
+        """Raise a ``ValueError`` naming the tensor and dimension that an index can leave at a position the call
+        computes: ``ranges`` holds each role's count and, as ``band``, the built-in mask's ``(low, high)`` bounds
+        on ``kv_idx - q_idx`` (None: unbounded), whose masked positions the mod's value does not reach."""
+        domain = _Domain(ranges)
         for t, dim, bound in self.checks:
-            span = _interval(bound, ranges)
-            if span is None:  # a role with an empty range: no score reads the tensor
+            span = None if domain.empty else _interval(bound, domain)
+            if span is None:  # no position reads the tensor there, or a condition the host cannot split on
                 continue
             size = self.tensors[t].shape[dim]
             low, high = span
@@ -115,6 +120,8 @@ def trace(fn: Callable, kind: str) -> TracedMod:
     checks: list[tuple[int, int, tuple]] = []
     # The integer values whose range the host can bound (_bound): indices built from them are checked per call.
     bounds: dict[fx.Node, tuple] = {n: ("role", r) for n, r in names.items() if r != "score"}
+    # Per bool value, the comparison it is when the host can split positions on it (_condition), else None.
+    conditions: dict[fx.Node, tuple | None] = {}
     values = 0
 
     def arg(a, node) -> str:
@@ -151,7 +158,7 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         if op is None:
             target = getattr(node.target, "__name__", node.target)
             _fail(kind, f"{'.' if node.op == 'call_method' else ''}{target} is not supported; supported: {SUPPORTED}")
-        args, kwargs = list(node.args), dict(node.kwargs)
+        args, kwargs = [_python_number(a) for a in node.args], {k: _python_number(a) for k, a in node.kwargs.items()}
         if op == "clamp":
             args = [args[0], *args[1:], *[None] * (3 - len(args))]
             args[1] = kwargs.pop("min", args[1])
@@ -197,8 +204,10 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         if result.dtype not in DTYPE_NAMES:
             _fail(kind, f"{op} gives dtype {result.dtype}, which the kernel does not compute in")
         meta[node] = result
-        if not result.dtype.is_floating_point and result.dtype != torch.bool:
-            bound = _bound(op, args, bounds)
+        if result.dtype == torch.bool:
+            conditions[node] = _condition(op, args, bounds)
+        elif not result.dtype.is_floating_point:
+            bound = _bound(op, args, bounds, conditions)
             if bound is not None:
                 bounds[node] = bound
         names[node] = f"v{values}"
@@ -233,11 +242,23 @@ def _op_of(node: fx.Node) -> str | None:
     return None
 
 
+def _python_number(a):
+    """A NumPy scalar or an enum member as the Python int or float it stands for, so the text writes it as a
+    number (``repr`` of an ``IntEnum`` is not one) and torch promotes it as a Python number."""
+    if type(a) in (bool, int, float) or not isinstance(a, numbers.Number):
+        return a
+    if isinstance(a, numbers.Integral):
+        return int(a)
+    return float(a) if isinstance(a, numbers.Real) else a
+
+
 def _with_roles(fn: Callable, kind: str) -> Callable:
     """What ``torch.fx`` traces: ``fn`` itself, or, for a function whose parameters after the roles all have
     defaults (``lambda s, b, h, q, k, t=table: ...``, the idiom that binds a loop variable), a function of the
     roles alone that calls it, so the defaults are read as a closure's values are (FlexAttention calls a mod with
     the roles alone too)."""
+    if isinstance(fn, types.MethodType):  # fx traces functions and modules; a bound method through a call of it
+        return _score_call(fn) if kind == "score_mod" else _mask_call(fn)
     if not isinstance(fn, types.FunctionType):
         return fn
     roles = ROLES[kind]
@@ -246,19 +267,25 @@ def _with_roles(fn: Callable, kind: str) -> Callable:
     extra = positional[len(roles):]
     if not extra or any(p.default is inspect.Parameter.empty for p in extra):
         return fn
-    if kind == "score_mod":
-        return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+    return _score_call(fn) if kind == "score_mod" else _mask_call(fn)
+
+
+def _score_call(fn: Callable) -> Callable:
+    return lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)
+
+
+def _mask_call(fn: Callable) -> Callable:
     return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx)
 
 
-def _bound(op: str, args: list, bounds: dict) -> tuple | None:
+def _bound(op: str, args: list, bounds: dict, conditions: dict) -> tuple | None:
     """An integer value as an expression the host can bound (``_interval``): roles and integer constants under
-    + - * // % (by a positive constant), unary -, abs, minimum, maximum, clamp, where and integer casts. None for
-    anything else (a value read from a captured tensor, a float cast back): an index built from it is not
-    checked on the host, and the kernel masks its reads."""
+    + - * // % (by a positive constant), unary -, abs, minimum, maximum, clamp, where, casts of integers, and bools
+    (0 or 1). None for anything else (a value read from a captured tensor, a float cast back): an index built from
+    it is not checked on the host, and the kernel masks its reads."""
     def of(a):
         if isinstance(a, fx.Node):
-            return bounds.get(a)
+            return ("bool", conditions[a]) if a in conditions else bounds.get(a)
         return ("const", a) if isinstance(a, int) and not isinstance(a, bool) else None
 
     if op == "clamp":
@@ -266,9 +293,10 @@ def _bound(op: str, args: list, bounds: dict) -> tuple | None:
         return None if None in (x, low, high) else ("clamp", x, low, high)
     if op == "where":
         operands = (of(args[1]), of(args[2]))
-        return None if None in operands else ("where", *operands)
+        condition = conditions.get(args[0]) if isinstance(args[0], fx.Node) else None
+        return None if None in operands else ("where", condition, *operands)
     if op == "to":
-        return of(args[0])  # an integer result: of an integer (a float cast has no bound) or a bool (no bound)
+        return of(args[0])  # an integer result: of an integer or a bool (a float cast has no bound)
     operands = tuple(of(a) for a in args)
     if None in operands:
         return None
@@ -279,16 +307,132 @@ def _bound(op: str, args: list, bounds: dict) -> tuple | None:
     return None
 
 
-def _interval(bound: tuple, ranges: dict[str, int]) -> tuple[int, int] | None:
-    """``bound``'s smallest and largest value over the roles' ranges; None when a role it reads has none."""
+_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+def _condition(op: str, args: list, bounds: dict) -> tuple | None:
+    """A bool value that compares two bounded integers (``q_idx >= kv_idx``), which ``where`` splits positions
+    on; None for any other bool."""
+    if op not in _COMPARISONS:
+        return None
+    sides = [bounds.get(a) if isinstance(a, fx.Node) else ("const", a) if type(a) is int else None for a in args]
+    return None if None in sides else ("cmp", op, *sides)
+
+
+class _Domain:
+    """The positions of a call that a mod's value reaches: ``b`` and ``h`` over their counts, and (``q_idx``,
+    ``kv_idx``) over a polygon, the rectangle of their counts cut by half-planes ``u q + v kv <= c`` whose
+    ``(u, v)`` are (+-1, 0), (0, +-1) or +-(1, -1) (the built-in masks, a ``where`` condition), so that its
+    vertices are integer positions and a linear function's extremes over it are reached."""
+
+    def __init__(self, ranges: dict[str, Any], vertices=None):
+        self.sizes = ranges
+        self.empty = any(ranges[role] <= 0 for role in ("b", "h", "q_idx", "kv_idx"))
+        if vertices is None and not self.empty:
+            n_q, n_k = ranges["q_idx"] - 1, ranges["kv_idx"] - 1
+            vertices = [(0, 0), (n_q, 0), (n_q, n_k), (0, n_k)]
+            low, high = ranges.get("band") or (None, None)
+            for cut in ((-1, 1, high), (1, -1, None if low is None else -low)):
+                if cut[2] is not None:
+                    vertices = _clip(vertices, *cut)
+        self.vertices = vertices or []
+        self.empty = self.empty or not self.vertices
+
+    def cut(self, u: int, v: int, c: int) -> _Domain:
+        return _Domain(self.sizes, _clip(self.vertices, u, v, c) or [])
+
+
+def _clip(vertices: list, u: int, v: int, c: int) -> list:
+    """The polygon ``vertices`` (in order) cut to ``u q + v kv <= c`` (Sutherland and Hodgman)."""
+    out = []
+    for i, p in enumerate(vertices):
+        nxt = vertices[(i + 1) % len(vertices)]
+        fp, fn = u * p[0] + v * p[1], u * nxt[0] + v * nxt[1]
+        if fp <= c:
+            out.append(p)
+        if (fp <= c) != (fn <= c):
+            # The crossing of a lattice line with an edge along another: an integer position (checked by the
+            # division's exactness: the edge's step in u q + v kv is a multiple of the distance to the line).
+            t = Fraction(c - fp, fn - fp)
+            out.append((int(p[0] + t * (nxt[0] - p[0])), int(p[1] + t * (nxt[1] - p[1]))))
+    return out
+
+
+def _affine(bound: tuple) -> dict[str, int] | None:
+    """``bound`` as ``{role: coefficient, "": constant}`` when it is linear in the roles, else None."""
     op, *args = bound
     if op == "const":
-        return args[0], args[0]
+        return {"": args[0]}
     if op == "role":
-        n = ranges[args[0]]
-        return None if n <= 0 else (0, n - 1)
+        return {args[0]: 1, "": 0}
+    if op == "neg":
+        a = _affine(args[0])
+        return None if a is None else {key: -value for key, value in a.items()}
+    if op in ("add", "sub", "mul"):
+        a, b = _affine(args[0]), _affine(args[1])
+        if a is None or b is None:
+            return None
+        if op == "mul":
+            if set(b) == {""}:
+                a, b = b, a
+            return {key: a[""] * value for key, value in b.items()} if set(a) == {""} else None
+        sign = 1 if op == "add" else -1
+        return {key: a.get(key, 0) + sign * b.get(key, 0) for key in {*a, *b}}
+    return None
+
+
+def _half_plane(condition: tuple | None) -> tuple[int, int, int] | None:
+    """``(u, v, c)`` with ``u q_idx + v kv_idx <= c`` exactly where ``condition`` holds, when it is such a cut."""
+    if condition is None:
+        return None
+    _, op, left, right = condition
+    a, b = _affine(left), _affine(right)
+    if a is None or b is None:
+        return None
+    # left - right as u q + v kv + k; ">" and ">=" as right - left.
+    sign = 1 if op in ("lt", "le") else -1
+    diff = {key: sign * (a.get(key, 0) - b.get(key, 0)) for key in {*a, *b}}
+    if any(diff.get(role, 0) for role in ("b", "h")):
+        return None
+    u, v, k = diff.get("q_idx", 0), diff.get("kv_idx", 0), diff.get("", 0)
+    bound = -k - (1 if op in ("lt", "gt") else 0)  # integers: x < y is x <= y - 1
+    g = max(abs(u), abs(v))
+    if g == 0 or (u, v) not in ((g, 0), (-g, 0), (0, g), (0, -g), (g, -g), (-g, g)):
+        return None
+    return u // g, v // g, bound // g
+
+
+def _interval(bound: tuple, domain: _Domain) -> tuple[int, int] | None:
+    """``bound``'s smallest and largest value over ``domain`` (not empty); None when it cannot be told (a
+    ``where`` whose branches are not both bounded over the positions that take them)."""
+    affine = _affine(bound)
+    if affine is not None:
+        low = high = affine.get("", 0)
+        for role in ("b", "h"):
+            reach = affine.get(role, 0) * (domain.sizes[role] - 1)
+            low, high = low + min(0, reach), high + max(0, reach)
+        u, v = affine.get("q_idx", 0), affine.get("kv_idx", 0)
+        if u or v:
+            values = [u * q + v * kv for q, kv in domain.vertices]
+            low, high = low + min(values), high + max(values)
+        return low, high
+    op, *args = bound
+    if op == "bool":
+        return 0, 1
+    if op == "where":
+        cut = _half_plane(args[0])
+        if cut is None:
+            return None  # the branches' positions cannot be told apart: no check rather than a wrong refusal
+        spans = []
+        for branch, part in ((args[1], domain.cut(*cut)), (args[2], domain.cut(-cut[0], -cut[1], -cut[2] - 1))):
+            if not part.empty:
+                span = _interval(branch, part)
+                if span is None:
+                    return None
+                spans.append(span)
+        return (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
     if op == "clamp":
-        x, low, high = (None if a == ("none",) else _interval(a, ranges) for a in args)
+        x, low, high = (None if a == ("none",) else _interval(a, domain) for a in args)
         if x is None or (args[1] != ("none",) and low is None) or (args[2] != ("none",) and high is None):
             return None
         lo, hi = x
@@ -297,7 +441,7 @@ def _interval(bound: tuple, ranges: dict[str, int]) -> tuple[int, int] | None:
         if high is not None:
             lo, hi = min(lo, high[0]), min(hi, high[1])
         return lo, hi
-    spans = [_interval(a, ranges) for a in args]
+    spans = [_interval(a, domain) for a in args]
     if None in spans:
         return None
     a = spans[0]
@@ -316,8 +460,6 @@ def _interval(bound: tuple, ranges: dict[str, int]) -> tuple[int, int] | None:
     if op in ("minimum", "maximum"):
         pick = min if op == "minimum" else max
         return pick(a[0], b[0]), pick(a[1], b[1])
-    if op == "where":
-        return min(a[0], b[0]), max(a[1], b[1])
     c = b[0]  # floordiv, mod: a positive constant
     if op == "floordiv":
         return a[0] // c, a[1] // c
@@ -329,6 +471,13 @@ def _text(bound: tuple) -> str:
     op, *args = bound
     if op in ("const", "role"):
         return str(args[0])
+    if op == "bool":
+        return "a bool" if args[0] is None else _text(args[0])
+    if op == "cmp":
+        return f"{_text(args[1])} {_COMPARISONS[args[0]]} {_text(args[2])}"
+    if op == "where":
+        condition = "a bool" if args[0] is None else _text(args[0])
+        return f"where({condition}, {_text(args[1])}, {_text(args[2])})"
     parts = [_text(a) if a[0] in ("const", "role") else f"({_text(a)})" for a in args]
     if op == "add" and args[1][0] == "const" and args[1][1] < 0:
         return f"{parts[0]} - {-args[1][1]}"
@@ -369,10 +518,11 @@ def _name_of(fn, t: torch.Tensor) -> str:
     for name, value, _ in _captured_values(fn):
         if value is t:
             return name
-    if isinstance(fn, torch.nn.Module):
-        for name, value in (*fn.named_parameters(), *fn.named_buffers()):
-            if value is t:
-                return f"self.{name}"
+    owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+    found = (*owner.named_parameters(), *owner.named_buffers()) if isinstance(owner, torch.nn.Module) else ()
+    for name, value in (*found, *getattr(owner, "__dict__", {}).items()):
+        if value is t:
+            return f"self.{name}"
     return "<captured tensor>"
 
 
@@ -437,65 +587,145 @@ class _Opaque(Exception):
     """The mod reaches state ``_state`` does not follow."""
 
 
+class _Same:
+    """An object in a signature, equal to another only when it is the same object (and kept alive by the
+    signature, so that its ``id`` is not reused by a new object while the cached trace stands)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 # How much of what a mod reaches ``_state`` walks at a call before it gives up (then the mod is traced anew at
 # every call): enough for a module's parameters and a configuration object, little host time per call.
 _STATE_BUDGET = 512
-_IDENTITIES = (torch.dtype, torch.device, types.ModuleType, type, types.BuiltinFunctionType, types.BuiltinMethodType,
-               torch._ops.OpOverloadPacket, torch._ops.OpOverload)
+_IDENTITIES = (torch.dtype, torch.device, type, types.BuiltinFunctionType, types.BuiltinMethodType,
+               torch._ops.OpOverloadPacket, torch._ops.OpOverload, enum.Enum)
+_SCALARS = (bool, int, float, complex, str, bytes)
 
 
-def _signature(fn) -> tuple | None:
-    """What a trace depends on, read at every call: the identity, shape and dtype of every tensor ``fn`` reaches,
-    the value of every Python number, string or dtype (the trace writes numbers into the text), and the identity
-    of every function it calls, through closure cells, the globals each function names, defaults, attributes of
-    objects and modules (``self.bias``), and containers. None when ``fn`` reaches something this does not follow
-    (or too much of it): such a mod is traced at every call."""
-    budget = [_STATE_BUDGET]
+class _Walk:
+    """One reading of what a mod reaches: the budget left, the ids of the tensors the kernel is handed, and the
+    ids of every tensor reached."""
+
+    __slots__ = ("budget", "kernel", "reached", "modules")
+
+    def __init__(self, kernel: frozenset):
+        self.budget, self.kernel, self.reached, self.modules = _STATE_BUDGET, kernel, set(), set()
+
+
+def _signature(fn, walk: _Walk) -> tuple | None:
+    """What a trace depends on, read at every call: every tensor ``fn`` reaches (the object, its shape and dtype,
+    and for one the kernel is not handed, ``walk.kernel`` holding the ids of those it is, its version: the trace
+    may have read its values, as ``t.item()`` does), the value of every Python number, string or dtype (the
+    trace writes numbers into the text), and every function it calls, through closure cells, the globals each
+    function's code names (nested code included), the attributes of modules it names, defaults, the attributes
+    of objects and ``nn.Module``s and of their classes (``self.bias``, a class constant, a property), and
+    containers. None when ``fn`` reaches something this does not follow (or too much): such a mod is traced
+    at every call."""
     try:
-        return _state(fn, 0, budget)
+        return _state(fn, 0, walk)
     except (_Opaque, RecursionError):
         return None
 
 
-def _state(value, depth: int, budget: list[int]) -> Any:
-    budget[0] -= 1
-    if budget[0] < 0 or depth > 6:
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has none
+        return -1
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names a function's code reads as globals or attributes, its nested code's (a comprehension, an inner
+    function) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_code_names(const))
+    return tuple(sorted(names))
+
+
+def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
+    walk.budget -= 1
+    if walk.budget < 0 or depth > 8:
         raise _Opaque
+    deeper = depth + 1
     if isinstance(value, torch.Tensor):
-        return id(value), value.shape, value.dtype
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        walk.reached.add(id(value))
+        return _Same(value), value.shape, value.dtype, None if id(value) in walk.kernel else _version(value)
+    if value is None or isinstance(value, _SCALARS):
         return value.__class__, value
     if isinstance(value, _IDENTITIES):
-        return id(value)
+        return _Same(value)
+    if isinstance(value, types.ModuleType):
+        # A module by the attributes the code names (``helpers.scale``, ``torch.where``), once a walk (a module may
+        # name itself: torch.torch).
+        if id(value) in walk.modules:
+            return _Same(value)
+        walk.modules.add(id(value))
+        return _Same(value), tuple((name, _state(value.__dict__[name], deeper, walk, names))
+                                   for name in names if name in value.__dict__)
     if isinstance(value, (tuple, list, set, frozenset)):
         items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
-        return value.__class__, tuple(_state(x, depth + 1, budget) for x in items)
+        return value.__class__, tuple(_state(x, deeper, walk, names) for x in items)
     if isinstance(value, dict):
-        return dict, tuple((_state(k, depth + 1, budget), _state(v, depth + 1, budget)) for k, v in value.items())
+        return dict, tuple((_state(k, deeper, walk), _state(v, deeper, walk, names)) for k, v in value.items())
     if isinstance(value, types.FunctionType):
         code = value.__code__
+        read = _code_names(code)
         cells = []
         for cell in value.__closure__ or ():
             try:
-                cells.append(_state(cell.cell_contents, depth + 1, budget))
+                cells.append(_state(cell.cell_contents, deeper, walk, read))
             except ValueError:  # an empty cell
                 cells.append(None)
-        named = tuple((name, _state(value.__globals__[name], depth + 1, budget)) for name in code.co_names
+        named = tuple((name, _state(value.__globals__[name], deeper, walk, read)) for name in read
                       if name in value.__globals__)
-        return (id(value), tuple(cells), named, _state(value.__defaults__, depth + 1, budget),
-                _state(value.__kwdefaults__, depth + 1, budget))
+        return (_Same(value), _Same(code), tuple(cells), named, _state(value.__defaults__, deeper, walk, read),
+                _state(value.__kwdefaults__, deeper, walk, read))
     if isinstance(value, types.MethodType):
-        return _state(value.__func__, depth + 1, budget), _state(value.__self__, depth + 1, budget)
+        return _state(value.__func__, deeper, walk), _state(value.__self__, deeper, walk)
     if isinstance(value, functools.partial):
-        return (_state(value.func, depth + 1, budget), _state(value.args, depth + 1, budget),
-                _state(value.keywords, depth + 1, budget))
+        return (_state(value.func, deeper, walk), _state(value.args, deeper, walk, names),
+                _state(value.keywords, deeper, walk, names))
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and not hasattr(value.__class__, "__slots__"):
-        # An object (an nn.Module, a configuration): its attributes, and what its class's call runs.
-        call = getattr(value.__class__, "forward" if isinstance(value, torch.nn.Module) else "__call__", None)
-        return (id(value), _state(attributes, depth + 1, budget),
-                _state(call, depth + 1, budget) if isinstance(call, types.FunctionType) else None)
+        # An object (an nn.Module, a configuration): its attributes, and its classes' (constants, properties,
+        # what its call runs).
+        return _Same(value), _state(attributes, deeper, walk, names), _class_state(value.__class__, deeper, walk)
     raise _Opaque
+
+
+def _class_state(cls: type, depth: int, walk: _Walk) -> tuple:
+    """The attributes a class and its bases define, but for torch's and Python's own classes (``nn.Module``'s
+    machinery) and dunder names; what ``_state`` does not follow there counts as the object itself."""
+    found = []
+    for klass in cls.__mro__:
+        if klass.__module__.partition(".")[0] in ("builtins", "torch", "typing", "abc"):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("__"):
+                continue
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            elif isinstance(value, property):
+                value = value.fget
+            try:
+                found.append((name, _state(value, depth, walk)))
+            except _Opaque:
+                if walk.budget < 0:
+                    raise
+                found.append((name, _Same(value)))
+    return _Same(cls), tuple(found)
 
 
 _traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -505,17 +735,29 @@ _untraceable: weakref.WeakSet = weakref.WeakSet()  # functions warned of
 def traced(fn: Callable, kind: str) -> TracedMod:
     """``trace``, cached per function object while ``_signature`` reads the same; a function it cannot follow is
     traced at every call (with one warning: milliseconds of host time a call)."""
-    signature = _signature(fn)
-    if signature is None:
-        _warn_untraceable(fn, kind)
-        return trace(fn, kind)
     try:
         cached = _traced.get(fn, {}).get(kind)
     except TypeError:  # not weak-referenceable: trace every call
         return trace(fn, kind)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
+    if cached is not None:
+        signature, result = cached
+        if signature == _signature(fn, _Walk(frozenset(map(id, result.tensors)))):
+            return result
     result = trace(fn, kind)
+    walk = _Walk(frozenset(map(id, result.tensors)))
+    signature = _signature(fn, walk)
+    if signature is None:
+        _warn_untraceable(fn, kind)
+        return result
+    for name, t in zip(result.names, result.tensors):
+        if id(t) not in walk.reached and t.grad_fn is not None:
+            # Made from other tensors while fx traced (torch.exp(t)[h] runs torch.exp then): its gradient would
+            # flow through that one computation, already freed at the next call's backward.
+            what = "a captured tensor" if name == "<captured tensor>" else f"captured tensor {name!r}"
+            _fail(kind, f"{what} was computed from other tensors when the mod was traced "
+                        f"({t.grad_fn.name()}), outside the kernel, so gradients through it are not supported; "
+                        "index the tensor first and compute inside the mod (torch.exp(log_slopes[h]), not "
+                        "torch.exp(log_slopes)[h])", ValueError)
     _traced.setdefault(fn, {})[kind] = (signature, result)
     return result
 

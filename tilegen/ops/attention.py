@@ -32,6 +32,7 @@ from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
 from tilegen.families.attention_fwd import AttentionSpec
 from tilegen.families.attention_fwd.masks import (
     launch_window,
+    mask_band,
     mask_kind,
     score_scalars,
     window_bounds,
@@ -192,7 +193,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
-    ranges = {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k}
+    ranges = {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k, "band": mask_band(left, right, n_k - n_q)}
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic)

@@ -130,7 +130,8 @@ class PagedDecode(Planner):
         device = pages.device
         mod_tensors = ()
         if score_mod is not None or mask_mod is not None:
-            spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, device, cache.batch, heads_q, max_seqlen_k)
+            spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, device, cache.batch, heads_q, max_seqlen_k,
+                                           (left, right))
         if device.type == "cpu" and not interpreting():
             raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
                              "TRITON_INTERPRET=1")

@@ -31,6 +31,7 @@ from tilegen import dispatch, env
 from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
 from tilegen.families.attention_fwd.masks import (
     launch_window,
+    mask_band,
     mask_kind,
     score_scalars,
     window_bounds,
@@ -251,7 +252,9 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
         return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
                                 scale=scale, return_lse=return_lse, out=out, deterministic=deterministic,
                                 score_mod=score_mod, mask_mod=mask_mod)
-    ranges = {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k}
+    # The band of the longest sequences' diagonal: each sequence's own is not known on the host.
+    ranges = {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k,
+              "band": mask_band(checked[1], checked[2], max_k - max_q)}
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return_lse, out, deterministic)
@@ -519,7 +522,7 @@ class PagedAttention(Planner):
         mod_tensors = ()
         if score_mod is not None or mask_mod is not None:
             spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, pages.device, cache.batch, heads_q,
-                                           max_seqlen_k)
+                                           max_seqlen_k, (left, right))
         self._plan = _planned(
             spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
             {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
@@ -626,11 +629,13 @@ class _Plan:
     out_like_q: bool = False
 
 
-def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int):
+def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, heads_q: int, max_seqlen_k: int,
+               window: tuple[int | None, int | None]):
     """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
-    the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence)."""
-    mods = bind_mods(score_mod, mask_mod, device,
-                     {"b": batch, "h": heads_q, "q_idx": max_seqlen_k, "kv_idx": max_seqlen_k})
+    the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence, the key within
+    ``window``'s ``(left, right)`` of the query's position)."""
+    mods = bind_mods(score_mod, mask_mod, device, {"b": batch, "h": heads_q, "q_idx": max_seqlen_k,
+                                                   "kv_idx": max_seqlen_k, "band": mask_band(*window)})
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-__all__ = ["window_bounds", "mask_kind", "launch_window", "score_scalars"]
+__all__ = ["window_bounds", "mask_kind", "launch_window", "mask_band", "score_scalars"]
 
 
 def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
@@ -73,3 +73,11 @@ def launch_window(mask, left, right, n_q, n_k):
         unbounded if left is None else min(left, unbounded),
         0 if mask == "causal" else (unbounded if right is None else min(right, unbounded)),
     )
+
+
+def mask_band(left: int | None, right: int | None, diag: int = 0) -> tuple[int | None, int | None]:
+    """The ``band`` of a mod's range check (``tilegen.mods.trace.TracedMod.check_ranges``) for a call's window ``(left, right)`` around the diagonal
+    ``kv_idx - q_idx = diag`` (``n_k - n_q`` where positions are rows, bottom-right; 0 where ``q_idx`` is the
+    query's position among the keys, the paged ops'): the key a query sees lies ``left`` before to ``right`` after
+    it (None: unbounded)."""
+    return None if left is None else diag - left, None if right is None else diag + right

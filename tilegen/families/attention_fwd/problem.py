@@ -9,7 +9,7 @@ import torch
 
 from tilegen.families import base
 from tilegen.families.attention_fwd.config import Config
-from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.masks import launch_window, mask_band
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.mods.sources import sources_for, tuning_mods
@@ -108,7 +108,8 @@ class Problem(base.Problem):
         """The spec's mods built for this problem (``tilegen.mods.sources``), or ``None`` without mods."""
         if self.mods == (None, None):
             return None
-        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq}
+        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq,
+                  "band": mask_band(*self.bounds)}
         return tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
                            n_k=self.seq, device=device)
 

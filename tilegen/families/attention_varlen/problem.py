@@ -13,7 +13,7 @@ import torch
 from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families import base
 from tilegen.families.attention_fwd.config import TileConfig
-from tilegen.families.attention_fwd.masks import launch_window
+from tilegen.families.attention_fwd.masks import launch_window, mask_band
 from tilegen.families.attention_fwd.problem import visible_pairs
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
@@ -98,7 +98,7 @@ class VarlenProblem(base.Problem):
             device = inputs["q"].device
             n_q, n_k = max(self.q_lens), max(self.k_lens)
             ranges = {"b": len(self.k_lens), "h": self.heads_q, "q_idx": n_k if self.paged_positions else n_q,
-                      "kv_idx": n_k}
+                      "kv_idx": n_k, "band": mask_band(*self.bounds, 0 if self.paged_positions else n_k - n_q)}
             inputs["mods"] = tuning_mods(self.spec, self.mods, ranges, batch=len(self.k_lens), heads=self.heads_q,
                                          n_q=n_q, n_k=n_k, device=device)
         return inputs
