@@ -76,8 +76,8 @@ def launch_window(mask, left, right, n_q, n_k):
 
 
 def mask_band(left: int | None, right: int | None, diag: int = 0) -> tuple[int | None, int | None]:
-    """The ``band`` of a mod's range check (``tilegen.mods.trace.TracedMod.check_ranges``) for a call's window ``(left, right)`` around the diagonal
-    ``kv_idx - q_idx = diag`` (``n_k - n_q`` where positions are rows, bottom-right; 0 where ``q_idx`` is the
-    query's position among the keys, the paged ops'): the key a query sees lies ``left`` before to ``right`` after
-    it (None: unbounded)."""
+    """The ``band`` of a mod's range check (``tilegen.mods.trace.TracedMod.check_ranges``) for a call's window
+    ``(left, right)`` around the diagonal ``kv_idx - q_idx = diag`` (``n_k - n_q`` where positions are rows,
+    bottom-right; 0 where ``q_idx`` is the query's position among the keys, the paged ops'): the key a query sees
+    lies ``left`` before to ``right`` after it (None: unbounded)."""
     return None if left is None else diag - left, None if right is None else diag + right
