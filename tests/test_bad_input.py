@@ -215,6 +215,15 @@ def test_bad_scale(device, scale):
         tilegen.attention(q, k, v, scale=scale)
 
 
+@pytest.mark.parametrize("scale", [3e38, -2.4e38])
+def test_a_scale_that_overflows_in_base_2_is_refused(device, scale):
+    """The kernels take the scale to base 2 (times log2(e)) in fp32: past 2.36e38 it is inf, and every output NaN."""
+    q, k, v = qkv(device)
+    with raises(ValueError, f"scale: {scale!r} overflows fp32 once the kernels take it to base 2"):
+        tilegen.attention(q, k, v, scale=scale)
+    tilegen.attention(q, k, v, scale=1e37)
+
+
 @pytest.mark.parametrize(
     "softcap",
     [0.0, -1.0, 0, math.nan, math.inf, "30", True],

@@ -68,6 +68,7 @@ CASES = {
     "db-verify-timeout-nan": (["db", "verify", "--timeout", "nan", "--db", "{db}"], "--timeout"),
     "db-verify-seed-negative": (["db", "verify", "--seed", "-3", "--db", "{db}"], "--seed"),
     "db-verify-drop-shipped": (["db", "verify", "--shipped", "--drop-failed"], "--drop-failed"),
+    "db-verify-unknown-prefix": (["db", "verify", "ffff", "--db", "{db}"], "no variant with spec hash 'ffff' in {db}"),
     "db-unknown-command": (["db", "frobnicate"], "No such command"),
 }
 
@@ -100,3 +101,12 @@ def test_bad_input_ends_in_one_error_line_and_exit_status_2(case, paths, capsys)
     assert last.startswith("error: ") and needle.format(**paths) in last, captured.err
     assert "Traceback" not in captured.err + captured.out
     assert all(not line.startswith("error") for line in captured.err.splitlines()[:-1])
+
+
+def test_a_folder_in_tilegen_db_is_named_as_the_variable(tmp_path, monkeypatch, capsys):
+    """The user passed no --db: the error names where the folder came from."""
+    monkeypatch.setenv("TILEGEN_DB", str(tmp_path))
+    with pytest.raises(SystemExit) as exit:
+        main(["db", "list"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: TILEGEN_DB: {tmp_path} is a folder")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -466,3 +467,60 @@ def test_random_values_in_any_column_never_crash_a_reader_nor_run(fuzz_base, tmp
             assert "Traceback" not in result.output
         assert "\x1b" not in result.output
     assert not (folder / CANARY_FILE).exists()
+
+
+# -- files that are not tilegen's ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [("db", "list"), ("db", "prune", "--yes"),
+                                     ("tune", "--head-dim", "16", "--sizes", "16", "--trials", "1")])
+def test_another_programs_sqlite_file_is_refused_and_left_as_it_was(tmp_path, command):
+    """tilegen adds its tables only to a new or empty file: another program's database, or a tune's own studies
+    file passed as --db, is refused in one line, its bytes (and journal mode) unchanged, nothing made beside it."""
+    db = tmp_path / "app.sqlite"
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.execute("CREATE TABLE customers (id INTEGER, name TEXT)")
+        connection.commit()
+    before, listing = db.read_bytes(), sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(*command, "--db", db)
+    one_line_error(result, f"not a tilegen database: {db} holds other tables (customers)")
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+def test_a_pipe_or_a_forged_view_as_the_database_falls_back_instead_of_blocking(tmp_path, monkeypatch, caplog):
+    """Opening a named pipe blocks until a writer comes, and a view under a tilegen table's name runs whatever
+    query it holds (one without end): dispatch refuses both before reading, warns and takes the default."""
+    pipe = tmp_path / "pipe.sqlite"
+    os.mkfifo(pipe)
+    forged = tmp_path / "forged.sqlite"
+    shutil.copy(REPO / "tuning_db" / "tuned.sqlite", forged)
+    with contextlib.closing(sqlite3.connect(forged)) as connection:
+        connection.execute("DROP TABLE tg_variants")
+        connection.execute("CREATE VIEW tg_variants AS WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 "
+                           "FROM n) SELECT x AS id, '' AS spec_hash, '' AS template_hash FROM n")
+        connection.commit()
+    for path, reason in ((pipe, "is not a regular file"), (forged, "tg_variants is not a table")):
+        monkeypatch.setenv("TILEGEN_DB", str(path))
+        dispatch.reset()
+        with caplog.at_level(logging.WARNING, logger="tilegen.db"):
+            choice = tilegen.explain(*(torch.randn(1, 1, 16, 16) for _ in range(3)))
+        assert choice.source == "default"
+        assert any(reason in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        caplog.clear()
+    result = invoke("db", "list", "--db", pipe)
+    one_line_error(result, "is not a regular file")
+    result = invoke("db", "list", "--db", forged)
+    one_line_error(result, "tg_variants is not a table")
+
+
+def test_two_databases_of_one_stem_do_not_share_their_studies(tmp_path):
+    """s.sqlite and s.db keep their studies in one file, s.optuna.sqlite: a tune of the second is refused in one
+    line (its trials would count as the first's, whose next tune would skip configs it never measured), and the
+    first's tunes go on."""
+    tune = ("tune", "--head-dim", "16", "--sizes", "16", "--trials", "1")
+    assert invoke(*tune, "--db", tmp_path / "s.sqlite").exit_code == 0
+    result = invoke(*tune, "--db", tmp_path / "s.db")
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]  # after the tune's note that it runs under the interpreter
+    assert last.startswith("error: ") and "holds the tunes of the database s.sqlite, not s.db" in last, last
+    assert invoke(*tune[:-1], "2", "--db", tmp_path / "s.sqlite").exit_code == 0

@@ -45,6 +45,12 @@ MODS = textwrap.dedent("""
 
         return alibi
 
+    def make_failing(*, batch, heads, n_q, n_k, device):
+        raise RuntimeError("no table for this shape")
+
+    def make_too_few(*, batch, heads):
+        return near
+
     def near(b, h, q_idx, kv_idx):  # a mod itself: a window with a sink (a window alone is a built-in)
         return (q_idx - kv_idx < 8) | (kv_idx == 0)
 
@@ -137,8 +143,12 @@ def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path
     (["--preset", "gemma-softcap", "--score-mod", "tune_mods:make_alibi"], "--score-mod: softcap: with a score_mod"),
     (["--mask-mod", "tune_mods:window"], "--mask-mod: tune_mods:window keeps a band of diagonals, which calls run as "
                                          "the built-in window (7, None)"),
+    (["--mask-mod", "tune_mods:make_failing"], "--mask-mod: the factory make_failing failed for batch=1, heads=1, "
+                                               "n_q=16, n_k=16 (RuntimeError: no table for this shape)"),
+    (["--mask-mod", "tune_mods:make_too_few"], "--mask-mod: the factory make_too_few failed for batch=1, heads=1, "
+                                               "n_q=16, n_k=16 (TypeError: "),
 ], ids=["no-colon", "no-module", "no-attribute", "not-callable", "wrong-kind", "family-without-mods", "softcap",
-        "a-built-in"])
+        "a-built-in", "factory-raises", "factory-arguments"])
 def test_bad_mod_options_end_in_one_line_naming_the_option(tmp_path, monkeypatch, args, message):
     (tmp_path / "tune_mods.py").write_text(MODS)
     monkeypatch.chdir(tmp_path)

@@ -87,7 +87,8 @@ def _path(ctx: typer.Context, db: str | None) -> Path | _Server:
         return _Server(chosen)
     chosen = Path(chosen)
     if chosen.is_dir():
-        fail(f"--db: {chosen} is a folder; give the database file, e.g. {chosen / 'tuning.sqlite'}")
+        source = "--db" if db is not None or ctx.obj is not None else "TILEGEN_DB"
+        fail(f"{source}: {chosen} is a folder; give the database file, e.g. {chosen / 'tuning.sqlite'}")
     return chosen
 
 
@@ -412,6 +413,8 @@ def verify(
     path = env.shipped_db_path() if shipped else _path(ctx, db)
     _need(path)
     with _open(path, write=drop_failed) as database:
+        if spec_hash and not database.variants(spec_hash):
+            fail(f"no variant with spec hash {safe_text(repr(spec_hash))} in {path}; `tilegen db list` shows them")
         failed = verify_rows(database, spec_hash, seed=seed, timeout=timeout, console=_console(),
                              drop_failed=drop_failed)
     if failed and not drop_failed:

@@ -35,7 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool, StaticPool
 
 from tilegen.db.errors import DatabaseError
-from tilegen.db.sqlite import BUSY_TIMEOUT_MS, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, explain_error, readonly_uri
+from tilegen.db.sqlite import (BUSY_TIMEOUT_MS, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, explain_error, readonly_uri,
+                               refuse_special)
 
 if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
@@ -82,6 +83,7 @@ def open_engine(path: Path, *, readonly: bool) -> Engine:
     Raises ``DatabaseError`` for a corrupt or foreign file, a newer schema, or a path that
     cannot be opened.
     """
+    refuse_special(path)
     if not readonly:
         _refuse_corrupt(path)
     engine = create_engine("sqlite://", creator=_connector(path, readonly), poolclass=QueuePool)
@@ -198,6 +200,12 @@ def _refuse_corrupt(path: Path) -> None:
         problems = [row[0] for row in connection.execute("PRAGMA quick_check(1)")]
         if problems != ["ok"]:
             raise DatabaseError(f"not a tilegen database / corrupt: {path}")
+        # Another program's tables (or a tune's Optuna studies file): tilegen adds its own only to a new file.
+        tables = sorted(name for (name,) in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        if tables and VERSION_TABLE not in tables:
+            shown = ", ".join(tables[:3]) + (", ..." if len(tables) > 3 else "")
+            raise DatabaseError(f"not a tilegen database: {path} holds other tables ({shown}); tilegen creates its "
+                                "tables only in a new or empty file")
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e
     finally:
@@ -298,6 +306,10 @@ def _stored_revisions(connection: Connection) -> tuple[str, ...]:
         tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
         if connection.exec_driver_sql(tables, (VERSION_TABLE,)).first() is None:
             return ()
+        views = "SELECT name FROM sqlite_master WHERE type = 'view' AND name LIKE 'tg\\_%' ESCAPE '\\'"
+        view = connection.exec_driver_sql(views).first()
+        if view is not None:  # a forged file: tilegen's names as views could run any query, one without end
+            raise DatabaseError(f"not a tilegen database / corrupt: {view[0]} is not a table")
     elif not inspect(connection).has_table(VERSION_TABLE):
         return ()
     return tuple(revision for (revision,) in connection.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}"))

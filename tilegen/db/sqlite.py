@@ -15,7 +15,8 @@ from urllib.parse import quote
 
 from tilegen.db.errors import DatabaseError
 
-__all__ = ["BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error", "readonly_uri"]
+__all__ = ["BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error", "readonly_uri",
+           "refuse_special"]
 
 #: Every revision in ``migrations/versions``, oldest first (a test checks them against Alembic's).
 REVISIONS = ("0001", "0002", "0003")
@@ -51,11 +52,23 @@ def explain_error(error: Exception, path: Path, readonly: bool) -> DatabaseError
     return DatabaseError(f"tilegen database {path}: {text}")
 
 
+def refuse_special(path: Path) -> None:
+    """``DatabaseError`` for a path that exists but is no regular file (a pipe, a device, a socket): opening one
+    would block or read without end."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise DatabaseError(f"not a tilegen database: {path} is not a regular file")
+
+
 def stored_revisions(conn: sqlite3.Connection, path: Path) -> tuple[str, ...]:
     """The file's revisions; ``DatabaseError`` for a file that is not tilegen's or is newer than this tilegen."""
     tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
     if conn.execute(tables, (VERSION_TABLE,)).fetchone() is None:
         raise DatabaseError(f"not a tilegen database / corrupt: {path}")
+    # tilegen's names as views (a forged file) could run any query, one without end included.
+    views = conn.execute("SELECT name FROM sqlite_master WHERE type != 'table' AND name LIKE 'tg\\_%' ESCAPE '\\'"
+                         " AND type != 'index'").fetchall()
+    if views:
+        raise DatabaseError(f"not a tilegen database / corrupt: {path} ({views[0][0]} is not a table)")
     current = tuple(revision for (revision,) in conn.execute(f"SELECT version_num FROM {VERSION_TABLE}"))
     newer = [revision for revision in current if revision not in REVISIONS]
     if newer:
@@ -78,13 +91,26 @@ _TUNED = (
 )
 
 
+_READ_STEPS = 50_000_000
+
+
 def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str) -> list[dict]:
     """The tuned rows of one variant on one GPU, every Triton's (the reader chooses among them), read-only,
     any known revision: ``TUNED_FIELDS`` of each as stored, unchecked (SQLite lets a column hold any type)."""
+    refuse_special(path)
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e
+    # A bound on the work of the read (SQLite's virtual machine steps, counted by the thousand): a variant's rows
+    # take a few thousand; a forged file's query without end is interrupted, and the caller falls back.
+    steps = [0]
+
+    def budget() -> int:
+        steps[0] += 1
+        return steps[0] > _READ_STEPS // 1000
+
+    conn.set_progress_handler(budget, 1000)
     # Text that is not UTF-8 (a forged file) reads as replacement characters, for the row's check to refuse,
     # instead of failing the whole read.
     conn.text_factory = lambda data: data.decode("utf-8", "replace")

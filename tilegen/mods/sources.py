@@ -71,7 +71,12 @@ def build(fn: Callable, option: str, *, batch: int, heads: int, n_q: int, n_k: i
     """The mod ``fn`` is or, for a factory, the one it builds for the shape."""
     if not _is_factory(fn):
         return fn
-    mod = fn(batch=batch, heads=heads, n_q=n_q, n_k=n_k, device=torch.device(device))
+    try:
+        mod = fn(batch=batch, heads=heads, n_q=n_q, n_k=n_k, device=torch.device(device))
+    except Exception as e:  # the user's code: said in one line, whatever it raised
+        raise ValueError(f"{option}: the factory {getattr(fn, '__qualname__', fn)!s} failed for batch={batch}, "
+                         f"heads={heads}, n_q={n_q}, n_k={n_k} ({type(e).__name__}: {e}); a factory takes keyword "
+                         "arguments batch, heads, n_q, n_k, device and returns a mod") from None
     if not callable(mod):
         raise ValueError(f"{option}: the factory returned a {type(mod).__name__}, expected a mod function")
     return mod

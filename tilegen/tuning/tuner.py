@@ -40,6 +40,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy
 import optuna
@@ -71,6 +72,8 @@ _RETRIES = 3
 _POLL_S = 0.5
 #: The user attribute each trial carries: which host and process measured it.
 WORKER_ATTR = "tilegen_worker"
+#: The user attribute that names the database a study's trials belong to (Tuner._claim).
+_OWNER_ATTR = "tilegen_database"
 #: A bucket's winner is timed again, alternately on one GPU, with up to this many rivals measured
 #: within CONFIRM_SPREAD of it: one measurement moves by a few percent from one moment (or one
 #: GPU of a model) to the next. On two H200s, unconfirmed tunes picked in 1 of 7 buckets a config
@@ -390,10 +393,29 @@ class Tuner:
     def _study(self, key: TuningKey, space) -> optuna.Study:
         # Choosing the run and creating its study is one step for every process (see studies_lock).
         with self.db.studies_lock(key.study_name):
-            return optuna.create_study(
+            study = optuna.create_study(
                 storage=self._storage, study_name=self._study_name(key), direction="minimize",
                 sampler=space.sampler(self.seed, self.worker_index), load_if_exists=True,
             )
+            self._claim(study)
+            return study
+
+    def _claim(self, study: optuna.Study) -> None:
+        """Mark the study as this database's, or refuse one another database's tunes wrote: two files of one
+        stem (``s.sqlite``, ``s.db``) share the studies file ``s.optuna.sqlite``, and one's trials would count
+        as the other's, whose tune then skips configs it never measured."""
+        if self.db.is_server:
+            return  # the studies live in the database itself
+        mine = Path(self.db.path).name
+        owner = study.user_attrs.get(_OWNER_ATTR)
+        if owner is None:
+            with self._studies_errors():
+                study.set_user_attr(_OWNER_ATTR, mine)
+        elif owner != mine:
+            where = self.db.studies_url().removeprefix("sqlite:///")
+            raise DatabaseError(f"Optuna studies file {where}: its study {study.study_name} holds the tunes of the "
+                                f"database {owner}, not {mine}; databases of one name but for the suffix share a "
+                                "studies file: give this database another name")
 
     def _study_name(self, key: TuningKey) -> str:
         """The study this run adds to: the key's latest one when Optuna still numbers past every trial

@@ -25,6 +25,8 @@ def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    elif abs(scale) * 1.4426950408889634 > 3.4028234663852886e38:  # the kernels' base-2 scale, in fp32
+        raise ValueError(f"scale: {scale!r} overflows fp32 once the kernels take it to base 2 (times log2(e))")
     if softcap is not None and (
         isinstance(softcap, bool) or not isinstance(softcap, Real) or not (0 < softcap < math.inf)
     ):
