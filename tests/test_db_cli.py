@@ -193,7 +193,7 @@ def test_prune_says_when_nothing_matched(populated):
 
 
 @pytest.mark.parametrize("command", [["list"], ["show", SPEC.hash[:6]], ["export", "{tmp}/x.json"],
-                                     ["prune", "--yes"], ["verify", "ffff"]])
+                                     ["prune", "--yes"], ["verify", SPEC.hash[:6]]])
 def test_every_db_command_takes_db_after_its_name(populated, command):
     args = [a.format(tmp=populated.parent) for a in command]
     result = invoke("db", *args, "--db", populated)
