@@ -342,3 +342,16 @@ def test_a_second_derivative_with_mods_is_refused_by_name(mods, op, device):
     with pytest.raises(NotImplementedError, match=rf"{name}: the second derivative \(double backward\) of attention "
                                                   "with mods is not implemented"):
         (dk * dk).sum().backward()
+
+
+def test_a_parameter_a_mod_closes_over_takes_its_gradient(device):
+    """Learned ALiBi slopes as an nn.Parameter in the mod's closure (fx takes parameters from a traced module only;
+    tilegen's tracer takes them as captured tensors)."""
+    slopes = torch.nn.Parameter(torch.rand(2, device=device))
+    q, k, v = _leaves([(1, 2, 17, D)] * 3, torch.float32, device, 9)
+    tilegen.attention(q, k, v, score_mod=library.alibi(slopes), causal=True).sum().backward()
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    slopes64 = slopes.detach().double().requires_grad_()
+    attention_reference(*leaves64, causal=True, score_mod=library.alibi(slopes64))[0].sum().backward()
+    assert _error(slopes.grad, slopes64.grad) < TOL[torch.float32]
+    assert _error(q.grad, leaves64[0].grad) < TOL[torch.float32]

@@ -198,3 +198,90 @@ def test_a_where_is_checked_branch_by_branch():
     bind_mods(unsplittable, None, torch.device("cpu"), RANGES)
     with pytest.raises(ValueError, match=r"where\(q_idx >= kv_idx, q_idx - kv_idx, 0\) ranges over \[0, 33\]"):
         bind_mods(split, None, torch.device("cpu"), {**RANGES, "q_idx": 34, "kv_idx": 34})
+
+
+def test_the_cache_keeps_no_mod_alive():
+    """Mods made at every step (a forward that builds its mod) are dropped with their captured tensors."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(5):
+        table = torch.rand(2)
+
+        def mod(score, b, h, q_idx, kv_idx, table=table):
+            return score + table[h]
+
+        traced(mod, "score_mod")
+        refs.append((weakref.ref(mod), weakref.ref(table)))
+    del mod, table
+    gc.collect()
+    assert all(f() is None and t() is None for f, t in refs)
+
+
+def test_a_bound_method_is_traced_once_per_instance():
+    class Layer:
+        def __init__(self):
+            self.slopes = torch.rand(2)
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.slopes[h]
+
+    layer = Layer()
+    first = traced(layer.score_mod, "score_mod")  # a new method object at every read of layer.score_mod
+    assert traced(layer.score_mod, "score_mod") is first and first.names == ("self.slopes",)
+    layer.slopes = torch.rand(3)
+    assert traced(layer.score_mod, "score_mod").tensors[0] is layer.slopes
+
+
+def test_a_buffer_no_code_reads_does_not_trace_again():
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(2))
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.bias[h]
+
+    module = Bias()
+    first = traced(module, "score_mod")
+    with torch.no_grad():
+        module.steps += 1
+        module.bias.add_(1.0)  # handed to the kernel at every call: its values need no new trace
+    assert traced(module, "score_mod") is first
+
+
+def test_a_parameter_a_mod_closes_over_is_a_captured_tensor():
+    slopes = torch.nn.Parameter(torch.rand(2))
+    mod = trace(library.alibi(slopes), "score_mod")
+    assert mod.tensors[0] is slopes and mod.names == ("slopes",)
+
+
+def test_numpy_and_enum_numbers_are_written_as_numbers():
+    import enum
+
+    import numpy
+
+    class Width(enum.IntEnum):
+        NARROW = 4
+
+    text = trace(lambda s, b, h, q, k: s * numpy.int64(3) + (k % numpy.int32(5)) + Width.NARROW, "score_mod").canonical
+    assert "mul(score,3)" in text and "mod(kv_idx,5)" in text and ",4)" in text
+
+
+def test_a_ragged_batch_of_unknown_diagonals_leaves_indices_of_both_positions_to_the_kernel():
+    """Sequences of a ragged batch have diagonals of their own, which the host does not know: an index reading
+    both positions is not checked (the kernel masks its reads); one reading a single position still is."""
+    rel = torch.rand(8)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + rel[kv_idx - q_idx + 3]
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + rel[q_idx - 3]
+
+    ranges = {"b": 2, "h": 2, "q_idx": 8, "kv_idx": 8, "band": "unknown"}
+    bind_mods(relative, None, torch.device("cpu"), ranges)
+    with pytest.raises(ValueError, match=r"q_idx - 3 ranges over \[-3, 4\]"):
+        bind_mods(shifted, None, torch.device("cpu"), ranges)

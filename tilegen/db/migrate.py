@@ -35,8 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import QueuePool, StaticPool
 
 from tilegen.db.errors import DatabaseError
-from tilegen.db.sqlite import (BUSY_TIMEOUT_MS, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, explain_error, readonly_uri,
-                               refuse_special)
+from tilegen.db.sqlite import (BUSY_TIMEOUT_MS, FORGED_VIEWS, REVISIONS, SCHEMA_REVISION, VERSION_TABLE, explain_error,
+                               readonly_uri, refuse_special)
 
 if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
@@ -306,9 +306,8 @@ def _stored_revisions(connection: Connection) -> tuple[str, ...]:
         tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
         if connection.exec_driver_sql(tables, (VERSION_TABLE,)).first() is None:
             return ()
-        views = "SELECT name FROM sqlite_master WHERE type = 'view' AND name LIKE 'tg\\_%' ESCAPE '\\'"
-        view = connection.exec_driver_sql(views).first()
-        if view is not None:  # a forged file: tilegen's names as views could run any query, one without end
+        view = connection.exec_driver_sql(FORGED_VIEWS).first()
+        if view is not None:
             raise DatabaseError(f"not a tilegen database / corrupt: {view[0]} is not a table")
     elif not inspect(connection).has_table(VERSION_TABLE):
         return ()

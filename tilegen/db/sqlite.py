@@ -15,8 +15,8 @@ from urllib.parse import quote
 
 from tilegen.db.errors import DatabaseError
 
-__all__ = ["BUSY_TIMEOUT_MS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error", "readonly_uri",
-           "refuse_special"]
+__all__ = ["BUSY_TIMEOUT_MS", "FORGED_VIEWS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error",
+           "readonly_uri", "refuse_special"]
 
 #: Every revision in ``migrations/versions``, oldest first (a test checks them against Alembic's).
 REVISIONS = ("0001", "0002", "0003")
@@ -52,6 +52,10 @@ def explain_error(error: Exception, path: Path, readonly: bool) -> DatabaseError
     return DatabaseError(f"tilegen database {path}: {text}")
 
 
+#: A view under one of tilegen's table names (a forged file): reading it could run any query, one without end.
+FORGED_VIEWS = "SELECT name FROM sqlite_master WHERE type = 'view' AND name LIKE 'tg\\_%' ESCAPE '\\'"
+
+
 def refuse_special(path: Path) -> None:
     """``DatabaseError`` for a path that exists but is no regular file (a pipe, a device, a socket): opening one
     would block or read without end."""
@@ -64,11 +68,9 @@ def stored_revisions(conn: sqlite3.Connection, path: Path) -> tuple[str, ...]:
     tables = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
     if conn.execute(tables, (VERSION_TABLE,)).fetchone() is None:
         raise DatabaseError(f"not a tilegen database / corrupt: {path}")
-    # tilegen's names as views (a forged file) could run any query, one without end included.
-    views = conn.execute("SELECT name FROM sqlite_master WHERE type != 'table' AND name LIKE 'tg\\_%' ESCAPE '\\'"
-                         " AND type != 'index'").fetchall()
-    if views:
-        raise DatabaseError(f"not a tilegen database / corrupt: {path} ({views[0][0]} is not a table)")
+    view = conn.execute(FORGED_VIEWS).fetchone()
+    if view is not None:
+        raise DatabaseError(f"not a tilegen database / corrupt: {path} ({view[0]} is not a table)")
     current = tuple(revision for (revision,) in conn.execute(f"SELECT version_num FROM {VERSION_TABLE}"))
     newer = [revision for revision in current if revision not in REVISIONS]
     if newer:

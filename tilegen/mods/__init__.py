@@ -36,7 +36,8 @@ Out-of-range indices: an index the host can bound (the roles and integer constan
 ``where``, bools: ``q_idx``, ``kv_idx - q_idx + n``) is checked on the host at every call over every
 (query, key) position the call computes (its ``causal``/``window`` mask's dropped positions left out)
 against the roles' ranges (``b`` in [0, batch), ``h`` in [0, heads_q), ``q_idx`` in [0, n_q),
-``kv_idx`` in [0, n_k); for ``varlen_attention`` the longest sequences'), and a ``ValueError`` names
+``kv_idx`` in [0, n_k); for ``varlen_attention`` the longest sequences', an index reading both positions
+only where each sequence's queries are its keys), and a ``ValueError`` names
 the tensor, dimension and range. Any other index (one read from another captured tensor, or cast from
 a float) is masked in the kernel: an element outside the tensor (a negative index included: there is
 no wrap-around) reads as 0 (False for bools).

@@ -75,11 +75,12 @@ class TracedMod:
     def check_ranges(self, ranges: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming the tensor and dimension that an index can leave at a position the call
         computes: ``ranges`` holds each role's count and, as ``band``, the built-in mask's ``(low, high)`` bounds
-        on ``kv_idx - q_idx`` (None: unbounded), whose masked positions the mod's value does not reach."""
-        domain = _Domain(ranges)
-        for t, dim, bound in self.checks:
-            span = None if domain.empty else _interval(bound, domain)
-            if span is None:  # no position reads the tensor there, or a condition the host cannot split on
+        on ``kv_idx - q_idx`` (None: unbounded), whose masked positions the mod's value does not reach, or
+        ``"unknown"`` where the call's (query, key) pairs are not known on the host (a ragged batch of
+        sequences with diagonals of their own): then an index that reads both positions is left unchecked."""
+        key = tuple(ranges.get(name) for name in ("b", "h", "q_idx", "kv_idx", "band"))
+        for (t, dim, bound), span in zip(self.checks, _spans(self.checks, key)):
+            if span is None:  # no position reads the tensor there, or one the host cannot bound
                 continue
             size = self.tensors[t].shape[dim]
             low, high = span
@@ -92,6 +93,14 @@ class TracedMod:
                                  f"outside [0, {size - 1}]")
 
 
+@functools.lru_cache(maxsize=1024)
+def _spans(checks: tuple, key: tuple) -> tuple:
+    """Each check's index range over the call's positions (``TracedMod.check_ranges``), kept per mod and call
+    shape: a call with the shapes of an earlier one reads them back."""
+    domain = _Domain(dict(zip(("b", "h", "q_idx", "kv_idx", "band"), key)))
+    return tuple(None if domain.empty else _interval(bound, domain) for _, _, bound in checks)
+
+
 def _fail(kind: str, message: str, error=TypeError):
     raise error(f"{kind}: {message}")
 
@@ -102,7 +111,10 @@ def trace(fn: Callable, kind: str) -> TracedMod:
     if not callable(fn):
         _fail(kind, f"expected a function, got {type(fn).__name__}")
     try:
-        graph_module = fx.symbolic_trace(_with_roles(fn, kind))
+        target = _with_roles(fn, kind)
+        tracer = _Tracer()
+        graph = tracer.trace(target)
+        graph_module = fx.GraphModule(tracer.root, graph)
     except Exception as e:  # control flow on a traced value, an unsupported Python function, a wrong arity
         _fail(kind, f"cannot be traced with torch.fx ({type(e).__name__}: {e}); mods must be straight-line code over "
                     f"the supported operations: {SUPPORTED}")
@@ -242,6 +254,24 @@ def _op_of(node: fx.Node) -> str | None:
     return None
 
 
+class _Tracer(fx.Tracer):
+    """fx's tracer, for a mod's captured values: an ``nn.Parameter`` the mod closes over (learned ALiBi slopes, a
+    bias table) is a captured tensor like any other, where fx takes parameters from the traced module alone;
+    a NumPy or enum number is the Python number it stands for."""
+
+    def create_arg(self, a):
+        if isinstance(a, torch.nn.Parameter) and all(a is not p for p in self.root.parameters()):
+            name = self.tensor_attrs.get(a)
+            if name is None:
+                name = f"_captured_parameter{len(self.tensor_attrs)}"
+                while hasattr(self.root, name):
+                    name += "_"
+                self.root.register_parameter(name, a)
+                self.tensor_attrs[a] = name
+            return self.create_node("get_attr", name, (), {})
+        return super().create_arg(_python_number(a))
+
+
 def _python_number(a):
     """A NumPy scalar or an enum member as the Python int or float it stands for, so the text writes it as a
     number (``repr`` of an ``IntEnum`` is not one) and torch promotes it as a Python number."""
@@ -328,10 +358,11 @@ class _Domain:
     def __init__(self, ranges: dict[str, Any], vertices=None):
         self.sizes = ranges
         self.empty = any(ranges[role] <= 0 for role in ("b", "h", "q_idx", "kv_idx"))
+        self.pairs = ranges.get("band") != "unknown"  # whether the (q_idx, kv_idx) pairs are the polygon's
         if vertices is None and not self.empty:
             n_q, n_k = ranges["q_idx"] - 1, ranges["kv_idx"] - 1
             vertices = [(0, 0), (n_q, 0), (n_q, n_k), (0, n_k)]
-            low, high = ranges.get("band") or (None, None)
+            low, high = ranges.get("band") if self.pairs and ranges.get("band") else (None, None)
             for cut in ((-1, 1, high), (1, -1, None if low is None else -low)):
                 if cut[2] is not None:
                     vertices = _clip(vertices, *cut)
@@ -412,6 +443,8 @@ def _interval(bound: tuple, domain: _Domain) -> tuple[int, int] | None:
             reach = affine.get(role, 0) * (domain.sizes[role] - 1)
             low, high = low + min(0, reach), high + max(0, reach)
         u, v = affine.get("q_idx", 0), affine.get("kv_idx", 0)
+        if u and v and not domain.pairs:
+            return None
         if u or v:
             values = [u * q + v * kv for q, kv in domain.vertices]
             low, high = low + min(values), high + max(values)
@@ -421,7 +454,7 @@ def _interval(bound: tuple, domain: _Domain) -> tuple[int, int] | None:
         return 0, 1
     if op == "where":
         cut = _half_plane(args[0])
-        if cut is None:
+        if cut is None or (cut[0] and cut[1] and not domain.pairs):
             return None  # the branches' positions cannot be told apart: no check rather than a wrong refusal
         spans = []
         for branch, part in ((args[1], domain.cut(*cut)), (args[2], domain.cut(-cut[0], -cut[1], -cut[2] - 1))):
@@ -588,19 +621,24 @@ class _Opaque(Exception):
 
 
 class _Same:
-    """An object in a signature, equal to another only when it is the same object (and kept alive by the
-    signature, so that its ``id`` is not reused by a new object while the cached trace stands)."""
+    """An object in a signature, equal to another only when it is the same live object. Held by a weak
+    reference where the object takes one: a signature is the value of a cache keyed weakly by the mod, which
+    it must not keep alive, and a dead reference equals nothing, so a new object at a freed one's address is
+    never taken for it."""
 
-    __slots__ = ("obj",)
+    __slots__ = ("ref",)
 
     def __init__(self, obj):
-        self.obj = obj
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:  # code objects, ints: held (they hold no mod)
+            self.ref = lambda obj=obj: obj
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
+        return isinstance(other, _Same) and (mine := self.ref()) is not None and mine is other.ref()
 
     def __hash__(self) -> int:
-        return id(self.obj)
+        return id(self.ref())
 
 
 # How much of what a mod reaches ``_state`` walks at a call before it gives up (then the mod is traced anew at
@@ -699,10 +737,43 @@ def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
                 _state(value.keywords, deeper, walk, names))
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and not hasattr(value.__class__, "__slots__"):
-        # An object (an nn.Module, a configuration): its attributes, and its classes' (constants, properties,
-        # what its call runs).
-        return _Same(value), _state(attributes, deeper, walk, names), _class_state(value.__class__, deeper, walk)
+        # An object (an nn.Module, a configuration): the attributes its readers' code and its class's methods
+        # name (a buffer no code reads, counting steps, changes nothing), and its classes' (constants,
+        # properties, what its call runs).
+        read = tuple(sorted({*names, *_method_names(value.__class__)}))
+        found = tuple((name, _state(attribute, deeper, walk, read)) for name in read
+                      if (attribute := _attribute(value, attributes, name)) is not _MISSING)
+        return _Same(value), found, _class_state(value.__class__, deeper, walk)
     raise _Opaque
+
+
+_MISSING = object()
+
+
+def _attribute(value, attributes: dict, name: str):
+    """``value.name`` as an instance holds it (an ``nn.Module``'s parameters, buffers and submodules too), without
+    running a property or ``__getattr__``; ``_MISSING`` where it holds none."""
+    if name in attributes:
+        return attributes[name]
+    if isinstance(value, torch.nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            if name in attributes.get(table, ()):
+                return attributes[table][name]
+    return _MISSING
+
+
+@functools.lru_cache(maxsize=256)
+def _method_names(cls: type) -> tuple[str, ...]:
+    """The names the code of a class's methods (and properties, and an ``nn.Module``'s ``forward``) reads."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object or klass is torch.nn.Module:
+            continue
+        for member in vars(klass).values():
+            member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
+            if isinstance(member, types.FunctionType):
+                names.update(_code_names(member.__code__))
+    return tuple(sorted(names))
 
 
 def _class_state(cls: type, depth: int, walk: _Walk) -> tuple:
@@ -734,9 +805,11 @@ _untraceable: weakref.WeakSet = weakref.WeakSet()  # functions warned of
 
 def traced(fn: Callable, kind: str) -> TracedMod:
     """``trace``, cached per function object while ``_signature`` reads the same; a function it cannot follow is
-    traced at every call (with one warning: milliseconds of host time a call)."""
+    traced at every call (with one warning: milliseconds of host time a call). A bound method is cached per
+    instance and function: ``self.score_mod`` is a new method object at every read."""
+    owner, key = (fn.__self__, (fn.__func__, kind)) if isinstance(fn, types.MethodType) else (fn, kind)
     try:
-        cached = _traced.get(fn, {}).get(kind)
+        cached = _traced.get(owner, {}).get(key)
     except TypeError:  # not weak-referenceable: trace every call
         return trace(fn, kind)
     if cached is not None:
@@ -747,7 +820,7 @@ def traced(fn: Callable, kind: str) -> TracedMod:
     walk = _Walk(frozenset(map(id, result.tensors)))
     signature = _signature(fn, walk)
     if signature is None:
-        _warn_untraceable(fn, kind)
+        _warn_untraceable(owner, fn, kind)
         return result
     for name, t in zip(result.names, result.tensors):
         if id(t) not in walk.reached and t.grad_fn is not None:
@@ -758,15 +831,16 @@ def traced(fn: Callable, kind: str) -> TracedMod:
                         f"({t.grad_fn.name()}), outside the kernel, so gradients through it are not supported; "
                         "index the tensor first and compute inside the mod (torch.exp(log_slopes[h]), not "
                         "torch.exp(log_slopes)[h])", ValueError)
-    _traced.setdefault(fn, {})[kind] = (signature, result)
+    _traced.setdefault(owner, {})[key] = (signature, result)
     return result
 
 
-def _warn_untraceable(fn, kind: str) -> None:
+def _warn_untraceable(owner, fn, kind: str) -> None:
+    """One warning per mod (per instance, for a bound method)."""
     try:
-        if fn in _untraceable:
+        if owner in _untraceable:
             return
-        _untraceable.add(fn)
+        _untraceable.add(owner)
     except TypeError:
         pass
     warnings.warn(f"{kind}: {getattr(fn, '__qualname__', type(fn).__name__)} reaches objects tilegen does not follow "

@@ -252,9 +252,9 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
         return varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
                                 scale=scale, return_lse=return_lse, out=out, deterministic=deterministic,
                                 score_mod=score_mod, mask_mod=mask_mod)
-    # The band of the longest sequences' diagonal: each sequence's own is not known on the host.
+    # Each sequence has a diagonal of its own, which the host knows only where its queries are its keys.
     ranges = {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k,
-              "band": mask_band(checked[1], checked[2], max_k - max_q)}
+              "band": mask_band(checked[1], checked[2]) if cu_q is cu_k else "unknown"}
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return_lse, out, deterministic)

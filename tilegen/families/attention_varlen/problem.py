@@ -92,13 +92,21 @@ class VarlenProblem(base.Problem):
         at its row (``varlen_attention``'s)."""
         return self.spec.kv_layout == "paged"
 
+    def _band(self) -> tuple[int | None, int | None] | str:
+        """The mods' range check's band (``tilegen.mods.trace.TracedMod.check_ranges``): the mask's around the one
+        diagonal every sequence shares, else ``"unknown"``."""
+        if self.paged_positions:
+            return mask_band(*self.bounds)
+        diagonals = {nk - nq for nq, nk in zip(self.q_lens, self.k_lens) if nq}
+        return mask_band(*self.bounds, diagonals.pop()) if len(diagonals) == 1 else "unknown"
+
     def inputs(self, seed: int) -> dict:
         inputs = self._paged_inputs(seed) if self.spec.kv_layout == "paged" else self._ragged_inputs(seed)
         if self.mods != (None, None):
             device = inputs["q"].device
             n_q, n_k = max(self.q_lens), max(self.k_lens)
             ranges = {"b": len(self.k_lens), "h": self.heads_q, "q_idx": n_k if self.paged_positions else n_q,
-                      "kv_idx": n_k, "band": mask_band(*self.bounds, 0 if self.paged_positions else n_k - n_q)}
+                      "kv_idx": n_k, "band": self._band()}
             inputs["mods"] = tuning_mods(self.spec, self.mods, ranges, batch=len(self.k_lens), heads=self.heads_q,
                                          n_q=n_q, n_k=n_k, device=device)
         return inputs
