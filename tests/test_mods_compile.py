@@ -294,3 +294,27 @@ def test_mods_custom_op_passes_opcheck(device, trains):
     args = (q, k, v, list(mods.tensors), 1, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, True,
             scale, softcap, left, right, False)
     torch.library.opcheck(torch.ops.tilegen.attention_mods_fwd.default, args)
+
+
+_FACTOR = 0.5
+
+
+def test_a_number_the_mod_reads_changed_later_compiles_again(device):
+    """A global rebound: the compiled graph is guarded on each global number the mod's text holds, so it compiles
+    the new text, as an eager call traces it again. (A closure's variable assigned again is not seen.)"""
+    global _FACTOR
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * _FACTOR
+
+    q, k, v = _inputs(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, mod: tilegen.attention(q, k, v, score_mod=mod), fullgraph=True,
+                             backend="eager")
+    try:
+        for value in (0.5, 3.0):
+            _FACTOR = value
+            ref, _ = attention_reference(q, k, v, score_mod=scaled)
+            assert relative_error(compiled(q, k, v, scaled), ref)[0] < 1e-4, value
+    finally:
+        _FACTOR = 0.5

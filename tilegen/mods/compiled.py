@@ -27,9 +27,9 @@ import torch
 
 from tilegen.mods.builtin import builtin_of
 from tilegen.mods.grad import check_differentiable as _check_differentiable
-from tilegen.mods.trace import TracedMod, fetch, locate, traced
+from tilegen.mods.trace import TracedMod, fetch, index_spans, locate, number_paths, traced
 
-__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH", "compiles_mods"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable", "spans", "MIN_TORCH", "compiles_mods"]
 
 MIN_TORCH = "2.13"
 
@@ -50,6 +50,7 @@ class Entry(NamedTuple):
     checks: tuple[tuple[int, int, tuple], ...]  # TracedMod.checks
     paths: tuple[tuple, ...]  # per captured tensor, for fetch
     builtin: object  # builtin_of(canonical, kind)
+    numbers: tuple[tuple[tuple, object], ...] = ()  # (path, value) of the numbers the text holds (number_paths)
 
 
 @torch.compiler.assume_constant_result
@@ -61,7 +62,8 @@ def _trace(fn: Callable, kind: str) -> Entry:
             raise NotImplementedError(f"{kind}: under torch.compile a captured tensor must be the mod's own closure "
                                       f"variable, global or default; {name!r} is reached otherwise (an attribute, "
                                       "an element of a container): bind it to a variable the mod closes over")
-    return Entry(kind, mod.canonical, mod.names, mod.checks, paths, builtin_of(mod.canonical, kind))
+    return Entry(kind, mod.canonical, mod.names, mod.checks, paths, builtin_of(mod.canonical, kind),
+                 number_paths(fn))
 
 
 def entries(score_mod, mask_mod, op: str = "tilegen.attention") -> tuple[Entry | None, Entry | None]:
@@ -78,7 +80,14 @@ def entries(score_mod, mask_mod, op: str = "tilegen.attention") -> tuple[Entry |
             found.append(None)
             continue
         id(fn)  # the guard (module docstring)
-        found.append(_trace(fn, kind))
+        entry = _trace(fn, kind)
+        for path, value in entry.numbers:
+            # Read in traced code and compared, a number makes Dynamo guard the graph on its value: one changed
+            # later (a global rebound, a closure's variable assigned again) compiles the mod's new text, as an
+            # eager call traces it again.
+            if fetch(fn, path) != value:
+                raise AssertionError(f"{kind}: a number the mod reads changed while it was traced")
+        found.append(entry)
     return found[0], found[1]
 
 
@@ -94,3 +103,7 @@ def check_differentiable(score_mod: str | None, wanted: tuple[int, ...] = ()) ->
     """``tilegen.mods.grad.check_differentiable`` at trace time: a ``ModGradError`` names the operation when the
     graph is made, as an eager call raises it before its forward runs."""
     _check_differentiable(score_mod, wanted)
+
+
+#: ``tilegen.mods.trace.TracedMod.check_ranges``'s spans at trace time, run once as a constant of the graph.
+spans = torch.compiler.assume_constant_result(index_spans.__wrapped__)

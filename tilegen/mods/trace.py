@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "locate", "fetch", "wants_grad",
+           "index_spans", "number_paths",
            "ROLES", "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
@@ -79,7 +80,12 @@ class TracedMod:
         ``"unknown"`` where the call's (query, key) pairs are not known on the host (a ragged batch of
         sequences with diagonals of their own): then an index that reads both positions is left unchecked."""
         key = tuple(ranges.get(name) for name in ("b", "h", "q_idx", "kv_idx", "band"))
-        for (t, dim, bound), span in zip(self.checks, _spans(self.checks, key)):
+        if torch.compiler.is_compiling():  # computed once while the graph is made, not traced past the cache
+            from tilegen.mods.compiled import spans
+        else:
+            spans = index_spans
+        for (t, dim, bound), span in zip(self.checks, spans(self.checks, key)):
+
             if span is None:  # no position reads the tensor there, or one the host cannot bound
                 continue
             size = self.tensors[t].shape[dim]
@@ -94,7 +100,7 @@ class TracedMod:
 
 
 @functools.lru_cache(maxsize=1024)
-def _spans(checks: tuple, key: tuple) -> tuple:
+def index_spans(checks: tuple, key: tuple) -> tuple:
     """Each check's index range over the call's positions (``TracedMod.check_ranges``), kept per mod and call
     shape: a call with the shapes of an earlier one reads them back."""
     domain = _Domain(dict(zip(("b", "h", "q_idx", "kv_idx", "band"), key)))
@@ -587,18 +593,30 @@ def locate(fn, t: torch.Tensor) -> tuple | None:
     ``("module", (module, name))`` or ``("global", name)``, ``("default", i)``); None if elsewhere (an attribute
     of a captured object, an element of a list)."""
     for _, value, path in _captured_values(fn):
-        if value is not t:
-            continue
-        *before, (step, name) = path
-        if step == "global":
-            # Through the module where there is one: torch.compile follows sys.modules for a function made inside
-            # the compiled region too, where it has no __globals__ to follow.
-            owner = fetch(fn, tuple(before))
-            module = sys.modules.get(getattr(owner, "__module__", None) or "")
-            if module is not None and vars(module) is owner.__globals__:
-                return (*before, ("module", (owner.__module__, name)))
-        return path
+        if value is t:
+            return _followable(fn, path)
     return None
+
+
+def number_paths(fn) -> tuple[tuple[tuple, Any], ...]:
+    """``(path, value)`` of each Python number, bool or string ``fn`` reads as a module's global: values its text
+    holds as constants, which a compiled graph is guarded on (``tilegen.mods.compiled``). A closure's numbers
+    are left out: Dynamo cannot read the cells of a function made inside the compiled region."""
+    found = ((_followable(fn, path), value) for _, value, path in _captured_values(fn)
+             if type(value) in (bool, int, float, str))
+    return tuple((path, value) for path, value in found if path[-1][0] == "module")
+
+
+def _followable(fn, path: tuple) -> tuple:
+    """``path``, a global reached through its module where there is one: torch.compile follows sys.modules for a
+    function made inside the compiled region too, where it has no __globals__ to follow."""
+    *before, (step, name) = path
+    if step == "global":
+        owner = fetch(fn, tuple(before))
+        module = sys.modules.get(getattr(owner, "__module__", None) or "")
+        if module is not None and vars(module) is owner.__globals__:
+            return (*before, ("module", (owner.__module__, name)))
+    return path
 
 
 def fetch(fn, path: tuple) -> torch.Tensor:
