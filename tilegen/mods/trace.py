@@ -85,7 +85,6 @@ class TracedMod:
         else:
             spans = index_spans
         for (t, dim, bound), span in zip(self.checks, spans(self.checks, key)):
-
             if span is None:  # no position reads the tensor there, or one the host cannot bound
                 continue
             size = self.tensors[t].shape[dim]
@@ -388,8 +387,8 @@ def _clip(vertices: list, u: int, v: int, c: int) -> list:
         if fp <= c:
             out.append(p)
         if (fp <= c) != (fn <= c):
-            # The crossing of a lattice line with an edge along another: an integer position (checked by the
-            # division's exactness: the edge's step in u q + v kv is a multiple of the distance to the line).
+            # Every edge lies on a line q = c, kv = c or q - kv = c, as the cut does: two such lines that cross
+            # meet at an integer position, so the fraction is a whole number.
             t = Fraction(c - fp, fn - fp)
             out.append((int(p[0] + t * (nxt[0] - p[0])), int(p[1] + t * (nxt[1] - p[1]))))
     return out
