@@ -318,3 +318,19 @@ def test_a_number_the_mod_reads_changed_later_compiles_again(device):
             assert relative_error(compiled(q, k, v, scaled), ref)[0] < 1e-4, value
     finally:
         _FACTOR = 0.5
+
+
+def test_a_mod_compiles_again_for_another_length(device):
+    """A second length recompiles (its sizes may be symbolic): the range check is traced, not a constant."""
+    table = torch.rand(2, device=device)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + table[h]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: tilegen.attention(q, k, v, score_mod=biased), fullgraph=True,
+                             backend="eager")
+    for n in (9, 13, 17):
+        q, k, v = _inputs(device, n)
+        ref, _ = attention_reference(q, k, v, score_mod=biased)
+        assert relative_error(compiled(q, k, v), ref)[0] < 1e-4, n

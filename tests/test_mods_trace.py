@@ -285,3 +285,51 @@ def test_a_ragged_batch_of_unknown_diagonals_leaves_indices_of_both_positions_to
     bind_mods(relative, None, torch.device("cpu"), ranges)
     with pytest.raises(ValueError, match=r"q_idx - 3 ranges over \[-3, 4\]"):
         bind_mods(shifted, None, torch.device("cpu"), ranges)
+
+
+def test_class_attributes_strings_and_unhashable_instances():
+    """A class the mod names (Config.scale), an attribute read with getattr and a string, a bound method of an
+    unhashable instance (a dataclass): changes are seen, and the last is traced once."""
+    import dataclasses
+
+    class Config:
+        scale = 2.0
+
+    holder = types.SimpleNamespace(table=torch.rand(2))
+
+    def by_class(score, b, h, q_idx, kv_idx):
+        return score * Config.scale
+
+    def by_string(score, b, h, q_idx, kv_idx):
+        return score + getattr(holder, "table")[h]
+
+    assert "mul(score,2.0)" in traced(by_class, "score_mod").canonical
+    Config.scale = 5.0
+    assert "mul(score,5.0)" in traced(by_class, "score_mod").canonical
+    traced(by_string, "score_mod")
+    holder.table = torch.rand(2)
+    assert traced(by_string, "score_mod").tensors[0] is holder.table
+
+    @dataclasses.dataclass
+    class Layer:  # eq=True: no __hash__
+        slopes: torch.Tensor
+
+        def score_mod(self, score, b, h, q_idx, kv_idx):
+            return score + self.slopes[h]
+
+    layer = Layer(torch.rand(2))
+    assert traced(layer.score_mod, "score_mod") is traced(layer.score_mod, "score_mod")
+
+
+def test_a_module_mod_reads_a_submodules_parameter():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sub = torch.nn.Module()
+            self.sub.bias = torch.nn.Parameter(torch.rand(2))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.sub.bias[h]
+
+    module = Outer()
+    assert traced(module, "score_mod").tensors[0] is module.sub.bias

@@ -27,9 +27,9 @@ import torch
 
 from tilegen.mods.builtin import builtin_of
 from tilegen.mods.grad import check_differentiable as _check_differentiable
-from tilegen.mods.trace import TracedMod, fetch, index_spans, locate, number_paths, traced
+from tilegen.mods.trace import TracedMod, fetch, locate, number_paths, traced
 
-__all__ = ["Entry", "entries", "bind", "check_differentiable", "spans", "MIN_TORCH", "compiles_mods"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH", "compiles_mods"]
 
 MIN_TORCH = "2.13"
 
@@ -103,7 +103,3 @@ def check_differentiable(score_mod: str | None, wanted: tuple[int, ...] = ()) ->
     """``tilegen.mods.grad.check_differentiable`` at trace time: a ``ModGradError`` names the operation when the
     graph is made, as an eager call raises it before its forward runs."""
     _check_differentiable(score_mod, wanted)
-
-
-#: ``tilegen.mods.trace.TracedMod.check_ranges``'s spans at trace time, run once as a constant of the graph.
-spans = torch.compiler.assume_constant_result(index_spans.__wrapped__)

@@ -80,10 +80,8 @@ class TracedMod:
         ``"unknown"`` where the call's (query, key) pairs are not known on the host (a ragged batch of
         sequences with diagonals of their own): then an index that reads both positions is left unchecked."""
         key = tuple(ranges.get(name) for name in ("b", "h", "q_idx", "kv_idx", "band"))
-        if torch.compiler.is_compiling():  # computed once while the graph is made, not traced past the cache
-            from tilegen.mods.compiled import spans
-        else:
-            spans = index_spans
+        # Under torch.compile, traced as the code it is (the sizes may be symbolic), not past the cache.
+        spans = _index_spans if torch.compiler.is_compiling() else index_spans
         for (t, dim, bound), span in zip(self.checks, spans(self.checks, key)):
             if span is None:  # no position reads the tensor there, or one the host cannot bound
                 continue
@@ -98,12 +96,14 @@ class TracedMod:
                                  f"outside [0, {size - 1}]")
 
 
-@functools.lru_cache(maxsize=1024)
-def index_spans(checks: tuple, key: tuple) -> tuple:
-    """Each check's index range over the call's positions (``TracedMod.check_ranges``), kept per mod and call
-    shape: a call with the shapes of an earlier one reads them back."""
+def _index_spans(checks: tuple, key: tuple) -> tuple:
+    """Each check's index range over the call's positions (``TracedMod.check_ranges``)."""
     domain = _Domain(dict(zip(("b", "h", "q_idx", "kv_idx", "band"), key)))
     return tuple(None if domain.empty else _interval(bound, domain) for _, _, bound in checks)
+
+
+#: ``_index_spans`` kept per mod and call shape: a call with the shapes of an earlier one reads them back.
+index_spans = functools.lru_cache(maxsize=1024)(_index_spans)
 
 
 def _fail(kind: str, message: str, error=TypeError):
@@ -160,7 +160,7 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         if node.op in ("placeholder", "output"):
             continue
         if node.op == "get_attr":
-            t = getattr(graph_module, node.target)
+            t = operator.attrgetter(node.target)(graph_module)  # "sub.bias": a submodule's tensor
             if not isinstance(t, torch.Tensor):
                 _fail(kind, f"captured {type(t).__name__} {node.target!r} is not a tensor")
             if t.dtype not in DTYPE_NAMES:
@@ -661,9 +661,11 @@ class _Same:
 # How much of what a mod reaches ``_state`` walks at a call before it gives up (then the mod is traced anew at
 # every call): enough for a module's parameters and a configuration object, little host time per call.
 _STATE_BUDGET = 512
-_IDENTITIES = (torch.dtype, torch.device, type, types.BuiltinFunctionType, types.BuiltinMethodType,
+_IDENTITIES = (torch.dtype, torch.device, types.BuiltinFunctionType, types.BuiltinMethodType,
                torch._ops.OpOverloadPacket, torch._ops.OpOverload, enum.Enum)
 _SCALARS = (bool, int, float, complex, str, bytes)
+# Packages whose classes' attributes are not the mod's state (and would exhaust the budget).
+_LIBRARIES = ("builtins", "torch", "typing", "abc", "numpy", "enum", "functools", "collections")
 
 
 class _Walk:
@@ -706,6 +708,8 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.update(_code_names(const))
+        elif isinstance(const, str) and const.isidentifier():  # getattr(self, "scale")
+            names.add(const)
     return tuple(sorted(names))
 
 
@@ -717,10 +721,13 @@ def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
     if isinstance(value, torch.Tensor):
         walk.reached.add(id(value))
         return _Same(value), value.shape, value.dtype, None if id(value) in walk.kernel else _version(value)
-    if value is None or isinstance(value, _SCALARS):
+    if value is None or isinstance(value, _SCALARS) or type(value).__module__ == "numpy" and isinstance(
+            value, numbers.Number):
         return value.__class__, value
     if isinstance(value, _IDENTITIES):
         return _Same(value)
+    if isinstance(value, type):  # a class the code names (Config.scale): its own attributes, torch's by identity
+        return _class_state(value, deeper, walk, names)
     if isinstance(value, types.ModuleType):
         # A module by the attributes the code names (``helpers.scale``, ``torch.where``), once a walk (a module may
         # name itself: torch.torch).
@@ -760,7 +767,7 @@ def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
         read = tuple(sorted({*names, *_method_names(value.__class__)}))
         found = tuple((name, _state(attribute, deeper, walk, read)) for name in read
                       if (attribute := _attribute(value, attributes, name)) is not _MISSING)
-        return _Same(value), found, _class_state(value.__class__, deeper, walk)
+        return _Same(value), found, _class_state(value.__class__, deeper, walk, read)
     raise _Opaque
 
 
@@ -779,26 +786,39 @@ def _attribute(value, attributes: dict, name: str):
     return _MISSING
 
 
-@functools.lru_cache(maxsize=256)
+_METHOD_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per class, kept only while it lives
+
+
 def _method_names(cls: type) -> tuple[str, ...]:
     """The names the code of a class's methods (and properties, and an ``nn.Module``'s ``forward``) reads."""
+    found = _METHOD_NAMES.get(cls)
+    if found is None:
+        found = _METHOD_NAMES[cls] = _class_code_names(cls)
+    return found
+
+
+def _class_code_names(cls: type) -> tuple[str, ...]:
+    # Not the special methods' (__init__ names every buffer it registers; none of them runs in a call of the mod).
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass is object or klass is torch.nn.Module:
             continue
-        for member in vars(klass).values():
+        for name, member in vars(klass).items():
+            if name.startswith("__") and name != "__call__":
+                continue
             member = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
             if isinstance(member, types.FunctionType):
                 names.update(_code_names(member.__code__))
     return tuple(sorted(names))
 
 
-def _class_state(cls: type, depth: int, walk: _Walk) -> tuple:
-    """The attributes a class and its bases define, but for torch's and Python's own classes (``nn.Module``'s
-    machinery) and dunder names; what ``_state`` does not follow there counts as the object itself."""
+def _class_state(cls: type, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> tuple:
+    """The attributes a class and its bases define, but for library classes (``nn.Module``'s machinery, NumPy's)
+    and dunder names, each read with ``names`` (the code reading the class); what ``_state`` does not follow
+    there counts as the object itself."""
     found = []
     for klass in cls.__mro__:
-        if klass.__module__.partition(".")[0] in ("builtins", "torch", "typing", "abc"):
+        if klass.__module__.partition(".")[0] in _LIBRARIES:
             continue
         for name, value in vars(klass).items():
             if name.startswith("__"):
@@ -808,7 +828,7 @@ def _class_state(cls: type, depth: int, walk: _Walk) -> tuple:
             elif isinstance(value, property):
                 value = value.fget
             try:
-                found.append((name, _state(value, depth, walk)))
+                found.append((name, _state(value, depth, walk, names)))
             except _Opaque:
                 if walk.budget < 0:
                     raise
@@ -825,10 +845,10 @@ def traced(fn: Callable, kind: str) -> TracedMod:
     traced at every call (with one warning: milliseconds of host time a call). A bound method is cached per
     instance and function: ``self.score_mod`` is a new method object at every read."""
     owner, key = (fn.__self__, (fn.__func__, kind)) if isinstance(fn, types.MethodType) else (fn, kind)
-    try:
-        cached = _traced.get(owner, {}).get(key)
-    except TypeError:  # not weak-referenceable: trace every call
+    entries = _entries(owner)
+    if entries is None:  # not weak-referenceable: trace every call
         return trace(fn, kind)
+    cached = entries.get(key)
     if cached is not None:
         signature, result = cached
         if signature == _signature(fn, _Walk(frozenset(map(id, result.tensors)))):
@@ -848,8 +868,29 @@ def traced(fn: Callable, kind: str) -> TracedMod:
                         f"({t.grad_fn.name()}), outside the kernel, so gradients through it are not supported; "
                         "index the tensor first and compute inside the mod (torch.exp(log_slopes[h]), not "
                         "torch.exp(log_slopes)[h])", ValueError)
-    _traced.setdefault(owner, {})[key] = (signature, result)
+    entries[key] = (signature, result)
     return result
+
+
+_by_id: dict[int, tuple[weakref.ref, dict]] = {}  # the traces of mods that take weak references but no hash
+
+
+def _entries(owner) -> dict | None:
+    """The cached traces of a mod (or of a bound method's instance), kept while it lives; None for an object
+    without weak references."""
+    try:
+        return _traced.setdefault(owner, {})
+    except TypeError:  # unhashable (a dataclass instance): kept by its id while a weak reference says it lives
+        pass
+    held = _by_id.get(id(owner))
+    if held is not None and held[0]() is owner:
+        return held[1]
+    try:
+        ref = weakref.ref(owner, lambda _, key=id(owner): _by_id.pop(key, None))
+    except TypeError:
+        return None
+    _by_id[id(owner)] = (ref, {})
+    return _by_id[id(owner)][1]
 
 
 def _warn_untraceable(owner, fn, kind: str) -> None:
