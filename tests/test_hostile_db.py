@@ -524,3 +524,8 @@ def test_two_databases_of_one_stem_do_not_share_their_studies(tmp_path):
     last = result.stderr.strip().splitlines()[-1]  # after the tune's note that it runs under the interpreter
     assert last.startswith("error: ") and "holds the tunes of the database s.sqlite, not s.db" in last, last
     assert invoke(*tune[:-1], "2", "--db", tmp_path / "s.sqlite").exit_code == 0
+    # Renamed together with its studies file, the database keeps its studies.
+    for path in tmp_path.glob("s.*sqlite*"):  # with their -wal and -shm files
+        path.rename(tmp_path / ("t" + path.name[1:]))
+    result = invoke(*tune[:-1], "3", "--db", tmp_path / "t.sqlite")
+    assert result.exit_code == 0, result.stderr

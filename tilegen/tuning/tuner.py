@@ -408,7 +408,8 @@ class Tuner:
             return  # the studies live in the database itself
         mine = Path(self.db.path).name
         owner = study.user_attrs.get(_OWNER_ATTR)
-        if owner is None:
+        if owner is None or (owner != mine and Path(owner).stem != Path(mine).stem):
+            # Unmarked (a study from before the mark), or a database renamed with its studies file: this one's.
             with self._studies_errors():
                 study.set_user_attr(_OWNER_ATTR, mine)
         elif owner != mine:
