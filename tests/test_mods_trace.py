@@ -333,3 +333,18 @@ def test_a_module_mod_reads_a_submodules_parameter():
 
     module = Outer()
     assert traced(module, "score_mod").tensors[0] is module.sub.bias
+
+
+def _scale_of(config):
+    return config.scale
+
+
+def test_an_attribute_a_helper_reads_of_an_object_the_mod_hands_it():
+    config = types.SimpleNamespace(scale=2.0)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score * _scale_of(config)
+
+    assert "mul(score,2.0)" in traced(mod, "score_mod").canonical
+    config.scale = 7.0
+    assert "mul(score,7.0)" in traced(mod, "score_mod").canonical

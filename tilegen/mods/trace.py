@@ -665,7 +665,8 @@ _IDENTITIES = (torch.dtype, torch.device, types.BuiltinFunctionType, types.Built
                torch._ops.OpOverloadPacket, torch._ops.OpOverload, enum.Enum)
 _SCALARS = (bool, int, float, complex, str, bytes)
 # Packages whose classes' attributes are not the mod's state (and would exhaust the budget).
-_LIBRARIES = ("builtins", "torch", "typing", "abc", "numpy", "enum", "functools", "collections")
+_LIBRARIES = ("builtins", "torch", "typing", "abc", "numpy", "enum", "functools", "collections", "math",
+              "operator", "triton")
 
 
 class _Walk:
@@ -713,6 +714,24 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def _reach_names(fn: types.FunctionType, depth: int = 0) -> tuple[str, ...]:
+    """The names ``fn``'s code reads, and those of the functions it calls by a global or closure name: a helper
+    that reads an attribute of an object the mod hands it (``scale_of(cfg)`` reading ``cfg.scale``) makes that
+    attribute part of what the walk reads on ``cfg``."""
+    names = set(_code_names(fn.__code__))
+    if depth < 2:
+        helpers = [fn.__globals__.get(name) for name in names]
+        for cell in fn.__closure__ or ():
+            try:
+                helpers.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        for helper in helpers:
+            if isinstance(helper, types.FunctionType) and helper is not fn:
+                names.update(_reach_names(helper, depth + 1))
+    return tuple(sorted(names))
+
+
 def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
     walk.budget -= 1
     if walk.budget < 0 or depth > 8:
@@ -731,8 +750,8 @@ def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
     if isinstance(value, types.ModuleType):
         # A module by the attributes the code names (``helpers.scale``, ``torch.where``), once a walk (a module may
         # name itself: torch.torch).
-        if id(value) in walk.modules:
-            return _Same(value)
+        if id(value) in walk.modules or value.__name__.partition(".")[0] in _LIBRARIES:
+            return _Same(value)  # torch.where, math.pi: a library's attributes are not the mod's state
         walk.modules.add(id(value))
         return _Same(value), tuple((name, _state(value.__dict__[name], deeper, walk, names))
                                    for name in names if name in value.__dict__)
@@ -743,7 +762,7 @@ def _state(value, depth: int, walk: _Walk, names: tuple[str, ...] = ()) -> Any:
         return dict, tuple((_state(k, deeper, walk), _state(v, deeper, walk, names)) for k, v in value.items())
     if isinstance(value, types.FunctionType):
         code = value.__code__
-        read = _code_names(code)
+        read = _reach_names(value)
         cells = []
         for cell in value.__closure__ or ():
             try:
