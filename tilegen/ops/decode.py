@@ -35,7 +35,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.dispatch import launcher_for
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
@@ -189,13 +189,7 @@ class PagedDecode(Planner):
             raise ValueError(f"q: expected {list(plan.q_shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if env.debug():
-            # The page table and the scales as plan checked them: a cache of longer sequences than planned would
-            # have its keys past the plan's chunks go unread.
-            cache.validate()
-            longest = cache.longest()
-            if longest > plan.max_seqlen_k:
-                raise ValueError(f"cache: a sequence of {longest} tokens, past the {plan.max_seqlen_k} the plan "
-                                 f"covers; plan again on this cache (or with max_seqlen_k >= {longest})")
+            check_run_cache(cache, plan.max_seqlen_k)
         pages, v_pages = cache.k_pages, cache.v_pages
         if q.dtype != plan.q_dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "

@@ -300,6 +300,16 @@ def check_heads_q(cache: PagedKVCache, heads_q) -> None:
                          f"got {heads_q!r}")
 
 
+def check_run_cache(cache: PagedKVCache, max_seqlen_k: int) -> None:
+    """``TILEGEN_DEBUG=1``'s check of the cache a paged plan's ``run`` takes (synchronizes): valid, and no sequence
+    grown past the plan's ``max_seqlen_k``, whose chunks would leave its later keys unread."""
+    cache.validate()
+    longest = cache.longest()
+    if longest > max_seqlen_k:
+        raise ValueError(f"cache: a sequence of {longest} tokens, past the {max_seqlen_k} the plan covers; plan again "
+                         f"on this cache (or with max_seqlen_k >= {longest})")
+
+
 def check_max_seqlen_k(cache: PagedKVCache, max_seqlen_k: int) -> None:
     """``TILEGEN_DEBUG=1``'s check of a plan's ``max_seqlen_k`` against the cache's longest sequence (one
     synchronization): keys past it may go unread, so a smaller one gives a wrong answer, not an error."""

@@ -42,7 +42,7 @@ from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, page_dtypes
+from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
@@ -593,18 +593,14 @@ def _check_planned_table(cache: PagedKVCache, plan: _Plan) -> None:
     """``TILEGEN_DEBUG=1``'s check at ``PagedAttention.run`` (synchronizes): the cache is valid, its page table is
     the one ``plan`` read (``run`` reads the planned table, not the cache's), no sequence has grown past the
     planned ``max_seqlen_k`` (its later keys would go unread) nor holds fewer keys than it has new tokens."""
-    cache.validate()
     cu_q, indptr, indices, last, _, _, max_k = plan.extra
+    check_run_cache(cache, max_k)
     planned = cache.indptr is indptr and cache.indices is indices and cache.last_page_len is last
     if not planned and not (
             torch.equal(cache.indptr, indptr) and torch.equal(cache.last_page_len, last)
             and torch.equal(cache.indices[:int(indptr[-1])], indices[:int(indptr[-1])])):
         raise ValueError("cache: its page table (indptr, indices, last_page_len) differs from the one plan(...) read, "
                          "which run uses; plan again on this cache")
-    longest = cache.longest()
-    if longest > max_k:
-        raise ValueError(f"cache: a sequence of {longest} tokens, past the {max_k} the plan covers; plan again on "
-                         f"this cache (or with max_seqlen_k >= {longest})")
     if bool(((cu_q[1:] - cu_q[:-1]) > cache.seq_lens()).any()):
         raise ValueError("cache: a sequence has fewer tokens than its new tokens in the planned cu_seqlens_q")
 
