@@ -175,7 +175,7 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         if op is None:
             target = getattr(node.target, "__name__", node.target)
             _fail(kind, f"{'.' if node.op == 'call_method' else ''}{target} is not supported; supported: {SUPPORTED}")
-        args, kwargs = [_python_number(a) for a in node.args], {k: _python_number(a) for k, a in node.kwargs.items()}
+        args, kwargs = list(node.args), dict(node.kwargs)
         if op == "clamp":
             args = [args[0], *args[1:], *[None] * (3 - len(args))]
             args[1] = kwargs.pop("min", args[1])
@@ -869,11 +869,12 @@ def traced(fn: Callable, kind: str) -> TracedMod:
         return trace(fn, kind)
     cached = entries.get(key)
     if cached is not None:
-        signature, result = cached
-        if signature == _signature(fn, _Walk(frozenset(map(id, result.tensors)))):
+        signature, result, kernel = cached
+        if signature == _signature(fn, _Walk(kernel)):
             return result
     result = trace(fn, kind)
-    walk = _Walk(frozenset(map(id, result.tensors)))
+    kernel = frozenset(map(id, result.tensors))
+    walk = _Walk(kernel)
     signature = _signature(fn, walk)
     if signature is None:
         _warn_untraceable(owner, fn, kind)
@@ -887,7 +888,7 @@ def traced(fn: Callable, kind: str) -> TracedMod:
                         f"({t.grad_fn.name()}), outside the kernel, so gradients through it are not supported; "
                         "index the tensor first and compute inside the mod (torch.exp(log_slopes[h]), not "
                         "torch.exp(log_slopes)[h])", ValueError)
-    entries[key] = (signature, result)
+    entries[key] = (signature, result, kernel)  # kernel: the ids a cache hit's walk versions apart
     return result
 
 
