@@ -30,9 +30,10 @@ from typer.testing import CliRunner
 import tilegen
 from tilegen import dispatch
 from tilegen.cli import app
+from tilegen.cli.spec_args import presets
 from tilegen.codegen import module_for, render, source_for
 from tilegen.db import TuningDB, tuned_rows
-from tilegen.device import device_info
+from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
 from tilegen.families import (
     families,
     family_of,
@@ -81,6 +82,15 @@ def test_a_family_refuses_parts_that_do_not_fit_naming_the_field():
         dataclasses.replace(FAMILY, problem_type=RowSoftmaxConfig)
     with pytest.raises(TypeError, match="family: expected a tilegen.families.Family"):
         register("row_softmax_family:FAMILY")
+
+
+@pytest.mark.parametrize("name", sorted(presets()))
+def test_every_preset_has_configs_to_tune_on_the_cpu_and_on_hopper(name):
+    # Each knob of a family's config needs a value in each search space: one left out of the interpreter's made
+    # every CPU tune of the family fail before its first trial.
+    spec = presets()[name]
+    for device in (CPU_INTERPRETER, DeviceInfo("NVIDIA H200", (9, 0), 132, 150_000_000_000, 232_448)):
+        assert family_of(spec).candidates(spec, device), device.name
 
 
 def test_default_tune_sizes_are_the_family_s_own():

@@ -78,7 +78,7 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
         tiles = {"block_m1": [16, 32], "block_n1": [16, 32], "num_warps1": [4], "num_stages1": [1],
                  "block_m2": [16, 32], "block_n2": [16, 32], "num_warps2": [4], "num_stages2": [1]}
         # The TMA path runs under the interpreter too, but a CPU tune need not try it: tests do.
-        return {**tiles, "atomic_dq": [0, 1], "tma": [0]}
+        return {**tiles, "atomic_dq": [0, 1], "tma": [0], "wgmma": [0]}
     # Narrowed by a sweep on the H200 (bf16, 16k tokens, d64/d128, causal and full, BENCHMARKS.md): a key tile of
     # 128 rows for dK/dV or query blocks of 128 rows for it lost by 1.3-3x, as did one stage.
     return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
