@@ -399,6 +399,37 @@ def test_compiled_training_step_matches_eager(device):
 
 
 
+def test_compiled_training_step_stays_dynamic_over_lengths(device):
+    """The backward's check that the forward kept its LSE reads the op's arguments, not sizes: comparing the LSE's
+    size with the output's guarded the graph on each length (a recompile per length, and mark_dynamic refused)."""
+    from torch._dynamo.utils import counters
+
+    def loss_of(q, k, v):
+        return (tilegen.attention(q, k, v, causal=True) ** 2).sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
+    for n in (8, 13, 21):
+        case = Case(n, n, dtype="fp32", head_dim=16, heads_q=2, heads_kv=2)
+        leaves = leaf_inputs(case, device)
+        for t in leaves:
+            torch._dynamo.mark_dynamic(t, 2)
+        compiled(*leaves).backward()
+        got = [t.grad for t in leaves]
+        want = torch.autograd.grad(loss_of(*leaves), leaves)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_raw_op_run_without_its_lse_refuses_a_backward_by_name(device):
+    q, k, v = leaf_inputs(Case(9, 9, dtype="fp32", head_dim=16, heads_q=2, heads_kv=2), device)
+    out, _ = torch.ops.tilegen.attention_fwd(q, k, v, 16, "causal", False, False, 0.25, 0.0, 2**31 - 1, 0)
+    with pytest.raises(RuntimeError, match="without its LSE"):
+        out.sum().backward()
+
+
 def _varlen_leaves(device, grad=True):
     """A packed batch of three sequences (one empty, one of a single query) with more keys than queries."""
     gen = torch.Generator().manual_seed(7)

@@ -280,11 +280,12 @@ def _refuse_double_backward(name: str):
     return backward
 
 
-def _grads(ctx, dout, dlse, out, lse):
+def _grads(ctx, dout, dlse, out):
     """The output gradients as the backward ops take them; ``None`` when neither output got one."""
     if dout is None and dlse is None:
         return None
-    if lse.numel() != out.shape[:-1].numel():
+    # The forward's return_lse, not the LSE's size: comparing sizes guarded a compiled graph on every length.
+    if not ctx.has_lse:
         raise RuntimeError(f"{ctx.name}: the forward ran without its LSE (return_lse=False through the raw op), "
                            "which the backward needs; call the public function, which keeps it")
     return (torch.zeros_like(out) if dout is None else dout), dlse
@@ -295,7 +296,7 @@ def attach_dense(forward_op) -> None:
     has_softcap, return_lse, scale, softcap, window_left, window_right, deterministic)``."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, _, mask, has_softcap, _, scale, softcap, left, right, deterministic = inputs
+        q, k, v, _, mask, has_softcap, ctx.has_lse, scale, softcap, left, right, deterministic = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (mask, has_softcap, scale, softcap, left, right, deterministic)
@@ -304,7 +305,7 @@ def attach_dense(forward_op) -> None:
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _grads(ctx, dout, dlse, out, lse)
+        grads = _grads(ctx, dout, dlse, out)
         if grads is None:
             return (None,) * 12
         dout, dlse = grads
@@ -343,7 +344,7 @@ def attach_mods(forward_op) -> None:
     softcap, window_left, window_right, deterministic)``."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, _, *rest = inputs
+        q, k, v, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, ctx.has_lse, *rest = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, *tensors)
         ctx.args = (score_tensors, score_mod, mask_mod, mask, has_softcap, *rest)
@@ -352,7 +353,7 @@ def attach_mods(forward_op) -> None:
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        grads = _grads(ctx, dout, dlse, out, lse)
+        grads = _grads(ctx, dout, dlse, out)
         if grads is None:
             return (None, None, None, [None] * len(tensors)) + (None,) * 12
         dout, dlse = grads
@@ -392,8 +393,8 @@ def attach_ragged_mods(forward_op) -> None:
     deterministic)``."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, _, \
-            *rest = inputs
+        q, k, v, cu_q, cu_k, max_q, max_k, tensors, score_tensors, score_mod, mask_mod, _, mask, has_softcap, \
+            ctx.has_lse, *rest = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *tensors)
         ctx.args = (max_q, max_k, score_tensors, score_mod, mask_mod, mask, has_softcap, *rest)
@@ -402,7 +403,7 @@ def attach_ragged_mods(forward_op) -> None:
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, *tensors = ctx.saved_tensors
-        grads = _grads(ctx, dout, dlse, out, lse)
+        grads = _grads(ctx, dout, dlse, out)
         if grads is None:
             return (None,) * 7 + ([None] * len(tensors),) + (None,) * 12
         dout, dlse = grads
@@ -423,6 +424,7 @@ def attach_ragged(forward_op) -> None:
     def setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, _, mask, has_softcap, scale, softcap, left, right, deterministic = inputs
         out, lse = output
+        ctx.has_lse = True  # the op always makes it
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, mask, has_softcap, scale, softcap, left, right, deterministic)
         ctx.name = "tilegen.varlen_attention"
@@ -430,7 +432,7 @@ def attach_ragged(forward_op) -> None:
 
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        grads = _grads(ctx, dout, dlse, out, lse)
+        grads = _grads(ctx, dout, dlse, out)
         if grads is None:
             return (None,) * 15
         dout, dlse = grads
