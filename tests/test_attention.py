@@ -435,6 +435,17 @@ def test_torch_compile_fullgraph(device, backend):
     assert not [w for w in caught if "lru_cache" in str(w.message)]
 
 
+def test_torch_compile_dynamic_takes_a_scale_computed_from_a_size(device):
+    """With dynamic=True, q.shape[-1] ** -0.5 is a symbolic float: the argument check compares it (math.isfinite
+    broke the graph), and the kernel gets its value."""
+    q, k, v, _, _ = _compile_args(device, False)
+    for scale_of in (lambda q: q.shape[-1] ** -0.5, lambda q: 2.0 / q.shape[-1]):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: tilegen.attention(q, k, v, causal=True, scale=scale_of(q)),
+                                 fullgraph=True, dynamic=True, backend="eager")
+        check_against_reference(compiled(q, k, v), None, q, k, v, causal=True, scale=scale_of(q))
+
+
 @pytest.mark.parametrize("n_q", [1, 3])
 def test_torch_compile_runs_short_queries_on_the_decode_kernel(device, n_q):
     from tilegen.families.attention_decode import DecodeConfig

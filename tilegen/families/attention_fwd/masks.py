@@ -23,7 +23,9 @@ def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
     if scale is None:
         # A head dim of 0 has no default scale; the spec check that follows names the argument it came from.
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) a scale computed from a size
+    # (q.shape[-1] ** -0.5) is a symbolic float, which Dynamo compares (NaN compares false) but cannot pass to math.
+    elif isinstance(scale, bool) or not isinstance(scale, Real) or not -math.inf < scale < math.inf:
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
     elif abs(scale) * 1.4426950408889634 > 3.4028234663852886e38:  # the kernels' base-2 scale, in fp32
         raise ValueError(f"scale: {scale!r} overflows fp32 once the kernels take it to base 2 (times log2(e))")
