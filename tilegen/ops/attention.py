@@ -434,8 +434,14 @@ def _check_out(out, shape, q) -> None:
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
             backward=False) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
-    ``backward=True``: the config its backward runs."""
+    ``backward=True``: the config its backward runs. A call that trains (an input requires grad, grad mode on)
+    runs the forward that also writes the LSE its backward reads: that variant's config is the one shown."""
     check_bool("backward", backward)
+    check_bool("return_lse", return_lse)
+    try:
+        return_lse = return_lse or ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
+    except AttributeError:  # not tensors: the checks say which
+        pass
     if backward:
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
