@@ -21,6 +21,7 @@ from tilegen.codegen.render import template_hash
 from tilegen.db import SCHEMA_REVISION, DatabaseError, TuningDB, studies_url, tuned_rows
 from tilegen.db.migrate import known_revisions
 from tilegen.db.models import Base
+from tilegen.db.store import imported_study
 from tilegen.db.validate import RowError
 from tilegen.device import CPU_INTERPRETER, DeviceInfo
 from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
@@ -168,8 +169,14 @@ def test_export_import_round_trip_into_a_fresh_database(db, tmp_path):
         assert fresh.import_json(exported) == 4
         again = fresh.export_json()
         assert {row["provenance"] for name in ("tuned", "trials") for row in again[name]} == {"imported"}
-        assert _without_provenance(again) == _without_provenance(exported)
+        assert _without_provenance(again) == _without_provenance(_filed_as_imported(exported))
         assert fresh.import_json(exported) == 0  # nothing new the second time
+        assert fresh.import_json(again) == 0  # nor from the copy, whose studies are filed as imported already
+
+
+def _filed_as_imported(data: dict) -> dict:
+    """An export as an import files it: its trials under their studies' imported names."""
+    return {**data, "trials": [{**row, "study_name": imported_study(row["study_name"])} for row in data["trials"]]}
 
 
 def _without_provenance(data: dict) -> dict:
@@ -208,21 +215,39 @@ def test_import_with_replace_takes_the_files_rows_and_its_studies_trials(db, tmp
     assert [t.trial_number for t in db.trials_in_studies("other study")] == [0]
 
 
-def test_import_numbers_a_rerun_studys_trials_after_the_stored_ones(db, tmp_path):
-    """A study run again into a fresh file numbers its trials from 0 too: the import keeps both runs, the
-    file's trials after the stored ones, and a second import of the same file adds nothing."""
+def test_import_numbers_a_rerun_studys_trials_after_the_imported_ones(db, tmp_path):
+    """A study run again into a fresh file numbers its trials from 0 too: the import files its new measurements
+    under the imported study, after the trials an earlier import filed there, leaves out what this database
+    measured itself, and a second import of the same file adds nothing."""
     for number in range(3):
         trial(db, number)
-    with TuningDB(tmp_path / "rerun.sqlite") as rerun:
-        trial(rerun, 0)  # the stored trial 0 itself ...
-        rerun.record_trial(**KEY, bucket=64, study_name="study", trial_number=1, config=config(128), status="ok",
-                           time_ms=0.5, reason=None)  # ... and a new measurement under a stored number
-        trial(rerun, 2)  # ... and trial 2
-        exported = rerun.export_json()
-    assert db.import_json(exported) == 1
-    trials = {t.trial_number: (t.config["block_m"], t.time_ms) for t in db.trials_in_studies("study")}
-    assert trials == {0: (16, 1.0), 1: (32, 2.0), 2: (64, 3.0), 3: (128, 0.5)}
-    assert db.import_json(exported) == 0
+    exports = []
+    for retune in range(2):
+        with TuningDB(tmp_path / f"rerun{retune}.sqlite") as rerun:
+            trial(rerun, 0)  # the stored trial 0 itself ...
+            rerun.record_trial(**KEY, bucket=64, study_name="study", trial_number=1, config=config(128 << retune),
+                               status="ok", time_ms=0.5, reason=None)  # ... and a new measurement
+            exports.append(rerun.export_json())
+    assert [db.import_json(exported) for exported in exports] == [1, 1]
+    trials = {(t.study_name, t.trial_number): (t.config["block_m"], t.time_ms) for t in db.trials_in_studies("study")}
+    assert trials == {("study", 0): (16, 1.0), ("study", 1): (32, 2.0), ("study", 2): (64, 3.0),
+                      ("study-imported", 1): (128, 0.5), ("study-imported", 2): (256, 0.5)}
+    assert db.import_json(exports[0]) == 0
+
+
+def test_an_import_takes_no_trial_number_of_a_study_being_tuned(db, tmp_path):
+    """A tune numbers its study's trials as Optuna hands them out: an import of that study's trials from elsewhere,
+    made while it runs, must leave those numbers free, or the tune's next write is refused and its trial lost."""
+    trial(db, 0)  # the live study's first trial; Optuna has handed out 1 and 2 already
+    with TuningDB(tmp_path / "elsewhere.sqlite") as other:
+        for number in range(4):
+            other.record_trial(**KEY, bucket=64, study_name="study", trial_number=number, config=config(16 << number),
+                               status="ok", time_ms=9.0 + number, reason=None)
+        assert db.import_json(other.export_json()) == 4
+    trial(db, 1)
+    trial(db, 2)
+    assert [(t.study_name, t.trial_number) for t in db.trials_in_studies("study")] == [
+        ("study", 0), ("study", 1), ("study", 2), *(("study-imported", n) for n in range(4))]
 
 
 @pytest.mark.parametrize(

@@ -450,7 +450,7 @@ def test_a_tune_after_an_import_never_overwrites_the_imported_trials(tmp_path):
     with TuningDB(tmp_path / "fresh.sqlite") as db:
         db.import_json(exported)
         imported = {(t.study_name, t.trial_number): (t.config, t.time_ms) for t in db.trials_for(SPEC.hash)}
-        assert {name for name, _ in imported} == {key.study_name}
+        assert {name for name, _ in imported} == {f"{key.study_name}-imported"}
         for _ in range(2):  # a new study, then that study resumed
             worker = _ScriptedWorker(times)
             with Tuner(db, CPU_INTERPRETER, trials=2, worker=worker) as tuner:
@@ -460,7 +460,7 @@ def test_a_tune_after_an_import_never_overwrites_the_imported_trials(tmp_path):
         kept = {(t.study_name, t.trial_number): (t.config, t.time_ms) for t in trials}
         assert {k: kept[k] for k in imported} == imported  # every imported trial as it was
         assert len(trials) == 3 + 2 + 2
-        assert {t.study_name for t in trials} == {key.study_name, f"{key.study_name}-run2"}
+        assert {t.study_name for t in trials} == {f"{key.study_name}-imported", key.study_name}
         assert len({json.dumps(t.config, sort_keys=True) for t in trials}) == 7  # no config measured twice
         assert db.best(**KEY)[16].time_ms == 1.0
 

@@ -235,7 +235,9 @@ def import_(
     """Merge an export in: per bucket the faster config wins; trials already here are kept (both
     unless --replace).
 
-    Every row is checked first and marked as imported (`tilegen db verify` re-runs it here).
+    Every row is checked first and marked as imported (`tilegen db verify` re-runs it here). Trials are filed
+    under their study's name followed by "-imported", which no tune writes to: an import made while a tune of
+    the same variant runs takes none of the trial numbers it hands out.
     """
     path = _path(ctx, db)
     with _errors(f"FILE.json: cannot read {file}"):

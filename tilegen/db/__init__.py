@@ -15,6 +15,7 @@ from tilegen.lazy import lazy_names
 
 __all__ = [
     "DatabaseError",
+    "IMPORTED",
     "RowError",
     "SCHEMA_REVISION",
     "TRIAL_STATUSES",
@@ -28,6 +29,7 @@ __all__ = [
 
 _WHERE = {
     "DatabaseError": "tilegen.db.errors",
+    "IMPORTED": "tilegen.db.store",
     "RowError": "tilegen.db.validate",
     "SCHEMA_REVISION": "tilegen.db.sqlite",
     "TRIAL_STATUSES": "tilegen.db.models",

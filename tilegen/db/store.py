@@ -317,12 +317,16 @@ class TuningDB:
     ) -> int:
         """Merge an export (``export_json``) in; returns how many tuned rows and trials it added or improved.
 
-        Tuned rows merge as ``record_best`` does; trials already here are kept as they are, and an
-        imported trial whose number the study already holds for another measurement (the study
-        run again elsewhere) is added after the study's last. With
-        ``replace`` the export's rows win whatever their times (their trial counts too), and each study it
-        holds trials of loses the trials stored here first: a re-tune whose times are not comparable with the
-        stored ones (measured another way) replaces them, rows and trials alike.
+        Tuned rows merge as ``record_best`` does; trials already here are kept as they are. An imported trial
+        is filed under its study's name with ``IMPORTED`` after it (``imported_study``), never in the study
+        itself: a tune of that study running now numbers its trials as Optuna hands the numbers out, and an
+        import that took one of them had its next write refused (the tune ended, its trial lost). A trial the
+        study or its imported twin already holds (the same config, status and time) is not added again; one
+        whose number the imported study holds for another measurement (a study run again elsewhere) is added
+        after its last. With ``replace`` the export's rows win whatever their times (their trial counts too),
+        and each study it holds trials of loses the trials stored here first, its own and those imported: a
+        re-tune whose times are not comparable with the stored ones (measured another way) replaces them, rows
+        and trials alike.
         Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
         before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
         its kernel cannot run, a time that is not positive, a bucket its family never gives),
@@ -345,18 +349,21 @@ class TuningDB:
                 changed += _merge_best(session, key, values, replace=replace, recount=replace)
             if replace:
                 studies = {entry["study_name"] for entry in sections["trials"]}
+                studies |= {imported_study(name) for name in studies}
                 if studies:
                     _delete(session, Trial, Trial.study_name.in_(studies))
             for entry in sections["trials"]:
-                key = {"study_name": entry["study_name"], "trial_number": entry["trial_number"]}
+                key = {"study_name": imported_study(entry["study_name"]), "trial_number": entry["trial_number"]}
                 values = {n: entry[n] for n in ("bucket", "triton_version", "status", "time_ms", "max_error",
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
                               provenance=provenance)
+                if _twin(session, {"study_name": entry["study_name"]}, values) is not None:
+                    continue  # measured here (an export of this database coming back)
                 added = _insert_or_fetch(session, Trial, key, values)[1]
                 if not added and _twin(session, key, values) is None:
                     # The study was run again elsewhere, numbering from 0 (a re-tune into a fresh file): its
-                    # trials go after this study's last instead of being dropped for the numbers they share.
+                    # trials go after the imported study's last instead of being dropped for the numbers they share.
                     last = session.scalar(select(func.max(Trial.trial_number)).where(
                         Trial.study_name == key["study_name"]))
                     added = _insert_or_fetch(session, Trial, {**key, "trial_number": last + 1}, values)[1]
@@ -594,6 +601,15 @@ def _insert_or_fetch(
         # a writer that does not lock first, it happens.
         return session.scalars(query).one(), False
     return row, True
+
+
+#: What an imported trial's study name ends in (``TuningDB.import_json``).
+IMPORTED = "-imported"
+
+
+def imported_study(name: str) -> str:
+    """The study an imported trial of study ``name`` is filed under: one no tune writes to."""
+    return name if name.endswith(IMPORTED) else name + IMPORTED
 
 
 def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Trial | None:

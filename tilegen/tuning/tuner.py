@@ -48,7 +48,7 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tilegen import dispatch
-from tilegen.db import DatabaseError, TrialRow
+from tilegen.db import IMPORTED, DatabaseError, TrialRow
 from tilegen.device import DeviceInfo
 from tilegen.families import Config, Family, Problem, family_of
 from tilegen.ir import Spec
@@ -673,7 +673,7 @@ class Tuner:
     def _rows(self, key: TuningKey, family: Family) -> dict[str, TrialRow]:
         """The key's trial rows (every run) by canonical config JSON; of a config stored twice, the last."""
         rows = (r for r in self.db.trials_in_studies(key.study_name)
-                if _run_index(key.study_name, r.study_name) is not None)
+                if _run_index(key.study_name, r.study_name.removesuffix(IMPORTED)) is not None)
         return {family.config_type.from_dict(row.config).to_json(): row for row in rows}
 
 
@@ -900,7 +900,8 @@ def _alive(trial: optuna.trial.FrozenTrial) -> bool:
 
 
 def _run_index(base: str, name: str) -> int | None:
-    """1 for the key's first study ``base``, k for ``base-run<k>``, None for another key's."""
+    """1 for the key's first study ``base``, k for ``base-run<k>``, None for another key's (and for one an import
+    filed, ``IMPORTED`` after a run's name: no tune writes to it)."""
     if name == base:
         return 1
     suffix = name[len(base):] if name.startswith(base) else ""
