@@ -852,3 +852,30 @@ def test_processes_taking_queued_trials_never_take_one_twice(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert sorted(taken) == sorted({t._trial_id for t in study.get_trials(deepcopy=False)}), Counter(taken).most_common(3)
+
+
+def test_a_config_interrupted_again_and_again_stays_queued_where_one_that_keeps_dying_is_given_up():
+    """The retry callback's history counts a config's runs whose process died; interrupts are left out of it."""
+    from optuna.trial import TrialState
+
+    from tilegen.tuning.tuner import _RETRIES, _as_interrupted
+
+    def runs_queued(interrupted: bool, times: int) -> int:
+        study = optuna.create_study()
+        retry = optuna.storages.RetryFailedTrialCallback(max_retry=_RETRIES)
+        study.enqueue_trial({"x": 3})
+        queued = 0
+        for _ in range(times):
+            trial = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
+            assert trial.params == {"x": 3}  # the queued config is what runs next
+            study.tell(trial, state=TrialState.FAIL)
+            frozen = study._storage.get_trial(trial._trial_id)
+            retry(study, _as_interrupted(frozen) if interrupted else frozen)
+            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            if not waiting:
+                break
+            queued += 1
+        return queued
+
+    assert runs_queued(True, 8) == 8
+    assert runs_queued(False, 8) == _RETRIES

@@ -68,6 +68,8 @@ HEARTBEAT_S = 20
 _GRACE_BEATS = 3
 #: A config whose trials keep dying (its process is killed each time) is queued again at most this often.
 _RETRIES = 3
+#: A queued trial's system attribute: the numbers of its config's earlier trials that an interrupt stopped.
+_INTERRUPTED = "tilegen_interrupted"
 #: How often a process that waits for trials running elsewhere looks again, in seconds.
 _POLL_S = 0.5
 #: The user attribute each trial carries: which host and process measured it.
@@ -554,7 +556,7 @@ class Tuner:
         storage = run.study._storage
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state == TrialState.FAIL and frozen.params:
-            self._retry(run.study, frozen)
+            self._retry(run.study, _as_interrupted(frozen))
             log.debug("trial %d: interrupted; its config is queued again", trial.number)
 
     def _storage_failure(self, error: BaseException) -> DatabaseError | None:
@@ -897,6 +899,20 @@ def _alive(trial: optuna.trial.FrozenTrial) -> bool:
         except PermissionError:
             pass
         return True
+
+
+def _as_interrupted(frozen: optuna.trial.FrozenTrial) -> optuna.trial.FrozenTrial:
+    """``frozen``, an interrupted trial, as Optuna's retry callback should see it. The callback counts a config's
+    runs in its retry history and gives up after ``_RETRIES``, for a config whose process keeps dying; the earlier
+    runs an interrupt stopped are left out of that count (the fourth Ctrl-C of one trial had its config dropped
+    from the queue), and this one is marked as interrupted for the next time."""
+    attrs = dict(frozen.system_attrs)
+    interrupted = [*attrs.get(_INTERRUPTED, []), frozen.number]
+    attrs["retry_history"] = [n for n in attrs.get("retry_history", []) if n not in interrupted]
+    attrs[_INTERRUPTED] = interrupted
+    seen = copy.copy(frozen)
+    seen.system_attrs = attrs
+    return seen
 
 
 def _run_index(base: str, name: str) -> int | None:
