@@ -480,6 +480,22 @@ def test_varlen_attention_compiles_whole_and_matches_eager(device):
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
 
 
+def test_an_out_whose_elements_share_memory_is_refused_by_name_under_compile(device):
+    """Traced code reads strides, not storage addresses: an expanded out is refused there as in eager calls."""
+    q, k, v, cu_q, cu_k = _varlen_leaves(device, grad=False)
+    dense = [t.unsqueeze(0).transpose(1, 2)[:, :, :9] for t in (q, k, v)]
+    calls = [
+        (lambda q, k, v, out: tilegen.varlen_attention(q, k, v, cu_q, cu_k, 9, 12, out=out), (q, k, v),
+         q[:1].expand(q.shape)),
+        (lambda q, k, v, out: tilegen.attention(q, k, v, out=out), dense, dense[0][:, :, :1].expand(dense[0].shape)),
+    ]
+    for call, inputs, out in calls:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as caught:
+            torch.compile(call, fullgraph=True, backend="eager")(*inputs, out)
+        assert "out: overlaps itself (stride 0" in str(caught.value) + str(caught.value.__cause__)
+
+
 def test_varlen_attention_under_compile_refuses_bad_input_by_name(device):
     q, k, v, cu_q, cu_k = _varlen_leaves(device, grad=False)
     wrong = cu_q.to(torch.int64)

@@ -44,8 +44,8 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
-from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_grid, check_out, empty_like_template,
-                                  refuse_grad)
+from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_distinct, check_grid, check_out,
+                                  empty_like_template, refuse_grad)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -230,9 +230,12 @@ def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return
 
 
 def _compiled_result(result, lse, out, q, return_lse):
-    """A compiled call's return: a custom op allocates its own output, so one given as ``out`` gets a copy."""
+    """A compiled call's return: a custom op allocates its own output, so one given as ``out`` gets a copy. Traced
+    code cannot read storage addresses: an ``out`` sharing memory with k or v is not refused here, as it is in
+    eager calls, and is written after the op has read them."""
     if out is not None:
         _check_out(out, result.shape, q)
+        check_distinct("out", out)
         result = out.copy_(result)
     return (result, lse) if return_lse else result
 

@@ -8,8 +8,8 @@ import torch
 
 from tilegen.env import interpreting
 
-__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_grid", "check_out", "empty_like_template",
-           "refuse_grad", "writable"]
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
+           "empty_like_template", "refuse_grad", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -85,6 +85,16 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return first, last + t.element_size()
 
 
+def check_distinct(name: str, out: torch.Tensor) -> None:
+    """Raise, naming ``name``, when elements of ``out`` share memory (a stride of 0, as from expand). Reads shapes
+    and strides only, so it runs in traced code too, where storage addresses cannot be read."""
+    if 0 in out.stride():
+        for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
+            if stride == 0 and size > 1:
+                raise ValueError(f"{name}: overlaps itself (stride 0 in dimension {dim}, as from expand); "
+                                 "pass a tensor whose elements are distinct")
+
+
 def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | None], may_be: tuple[str, ...] = ()) -> None:
     """Raise, naming ``name``, when ``out`` overlaps itself or one of ``inputs`` in memory, unless
     it is exactly one of the ``may_be`` inputs (same address, shape and strides): the kernels
@@ -94,11 +104,7 @@ def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | Non
     refused too, though the two share no element. Only tensors of one storage can overlap, so
     most calls pay for reading each tensor's storage address and no more (3 µs in all for
     ``out`` and three inputs on the 2-core CPU machine)."""
-    if 0 in out.stride():
-        for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
-            if stride == 0 and size > 1:
-                raise ValueError(f"{name}: overlaps itself (stride 0 in dimension {dim}, as from expand); "
-                                 "pass a tensor whose elements are distinct")
+    check_distinct(name, out)
     storage = out.untyped_storage().data_ptr()
     span = None
     for other, t in inputs.items():

@@ -46,8 +46,8 @@ from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
-from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_grid, check_out, empty_like_template,
-                                  refuse_grad)
+from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_distinct, check_grid, check_out,
+                                  empty_like_template, refuse_grad)
 
 __all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
@@ -302,10 +302,7 @@ def _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return
         q, k, v, cu_q, cu_k, max_q, max_k, list(mods.tensors), len(mods.tensors) - len(mods.mask_tensors),
         mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, spec.return_lse or trains, scale, softcap,
         left, right, deterministic)
-    if out is not None:
-        _check_out_shape(out, q, spec.dv)
-        result = out.copy_(result)
-    return (result, lse) if return_lse else result
+    return _compiled_result(result, lse, out, q, spec.dv, return_lse)
 
 
 def _launch_with_mods(spec, plan, mods, q, k, v, cu_q, cu_k, max_q, max_k, out):
@@ -356,8 +353,15 @@ def _compiled(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale,
                                                         scale, return_lse)
     result, lse = torch.ops.tilegen.varlen_attention_fwd(
         q, k, v, cu_q, cu_k, max_q, max_k, spec.dv, spec.mask, spec.softcap, scale, softcap, left, right, deterministic)
+    return _compiled_result(result, lse, out, q, spec.dv, return_lse)
+
+
+def _compiled_result(result, lse, out, q, dv, return_lse):
+    """A compiled call's return, the op's result copied into an ``out`` given (attention's ``_compiled_result``:
+    an ``out`` sharing memory with k or v is written after the op has read them)."""
     if out is not None:
-        _check_out_shape(out, q, spec.dv)
+        _check_out_shape(out, q, dv)
+        check_distinct("out", out)
         result = out.copy_(result)
     return (result, lse) if return_lse else result
 
