@@ -61,6 +61,19 @@ def test_decode_run_compiles(backend, device):
            paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32)), torch.float32)
 
 
+def test_a_compiled_run_refuses_an_out_whose_elements_share_memory_by_name(device):
+    gen = torch.Generator().manual_seed(1)
+    cache = make_cache(K_LENS, 16, 2, D, torch.float32, device, gen)
+    q = torch.randn(cache.batch, 8, D, generator=gen).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8)
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, cache, out: decode.run(q, cache, out=out), fullgraph=True, backend="eager")
+    with pytest.raises(Exception) as caught:
+        step(q, cache, q[:1].expand(q.shape))
+    assert "out: overlaps itself (stride 0" in str(caught.value) + str(caught.value.__cause__)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_paged_prefill_run_compiles(causal, device):
     gen = torch.Generator().manual_seed(2 + causal)

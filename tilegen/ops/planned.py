@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from tilegen.ops.kv_cache import PagedKVCache
-from tilegen.ops.tensors import refuse_grad
+from tilegen.ops.tensors import check_distinct, refuse_grad
 
 __all__ = ["Planner", "mod_tensor_names"]
 
@@ -100,6 +100,9 @@ class Planner:
             if not isinstance(out, torch.Tensor) or out.shape != result.shape or out.dtype != q.dtype \
                     or out.device != q.device:
                 raise ValueError(f"out: expected {list(result.shape)} {q.dtype} on {q.device}")
+            # Strides only: traced code cannot read storage addresses, so an out sharing the pages' memory is
+            # written after the op has read them (an eager run refuses it).
+            check_distinct("out", out)
             result = out.copy_(result)  # the op allocates its output: a given one receives a copy
         return (result, lse) if return_lse else result
 
