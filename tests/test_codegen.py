@@ -294,7 +294,7 @@ def test_emit_prints_the_source(cli_results):
     result = cli_results["flags"]
     assert result.returncode == 0, result.stderr
     spec = AttentionSpec(head_dim=64, mask="causal", dtype="fp16", return_lse=True)
-    assert result.stdout == source_for(spec)
+    assert result.stdout.startswith(source_for(spec))  # then the interpreter's mend (test_db_cli.py runs it)
 
 
 def test_emit_refuses_kv_layouts_it_cannot_lower(cli_results):
@@ -338,7 +338,7 @@ def test_emit_spec_file_to_output_file(invoke, tmp_path):
     out = tmp_path / "kernel.py"
     result = invoke("emit", "--spec", str(spec_file), "-o", str(out))
     assert result.exit_code == 0, result.output
-    assert out.read_text() == source_for(spec)
+    assert out.read_text().startswith(source_for(spec))
     assert spec.hash in result.stderr
 
 
@@ -347,7 +347,7 @@ def test_emit_preset(invoke):
 
     result = invoke("emit", "--preset", "llama-prefill")
     assert result.exit_code == 0, result.output
-    assert result.stdout == source_for(presets()["llama-prefill"])
+    assert result.stdout.startswith(source_for(presets()["llama-prefill"]))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,21 @@ from tilegen.db import DatabaseError, TuningDB, tuned_rows
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ir import Spec
+from tilegen.triton_internals.interpreter import mend_on_import_source
+
+
+#: What a module written without --tuned gets after the generated source: tilegen mends Triton's CPU interpreter
+#: before it runs a module of its own, and the module written out must come out right without tilegen too.
+_MEND_ON_IMPORT = """
+
+# ---- Written by `tilegen emit` ---------------------------------------------------------------
+# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come out wrong
+# (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each bug that the installed
+# Triton shows when this module is imported.
+import os
+
+
+"""
 
 
 @app.command()
@@ -38,7 +53,8 @@ def emit(
     score_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="score mod")),
     mask_mod: Optional[str] = typer.Option(None, help=MOD_HELP.format(kind="mask mod")),
 ) -> None:
-    """Print the Triton kernel and launcher generated for a spec."""
+    """Print the Triton kernel and launcher generated for a spec (followed by tilegen's mend of Triton's CPU
+    interpreter, applied when the module is imported under it)."""
     spec = with_mods([spec], score_mod, mask_mod)[0]
     if db is not None and not tuned:
         fail("--db: read only with --tuned")
@@ -51,8 +67,7 @@ def emit(
         fail(f"--db: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
     try:
         text = source_for(spec)
-        if tuned:
-            text += standalone_entry_point(spec, user_db=db)
+        text += standalone_entry_point(spec, user_db=db) if tuned else _MEND_ON_IMPORT + mend_on_import_source()
     except (NotImplementedError, DatabaseError) as e:
         fail(str(e))
     if output is None:

@@ -15,15 +15,17 @@ may still have these bugs, and its interpreter must then be mended as any other'
 interpreter laid out otherwise (no ``InterpreterBuilder``, other method signatures) fails
 its probes and is left alone.
 
-``mend_interpreter`` imports nothing from tilegen: ``tilegen emit --tuned`` copies its
-source into standalone modules, which must run right under the interpreter too.
+``mend_interpreter`` imports nothing from tilegen: ``tilegen emit`` copies its source into the
+modules it writes (``mend_on_import_source``), which must run right under the interpreter too.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
-__all__ = ["InterpreterSetupError", "check_interpreter", "mend_interpreter", "patch_interpreter"]
+__all__ = ["InterpreterSetupError", "check_interpreter", "mend_interpreter", "mend_on_import_source",
+           "patch_interpreter"]
 
 
 class InterpreterSetupError(RuntimeError):
@@ -56,6 +58,14 @@ def patch_interpreter() -> tuple[str, ...]:
     """Check the interpreter can run kernels, then mend it; returns the fixes applied (once per process)."""
     check_interpreter()
     return mend_interpreter()
+
+
+def mend_on_import_source() -> str:
+    """Python source defining ``mend_interpreter`` and calling it when imported under the interpreter: what
+    ``tilegen emit`` writes into a module that may run where tilegen is not there to mend Triton (the module
+    imports ``os``)."""
+    return (inspect.getsource(mend_interpreter)
+            + '\n\nif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):\n    mend_interpreter()\n')
 
 
 def mend_interpreter() -> tuple[str, ...]:

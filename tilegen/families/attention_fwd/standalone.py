@@ -16,7 +16,7 @@ from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.masks import launch_window
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.base import Family
-from tilegen.triton_internals.interpreter import mend_interpreter
+from tilegen.triton_internals.interpreter import mend_on_import_source
 
 __all__ = ["entry_point"]
 
@@ -42,7 +42,7 @@ def entry_point(
         defaults=repr([(None if largest is None else int(largest), _knobs(config)) for largest, config in defaults]),
         bucket_rule=buckets.source(),
         launch_window=inspect.getsource(launch_window),
-        mend_interpreter=inspect.getsource(mend_interpreter),
+        mend_on_import=mend_on_import_source(),
         mask=repr(spec.mask),
         dtype=str(TORCH_DTYPES[spec.dtype]),
         spec_name=spec.name,
@@ -120,11 +120,7 @@ $bucket_rule
 $launch_window
 
 
-$mend_interpreter
-
-
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    mend_interpreter()
+$mend_on_import
 
 
 def config_for(n):
