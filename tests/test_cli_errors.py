@@ -70,6 +70,12 @@ CASES = {
     "db-verify-drop-shipped": (["db", "verify", "--shipped", "--drop-failed"], "--drop-failed"),
     "db-verify-unknown-prefix": (["db", "verify", "ffff", "--db", "{db}"], "no variant with spec hash 'ffff' in {db}"),
     "db-unknown-command": (["db", "frobnicate"], "No such command"),
+    "emit-spec-huge-integer": (["emit", "--spec", "{tmp}/huge.json"], "--spec: Exceeds the limit"),
+    "emit-spec-nested-deep": (["emit", "--spec", "{tmp}/deep.json"], "--spec: nested too deeply"),
+    "emit-spec-not-utf8": (["emit", "--spec", "{tmp}/latin1.json"], "--spec: 'utf-8' codec"),
+    "tune-spec-huge-integer": (["tune", "--spec", "{tmp}/huge.json"], "--spec: Exceeds the limit"),
+    "tune-spec-nested-deep": (["tune", "--spec", "{tmp}/deep.json"], "--spec: nested too deeply"),
+    "tune-spec-not-utf8": (["tune", "--spec", "{tmp}/latin1.json"], "--spec: 'utf-8' codec"),
 }
 
 
@@ -86,6 +92,9 @@ def paths(tmp_path):
     export["tuned"][0]["config"]["block_m"] = 48
     (tmp_path / "bad_row.json").write_text(json.dumps(export))
     (tmp_path / "corrupt.sqlite").write_bytes(os.urandom(4096))
+    (tmp_path / "huge.json").write_text('{"family": "attention_fwd", "head_dim": ' + "9" * 5001 + "}")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "latin1.json").write_bytes('{"family": "attention_fwd", "dtype": "bf16\xff"}'.encode("latin-1"))
     return {"tmp": str(tmp_path), "db": str(db), "corrupt": str(tmp_path / "corrupt.sqlite"),
             "bad_row": str(tmp_path / "bad_row.json")}
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from tilegen.families import families
+from tilegen.db.validate import safe_text
 from tilegen.ir import Spec, SpecError
 from tilegen.families import spec_from_json
 
@@ -93,8 +94,7 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
     known = presets()
     try:
         if spec is not None:
-            text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
-            return spec_from_json(text)
+            return spec_from_json(_spec_json(spec))
         if head_dim is not None:
             fields = {"family": known["default"].family, "head_dim": head_dim}
             return spec_from_json({**fields, **{k: v for k, v in flags.items() if v is not None}})
@@ -102,9 +102,21 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
         if name not in known:
             raise typer.BadParameter(f"unknown preset {name!r}; known: {', '.join(known)}", param_hint="--preset")
         return known[name]
-    except (SpecError, json.JSONDecodeError, OSError) as e:
-        source = "--spec" if spec is not None else "--" + getattr(e, "field", "spec").replace("_", "-")
+    except SpecError as e:
+        source = "--spec" if spec is not None else "--" + e.field.replace("_", "-")
         raise typer.BadParameter(str(e), param_hint=source) from None
+
+
+def _spec_json(spec: str) -> Any:
+    """``--spec``'s JSON, inline or read from the file it names; what cannot be read or parsed raises
+    ``typer.BadParameter`` naming --spec."""
+    try:
+        text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
+        return json.loads(text)
+    except RecursionError:
+        raise typer.BadParameter("nested too deeply to be a spec", param_hint="--spec") from None
+    except (ValueError, OSError) as e:  # not JSON, not UTF-8, an integer of thousands of digits; no such file
+        raise typer.BadParameter(safe_text(e), param_hint="--spec") from None
 
 
 def _refuse_stray_flags(head_dim: int | None, flags: dict[str, Any]) -> None:
@@ -128,11 +140,7 @@ def resolve_specs(spec: str | None, preset: str | None, head_dim: int | None = N
             raise typer.BadParameter(f"expected comma-separated preset names, got {preset!r}", param_hint="--preset")
         return list(dict.fromkeys(resolve_spec(None, name) for name in names))
     if spec is not None and preset is None and head_dim is None:
-        try:
-            text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
-            data = json.loads(text)
-        except (json.JSONDecodeError, OSError) as e:
-            raise typer.BadParameter(str(e), param_hint="--spec") from None
+        data = _spec_json(spec)
         if isinstance(data, list):
             if not data:
                 raise typer.BadParameter("the list of specs is empty", param_hint="--spec")
