@@ -94,7 +94,10 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
     known = presets()
     try:
         if spec is not None:
-            return spec_from_json(_spec_json(spec))
+            data = _spec_json(spec)
+            if not isinstance(data, dict):
+                raise SpecError("spec", f"expected a JSON object, got {type(data).__name__}")
+            return spec_from_json(data)
         if head_dim is not None:
             fields = {"family": known["default"].family, "head_dim": head_dim}
             return spec_from_json({**fields, **{k: v for k, v in flags.items() if v is not None}})
