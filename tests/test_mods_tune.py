@@ -132,6 +132,21 @@ def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path
     ref, _ = attention_reference(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod)
     assert relative_error(out, ref)[0] < 1e-2
 
+    # db verify runs a mod spec's row when given the mods it was tuned with (a trial needs their functions), and
+    # says it leaves it alone otherwise, where it ended in a traceback.
+    from tilegen.mods import sources
+
+    monkeypatch.setenv(sources.ENV, "{}")  # the command exports the paths it is given; restored after the test
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    alone = runner.invoke(app, ["db", "verify", "--db", str(db)])
+    assert alone.exit_code == 0, alone.output
+    assert "1 row(s) of specs with score or mask mods the command did not name: not run" in " ".join(alone.stdout.split())
+    named = runner.invoke(app, ["db", "verify", "--db", str(db), "--score-mod", "tune_mods:make_alibi",
+                                "--mask-mod", "tune_mods:near"])
+    assert named.exit_code == 0, named.output
+    assert "BM" in named.stdout and "│ ok" in named.stdout and "not run" not in named.stdout
+
 
 @pytest.mark.parametrize("args, message", [
     (["--score-mod", "tune_mods"], "--score-mod: expected pkg.module:function"),

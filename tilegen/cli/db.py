@@ -373,6 +373,11 @@ def verify(
         "(`other Triton (served)` in `tilegen db list`), from your database and the shipped one, and store each "
         "that gives the right answer in yours under the installed Triton. Needs a CUDA GPU.",
     ),
+    score_mod: Optional[str] = typer.Option(
+        None, help="The score mod (pkg.module:attr, as `tilegen tune --score-mod` took it) of the rows of a spec "
+        "with mods to run: a trial needs its function. Rows of specs with other mods, or mods not named, are not run.",
+    ),
+    mask_mod: Optional[str] = typer.Option(None, help="The mask mod, as --score-mod."),
     db: Optional[str] = _DbOption,
 ) -> None:
     """Re-run tuned rows on this machine against the family's reference: does each config compile, run and
@@ -383,8 +388,13 @@ def verify(
     another Triton that dispatch serves on this GPU for want of the installed one's are checked and
     timed here and stored under the installed Triton, each as soon as it is timed.
     """
+    from tilegen.cli.spec_args import mod_texts
     from tilegen.cli.verify import gpu_available, retime_rows, verify_rows
+    from tilegen.mods.sources import export
 
+    mods = mod_texts(score_mod, mask_mod)
+    # The trials run in the worker process, which builds the mods from their paths (as a tune's do).
+    export({kind: path for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)) if path})
     if not 0 < timeout < math.inf:
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
     if not 0 <= seed < 2**32:
@@ -405,7 +415,7 @@ def verify(
         with _open(path, write=True) as database, \
                 (_open(other) if other is not None else contextlib.nullcontext()) as shipped_db:
             stored, failed = retime_rows(database, shipped_db, spec_hash, seed=seed, timeout=timeout,
-                                         console=_console())
+                                         console=_console(), mods=mods)
         typer.echo(f"stored {stored} re-timed row(s) in {path} under Triton {triton.__version__}", err=True)
         if failed:
             fail(f"{failed} row(s) of another Triton failed on this machine and were not stored; dispatch serves "
@@ -418,7 +428,7 @@ def verify(
         if spec_hash and not database.variants(spec_hash):
             fail(f"no variant with spec hash {safe_text(repr(spec_hash))} in {path}; `tilegen db list` shows them")
         failed = verify_rows(database, spec_hash, seed=seed, timeout=timeout, console=_console(),
-                             drop_failed=drop_failed)
+                             drop_failed=drop_failed, mods=mods)
     if failed and not drop_failed:
         fail(f"{failed} row(s) failed on this machine; delete them with: tilegen db verify --db {path} --drop-failed"
              + (f" {spec_hash}" if spec_hash else ""))

@@ -21,7 +21,8 @@ from tilegen.db.validate import safe_text
 from tilegen.ir import Spec, SpecError
 from tilegen.families import spec_from_json
 
-__all__ = ["MOD_HELP", "presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs", "with_mods"]
+__all__ = ["MOD_HELP", "mod_texts", "presets", "resolve_spec", "resolve_specs", "takes_spec", "takes_specs",
+           "with_mods"]
 
 
 def presets() -> dict[str, Spec]:
@@ -170,23 +171,31 @@ MOD_HELP = (
 )
 
 
+def mod_texts(score_mod: str | None, mask_mod: str | None) -> dict[str, str]:
+    """The canonical texts of the mods ``--score-mod``/``--mask-mod`` name, by spec field; a bad path ends the
+    command in one line naming the option."""
+    from tilegen.cli.app import fail
+    from tilegen.mods.sources import canonical_text
+
+    texts = {}
+    for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if path is not None:
+            try:
+                texts[kind] = canonical_text(path, kind)
+            except ValueError as e:
+                fail(str(e))
+    return texts
+
+
 def with_mods(specs: list[Spec], score_mod: str | None, mask_mod: str | None) -> list[Spec]:
     """``specs`` with the canonical texts of the mods ``--score-mod``/``--mask-mod`` name; a bad path or a
     family without mods ends the command in one line naming the option."""
     from tilegen.cli.app import fail
-    from tilegen.mods.sources import canonical_text
 
-    texts, options = {}, {}
-    for kind, path, option in (("score_mod", score_mod, "--score-mod"), ("mask_mod", mask_mod, "--mask-mod")):
-        if path is None:
-            continue
-        try:
-            texts[kind] = canonical_text(path, kind)
-        except ValueError as e:
-            fail(str(e))
-        options[kind] = option
+    texts = mod_texts(score_mod, mask_mod)
     if not texts:
         return specs
+    options = {kind: "--" + kind.replace("_", "-") for kind in texts}
     from tilegen.mods.builtin import reduce_mods
 
     # A call runs such a mod as the built-in option it means (tilegen.mods.builtin): a spec holding it is never used.

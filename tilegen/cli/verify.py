@@ -36,8 +36,9 @@ __all__ = ["gpu_available", "listing", "retime_rows", "served", "verify_rows"]
 
 
 def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, console: Console,
-                drop_failed: bool) -> int:
-    """Verify the rows of ``database`` that can run here; print a table; return how many failed."""
+                drop_failed: bool, mods: dict[str, str] | None = None) -> int:
+    """Verify the rows of ``database`` that can run here; print a table; return how many failed. ``mods``: the
+    canonical texts of the mods the command named, by spec field; rows of specs with other mods are not run."""
     import triton
 
     from tilegen.tuning.worker import Worker
@@ -52,7 +53,7 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
     # every machine: listed as failed, dropped with --drop-failed.
     refused = [r for r in database.take_refused()
                if r.kind == "tuned" and str(r.raw["variant_spec_hash"]).startswith(prefix)]
-    runnable, elsewhere = [], 0
+    runnable, elsewhere, unnamed = [], 0, 0
     for row in rows:
         try:
             spec = spec_from_json(specs[row.spec_hash, row.template_hash])
@@ -60,13 +61,16 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
             current = row.template_hash == template_hash(family)
         except SpecError:  # a family or field this tilegen does not know
             current = False
-        if current and row.gpu_key == device.key and row.triton_version == triton.__version__:
-            runnable.append((row, spec, family))
-        else:
+        if not current or row.gpu_key != device.key or row.triton_version != triton.__version__:
             elsewhere += 1
+        elif not _mods_named(spec, mods):
+            unnamed += 1
+        else:
+            runnable.append((row, spec, family))
     if elsewhere:
         console.print(escape(f"{elsewhere} row(s) belong to another GPU, Triton or template than this machine's "
                              f"({device.key}, Triton {triton.__version__}): not run here"))
+    _say_unnamed(unnamed, console)
     if not runnable and not refused:
         console.print(escape(f"no row of {database.path} can run on this machine"))
         return 0
@@ -101,6 +105,19 @@ def verify_rows(database: TuningDB, prefix: str, *, seed: int, timeout: float, c
     return failed
 
 
+def _mods_named(spec, mods: dict[str, str] | None) -> bool:
+    """Whether a row of ``spec`` can run: a spec without mods can, one with mods when the command named exactly
+    them (``--score-mod``/``--mask-mod``, whose functions its trials build)."""
+    texts = (getattr(spec, "score_mod", None), getattr(spec, "mask_mod", None))
+    return texts == (None, None) or texts == ((mods or {}).get("score_mod"), (mods or {}).get("mask_mod"))
+
+
+def _say_unnamed(count: int, console: Console) -> None:
+    if count:
+        console.print(escape(f"{count} row(s) of specs with score or mask mods the command did not name: not run "
+                             "(give the --score-mod/--mask-mod they were tuned with)"))
+
+
 def _measure(worker, row: TunedRow, spec, family, device, seed: int, timeout: float):
     """Run one stored row as a tuning trial: ``(config or None, problem or None, the worker's result)``."""
     problem = None
@@ -125,7 +142,7 @@ def gpu_available() -> bool:
 
 
 def retime_rows(database: TuningDB, shipped: TuningDB | None, prefix: str, *, seed: int, timeout: float,
-                console: Console) -> tuple[int, int]:
+                console: Console, mods: dict[str, str] | None = None) -> tuple[int, int]:
     """Time here the rows of another Triton that dispatch serves on this GPU, from ``database`` and
     ``shipped`` (``tilegen.db.lookup.served_rows``), and store each that passes the reference check in
     ``database`` under the installed Triton; print a table; return how many were stored and how many failed.
@@ -144,6 +161,9 @@ def retime_rows(database: TuningDB, shipped: TuningDB | None, prefix: str, *, se
     chosen = served_rows([rows for rows, _, _ in listings], specs, devices, installed)
     rows = [listings[f][0][i] for f, i in sorted(chosen)]
     rows = [row for row in rows if row.spec_hash.startswith(prefix)]
+    named = [row for row in rows if _mods_named(specs[row.spec_hash, row.template_hash], mods)]
+    _say_unnamed(len(rows) - len(named), console)
+    rows = named
     if not rows:
         console.print(escape(f"no row of another Triton is served on {device.key} under Triton {installed}"
                              + (f" for spec {prefix}" if prefix else "") + ": nothing to re-time"))
