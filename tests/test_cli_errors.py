@@ -119,3 +119,15 @@ def test_a_folder_in_tilegen_db_is_named_as_the_variable(tmp_path, monkeypatch, 
         main(["db", "list"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: TILEGEN_DB: {tmp_path} is a folder")
+
+
+@pytest.mark.parametrize("which", ["corrupt", "tmp"], ids=["corrupt-file", "folder"])
+def test_emit_tuned_reads_tilegen_db_as_it_reads_db(which, paths, monkeypatch, capsys):
+    """The module is baked from the user's rows: a TILEGEN_DB that cannot be read ends the command, as --db does,
+    rather than a warning over a module without them."""
+    monkeypatch.setenv("TILEGEN_DB", paths[which])
+    with pytest.raises(SystemExit) as exit:
+        main(["emit", "--tuned", "--head-dim", "64"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.splitlines()) == 1, err
+    assert ("not a tilegen database / corrupt" if which == "corrupt" else "TILEGEN_DB: ") in err

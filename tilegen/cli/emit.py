@@ -7,12 +7,14 @@ alone, where tilegen is not installed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import triton
 import typer
 
+from tilegen import env
 from tilegen.cli.app import app, fail
 from tilegen.cli.spec_args import MOD_HELP, takes_spec, with_mods
 from tilegen.codegen import source_for
@@ -65,6 +67,15 @@ def emit(
             fail(f"-o: the folder {output.parent} does not exist; create it first or write elsewhere")
     if db is not None and db.is_dir():
         fail(f"--db: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
+    if tuned and db is None:
+        # The user's file is read as --db would be: a module is baked from it, so one that cannot be read is an
+        # error naming the variable, not a warning over a table without its rows (dispatch's way, call by call).
+        db = env.db_path()
+        if db.is_dir():
+            source = "TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database"
+            fail(f"{source}: {db} is a folder; give the database file, e.g. {db / 'tuning.sqlite'}")
+        if not db.exists():
+            db = None
     try:
         text = source_for(spec)
         text += standalone_entry_point(spec, user_db=db) if tuned else _MEND_ON_IMPORT + mend_on_import_source()
