@@ -202,7 +202,8 @@ def test_prune_keeps_current_rows_of_every_family_and_unknown_ones_unless_all(tu
 
     # A tilegen that does not know the family (an older release reading a newer one's rows).
     monkeypatch.delitem(registry._by_name, "row_softmax")
-    assert "nothing matched" in _invoke("db", "--db", path, "prune", "--yes").stderr
+    kept = _invoke("db", "--db", path, "prune", "--yes").stderr
+    assert "nothing matched: 1 tuned config(s) and 3 trial(s)" in kept and "kept (--all deletes them)" in kept
     assert _count(path, "tg_tuned_configs") == 1
     listed = _invoke("db", "--db", path, "list")  # shown with the raw config, not an error
     assert listed.exit_code == 0 and '"block_rows"' in listed.stdout
