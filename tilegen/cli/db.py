@@ -398,8 +398,8 @@ def verify(
     from tilegen.mods.sources import export
 
     mods = mod_texts(score_mod, mask_mod)
-    # The trials run in the worker process, which builds the mods from their paths (as a tune's do).
-    export({kind: path for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)) if path})
+    if mods:  # the trials run in the worker process, which builds the mods from their paths (as a tune's do)
+        export({kind: path for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)) if path})
     if not 0 < timeout < math.inf:
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
     if not 0 <= seed < 2**32:
