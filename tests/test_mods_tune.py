@@ -141,7 +141,8 @@ def test_a_tuned_mod_spec_is_dispatched_to_by_a_call_with_the_same_mods(tmp_path
     runner = CliRunner()
     alone = runner.invoke(app, ["db", "verify", "--db", str(db)])
     assert alone.exit_code == 0, alone.output
-    assert "1 row(s) of specs with score or mask mods the command did not name: not run" in " ".join(alone.stdout.split())
+    said = " ".join(alone.stdout.split())
+    assert "1 row(s) of specs with score or mask mods the command did not name: not run" in said
     named = runner.invoke(app, ["db", "verify", "--db", str(db), "--score-mod", "tune_mods:make_alibi",
                                 "--mask-mod", "tune_mods:near"])
     assert named.exit_code == 0, named.output

@@ -290,10 +290,10 @@ def prune(
         if not tuned and not trials:
             unknown, unknown_trials = ([], 0) if all_families else database.prune(
                 **{**arguments, "all_families": True}, dry_run=True)
-            typer.echo(f"nothing matched: every row of {path} is one dispatch can use" if not (unknown or unknown_trials)
-                       else f"nothing matched: {len(unknown)} tuned config(s) and {unknown_trials} trial(s) of {path} "
-                       "are of kernel families this tilegen does not know, kept (--all deletes them); the other rows "
-                       "are ones dispatch can use", err=True)
+            typer.echo(f"nothing matched: {len(unknown)} tuned config(s) and {unknown_trials} trial(s) of {path} are "
+                       "of kernel families this tilegen does not know, kept (--all deletes them); the other rows are "
+                       "ones dispatch can use" if unknown or unknown_trials else
+                       f"nothing matched: every row of {path} is one dispatch can use", err=True)
             return
         if tuned:
             _console().print(_tuned_table(tuned, title=f"tuned configs to delete from {path}"))
