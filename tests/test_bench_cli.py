@@ -42,9 +42,11 @@ def test_a_benchmark_gets_the_flags_after_its_name():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without a GPU gets")
-def test_without_a_gpu_the_prefill_benchmark_says_so():
-    result = runner.invoke(app, ["bench"])
-    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+@pytest.mark.parametrize("name", ["attention", "decode", "serving", "cascade", "mods"])
+def test_without_a_gpu_a_gpu_benchmark_says_so_in_one_line(name):
+    result = runner.invoke(app, ["bench", name])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: tilegen.bench.{name} times CUDA kernels; run it on a GPU"]
 
 
 def test_the_plot_has_a_panel_per_variant_and_a_line_per_provider(tmp_path):

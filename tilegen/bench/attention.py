@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -354,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError, AttributeError) as e:
             parser.error(f"--configs: expected a JSON list of attention_fwd knob objects: {e}")
     if not torch.cuda.is_available():
-        print("tilegen.bench.attention needs a CUDA GPU", file=sys.stderr)
-        return 2
+        raise SystemExit("tilegen.bench.attention times CUDA kernels; run it on a GPU")
     dispatch.reset()
     cases = [
         Case(int(n), d, m == "causal", int(h), dt, dv, args.softcap)

@@ -164,6 +164,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-unshared", action="store_true", help="skip the batches that share nothing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tilegen.bench.cascade times CUDA kernels; run it on a GPU")
     configs = [_parse_config(c) for c in args.configs.split(",") if c]
     rows = []
     for text in args.cases.split(","):

@@ -277,6 +277,8 @@ def main(argv=None) -> None:
                         help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
                              "scale with it)")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("tilegen.bench.mods times CUDA kernels; run it on a GPU")
     if args.seqlen < 1 or args.seqlen > B * N:
         parser.error(f"--seqlen: expected 1 to {B * N}, got {args.seqlen}")
     B, N = B * N // args.seqlen, args.seqlen

@@ -53,6 +53,10 @@ def bench(
     argv0, sys.argv[0] = sys.argv[0], f"tilegen bench {name}"
     try:
         code = module.main(list(ctx.args))
+    except SystemExit as e:
+        if isinstance(e.code, str):  # a benchmark's own refusal (no GPU, say): the command's one-line error
+            fail(e.code)
+        raise
     finally:
         sys.argv[0] = argv0
     raise typer.Exit(code or 0)
