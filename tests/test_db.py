@@ -235,6 +235,28 @@ def test_import_numbers_a_rerun_studys_trials_after_the_imported_ones(db, tmp_pa
     assert db.import_json(exports[0]) == 0
 
 
+def test_a_databases_trials_come_back_through_another_adding_nothing_and_replace_clears_both_names(db, tmp_path):
+    """An export of this database imported elsewhere and brought back (its trials now under the imported name) holds
+    this database's own measurements: nothing is added. A --replace by such a file clears the study it measured
+    here as well as the imported one."""
+    for number in range(3):
+        trial(db, number)
+    with TuningDB(tmp_path / "b.sqlite") as other:
+        assert other.import_json(db.export_json()) == 3
+        back = other.export_json()
+    assert {row["study_name"] for row in back["trials"]} == {"study-imported"}
+    assert db.import_json(back) == 0
+    assert [(t.study_name, t.trial_number) for t in db.trials_in_studies("study")] == [("study", n) for n in range(3)]
+    with TuningDB(tmp_path / "c.sqlite") as retune, TuningDB(tmp_path / "d.sqlite") as colleague:
+        retune.record_trial(**KEY, bucket=64, study_name="study", trial_number=0, config=config(64), status="ok",
+                            time_ms=9.0, reason=None)
+        colleague.import_json(retune.export_json())
+        passed_on = colleague.export_json()
+    db.import_json(passed_on, replace=True)
+    assert [(t.study_name, t.config["block_m"], t.time_ms) for t in db.trials_in_studies("study")] == [
+        ("study-imported", 64, 9.0)]
+
+
 def test_an_import_takes_no_trial_number_of_a_study_being_tuned(db, tmp_path):
     """A tune numbers its study's trials as Optuna hands them out: an import of that study's trials from elsewhere,
     made while it runs, must leave those numbers free, or the tune's next write is refused and its trial lost."""

@@ -854,28 +854,30 @@ def test_processes_taking_queued_trials_never_take_one_twice(tmp_path):
     assert sorted(taken) == sorted({t._trial_id for t in study.get_trials(deepcopy=False)}), Counter(taken).most_common(3)
 
 
-def test_a_config_interrupted_again_and_again_stays_queued_where_one_that_keeps_dying_is_given_up():
-    """The retry callback's history counts a config's runs whose process died; interrupts are left out of it."""
+@pytest.mark.parametrize("runs, queued", [
+    ("IIIIIIII", 8), ("DDDD", 3), ("IDDDD", 4), ("DDDIIID", 6), ("DIDIDID", 6),
+])
+def test_an_interrupt_always_queues_its_config_again_and_only_deaths_count_toward_the_retries(runs, queued):
+    """I: the trial was interrupted (Ctrl-C); D: its process died (Optuna's retry callback queues it, at most
+    _RETRIES times). How many times in a row the config was queued again before it was given up."""
     from optuna.trial import TrialState
 
-    from tilegen.tuning.tuner import _RETRIES, _as_interrupted
+    from tilegen.tuning.tuner import _RETRIES, _requeue_interrupted
 
-    def runs_queued(interrupted: bool, times: int) -> int:
-        study = optuna.create_study()
-        retry = optuna.storages.RetryFailedTrialCallback(max_retry=_RETRIES)
-        study.enqueue_trial({"x": 3})
-        queued = 0
-        for _ in range(times):
-            trial = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
-            assert trial.params == {"x": 3}  # the queued config is what runs next
-            study.tell(trial, state=TrialState.FAIL)
-            frozen = study._storage.get_trial(trial._trial_id)
-            retry(study, _as_interrupted(frozen) if interrupted else frozen)
-            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-            if not waiting:
-                break
-            queued += 1
-        return queued
-
-    assert runs_queued(True, 8) == 8
-    assert runs_queued(False, 8) == _RETRIES
+    study = optuna.create_study()
+    retry = optuna.storages.RetryFailedTrialCallback(max_retry=_RETRIES)
+    study.enqueue_trial({"x": 3})
+    count = 0
+    for run in runs:
+        trial = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
+        assert trial.params == {"x": 3}  # the queued config is what runs next
+        study.tell(trial, state=TrialState.FAIL)
+        frozen = study._storage.get_trial(trial._trial_id)
+        if run == "I":
+            _requeue_interrupted(study, frozen)
+        else:
+            retry(study, frozen)
+        if not study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            break
+        count += 1
+    assert count == queued

@@ -23,6 +23,8 @@ __all__ = [
     "TunedRow",
     "TuningDB",
     "VariantRow",
+    "imported_study",
+    "measured_study",
     "studies_url",
     "tuned_rows",
 ]
@@ -37,6 +39,8 @@ _WHERE = {
     "TunedRow": "tilegen.db.rows",
     "VariantRow": "tilegen.db.rows",
     "TuningDB": "tilegen.db.store",
+    "imported_study": "tilegen.db.store",
+    "measured_study": "tilegen.db.store",
     "studies_url": "tilegen.db.store",
     "tuned_rows": "tilegen.db.lookup",
 }

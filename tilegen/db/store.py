@@ -348,8 +348,8 @@ class TuningDB:
                 values.update(config_json=_canonical(entry["config"]), provenance=provenance)
                 changed += _merge_best(session, key, values, replace=replace, recount=replace)
             if replace:
-                studies = {entry["study_name"] for entry in sections["trials"]}
-                studies |= {imported_study(name) for name in studies}
+                named = {entry["study_name"] for entry in sections["trials"]}
+                studies = {name for study in named for name in (measured_study(study), imported_study(study))}
                 if studies:
                     _delete(session, Trial, Trial.study_name.in_(studies))
             for entry in sections["trials"]:
@@ -358,8 +358,9 @@ class TuningDB:
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
                               provenance=provenance)
-                if _twin(session, {"study_name": entry["study_name"]}, values) is not None:
-                    continue  # measured here (an export of this database coming back)
+                if any(_twin(session, {"study_name": name}, values) is not None
+                       for name in (measured_study(entry["study_name"]), key["study_name"])):
+                    continue  # here already: measured here (an export of this database coming back), or imported
                 added = _insert_or_fetch(session, Trial, key, values)[1]
                 if not added and _twin(session, key, values) is None:
                     # The study was run again elsewhere, numbering from 0 (a re-tune into a fresh file): its
@@ -610,6 +611,11 @@ IMPORTED = "-imported"
 def imported_study(name: str) -> str:
     """The study an imported trial of study ``name`` is filed under: one no tune writes to."""
     return name if name.endswith(IMPORTED) else name + IMPORTED
+
+
+def measured_study(name: str) -> str:
+    """The study a tune measured the trials of study ``name`` in (an imported one's, before it was imported)."""
+    return name.removesuffix(IMPORTED)
 
 
 def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Trial | None:

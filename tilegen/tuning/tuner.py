@@ -48,7 +48,7 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tilegen import dispatch
-from tilegen.db import IMPORTED, DatabaseError, TrialRow
+from tilegen.db import DatabaseError, TrialRow, measured_study
 from tilegen.device import DeviceInfo
 from tilegen.families import Config, Family, Problem, family_of
 from tilegen.ir import Spec
@@ -68,8 +68,6 @@ HEARTBEAT_S = 20
 _GRACE_BEATS = 3
 #: A config whose trials keep dying (its process is killed each time) is queued again at most this often.
 _RETRIES = 3
-#: A queued trial's system attribute: the numbers of its config's earlier trials that an interrupt stopped.
-_INTERRUPTED = "tilegen_interrupted"
 #: How often a process that waits for trials running elsewhere looks again, in seconds.
 _POLL_S = 0.5
 #: The user attribute each trial carries: which host and process measured it.
@@ -556,7 +554,7 @@ class Tuner:
         storage = run.study._storage
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state == TrialState.FAIL and frozen.params:
-            self._retry(run.study, _as_interrupted(frozen))
+            _requeue_interrupted(run.study, frozen)
             log.debug("trial %d: interrupted; its config is queued again", trial.number)
 
     def _storage_failure(self, error: BaseException) -> DatabaseError | None:
@@ -675,7 +673,7 @@ class Tuner:
     def _rows(self, key: TuningKey, family: Family) -> dict[str, TrialRow]:
         """The key's trial rows (every run) by canonical config JSON; of a config stored twice, the last."""
         rows = (r for r in self.db.trials_in_studies(key.study_name)
-                if _run_index(key.study_name, r.study_name.removesuffix(IMPORTED)) is not None)
+                if _run_index(key.study_name, measured_study(r.study_name)) is not None)
         return {family.config_type.from_dict(row.config).to_json(): row for row in rows}
 
 
@@ -901,23 +899,20 @@ def _alive(trial: optuna.trial.FrozenTrial) -> bool:
         return True
 
 
-def _as_interrupted(frozen: optuna.trial.FrozenTrial) -> optuna.trial.FrozenTrial:
-    """``frozen``, an interrupted trial, as Optuna's retry callback should see it. The callback counts a config's
-    runs in its retry history and gives up after ``_RETRIES``, for a config whose process keeps dying; the earlier
-    runs an interrupt stopped are left out of that count (the fourth Ctrl-C of one trial had its config dropped
-    from the queue), and this one is marked as interrupted for the next time."""
-    attrs = dict(frozen.system_attrs)
-    interrupted = [*attrs.get(_INTERRUPTED, []), frozen.number]
-    attrs["retry_history"] = [n for n in attrs.get("retry_history", []) if n not in interrupted]
-    attrs[_INTERRUPTED] = interrupted
-    seen = copy.copy(frozen)
-    seen.system_attrs = attrs
-    return seen
+def _requeue_interrupted(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+    """Queue again the config of ``frozen``, a trial an interrupt stopped, as Optuna's retry callback queues a dead
+    process's trial (params, grid point and other system attributes copied; the worker label dropped, as
+    ``_unlabelled`` drops it), but without counting it: the callback's retry history, which gives a config up after
+    ``_RETRIES`` runs, is for runs whose process died (a fourth Ctrl-C of one trial dropped its config)."""
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.WAITING, params=frozen.params, distributions=frozen.distributions,
+        user_attrs={name: value for name, value in frozen.user_attrs.items() if name != WORKER_ATTR},
+        system_attrs={"failed_trial": frozen.number, **frozen.system_attrs}))
 
 
 def _run_index(base: str, name: str) -> int | None:
     """1 for the key's first study ``base``, k for ``base-run<k>``, None for another key's (and for one an import
-    filed, ``IMPORTED`` after a run's name: no tune writes to it)."""
+    filed, ``tilegen.db.IMPORTED`` after a run's name: no tune writes to it)."""
     if name == base:
         return 1
     suffix = name[len(base):] if name.startswith(base) else ""
