@@ -247,6 +247,12 @@ def test_a_databases_trials_come_back_through_another_adding_nothing_and_replace
     assert {row["study_name"] for row in back["trials"]} == {"study-imported"}
     assert db.import_json(back) == 0
     assert [(t.study_name, t.trial_number) for t in db.trials_in_studies("study")] == [("study", n) for n in range(3)]
+    # A tune confirming its winner times a trial again (same study, number and config): the export still carries
+    # the first time, and is still this database's own trial.
+    db.record_trial(**KEY, bucket=64, study_name="study", trial_number=2, config=config(64), status="ok",
+                    time_ms=7.0, reason=None)
+    assert db.import_json(back) == 0
+    assert [t.time_ms for t in db.trials_in_studies("study")] == [1.0, 2.0, 7.0]
     with TuningDB(tmp_path / "c.sqlite") as retune, TuningDB(tmp_path / "d.sqlite") as colleague:
         retune.record_trial(**KEY, bucket=64, study_name="study", trial_number=0, config=config(64), status="ok",
                             time_ms=9.0, reason=None)
@@ -263,7 +269,7 @@ def test_an_import_takes_no_trial_number_of_a_study_being_tuned(db, tmp_path):
     trial(db, 0)  # the live study's first trial; Optuna has handed out 1 and 2 already
     with TuningDB(tmp_path / "elsewhere.sqlite") as other:
         for number in range(4):
-            other.record_trial(**KEY, bucket=64, study_name="study", trial_number=number, config=config(16 << number),
+            other.record_trial(**KEY, bucket=64, study_name="study", trial_number=number, config=config(32 << number),
                                status="ok", time_ms=9.0 + number, reason=None)
         assert db.import_json(other.export_json()) == 4
     trial(db, 1)

@@ -358,8 +358,10 @@ class TuningDB:
                                                 "reason", "created_at")}
                 values.update(_entry_ids(entry, gpu_ids, variant_ids), config_json=_canonical(entry["config"]),
                               provenance=provenance)
-                if any(_twin(session, {"study_name": name}, values) is not None
-                       for name in (measured_study(entry["study_name"]), key["study_name"])):
+                measured = {"study_name": measured_study(entry["study_name"]), "trial_number": entry["trial_number"]}
+                if _same_trial(session, measured, values) or any(
+                        _twin(session, {"study_name": name}, values) is not None
+                        for name in (measured["study_name"], key["study_name"])):
                     continue  # here already: measured here (an export of this database coming back), or imported
                 added = _insert_or_fetch(session, Trial, key, values)[1]
                 if not added and _twin(session, key, values) is None:
@@ -616,6 +618,14 @@ def imported_study(name: str) -> str:
 def measured_study(name: str) -> str:
     """The study a tune measured the trials of study ``name`` in (an imported one's, before it was imported)."""
     return name.removesuffix(IMPORTED)
+
+
+def _same_trial(session: Session, key: dict[str, Any], values: dict[str, Any]) -> bool:
+    """Whether the study holds the trial of the key's number with the same config: the same trial, though a tune
+    may have timed it again since (confirming its bucket's winner) and an export still carries the first time."""
+    row = session.scalar(select(Trial).where(Trial.study_name == key["study_name"],
+                                             Trial.trial_number == key["trial_number"]))
+    return row is not None and row.config_json == values["config_json"]
 
 
 def _twin(session: Session, key: dict[str, Any], values: dict[str, Any]) -> Trial | None:

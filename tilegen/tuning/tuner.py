@@ -671,9 +671,11 @@ class Tuner:
         return {config: TrialResult.from_row(row, family.config_type) for config, row in rows.items()}
 
     def _rows(self, key: TuningKey, family: Family) -> dict[str, TrialRow]:
-        """The key's trial rows (every run) by canonical config JSON; of a config stored twice, the last."""
-        rows = (r for r in self.db.trials_in_studies(key.study_name)
-                if _run_index(key.study_name, measured_study(r.study_name)) is not None)
+        """The key's trial rows (every run) by canonical config JSON; of a config stored twice, the last, a trial
+        measured here after one imported (its time may be a confirmation's, newer than the export's)."""
+        rows = sorted((r for r in self.db.trials_in_studies(key.study_name)
+                       if _run_index(key.study_name, measured_study(r.study_name)) is not None),
+                      key=lambda r: r.study_name == measured_study(r.study_name))
         return {family.config_type.from_dict(row.config).to_json(): row for row in rows}
 
 
