@@ -268,14 +268,14 @@ def test_varlen_attention_with_mods_compiles_and_trains_as_eager(device, backend
 
 @pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])
 def test_varlen_mods_custom_op_passes_opcheck(device, trains):
-    from tilegen.mods.trace import bind_mods
+    from tilegen.mods.trace import CallRanges, bind_mods
     from tilegen.ops.varlen import _checked_ragged
 
     q, k, v, cu = _varlen(device)
     score_mod, mask_mod, slopes, _ = _mods("alibi+doc", device)
     q.requires_grad_(trains), slopes.requires_grad_(trains)
     spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu, cu, 12, 12, False, None, None, None, True)
-    mods = bind_mods(score_mod, mask_mod, q.device, {"b": 2, "h": 2, "q_idx": 12, "kv_idx": 12})
+    mods = bind_mods(score_mod, mask_mod, q.device, CallRanges(b=2, h=2, q_idx=12, kv_idx=12))
     args = (q, k, v, cu, cu, 12, 12, list(mods.tensors), 1, mods.score_mod, mods.mask_mod, spec.dv, spec.mask,
             spec.softcap, True, scale, softcap, left, right, False)
     torch.library.opcheck(torch.ops.tilegen.varlen_attention_mods_fwd.default, args)
@@ -283,14 +283,14 @@ def test_varlen_mods_custom_op_passes_opcheck(device, trains):
 
 @pytest.mark.parametrize("trains", [False, True], ids=["forward", "backward"])
 def test_mods_custom_op_passes_opcheck(device, trains):
-    from tilegen.mods.trace import bind_mods
+    from tilegen.mods.trace import CallRanges, bind_mods
     from tilegen.ops.attention import prepare_call
 
     q, k, v = _inputs(device)
     score_mod, mask_mod, slopes, _ = _mods("alibi+doc", device)
     q.requires_grad_(trains), slopes.requires_grad_(trains)
     spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
-    mods = bind_mods(score_mod, mask_mod, q.device, {"b": 1, "h": 2, "q_idx": 20, "kv_idx": 20})
+    mods = bind_mods(score_mod, mask_mod, q.device, CallRanges(b=1, h=2, q_idx=20, kv_idx=20))
     args = (q, k, v, list(mods.tensors), 1, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap, True,
             scale, softcap, left, right, False)
     torch.library.opcheck(torch.ops.tilegen.attention_mods_fwd.default, args)

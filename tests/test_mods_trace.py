@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tilegen.mods import library
-from tilegen.mods.trace import bind_mods, trace, traced
+from tilegen.mods.trace import CallRanges, bind_mods, trace, traced
 
-RANGES = {"b": 1, "h": 2, "q_idx": 33, "kv_idx": 33}
+RANGES = CallRanges(b=1, h=2, q_idx=33, kv_idx=33)
 
 
 def _bound_tensor(fn, kind="score_mod"):
@@ -84,7 +84,7 @@ def test_a_module_mod_binds_its_current_parameter():
     module.bias = torch.nn.Parameter(torch.ones(2, 4))
     assert _bound_tensor(module) is module.bias
     with pytest.raises(ValueError, match=r"'self\.bias' \(shape \(2, 4\)\), dim 0: h ranges over \[0, 2\]"):
-        bind_mods(module, None, torch.device("cpu"), {**RANGES, "h": 3})
+        bind_mods(module, None, torch.device("cpu"), RANGES._replace(h=3))
 
 
 def test_a_mod_reaching_an_object_it_cannot_follow_is_traced_at_every_call_with_one_warning():
@@ -162,7 +162,7 @@ def test_indices_in_range_and_unbounded_ones_pass():
     bind_mods(through_a_table, None, torch.device("cpu"), RANGES)
     bind_mods(library.relative_bias(torch.rand(2, 32)), None, torch.device("cpu"), RANGES)
     # No key: nothing reads the tensor, whatever the index.
-    bind_mods(relative, None, torch.device("cpu"), {**RANGES, "kv_idx": 0})
+    bind_mods(relative, None, torch.device("cpu"), RANGES._replace(kv_idx=0))
 
 
 @pytest.mark.parametrize("band, ok", [((None, 0), True), ((None, None), False), ((-3, 0), True), ((None, 2), False)],
@@ -175,7 +175,7 @@ def test_positions_a_built_in_mask_drops_are_not_checked(band, ok):
     def causal_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h, q_idx - kv_idx]
 
-    ranges = {**RANGES, "band": band}
+    ranges = RANGES._replace(band=band)
     if ok:
         bind_mods(causal_bias, None, torch.device("cpu"), ranges)
     else:
@@ -197,7 +197,7 @@ def test_a_where_is_checked_branch_by_branch():
     bind_mods(split, None, torch.device("cpu"), RANGES)
     bind_mods(unsplittable, None, torch.device("cpu"), RANGES)
     with pytest.raises(ValueError, match=r"where\(q_idx >= kv_idx, q_idx - kv_idx, 0\) ranges over \[0, 33\]"):
-        bind_mods(split, None, torch.device("cpu"), {**RANGES, "q_idx": 34, "kv_idx": 34})
+        bind_mods(split, None, torch.device("cpu"), RANGES._replace(q_idx=34, kv_idx=34))
 
 
 def test_the_cache_keeps_no_mod_alive():
@@ -281,7 +281,7 @@ def test_a_ragged_batch_of_unknown_diagonals_leaves_indices_of_both_positions_to
     def shifted(score, b, h, q_idx, kv_idx):
         return score + rel[q_idx - 3]
 
-    ranges = {"b": 2, "h": 2, "q_idx": 8, "kv_idx": 8, "band": "unknown"}
+    ranges = CallRanges(b=2, h=2, q_idx=8, kv_idx=8, band="unknown")
     bind_mods(relative, None, torch.device("cpu"), ranges)
     with pytest.raises(ValueError, match=r"q_idx - 3 ranges over \[-3, 4\]"):
         bind_mods(shifted, None, torch.device("cpu"), ranges)

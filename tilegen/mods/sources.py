@@ -19,9 +19,12 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from tilegen.mods.trace import CallRanges
 
 __all__ = ["ENV", "load", "build", "canonical_text", "export", "sources_for", "TuningMods", "tuning_mods"]
 
@@ -142,7 +145,7 @@ class TuningMods:
         return self._tables[key]
 
 
-def tuning_mods(spec, paths: tuple[str | None, str | None], ranges: dict[str, int], *, batch: int, heads: int,
+def tuning_mods(spec, paths: tuple[str | None, str | None], ranges: CallRanges, *, batch: int, heads: int,
                 n_q: int, n_k: int, device) -> TuningMods:
     """Import and build ``spec``'s mods for a problem of this shape; their indices are checked against
     ``ranges`` (the problem's roles) and their text against the spec's."""

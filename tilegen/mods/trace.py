@@ -21,13 +21,13 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
 
-__all__ = ["trace", "traced", "TracedMod", "ModCall", "bind_mods", "bind_traced", "locate", "fetch", "wants_grad",
-           "index_spans", "number_paths",
+__all__ = ["trace", "traced", "TracedMod", "ModCall", "CallRanges", "bind_mods", "bind_traced", "locate", "fetch",
+           "wants_grad", "index_spans", "number_paths",
            "ROLES", "DTYPE_NAMES"]
 
 #: The arguments of each kind of mod, by position (their names in the user's function do not matter).
@@ -73,16 +73,12 @@ class TracedMod:
     names: tuple[str, ...]
     checks: tuple[tuple[int, int, tuple], ...]
 
-    def check_ranges(self, ranges: dict[str, Any]) -> None:
+    def check_ranges(self, ranges: CallRanges) -> None:
         """Raise a ``ValueError`` naming the tensor and dimension that an index can leave at a position the call
-        computes: ``ranges`` holds each role's count and, as ``band``, the built-in mask's ``(low, high)`` bounds
-        on ``kv_idx - q_idx`` (None: unbounded), whose masked positions the mod's value does not reach, or
-        ``"unknown"`` where the call's (query, key) pairs are not known on the host (a ragged batch of
-        sequences with diagonals of their own): then an index that reads both positions is left unchecked."""
-        key = tuple(ranges.get(name) for name in ("b", "h", "q_idx", "kv_idx", "band"))
+        computes (``CallRanges``)."""
         # Under torch.compile, traced as the code it is (the sizes may be symbolic), not past the cache.
         spans = _index_spans if torch.compiler.is_compiling() else index_spans
-        for (t, dim, bound), span in zip(self.checks, spans(self.checks, key)):
+        for (t, dim, bound), span in zip(self.checks, spans(self.checks, ranges)):
             if span is None:  # no position reads the tensor there, or one the host cannot bound
                 continue
             size = self.tensors[t].shape[dim]
@@ -96,9 +92,23 @@ class TracedMod:
                                  f"outside [0, {size - 1}]")
 
 
-def _index_spans(checks: tuple, key: tuple) -> tuple:
+class CallRanges(NamedTuple):
+    """What a call's positions range over, for ``TracedMod.check_ranges``: each role's count, and as ``band`` the
+    built-in mask's ``(low, high)`` bounds on ``kv_idx - q_idx`` (``mask_band``; None: unbounded), whose masked
+    positions the mod's value does not reach, or ``"unknown"`` where the call's (query, key) pairs are not known
+    on the host (a ragged batch of sequences with diagonals of their own): then an index that reads both positions
+    is left unchecked."""
+
+    b: int
+    h: int
+    q_idx: int
+    kv_idx: int
+    band: tuple[int | None, int | None] | str | None = None
+
+
+def _index_spans(checks: tuple, ranges: CallRanges) -> tuple:
     """Each check's index range over the call's positions (``TracedMod.check_ranges``)."""
-    domain = _Domain(dict(zip(("b", "h", "q_idx", "kv_idx", "band"), key)))
+    domain = _Domain(ranges)
     return tuple(None if domain.empty else _interval(bound, domain) for _, _, bound in checks)
 
 
@@ -360,14 +370,14 @@ class _Domain:
     ``(u, v)`` are (+-1, 0), (0, +-1) or +-(1, -1) (the built-in masks, a ``where`` condition), so that its
     vertices are integer positions and a linear function's extremes over it are reached."""
 
-    def __init__(self, ranges: dict[str, Any], vertices=None):
+    def __init__(self, ranges: CallRanges, vertices=None):
         self.sizes = ranges
-        self.empty = any(ranges[role] <= 0 for role in ("b", "h", "q_idx", "kv_idx"))
-        self.pairs = ranges.get("band") != "unknown"  # whether the (q_idx, kv_idx) pairs are the polygon's
+        self.empty = min(ranges.b, ranges.h, ranges.q_idx, ranges.kv_idx) <= 0
+        self.pairs = ranges.band != "unknown"  # whether the (q_idx, kv_idx) pairs are the polygon's
         if vertices is None and not self.empty:
-            n_q, n_k = ranges["q_idx"] - 1, ranges["kv_idx"] - 1
+            n_q, n_k = ranges.q_idx - 1, ranges.kv_idx - 1
             vertices = [(0, 0), (n_q, 0), (n_q, n_k), (0, n_k)]
-            low, high = ranges.get("band") if self.pairs and ranges.get("band") else (None, None)
+            low, high = ranges.band if self.pairs and ranges.band else (None, None)
             for cut in ((-1, 1, high), (1, -1, None if low is None else -low)):
                 if cut[2] is not None:
                     vertices = _clip(vertices, *cut)
@@ -445,7 +455,7 @@ def _interval(bound: tuple, domain: _Domain) -> tuple[int, int] | None:
     if affine is not None:
         low = high = affine.get("", 0)
         for role in ("b", "h"):
-            reach = affine.get(role, 0) * (domain.sizes[role] - 1)
+            reach = affine.get(role, 0) * (getattr(domain.sizes, role) - 1)
             low, high = low + min(0, reach), high + max(0, reach)
         u, v = affine.get("q_idx", 0), affine.get("kv_idx", 0)
         if u and v and not domain.pairs:
@@ -936,13 +946,13 @@ class ModCall:
     mask_tensors: tuple[torch.Tensor, ...] = ()  # the mask mod's, the last of ``tensors``
 
 
-def bind_mods(score_mod, mask_mod, device: torch.device, ranges: dict[str, int]) -> ModCall:
+def bind_mods(score_mod, mask_mod, device: torch.device, ranges: CallRanges) -> ModCall:
     """Trace (or reuse) both mods and check them against a call: device of every captured tensor, index ranges."""
     return bind_traced([traced(fn, kind) if fn is not None else None
                         for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))], device, ranges)
 
 
-def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: dict[str, int]) -> ModCall:
+def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: CallRanges) -> ModCall:
     """``bind_mods`` of mods traced already (the score mod's, then the mask mod's; None where there is none)."""
     tensors: list[torch.Tensor] = []
     for mod in mods:

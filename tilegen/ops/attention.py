@@ -39,7 +39,7 @@ from tilegen.families.attention_fwd.masks import (
 )
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
+from tilegen.mods.trace import CallRanges, ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
@@ -193,7 +193,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
-    ranges = {"b": batch, "h": heads, "q_idx": n_q, "kv_idx": n_k, "band": mask_band(left, right, n_k - n_q)}
+    ranges = CallRanges(batch, heads, n_q, n_k, mask_band(left, right, n_k - n_q))
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic)

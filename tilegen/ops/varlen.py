@@ -39,7 +39,7 @@ from tilegen.families.attention_fwd.masks import (
 from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.ir import SpecError
 from tilegen.mods.blocks import block_table
-from tilegen.mods.trace import ModCall, bind_mods, bind_traced, wants_grad
+from tilegen.mods.trace import CallRanges, ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
@@ -253,8 +253,8 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
                                 scale=scale, return_lse=return_lse, out=out, deterministic=deterministic,
                                 score_mod=score_mod, mask_mod=mask_mod)
     # Each sequence has a diagonal of its own, which the host knows only where its queries are its keys.
-    ranges = {"b": cu_q.numel() - 1, "h": q.shape[1], "q_idx": max_q, "kv_idx": max_k,
-              "band": mask_band(checked[1], checked[2]) if cu_q is cu_k else "unknown"}
+    ranges = CallRanges(cu_q.numel() - 1, q.shape[1], max_q, max_k,
+                        mask_band(checked[1], checked[2]) if cu_q is cu_k else "unknown")
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return_lse, out, deterministic)
@@ -634,8 +634,8 @@ def paged_mods(spec, score_mod, mask_mod, device: torch.device, batch: int, head
     """A paged plan's mods: the spec with their texts and their captured tensors, indices checked against
     the ranges of the paged positions (``q_idx`` and ``kv_idx`` both below the longest sequence, the key within
     ``window``'s ``(left, right)`` of the query's position)."""
-    mods = bind_mods(score_mod, mask_mod, device, {"b": batch, "h": heads_q, "q_idx": max_seqlen_k,
-                                                   "kv_idx": max_seqlen_k, "band": mask_band(*window)})
+    mods = bind_mods(score_mod, mask_mod, device, CallRanges(batch, heads_q, max_seqlen_k, max_seqlen_k,
+                                                             mask_band(*window)))
     return with_mod_fields(spec, mods.score_mod, mods.mask_mod), mods.tensors
 
 

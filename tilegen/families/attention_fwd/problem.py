@@ -13,6 +13,7 @@ from tilegen.families.attention_fwd.masks import launch_window, mask_band
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.mods.sources import sources_for, tuning_mods
+from tilegen.mods.trace import CallRanges
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["Problem", "attention_flops", "visible_pairs"]
@@ -108,8 +109,7 @@ class Problem(base.Problem):
         """The spec's mods built for this problem (``tilegen.mods.sources``), or ``None`` without mods."""
         if self.mods == (None, None):
             return None
-        ranges = {"b": self.batch, "h": self.heads_q, "q_idx": self.seq, "kv_idx": self.seq,
-                  "band": mask_band(*self.bounds)}
+        ranges = CallRanges(self.batch, self.heads_q, self.seq, self.seq, mask_band(*self.bounds))
         return tuning_mods(self.spec, self.mods, ranges, batch=self.batch, heads=self.heads_q, n_q=self.seq,
                            n_k=self.seq, device=device)
 

@@ -19,6 +19,7 @@ from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.families.attention_varlen.reference import gather_pages, varlen_reference
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
 from tilegen.mods.sources import sources_for, tuning_mods
+from tilegen.mods.trace import CallRanges
 from tilegen.triton_internals.launch import Launcher
 
 __all__ = ["VarlenProblem", "ragged_lengths"]
@@ -105,8 +106,8 @@ class VarlenProblem(base.Problem):
         if self.mods != (None, None):
             device = inputs["q"].device
             n_q, n_k = max(self.q_lens), max(self.k_lens)
-            ranges = {"b": len(self.k_lens), "h": self.heads_q, "q_idx": n_k if self.paged_positions else n_q,
-                      "kv_idx": n_k, "band": self._band()}
+            ranges = CallRanges(len(self.k_lens), self.heads_q, n_k if self.paged_positions else n_q, n_k,
+                                self._band())
             inputs["mods"] = tuning_mods(self.spec, self.mods, ranges, batch=len(self.k_lens), heads=self.heads_q,
                                          n_q=n_q, n_k=n_k, device=device)
         return inputs
