@@ -4,6 +4,7 @@ that imports them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -31,6 +32,13 @@ def fail(message: str) -> NoReturn:
     line = "".join(c if c.isprintable() else "?" for c in " ".join(message.split()))
     typer.echo(f"error: {line}", err=True)
     raise typer.Exit(USAGE_ERROR)
+
+
+def refuse_folder(source: str, path: Path) -> None:
+    """End the command, naming ``source`` (an option, or TILEGEN_DB), when ``path``, where a database file is
+    wanted, is a folder."""
+    if path.is_dir():
+        fail(f"{source}: {path} is a folder; give the database file, e.g. {path / 'tuning.sqlite'}")
 
 
 @app.callback()

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from tilegen import env
 from tilegen.version import __version__
-from tilegen.cli.app import app, fail
+from tilegen.cli.app import app, fail, refuse_folder
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB
 from tilegen.db.location import is_url
 from tilegen.db.validate import safe_text
@@ -86,9 +86,7 @@ def _path(ctx: typer.Context, db: str | None) -> Path | _Server:
     if is_url(chosen):
         return _Server(chosen)
     chosen = Path(chosen)
-    if chosen.is_dir():
-        source = "--db" if db is not None or ctx.obj is not None else "TILEGEN_DB"
-        fail(f"{source}: {chosen} is a folder; give the database file, e.g. {chosen / 'tuning.sqlite'}")
+    refuse_folder("--db" if db is not None or ctx.obj is not None else "TILEGEN_DB", chosen)
     return chosen
 
 

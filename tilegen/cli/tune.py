@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from tilegen import env
-from tilegen.cli.app import app, fail
+from tilegen.cli.app import app, fail, refuse_folder
 from tilegen.cli.spec_args import MOD_HELP, takes_specs, with_mods
 from tilegen.device import device_info, host_gpu_models
 from tilegen.families import BUILTIN, families, family_of
@@ -176,8 +176,7 @@ def check_db_option(db: str | None) -> str | Path | None:
             fail(f"--db: {e}")
         return db
     path = Path(db)
-    if path.is_dir():
-        fail(f"--db: {path} is a folder; give the database file, e.g. {path / 'tuning.sqlite'}")
+    refuse_folder("--db", path)
     return path
 
 
