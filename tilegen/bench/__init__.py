@@ -5,6 +5,14 @@ import contextlib
 from unittest import mock
 
 
+def require_gpu(name: str) -> None:
+    """Refuse, in one line, to run benchmark ``name`` (its module's name) where there is no CUDA GPU to time."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name} times CUDA kernels; run it on a GPU")
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend; ``None`` where matplotlib is not
     installed (the benchmarks' plots are optional)."""

@@ -32,7 +32,7 @@ import triton
 
 import tilegen
 from tilegen import dispatch
-from tilegen.bench import pyplot
+from tilegen.bench import pyplot, require_gpu
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
@@ -352,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             configs = [registry.get("attention_fwd").config_type.from_dict(c) for c in json.loads(args.configs)]
         except (ValueError, TypeError, AttributeError) as e:
             parser.error(f"--configs: expected a JSON list of attention_fwd knob objects: {e}")
-    if not torch.cuda.is_available():
-        raise SystemExit("tilegen.bench.attention times CUDA kernels; run it on a GPU")
+    require_gpu("tilegen.bench.attention")
     dispatch.reset()
     cases = [
         Case(int(n), d, m == "causal", int(h), dt, dv, args.softcap)

@@ -32,6 +32,7 @@ import triton
 import tilegen
 from tilegen import dispatch
 from tilegen.families import relative_error
+from tilegen.bench import require_gpu
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CASES = [(64, 32768, 1024), (8, 32768, 1024), (64, 4096, 256)]
@@ -164,8 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-unshared", action="store_true", help="skip the batches that share nothing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tilegen.bench.cascade times CUDA kernels; run it on a GPU")
+    require_gpu("tilegen.bench.cascade")
     configs = [_parse_config(c) for c in args.configs.split(",") if c]
     rows = []
     for text in args.cases.split(","):

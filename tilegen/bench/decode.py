@@ -42,6 +42,7 @@ import tilegen
 from tilegen.families import relative_error
 from tilegen.dtypes import FP8_MAX, KV_DTYPES
 from tilegen.families.attention_decode.spec import MAX_Q_TOKENS
+from tilegen.bench import require_gpu
 
 HQ, HKV, D = 32, 8, 128
 CASES = [(64, 4096, 16), (256, 1024, 16), (1, 131072, 16), (4, 65536, 16), (64, 4096, 1)]
@@ -212,8 +213,7 @@ def main(argv=None) -> None:
         parser.error("--padded: a bf16 decoding step of one query token; --q-tokens and --kv-dtype do not apply")
     if kv_dtypes and tokens != [1]:
         parser.error("--kv-dtype: FP8 pages are measured on the paged decode of one query token (--q-tokens 1)")
-    if not torch.cuda.is_available():
-        raise SystemExit("tilegen.bench.decode times CUDA kernels; run it on a GPU")
+    require_gpu("tilegen.bench.decode")
     contiguous = list(dict.fromkeys((batch, ctx, None) for batch, ctx, _ in CASES))
     if args.padded:
         runs = [functools.partial(padded_case, batch, ctx) for batch, ctx, _ in contiguous]

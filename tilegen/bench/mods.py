@@ -27,7 +27,7 @@ import triton
 
 import tilegen
 from tilegen.families import relative_error
-from tilegen.bench import forced_config, pyplot
+from tilegen.bench import forced_config, pyplot, require_gpu
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.mods import library
 
@@ -277,8 +277,7 @@ def main(argv=None) -> None:
                         help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
                              "scale with it)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tilegen.bench.mods times CUDA kernels; run it on a GPU")
+    require_gpu("tilegen.bench.mods")
     if args.seqlen < 1 or args.seqlen > B * N:
         parser.error(f"--seqlen: expected 1 to {B * N}, got {args.seqlen}")
     B, N = B * N // args.seqlen, args.seqlen

@@ -29,6 +29,7 @@ import triton
 
 import tilegen
 from tilegen.families import family_of, relative_error
+from tilegen.bench import require_gpu
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -229,8 +230,7 @@ def main(argv=None) -> None:
     parser.add_argument("--parts", default="ragged,equal,paged")
     parser.add_argument("--page-sizes", default="16", help="page sizes of the paged part, comma-separated")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tilegen.bench.serving times CUDA kernels; run it on a GPU")
+    require_gpu("tilegen.bench.serving")
     rows = []
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     parts = {
