@@ -767,10 +767,15 @@ def _unlabelled(retry):
 
     def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         trial = copy.copy(trial)
-        trial.user_attrs = {name: value for name, value in trial.user_attrs.items() if name != WORKER_ATTR}
+        trial.user_attrs = _unlabelled_attrs(trial)
         retry(study, trial)
 
     return requeue
+
+
+def _unlabelled_attrs(trial: optuna.trial.FrozenTrial) -> dict:
+    """A trial's user attributes but the worker label, for a queued copy of it."""
+    return {name: value for name, value in trial.user_attrs.items() if name != WORKER_ATTR}
 
 
 class _Knobs:
@@ -908,7 +913,7 @@ def _requeue_interrupted(study: optuna.Study, frozen: optuna.trial.FrozenTrial) 
     ``_RETRIES`` runs, is for runs whose process died (a fourth Ctrl-C of one trial dropped its config)."""
     study.add_trial(optuna.trial.create_trial(
         state=TrialState.WAITING, params=frozen.params, distributions=frozen.distributions,
-        user_attrs={name: value for name, value in frozen.user_attrs.items() if name != WORKER_ATTR},
+        user_attrs=_unlabelled_attrs(frozen),
         system_attrs={"failed_trial": frozen.number, **frozen.system_attrs}))
 
 
