@@ -31,9 +31,6 @@ from tilegen.triton_internals.interpreter import mend_on_import_source
 _MEND_ON_IMPORT = """
 
 # ---- Written by `tilegen emit` ---------------------------------------------------------------
-# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come out wrong
-# (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each bug that the installed
-# Triton shows when this module is imported.
 import os
 
 

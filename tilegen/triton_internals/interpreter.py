@@ -64,7 +64,10 @@ def mend_on_import_source() -> str:
     """Python source defining ``mend_interpreter`` and calling it when imported under the interpreter: what
     ``tilegen emit`` writes into a module that may run where tilegen is not there to mend Triton (the module
     imports ``os``)."""
-    return (inspect.getsource(mend_interpreter)
+    return ("# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come out wrong\n"
+            "# (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each bug that the installed\n"
+            "# Triton shows when this module is imported.\n"
+            + inspect.getsource(mend_interpreter)
             + '\n\nif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):\n    mend_interpreter()\n')
 
 

@@ -100,9 +100,6 @@ _STANDALONE = string.Template('''
 # tuned, else of the tuned bucket nearest to it (nearest_bucket), else the heuristic default
 # of DEFAULTS, a list of (largest bucket, config) ending in None: the rules and the code of
 # tilegen's own dispatch.
-# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come
-# out wrong (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each
-# bug that the installed Triton shows when this module is imported.
 import math
 import os
 
