@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import tilegen
 from tilegen.codegen import module_for
-from tilegen.device import device_info
+from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.families.attention_bwd import AttentionBwdSpec, Config
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
 from tilegen.families.attention_bwd.config import feasible
@@ -229,7 +229,7 @@ def test_deterministic_config_drops_atomics():
     # The dK/dV kernel keeps its tiles; a dQ kernel of its own takes the atomics' place.
     assert (det.block_m1, det.block_n1, det.num_warps1, det.num_stages1) == (
         atomic.block_m1, atomic.block_n1, atomic.num_warps1, atomic.num_stages1)
-    assert feasible(AttentionBwdSpec(head_dim=16), det, device_info(torch.device("cpu"))) is None
+    assert feasible(AttentionBwdSpec(head_dim=16), det, CPU_INTERPRETER) is None
     assert deterministic_config(CONFIGS["separate-dq"]) == CONFIGS["separate-dq"]
 
 
@@ -261,7 +261,7 @@ def test_output_plus_input_gradient(device):
     case = Case(20, dtype="fp32", head_dim=16, causal=True)
     q, k, v = leaf_inputs(case, device)
     (tilegen.attention(q, k, v, causal=True) + q).sum().backward()
-    ones = torch.ones(q.shape[:3] + (v.shape[3],), dtype=torch.float64)
+    ones = torch.ones(q.shape[:3] + (v.shape[3],), dtype=torch.float64, device=device)
     dq_ref, dk_ref, dv_ref = attention_backward_reference(q.detach(), k.detach(), v.detach(), ones, causal=True)
     check_grads((q.grad, k.grad, v.grad), (dq_ref + 1, dk_ref, dv_ref), torch.float32)
 
@@ -274,7 +274,8 @@ def test_non_contiguous_grad_output(device):
     # [b, h, d, n] transposed: the head dim is not unit-stride.
     dout = torch.randn(out.shape[0], out.shape[1], out.shape[3], out.shape[2], generator=gen).transpose(2, 3)
     assert not dout.is_contiguous()
-    out.backward(dout.to(device))
+    dout = dout.to(device)
+    out.backward(dout)
     refs = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, window=(4, 3))
     check_grads((q.grad, k.grad, v.grad), refs, torch.float32)
 

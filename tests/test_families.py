@@ -280,7 +280,9 @@ def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_an_installed_family_tunes_lists_shows_verifies_emits_and_dispatches_with_no_register_call(tmp_path):
     site = _installed(tmp_path / "site", row_softmax="row_softmax_family:FAMILY")
     db = tmp_path / "tuning.sqlite"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(EXAMPLE), str(ROOT)]), "TILEGEN_DB": str(db)}
+    # Paths already on PYTHONPATH (packages installed there) stay after the family's.
+    path = [str(site), str(EXAMPLE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TILEGEN_DB": str(db)}
     spec = SPEC.to_json()
     tuned = _run("-m", "tilegen", "tune", "--spec", spec, "--sizes", "40", "--trials", "2", env=env)
     assert "stored in" in tuned.stderr
