@@ -9,8 +9,10 @@ of 1, page_size - 1, page_size + 1 and more tokens, pages shuffled, every unused
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -112,6 +114,11 @@ def test_chunked_queries_over_levels(causal, device):
     # 30 x 3 rows of sequence 4: two tiles of the last level, the first ending mid-token at key block 32
     qo_lens = [3, 5, 1, 4, 30, 0, 2]
     levels = tilegen.cascade_levels(cache, qo_lens, causal=causal)
+    # The lengths as a tensor or a NumPy array say the same.
+    for same in (torch.tensor(qo_lens), np.array(qo_lens)):
+        again = tilegen.cascade_levels(cache, same, causal=causal)
+        assert [[t.tolist() for t in dataclasses.astuple(level)] for level in again] == \
+            [[t.tolist() for t in dataclasses.astuple(level)] for level in levels]
     heads_q = 6 if causal else 4  # 3 query heads per KV head: a tile's rows end mid-token
     q = _randn(gen, sum(qo_lens), heads_q, DIM, dtype=torch.float32, device=device)
     cascade = tilegen.CascadeAttention()

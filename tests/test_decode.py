@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -195,6 +196,8 @@ def test_decode_bad_input_names_the_argument(device):
         decode.run(torch.randn(2, 4, 32, device=device), cache)
     with pytest.raises(ValueError, match="heads_q"):
         decode.plan(cache, heads_q=3)
+    with pytest.raises(TypeError, match=r"heads_q: expected a Python int .*, got (np\.int64\()?4\)? of type int64"):
+        decode.plan(cache, heads_q=np.int64(4))
     with pytest.raises(ValueError, match="num_splits"):
         decode.plan(cache, heads_q=4, num_splits=0)
     with pytest.raises(TypeError, match="cache"):

@@ -97,6 +97,23 @@ def test_the_cases_row_by_row(device):
                                                        device=device), rtol=1e-6, atol=0)
 
 
+def test_a_nan_or_inf_lse_gives_a_nan_row_and_leaves_the_others(device):
+    """A NaN or +inf LSE on either side is no weight to merge by: its row is NaN, o and lse, as the reference's."""
+    o_a, lse_a, o_b, lse_b = make_parts((6, 2, 8), torch.float32, device, seed=2)
+    lse_a, lse_b = lse_a.clone(), lse_b.clone()
+    lse_a[0, 0], lse_b[1, 1], lse_a[2, 0], lse_a[3, 1], lse_b[3, 1] = math.nan, math.nan, math.inf, math.inf, math.inf
+    lse_a[4, 0], lse_b[4, 0] = math.nan, NEG_INF
+    bad = torch.zeros(6, 2, dtype=torch.bool)
+    bad[0, 0] = bad[1, 1] = bad[2, 0] = bad[3, 1] = bad[4, 0] = True
+    o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+    ref, ref_lse = merge_reference(o_a, lse_a, o_b, lse_b)
+    assert torch.isnan(ref[bad]).all() and torch.isnan(ref_lse[bad]).all()
+    assert torch.isnan(o[bad]).all() and torch.isnan(lse[bad]).all()
+    good = ~bad.to(device)
+    assert not torch.isnan(o[good]).any() and not torch.isnan(lse[good]).any()
+    assert relative_error(o[good], ref[good])[0] < TOL[torch.float32]
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # inf * 0, discarded
 def test_a_side_that_saw_no_key_weighs_nothing_whatever_its_o_holds(device):
     parts = make_parts((9, 3, 16), torch.bfloat16, device, seed=4)

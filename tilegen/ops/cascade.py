@@ -239,7 +239,8 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
     if qo_lens is None:
         q = [1] * batch
     else:
-        q = qo_lens.tolist() if isinstance(qo_lens, torch.Tensor) else list(qo_lens)
+        # A tensor's or an array's tolist gives Python ints; a list of NumPy integers is refused below.
+        q = qo_lens.tolist() if hasattr(qo_lens, "tolist") else list(qo_lens)
         if len(q) != batch or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in q):
             raise ValueError(f"qo_lens: expected {batch} ints >= 0 (one per sequence), got {q!r}")
         if any(n > k for n, k in zip(q, lens)):

@@ -295,7 +295,10 @@ def check_heads_q(cache: PagedKVCache, heads_q) -> None:
     """``heads_q``, as a plan over ``cache`` takes it: a positive multiple of the cache's KV heads."""
     if cache.kv_heads == 0:
         raise ValueError(f"cache: no KV head (k_pages of shape {tuple(cache.k_pages.shape)}); expected at least one")
-    if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1 or heads_q % cache.kv_heads:
+    if isinstance(heads_q, bool) or not isinstance(heads_q, int):
+        raise TypeError(f"heads_q: expected a Python int (a positive multiple of the cache's {cache.kv_heads} KV "
+                        f"heads), got {heads_q!r} of type {type(heads_q).__qualname__}")
+    if heads_q < 1 or heads_q % cache.kv_heads:
         raise ValueError(f"heads_q: expected a positive multiple of the cache's {cache.kv_heads} KV heads, "
                          f"got {heads_q!r}")
 
