@@ -302,7 +302,7 @@ def test_an_installed_family_tunes_lists_shows_verifies_emits_and_dispatches_wit
         "from tilegen.device import device_info\n"
         "choice = dispatch.table_for(RowSoftmaxSpec(dtype='fp32'), device_info()).choose(40)\n"
         f"assert (choice.bucket, choice.source) == (64, {str(db)!r}), choice\n"
-        "x = torch.randn(3, 40)\n"
+        "x = torch.randn(3, 40, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
         "torch.testing.assert_close(row_softmax(x), torch.softmax(x, -1))\n"
         "print('ok')\n"
     )

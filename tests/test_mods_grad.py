@@ -167,6 +167,24 @@ def test_varlen_gradients_per_sequence(deterministic, device):
         assert _error(g, r) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("rank", [3, 4])
+def test_a_captured_tensor_of_three_or_four_dims_takes_its_gradient_at_each_element(rank, device):
+    """The gradient's flat offset nests each dimension in the one before it (((i0 n1 + i1) n2 + i2) n3 + i3): every
+    index varies, so an element added at another's offset fails."""
+    gen = torch.Generator().manual_seed(rank)
+    if rank == 3:
+        bias = torch.randn(2, 3, 9, generator=gen).to(device).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h, kv_idx]
+    else:
+        bias = torch.randn(2, 3, 5, 9, generator=gen).to(device).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h, q_idx, kv_idx]
+    _check_dense(score_mod, None, [bias], 2, 3, 1, 5, 9, torch.float32, device)
+
+
 def test_a_captured_tensor_alone_takes_a_gradient(device):
     """Q, K and V frozen, the bias table learned: the call still differentiates, to the table only."""
     table = torch.randn(2, 8, device=device).requires_grad_()

@@ -166,7 +166,7 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
                 # int64 from the first dimension on; per score, a block of the scores' shape, as the atomic's pointer
                 # must be.
                 if dim:
-                    offset = f"{offset} * {t}_n{dim} + {x_ref}"
+                    offset = f"({offset}) * {t}_n{dim} + {x_ref}"
                 elif one:
                     offset = x_ref if _is_number(x) else f"{x_ref}.to(tl.int64)"
                 else:
