@@ -191,15 +191,18 @@ def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
     (lambda s, b, h, q, k: s + _TABLE[h], "score_mod", ValueError, "'_TABLE'.*one integer expression per dim"),
     (lambda s, b, h, q, k: s + _TABLE[h, q * 0.5], "score_mod", ValueError, "not an integer"),
     (lambda s, b, h, q, k: s * _TABLE, "score_mod", ValueError, "without indexing"),
+    (lambda s, b, h, q, k: s * _SCALAR, "score_mod", ValueError, r"'_SCALAR' has no dimension.*read z\[0\]"),
+    (lambda s, b, h, q, k: s * _SCALAR[()], "score_mod", ValueError, r"has no dimension.*read z\[0\]"),
     (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
 ], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
-        "partial-index", "float-index", "bare-tensor", "arity"])
+        "partial-index", "float-index", "bare-tensor", "zero-dim-tensor", "zero-dim-tensor-indexed", "arity"])
 def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
     with pytest.raises(error, match=needle):
         trace(fn, kind)
 
 
 _TABLE = torch.rand(2, 5)
+_SCALAR = torch.tensor(0.5)
 
 
 def test_bad_calls_are_refused_before_any_kernel_runs(device):
@@ -548,3 +551,39 @@ def test_a_mask_mod_over_no_keys_or_no_queries(n_q, n_k, device):
     q, k, v = _inputs(1, 2, 2, n_q, n_k, torch.float32, device)
     out, lse = tilegen.attention(q, k, v, mask_mod=library.sliding_window(3), return_lse=True)
     assert out.shape == (1, 2, n_q, D) and (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_explain_names_the_config_a_call_with_mods_runs(device, tmp_path, monkeypatch):
+    """The mod spec's row where it has one, the built-in's for a mod that is a built-in option, and the backward's."""
+    import triton
+
+    from tilegen import dispatch
+    from tilegen.codegen.render import template_hash
+    from tilegen.db import TuningDB
+    from tilegen.device import device_info
+    from tilegen.families import get
+    from tilegen.ops.attention import prepare_call
+    from tilegen.ops.memo import with_mod_fields
+
+    family = get("attention_fwd")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).to(device) for _ in range(3))
+    alibi = library.alibi(torch.rand(2, device=device))
+    spec = with_mod_fields(prepare_call(q, k, v, False, None, None, None, False)[0],
+                           traced(alibi, "score_mod").canonical, None)
+    bucket = family.buckets.of(40)
+    default = family.default_config(spec, device_info(), bucket)
+    tuned = next(c for c in family.candidates(spec, device_info()) if c != default)
+    with TuningDB(tmp_path / "rows.sqlite") as db:
+        db.record_best(spec=spec, device=device_info(), template_hash=template_hash(family),
+                       triton_version=triton.__version__, bucket=bucket, config=tuned.to_dict(), time_ms=0.001,
+                       max_error=0.0, trials=1)
+    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "rows.sqlite"))
+    dispatch.reset()
+    choice = tilegen.explain(q, k, v, score_mod=alibi)
+    assert choice.config == tuned and choice.source == str(tmp_path / "rows.sqlite")
+    assert tilegen.explain(q, k, v).config == default
+    assert tilegen.explain(q, k, v, mask_mod=library.causal()) == tilegen.explain(q, k, v, causal=True)
+    from tilegen.families.attention_bwd import Config as BackwardConfig
+
+    assert isinstance(tilegen.explain(q, k, v, score_mod=alibi, backward=True).config, BackwardConfig)

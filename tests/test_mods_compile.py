@@ -320,6 +320,35 @@ def test_a_number_the_mod_reads_changed_later_compiles_again(device):
         _FACTOR = 0.5
 
 
+def _factor_of(score):
+    return score * _FACTOR
+
+
+def test_a_number_read_by_a_helper_or_a_default_changed_later_compiles_again(device):
+    """A helper's global and a default argument are guarded as the mod's own global is."""
+
+    def through_helper(score, b, h, q_idx, kv_idx):
+        return _factor_of(score)
+
+    def with_default(score, b, h, q_idx, kv_idx, factor=0.5):
+        return score * factor
+
+    global _FACTOR
+    q, k, v = _inputs(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, mod: tilegen.attention(q, k, v, score_mod=mod), fullgraph=True,
+                             backend="eager")
+    try:
+        for value in (0.5, 3.0):
+            _FACTOR = value
+            with_default.__defaults__ = (value,)
+            for mod in (through_helper, with_default):
+                ref, _ = attention_reference(q, k, v, score_mod=mod)
+                assert relative_error(compiled(q, k, v, mod), ref)[0] < 1e-4, (mod.__name__, value)
+    finally:
+        _FACTOR = 0.5
+
+
 def test_a_mod_compiles_again_for_another_length(device):
     """A second length recompiles (its sizes may be symbolic): the range check is traced, not a constant."""
     table = torch.rand(2, device=device)

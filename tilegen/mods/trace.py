@@ -220,8 +220,12 @@ def trace(fn: Callable, kind: str) -> TracedMod:
             _fail(kind, f"{node.target}: keyword arguments {sorted(kwargs)} are not supported")
         for a in args[1:] if op == "getitem" else args:
             if isinstance(a, fx.Node) and a.op == "get_attr":
-                _fail(kind, f"captured tensor {_name_of(fn, tensors[attr_index[a.target]])!r} is used without "
-                            "indexing; index it with one expression per dimension", ValueError)
+                t = tensors[attr_index[a.target]]
+                if t.dim() == 0:  # z and z[()] alike: indexing a real tensor in the mod gives a new one
+                    _fail(kind, f"captured tensor {_name_of(fn, t)!r} has no dimension, and captured tensors are "
+                                "read by index: capture it with one element (z.reshape(1)) and read z[0]", ValueError)
+                _fail(kind, f"captured tensor {_name_of(fn, t)!r} is used without indexing; index it with one "
+                            "expression per dimension", ValueError)
         try:
             result = _run_meta(op, [meta[a] if isinstance(a, fx.Node) else a for a in args])
         except Exception as e:
@@ -591,7 +595,11 @@ def _captured_values(fn, depth: int = 0, path: tuple = ()):
             yield from _captured_values(value, depth + 1, step)
     for name in code.co_names:
         if name in fn.__globals__:
-            yield name, fn.__globals__[name], (*path, ("global", name))
+            value = fn.__globals__[name]
+            step = (*path, ("global", name))
+            yield name, value, step
+            if callable(value) and depth < 2:  # a helper named as a global: its own globals and cells
+                yield from _captured_values(value, depth + 1, step)
     defaults = fn.__defaults__ or ()
     for i, value in enumerate(defaults):
         yield code.co_varnames[code.co_argcount - len(defaults) + i], value, (*path, ("default", i))
@@ -613,7 +621,7 @@ def number_paths(fn) -> tuple[tuple[tuple, Any], ...]:
     are left out: Dynamo cannot read the cells of a function made inside the compiled region."""
     found = ((_followable(fn, path), value) for _, value, path in _captured_values(fn)
              if type(value) in (bool, int, float, str))
-    return tuple((path, value) for path, value in found if path[-1][0] == "module")
+    return tuple((path, value) for path, value in found if path[-1][0] in ("module", "default"))
 
 
 def _followable(fn, path: tuple) -> tuple:

@@ -435,22 +435,46 @@ def _check_out(out, shape, q) -> None:
 
 
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
-            backward=False) -> dispatch.Choice:
+            backward=False, score_mod=None, mask_mod=None) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
     ``backward=True``: the config its backward runs. A call that trains (an input requires grad, grad mode on)
-    runs the forward that also writes the LSE its backward reads: that variant's config is the one shown."""
+    runs the forward that also writes the LSE its backward reads: that variant's config is the one shown.
+    With mods, the mod spec's (or, for a mod that is a built-in option, the built-in's)."""
     check_bool("backward", backward)
     check_bool("return_lse", return_lse)
     try:
         return_lse = return_lse or ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
     except AttributeError:  # not tensors: the checks say which
         pass
+    if score_mod is not None or mask_mod is not None:
+        return _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, score_mod, mask_mod)
     if backward:
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                                            "dense")
         return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]))
     return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
+
+
+def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, score_mod, mask_mod):
+    """``explain`` of a call with mods, choosing as ``_with_mods`` and ``_launch_with_mods`` do."""
+    given = scale, softcap
+    spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
+    absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2])
+    if absorbed[3:] != (score_mod, mask_mod):
+        causal, window, softcap, score_mod, mask_mod = absorbed
+        return explain(q, k, v, causal=causal, window=window, softcap=softcap, scale=given[0], return_lse=return_lse,
+                       backward=backward, score_mod=score_mod, mask_mod=mask_mod)
+    batch, heads, n_q, _ = q.shape
+    n_k = k.shape[2]
+    ranges = CallRanges(batch, heads, n_q, n_k, mask_band(left, right, n_k - n_q))
+    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
+    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
+    trains = wants_grad(q, k, v, mods.tensors)
+    if backward:
+        bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, False)
+        return attention_grad.explain_backward(bwd, q.device, max(n_q, n_k))
+    return dispatch.table_on(spec.replace(return_lse=True) if trains else spec, q.device).choose(max(n_q, n_k))
 
 
 def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic):
