@@ -324,8 +324,17 @@ def _factor_of(score):
     return score * _FACTOR
 
 
-def test_a_number_read_by_a_helper_or_a_default_changed_later_compiles_again(device):
-    """A helper's global and a default argument are guarded as the mod's own global is."""
+class _Settings:
+    FACTOR = 0.5
+
+
+_SETTINGS = _Settings()
+_TABLE = {"factor": 0.5}
+
+
+def test_a_number_read_by_a_helper_a_default_an_attribute_or_an_item_changed_later_compiles_again(device):
+    """A helper's global, a default argument, an object's or a class's attribute and a dict's item are guarded as
+    the mod's own global is."""
 
     def through_helper(score, b, h, q_idx, kv_idx):
         return _factor_of(score)
@@ -333,20 +342,29 @@ def test_a_number_read_by_a_helper_or_a_default_changed_later_compiles_again(dev
     def with_default(score, b, h, q_idx, kv_idx, factor=0.5):
         return score * factor
 
+    def through_attribute(score, b, h, q_idx, kv_idx):
+        return score * _SETTINGS.factor
+
+    def through_class(score, b, h, q_idx, kv_idx):
+        return score * _Settings.FACTOR
+
+    def through_item(score, b, h, q_idx, kv_idx):
+        return score * _TABLE["factor"]
+
     global _FACTOR
     q, k, v = _inputs(device)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v, mod: tilegen.attention(q, k, v, score_mod=mod), fullgraph=True,
-                             backend="eager")
     try:
-        for value in (0.5, 3.0):
-            _FACTOR = value
-            with_default.__defaults__ = (value,)
-            for mod in (through_helper, with_default):
+        for mod in (through_helper, with_default, through_attribute, through_class, through_item):
+            torch._dynamo.reset()  # each mod's graphs of their own, within Dynamo's recompile limit
+            compiled = torch.compile(lambda q, k, v, mod: tilegen.attention(q, k, v, score_mod=mod), fullgraph=True,
+                                     backend="eager")
+            for value in (0.5, 3.0):
+                _FACTOR = _SETTINGS.factor = _Settings.FACTOR = _TABLE["factor"] = value
+                with_default.__defaults__ = (value,)
                 ref, _ = attention_reference(q, k, v, score_mod=mod)
                 assert relative_error(compiled(q, k, v, mod), ref)[0] < 1e-4, (mod.__name__, value)
     finally:
-        _FACTOR = 0.5
+        _FACTOR = _SETTINGS.factor = _Settings.FACTOR = _TABLE["factor"] = 0.5
 
 
 def test_a_mod_compiles_again_for_another_length(device):

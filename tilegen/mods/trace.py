@@ -598,11 +598,45 @@ def _captured_values(fn, depth: int = 0, path: tuple = ()):
             value = fn.__globals__[name]
             step = (*path, ("global", name))
             yield name, value, step
+            yield from _numbers_inside(value, code, step)
             if callable(value) and depth < 2:  # a helper named as a global: its own globals and cells
                 yield from _captured_values(value, depth + 1, step)
     defaults = fn.__defaults__ or ()
     for i, value in enumerate(defaults):
-        yield code.co_varnames[code.co_argcount - len(defaults) + i], value, (*path, ("default", i))
+        step = (*path, ("default", i))
+        yield code.co_varnames[code.co_argcount - len(defaults) + i], value, step
+        yield from _numbers_inside(value, code, step)
+
+
+_NUMBERS = (bool, int, float, str)
+
+
+def _numbers_inside(value, code, path: tuple):
+    """The numbers ``code`` may read one step inside ``value``: an attribute it names of an object or a class
+    (``cfg.scale``, ``Config.C``), an item of a dict at a key among its constants (``table["c"]``); read without
+    running a property or ``__getattr__``. Only numbers: a tensor reached so stays unfollowed (``locate``)."""
+    if isinstance(value, (torch.Tensor, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) or (
+            type(value) in _NUMBERS or value is None):
+        return
+    if type(value) is dict:
+        for key in code.co_consts:
+            if type(key) in (int, str) and key in value and type(value[key]) in _NUMBERS:
+                yield repr(key), value[key], (*path, ("item", key))
+        return
+    if isinstance(value, type):
+        if value.__module__ in ("builtins", "typing") or value.__module__.partition(".")[0] in _LIBRARIES:
+            return
+        attributes = {}
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return
+    for name in code.co_names:
+        found = attributes.get(name, _MISSING)
+        if found is _MISSING:
+            found = inspect.getattr_static(value if isinstance(value, type) else type(value), name, _MISSING)
+        if type(found) in _NUMBERS:
+            yield name, found, (*path, ("attr", name))
 
 
 def locate(fn, t: torch.Tensor) -> tuple | None:
@@ -619,14 +653,24 @@ def number_paths(fn) -> tuple[tuple[tuple, Any], ...]:
     """``(path, value)`` of each Python number, bool or string ``fn`` reads as a module's global: values its text
     holds as constants, which a compiled graph is guarded on (``tilegen.mods.compiled``). A closure's numbers
     are left out: Dynamo cannot read the cells of a function made inside the compiled region."""
-    found = ((_followable(fn, path), value) for _, value, path in _captured_values(fn)
-             if type(value) in (bool, int, float, str))
-    return tuple((path, value) for path, value in found if path[-1][0] in ("module", "default"))
+    found = ((_followable(fn, path), value) for _, value, path in _captured_values(fn) if type(value) in _NUMBERS)
+    return tuple((path, value) for path, value in found if _root(path)[-1][0] in ("module", "default"))
+
+
+def _root(path: tuple) -> tuple:
+    """``path`` up to the value an attribute or item is read from."""
+    end = len(path)
+    while end and path[end - 1][0] in ("attr", "item"):
+        end -= 1
+    return path[:end]
 
 
 def _followable(fn, path: tuple) -> tuple:
     """``path``, a global reached through its module where there is one: torch.compile follows sys.modules for a
     function made inside the compiled region too, where it has no __globals__ to follow."""
+    root = _root(path)
+    if root != path:
+        return (*_followable(fn, root), *path[len(root):])
     *before, (step, name) = path
     if step == "global":
         owner = fetch(fn, tuple(before))
@@ -646,6 +690,10 @@ def fetch(fn, path: tuple) -> torch.Tensor:
             fn = sys.modules[key[0]].__dict__[key[1]]
         elif step == "global":
             fn = fn.__globals__[key]
+        elif step == "attr":
+            fn = getattr(fn, key)
+        elif step == "item":
+            fn = fn[key]
         else:
             fn = fn.__defaults__[key]
     return fn
