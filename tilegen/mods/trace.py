@@ -650,9 +650,10 @@ def locate(fn, t: torch.Tensor) -> tuple | None:
 
 
 def number_paths(fn) -> tuple[tuple[tuple, Any], ...]:
-    """``(path, value)`` of each Python number, bool or string ``fn`` reads as a module's global: values its text
-    holds as constants, which a compiled graph is guarded on (``tilegen.mods.compiled``). A closure's numbers
-    are left out: Dynamo cannot read the cells of a function made inside the compiled region."""
+    """``(path, value)`` of each Python number, bool or string ``fn`` reads as a module's global or a default, or one
+    step inside one (``_numbers_inside``): values its text holds as constants, which a compiled graph is guarded on
+    (``tilegen.mods.compiled``). What a closure holds is left out: Dynamo cannot read the cells of a function made
+    inside the compiled region."""
     found = ((_followable(fn, path), value) for _, value, path in _captured_values(fn) if type(value) in _NUMBERS)
     return tuple((path, value) for path, value in found if _root(path)[-1][0] in ("module", "default"))
 
