@@ -217,6 +217,67 @@ def test_mistral_sliding_window_decode_of_a_left_padded_batch(cache):
     assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen2-sliding"])
+def test_static_cache_greedy_decode_without_padding(model):
+    """A static cache holds more slots than it has written; with no padding transformers hands the mask builder no
+    mask, and the slots past the last query must still be cut (else the bottom-right causal call reads them)."""
+    if model == "llama":
+        ref, model = _llama()
+    else:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        ref, model = _pair(Qwen2Config, Qwen2ForCausalLM, use_sliding_window=True, sliding_window=4,
+                           max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
+    ids = _ids(2, 9)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                  pad_token_id=0, return_dict_in_generate=True, output_logits=True, cache_implementation="static")
+    with torch.no_grad():
+        want = ref.generate(**kwargs)
+        got = model.generate(**kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
+
+
+def test_a_static_cache_forward_without_a_mask():
+    from transformers import StaticCache
+    ref, model = _llama()
+    ids = _ids(2, 7)
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, past_key_values=StaticCache(config=m.config, max_cache_len=16)).logits
+                     for m in (ref, model))
+    assert _rel(got, want) < REL
+
+
+def test_the_eager_fallback_keeps_the_causal_pattern():
+    """output_attentions goes to the model's eager attention, which has no is_causal flag: without a mask it must
+    still get the causal pattern, and its weights above the diagonal are 0."""
+    ref, model = _llama()
+    ref.set_attn_implementation("eager")
+    ids = _ids(2, 11)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="output_attentions"):
+        got = model(input_ids=ids, output_attentions=True)
+    with torch.no_grad():
+        want = ref(input_ids=ids, output_attentions=True)
+    assert _rel(got.logits, want.logits) < REL
+    assert all(not torch.triu(w, diagonal=1).any() for w in got.attentions)
+
+
+@pytest.mark.parametrize("head_dim", [4, 20])
+def test_a_head_dim_the_kernels_do_not_take_falls_back_with_one_warning(head_dim):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**DIMS, "head_dim": head_dim})
+    config._attn_implementation = "sdpa"
+    ref = LlamaForCausalLM(config).eval()
+    model = tilegen_hf.use_tilegen(copy.deepcopy(ref))
+    ids = _ids(2, 9)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.warns(RuntimeWarning, match="head dim") as caught:
+        _compare(ref, model, None, input_ids=ids)
+        _compare(ref, model, mask, input_ids=ids)
+    assert len([w for w in caught if "head dim" in str(w.message)]) == 1
+
+
 def test_gemma2_softcap_sliding_and_custom_scaling(monkeypatch):
     from transformers import Gemma2Config, Gemma2ForCausalLM
     ref, model = _pair(Gemma2Config, Gemma2ForCausalLM, reference="eager", sliding_window=4,

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tilegen.families.attention_fwd.spec import SUPPORTED_HEAD_DIMS
 from tilegen.ops.attention import attention_seq_major
 from tilegen.ops.decode import PagedDecode
 from tilegen.ops.kv_cache import PagedKVCache
@@ -167,69 +168,84 @@ def attention_forward(
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
 
-    cu_q = kwargs.get("cu_seq_lens_q")
-    if cu_q is not None and (attention_mask is None or attention_mask.dtype != torch.bool):
-        cu_k, max_q, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"), kwargs.get("max_length_k")
-        if cu_k is not None and max_q is not None and max_k is not None:
-            # Sequences packed along each row (padding-free training): the flattened tensors, read in place.
-            return varlen_attention_padded(query, key, value, _as_offsets(cu_q), _as_offsets(cu_k), int(max_q),
-                                           int(max_k), causal=causal, window=window, softcap=softcap,
-                                           scale=scaling), None
+    # The head dims are checked where the call's spec is made (a try costs nothing until it raises): one the kernels
+    # do not take goes to the fallback, as transformers' tiny models' (head dim 4) do.
+    try:
+        cu_q = kwargs.get("cu_seq_lens_q")
+        if cu_q is not None and (attention_mask is None or attention_mask.dtype != torch.bool):
+            cu_k, max_q, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_q"), kwargs.get("max_length_k")
+            if cu_k is not None and max_q is not None and max_k is not None:
+                # Sequences packed along each row (padding-free training): the flattened tensors, read in place.
+                return varlen_attention_padded(query, key, value, _as_offsets(cu_q), _as_offsets(cu_k), int(max_q),
+                                               int(max_k), causal=causal, window=window, softcap=softcap,
+                                               scale=scaling), None
 
-    if attention_mask is None:
-        return _dense(query, key, value, causal, window, softcap, scaling), None
+        if attention_mask is None:
+            return _dense(query, key, value, causal, window, softcap, scaling), None
 
-    shape_q, shape_k = query.shape, key.shape  # each .shape is a new torch.Size: read once
-    batch, n_q, n_k = shape_q[0], shape_q[2], shape_k[2]
-    if attention_mask.dtype is torch.bool:
-        layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
-        rows = layout.batch
-    else:
-        if attention_mask.is_floating_point() or attention_mask.is_complex():
-            raise ValueError(f"tilegen attention: attention_mask: a 2-d mask is a bool padding mask or integer ids "
-                             f"of packed sequences, got {attention_mask.dtype}")
-        layout, rows = None, attention_mask.shape[0]
-    # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens. Value's
-    # batch is checked where the call goes: by the op (tilegen.attention, varlen_attention_padded), or below.
-    if shape_k[0] != batch or rows != batch:
-        _check_batch(batch, key=shape_k[0], attention_mask=rows)
-    if layout is None:  # packed sequences' ids
-        if n_q != n_k or attention_mask.shape != (batch, n_q):
-            raise ValueError(f"tilegen attention: attention_mask: packed sequences' ids [batch, n] need n queries "
-                             f"and n keys; got ids {tuple(attention_mask.shape)} for {n_q} queries and {n_k} keys")
-        layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
-        return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
+        shape_q, shape_k = query.shape, key.shape  # each .shape is a new torch.Size: read once
+        batch, n_q, n_k = shape_q[0], shape_q[2], shape_k[2]
+        if attention_mask.dtype is torch.bool:
+            layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
+            rows = layout.batch
+        else:
+            if attention_mask.is_floating_point() or attention_mask.is_complex():
+                raise ValueError(f"tilegen attention: attention_mask: a 2-d mask is a bool padding mask or integer ids "
+                                 f"of packed sequences, got {attention_mask.dtype}")
+            layout, rows = None, attention_mask.shape[0]
+        # The ragged batch's offsets come from the mask: a batch that disagrees would read other rows' tokens. Value's
+        # batch is checked where the call goes: by the op (tilegen.attention, varlen_attention_padded), or below.
+        if shape_k[0] != batch or rows != batch:
+            _check_batch(batch, key=shape_k[0], attention_mask=rows)
+        if layout is None:  # packed sequences' ids
+            if n_q != n_k or attention_mask.shape != (batch, n_q):
+                raise ValueError(f"tilegen attention: attention_mask: packed sequences' ids [batch, n] need n queries "
+                                 f"and n keys; got ids {tuple(attention_mask.shape)} for {n_q} queries and {n_k} keys")
+            layout = _layout(attention_mask, n_q, n_k, causal, _segments_layout)
+            return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
 
-    if layout.keys != n_k:
-        # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them too).
-        n_k = layout.keys
-        key, value = key[:, :, :n_k], value[:, :, :n_k]
-        shape_k = key.shape
-    if n_k == 0:  # no key: every query sees none, and its row is zeros, as a padded one's
-        return query.new_zeros(batch, n_q, shape_q[1], value.shape[3]), None
-    if layout.full:
-        return _dense(query, key, value, causal, window, softcap, scaling), None
-    if n_q == 1 and layout.decodes:
-        out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling, layout.steps,
-                      (shape_q, shape_k))
-        if out is not None:
-            return out, None
-    if layout.rows_q is None:  # each row's real tokens are one run: read in place
-        return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
-    if window is not None:
-        # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
-        return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
+        if layout.keys != n_k:
+            # A static cache: its keys past the mask's length are not written yet (FlashAttention-2's path cuts them
+            # too).
+            n_k = layout.keys
+            key, value = key[:, :, :n_k], value[:, :, :n_k]
+            shape_k = key.shape
+        if n_k == 0:  # no key: every query sees none, and its row is zeros, as a padded one's
+            return query.new_zeros(batch, n_q, shape_q[1], value.shape[3]), None
+        if layout.full:
+            return _dense(query, key, value, causal, window, softcap, scaling), None
+        if n_q == 1 and layout.decodes:
+            out = _decode(query, key, value, attention_mask, n_k, window, softcap, scaling, layout.steps,
+                          (shape_q, shape_k))
+            if out is not None:
+                return out, None
+        if layout.rows_q is None:  # each row's real tokens are one run: read in place
+            return _in_place(layout, query, key, value, causal, window, softcap, scaling), None
+        if window is not None:
+            # A row with holes: transformers counts a window in positions, the gathered batch in real tokens.
+            return _fallback("holes", module, query, key, value, attention_mask, dropout, scaling, causal,
+                             sliding_window, softcap, kwargs)
+        _check_batch(batch, value=value.shape[0])
+        heads, dim = shape_q[1], shape_q[3]
+        q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
+        k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
+        v = value.transpose(1, 2).reshape(batch * n_k, value.shape[1], value.shape[3]).index_select(0, layout.rows_k)
+        out = varlen_attention(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal=causal,
+                               window=window, softcap=softcap, scale=scaling)
+        # Padded query rows stay zeros; index_copy (not in place) keeps the scatter differentiable.
+        full = out.new_zeros(batch * n_q, heads, out.shape[2]).index_copy(0, layout.rows_q, out)
+        return full.view(batch, n_q, heads, out.shape[2]), None
+    except ValueError:
+        if _served_dims(query, value):
+            raise
+        return _fallback("head_dim", module, query, key, value, attention_mask, dropout, scaling, causal,
                          sliding_window, softcap, kwargs)
-    _check_batch(batch, value=value.shape[0])
-    heads, dim = shape_q[1], shape_q[3]
-    q = query.transpose(1, 2).reshape(batch * n_q, heads, dim).index_select(0, layout.rows_q)
-    k = key.transpose(1, 2).reshape(batch * n_k, key.shape[1], dim).index_select(0, layout.rows_k)
-    v = value.transpose(1, 2).reshape(batch * n_k, value.shape[1], value.shape[3]).index_select(0, layout.rows_k)
-    out = varlen_attention(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, causal=causal,
-                           window=window, softcap=softcap, scale=scaling)
-    # Padded query rows stay zeros; index_copy (not in place) keeps the scatter differentiable.
-    full = out.new_zeros(batch * n_q, heads, out.shape[2]).index_copy(0, layout.rows_q, out)
-    return full.view(batch, n_q, heads, out.shape[2]), None
+
+
+def _served_dims(query, value) -> bool:
+    """Whether the kernels take query's and value's head dims (values of any type: the op names a bad one)."""
+    dims = getattr(query, "shape", (0,))[-1:] + getattr(value, "shape", (0,))[-1:]
+    return all(d in SUPPORTED_HEAD_DIMS for d in dims)
 
 
 def _in_place(layout: _Layout, query, key, value, causal, window, softcap, scaling) -> torch.Tensor:
@@ -601,7 +617,9 @@ def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal,
     if built:
         if mask is not None and mask.dtype == torch.bool and mask.shape[1] < n_k:
             key, value, n_k = key[:, :, :mask.shape[1]], value[:, :, :mask.shape[1]], mask.shape[1]
-        mask = _dense_mask(mask, query.shape[0], n_q, n_k, causal, sliding_window, query.device)
+        # Eager attention has no is_causal: it gets the causal pattern as a mask, where SDPA gets the flag.
+        mask = _dense_mask(mask, query.shape[0], n_q, n_k, causal, sliding_window, query.device,
+                           explicit=eager is not None)
     unattended = None
     if mask is not None and mask.dtype == torch.bool and built:
         # Padded query rows see no key: SDPA would give NaN there, tilegen gives zeros.
@@ -630,13 +648,15 @@ _MESSAGES = {
     "mask": "a mask that is not causal, sliding-window, padding or packed sequences (a 4-d mask, or one "
             "built with a custom or overlay mask function)",
     "holes": "a sliding window over a padding mask whose real tokens are not one run",
+    "head_dim": f"a head dim other than a multiple of 8 in [{SUPPORTED_HEAD_DIMS[0]}, {SUPPORTED_HEAD_DIMS[-1]}]",
 }
 
 
-def _dense_mask(mask, batch, n_q, n_k, causal, sliding_window, device) -> torch.Tensor | None:
+def _dense_mask(mask, batch, n_q, n_k, causal, sliding_window, device, explicit=False) -> torch.Tensor | None:
     """The ``[batch, 1, n_q, n_k]`` bool mask of a call's 2-d mask (padding or packed ids), causal
-    pattern and window; ``None`` when that is the plain causal one SDPA's ``is_causal`` serves."""
-    if mask is None and sliding_window is None and (not causal or n_q == n_k):
+    pattern and window; ``None`` when there is none, or (unless ``explicit``) when that is the plain causal
+    one SDPA's ``is_causal`` serves."""
+    if mask is None and sliding_window is None and (not causal or (n_q == n_k and not explicit)):
         return None
     i = torch.arange(n_q, device=device)[:, None] + (n_k - n_q)
     j = torch.arange(n_k, device=device)[None, :]
@@ -678,9 +698,15 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                                        attention_mask=attention_mask, **kwargs)
-    packed = pattern
-    if isinstance(packed, torch.Tensor):
-        return packed
+    if isinstance(pattern, torch.Tensor):  # packed sequences' ids
+        return pattern
+    if attention_mask is None and pattern == "causal":
+        # A static cache holds kv_length slots, of which the keys past the last query are not written yet: the
+        # dense call's bottom-right causal pattern would read them. A mask of the written keys cuts them, as a
+        # padding mask shorter than kv_length does (reading a tensor offset synchronizes once a forward).
+        written = int(q_offset) + q_length - int(kv_offset)
+        if written < kv_length:
+            return torch.ones(batch_size, max(written, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
         # Shorter than kv_length: a static cache, whose unwritten keys the mask must cut.
@@ -689,10 +715,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     return attention_mask
 
 
-def _pattern(fn, masking_utils) -> torch.Tensor | bool | None:
+def _pattern(fn, masking_utils) -> torch.Tensor | str | None:
     """What a transformers mask function computes, from how it was composed: ``None`` when it is not
     causal or bidirectional with at most a causal sliding window and packed sequences; the packed
-    sequences' ids when there are some, else ``True``."""
+    sequences' ids when there are some, else ``"causal"`` or ``"bidirectional"``."""
     found = {"base": None, "window": False, "packed": None}
 
     def walk(f) -> bool:
@@ -721,7 +747,7 @@ def _pattern(fn, masking_utils) -> torch.Tensor | bool | None:
         return None
     if found["window"] and found["base"] != "causal":
         return None
-    return found["packed"] if found["packed"] is not None else True
+    return found["packed"] if found["packed"] is not None else found["base"]
 
 
 def register(name: str = NAME) -> str:
