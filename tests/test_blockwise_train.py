@@ -115,6 +115,26 @@ def test_the_functional_layer_differentiates_a_weight_dict(device):
     assert _rel(grad, ref) < 1e-4
 
 
+def test_a_module_holding_a_weight_as_a_buffer_trains_it_as_a_constant(device):
+    """A frozen norm weight registered as a buffer is a weight of the layer all the same: the call trains the
+    parameters and x, and the buffer gets no gradient."""
+    layer = _layer(TINY, device)
+    frozen = layer.input_layernorm.weight.detach().clone()
+    del layer.input_layernorm.weight
+    layer.input_layernorm.register_buffer("weight", frozen)
+    x = torch.randn(11, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    y = tilegen.blockwise_layer(x, layer, TINY, block=4)
+    y.square().sum().backward()
+    w64 = {name: t.detach().double().requires_grad_(name != "input_layernorm.weight")
+           for name, t in layer.state_dict().items()}
+    x64 = x.detach().double().requires_grad_()
+    reference_layer(x64, w64, TINY).square().sum().backward()
+    assert _rel(x.grad, x64.grad) < 1e-4
+    for name, p in layer.named_parameters():
+        assert _rel(p.grad, w64[name].grad) < 1e-4, name
+    assert frozen.grad is None and "input_layernorm.weight" not in dict(layer.named_parameters())
+
+
 def test_the_forward_keeps_nothing_of_the_ffn_width(device):
     """What autograd saves is the input and the weights; the attention output and LSE the backward replays are
     [tokens, heads_q * head_dim] and [heads_q, tokens]: no tensor as wide as the FFN."""

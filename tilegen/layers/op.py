@@ -96,8 +96,13 @@ def blockwise_layer(
 
         return compiled.eagerly(blockwise_layer, x, weights, config, block=block, out=out, **config_kwargs)
     w, config = _resolve(x, weights, config, config_kwargs)
-    # A module's state_dict() is detached: its parameters say whether they require grad.
-    held = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else w
+    # A module's state_dict() is detached: its parameters say whether they require grad. Its buffers (a frozen norm's
+    # weight) and tied parameters under a second name stay what state_dict() gave: constants, or the parameter.
+    if isinstance(weights, torch.nn.Module):
+        params = dict(weights.named_parameters(remove_duplicate=False))
+        held = {name: params.get(name, t) for name, t in w.items()}
+    else:
+        held = w
     trains = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in held.values()))
     if trains and out is not None:
         raise TypeError("out: x or a weight requires grad, and a result written into `out` cannot be differentiated; "
