@@ -211,6 +211,28 @@ def check_against_reference(
         assert lse_err < LSE_ABS_TOL[dtype], f"lse max abs error {lse_err:.3e} >= {LSE_ABS_TOL[dtype]:.0e}"
 
 
+def tuned_row_in_a_fresh_db(tmp_path, monkeypatch, family, spec, size: int):
+    """``(default, tuned)``: a config other than the family's default rule's for ``size``'s bucket, filed as the
+    tuned row of ``spec`` on this device in a new database that dispatch then reads (``TILEGEN_DB``)."""
+    import triton
+
+    from tilegen import dispatch
+    from tilegen.codegen.render import template_hash
+    from tilegen.db import TuningDB
+    from tilegen.device import device_info
+
+    bucket = family.buckets.of(size)
+    default = family.default_config(spec, device_info(), bucket)
+    tuned = next(c for c in family.candidates(spec, device_info()) if c != default)
+    with TuningDB(tmp_path / "rows.sqlite") as db:
+        db.record_best(spec=spec, device=device_info(), template_hash=template_hash(family),
+                       triton_version=triton.__version__, bucket=bucket, config=tuned.to_dict(), time_ms=0.001,
+                       max_error=0.0, trials=1)
+    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "rows.sqlite"))
+    dispatch.reset()
+    return default, tuned
+
+
 def poisoned_like_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN: any element the kernel leaves unwritten stays NaN."""
     batch, heads, n_q, _ = q.shape

@@ -26,6 +26,7 @@ from helpers import (
     param,
     poisoned_like_out,
     run_public,
+    tuned_row_in_a_fresh_db,
 )
 from hypothesis import HealthCheck, given, settings
 
@@ -389,22 +390,9 @@ def test_explain_names_the_config_the_call_runs(device):
 def test_explain_of_a_training_call_names_the_forward_that_keeps_the_lse(device, tmp_path, monkeypatch):
     """A call whose inputs require grad runs the variant that writes the LSE for its backward; its rows are that
     variant's, and explain names the config the call runs."""
-    import triton
-
-    from tilegen.codegen.render import template_hash
-    from tilegen.db import TuningDB
-
     q, k, v = (torch.randn(1, 2, 40, 32, device=device) for _ in range(3))
     spec = prepare_call(q, k, v, True, None, None, None, True)[0]
-    bucket = ATTENTION_FWD.buckets.of(40)
-    default = ATTENTION_FWD.default_config(spec, device_info(), bucket)
-    tuned = next(c for c in ATTENTION_FWD.candidates(spec, device_info()) if c != default)
-    with TuningDB(tmp_path / "rows.sqlite") as db:
-        db.record_best(spec=spec, device=device_info(), template_hash=template_hash(ATTENTION_FWD),
-                       triton_version=triton.__version__, bucket=bucket, config=tuned.to_dict(), time_ms=0.001,
-                       max_error=0.0, trials=1)
-    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "rows.sqlite"))
-    dispatch.reset()
+    default, tuned = tuned_row_in_a_fresh_db(tmp_path, monkeypatch, ATTENTION_FWD, spec, 40)
     assert tilegen.explain(q, k, v, causal=True).config == default
     assert tilegen.explain(q, k, v, causal=True, return_lse=True).config == tuned
     leaves = [t.requires_grad_() for t in (q, k, v)]

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import compile_for_sm90
+from helpers import compile_for_sm90, tuned_row_in_a_fresh_db
 
 import tilegen
 from tilegen.codegen import source_for
@@ -555,35 +555,19 @@ def test_a_mask_mod_over_no_keys_or_no_queries(n_q, n_k, device):
 
 def test_explain_names_the_config_a_call_with_mods_runs(device, tmp_path, monkeypatch):
     """The mod spec's row where it has one, the built-in's for a mod that is a built-in option, and the backward's."""
-    import triton
-
-    from tilegen import dispatch
-    from tilegen.codegen.render import template_hash
-    from tilegen.db import TuningDB
-    from tilegen.device import device_info
     from tilegen.families import get
+    from tilegen.families.attention_bwd import Config as BackwardConfig
     from tilegen.ops.attention import prepare_call
     from tilegen.ops.memo import with_mod_fields
 
-    family = get("attention_fwd")
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).to(device) for _ in range(3))
     alibi = library.alibi(torch.rand(2, device=device))
     spec = with_mod_fields(prepare_call(q, k, v, False, None, None, None, False)[0],
                            traced(alibi, "score_mod").canonical, None)
-    bucket = family.buckets.of(40)
-    default = family.default_config(spec, device_info(), bucket)
-    tuned = next(c for c in family.candidates(spec, device_info()) if c != default)
-    with TuningDB(tmp_path / "rows.sqlite") as db:
-        db.record_best(spec=spec, device=device_info(), template_hash=template_hash(family),
-                       triton_version=triton.__version__, bucket=bucket, config=tuned.to_dict(), time_ms=0.001,
-                       max_error=0.0, trials=1)
-    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "rows.sqlite"))
-    dispatch.reset()
+    default, tuned = tuned_row_in_a_fresh_db(tmp_path, monkeypatch, get("attention_fwd"), spec, 40)
     choice = tilegen.explain(q, k, v, score_mod=alibi)
     assert choice.config == tuned and choice.source == str(tmp_path / "rows.sqlite")
     assert tilegen.explain(q, k, v).config == default
     assert tilegen.explain(q, k, v, mask_mod=library.causal()) == tilegen.explain(q, k, v, causal=True)
-    from tilegen.families.attention_bwd import Config as BackwardConfig
-
     assert isinstance(tilegen.explain(q, k, v, score_mod=alibi, backward=True).config, BackwardConfig)
