@@ -143,6 +143,73 @@ def test_a_generated_module_not_the_users_alone_is_replaced_before_the_import(tm
     assert path.stat().st_ino != inode and _mode(path) == 0o600 and path.stat().st_uid == os.geteuid()
 
 
+def test_a_cache_folder_that_cannot_be_made_renders_into_the_scratch_folder(tmp_path, monkeypatch):
+    """A file where TILEGEN_CACHE_DIR names a folder: one warning naming the variable, and the module runs."""
+    root = tmp_path / "cache"
+    root.write_text("not a folder")
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", str(root))
+    with pytest.warns(RuntimeWarning, match=r"from the cache \(TILEGEN_CACHE_DIR: .*File exists"):
+        module = module_for.__wrapped__(_spec(64))
+    assert Path(module.__file__).parent.parent == cache._scratch() and callable(module.launch)
+
+
+def test_a_folder_where_the_module_goes_renders_into_the_scratch_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _spec(72)
+    source_path(spec).mkdir()
+    with pytest.warns(RuntimeWarning, match="is not a plain file"):
+        module = module_for.__wrapped__(spec)
+    assert Path(module.__file__).parent.parent == cache._scratch() and callable(module.launch)
+
+
+@pytest.mark.parametrize("spoil", ["truncated", "garbage"])
+def test_a_broken_bytecode_file_of_a_module_is_compiled_again(tmp_path, monkeypatch, spoil):
+    """Python reads a module's bytecode file whenever its source's size and second match; a broken one would fail
+    every import until removed."""
+    import importlib.util
+    import py_compile
+
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _spec(80 if spoil == "truncated" else 88)
+    module_for.__wrapped__(spec)
+    path = source_path(spec)
+    pyc = Path(importlib.util.cache_from_source(str(path)))
+    py_compile.compile(str(path), cfile=str(pyc), doraise=True)
+    data = pyc.read_bytes()
+    pyc.write_bytes(data[:40] if spoil == "truncated" else data[:16] + b"\xff" * (len(data) - 16))
+    assert callable(module_for.__wrapped__(spec).launch)
+
+
+def test_a_relative_cache_folder_stays_where_it_was_first_read(tmp_path, monkeypatch):
+    from tilegen import env
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", "relative-cache")
+    first = env.cache_dir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert env.cache_dir() == first == tmp_path / "relative-cache"
+
+
+def test_a_spec_sent_to_another_process_hashes_there_as_its_equals_do():
+    """Python's hash of a spec is salted per process: a pickled spec must not carry the one it had."""
+    import pickle
+    import subprocess
+    import sys
+
+    spec = _spec(96)
+    hash(spec)
+    assert "_hash" not in pickle.loads(pickle.dumps(spec)).__dict__
+    script = ("import pickle, sys; from tilegen.families.attention_fwd import AttentionSpec as S\n"
+              "s = pickle.loads(bytes.fromhex(sys.argv[1]))\n"
+              "fresh = S(head_dim=96, head_dim_v=40, q_per_kv=5, mask='causal', dtype='fp32')\n"
+              "print({fresh: 'found'}.get(s, 'missed'))\n")
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    done = subprocess.run([sys.executable, "-c", script, pickle.dumps(spec).hex()], env=env, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == "found"
+
+
 RECORD = ("a" * 64, "kernel", {"q": "*bf16", "n": "i32", "BLOCK": "constexpr"}, {(2,): 64, (3,): None, (4,): 0.5},
           {(0,): [["tt.divisibility", 16]], (1,): []}, ((True, "num_warps"), (False, 3), (False, None)))
 

@@ -131,3 +131,25 @@ def test_emit_tuned_reads_tilegen_db_as_it_reads_db(which, paths, monkeypatch, c
     err = capsys.readouterr().err
     assert exit.value.code == 2 and len(err.splitlines()) == 1, err
     assert ("not a tilegen database / corrupt" if which == "corrupt" else "TILEGEN_DB: ") in err
+
+
+def test_an_empty_database_file_is_one_with_no_rows(tmp_path, monkeypatch, capsys):
+    """A new, empty file (tune and db create their tables in it): dispatch reads no rows from it without a warning,
+    and emit --tuned bakes the shipped rows."""
+    import warnings
+
+    from tilegen import dispatch
+    from tilegen.device import device_info
+    from tilegen.families.attention_fwd import AttentionSpec
+
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    monkeypatch.setenv("TILEGEN_DB", str(empty))
+    dispatch.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = dispatch.table_for(AttentionSpec(head_dim=64, dtype="fp32"), device_info()).choose(64)
+    assert choice.source == "default"
+    main(["emit", "--tuned", "--head-dim", "64", "--db", str(empty)])
+    assert "def attention(" in capsys.readouterr().out
+    assert empty.stat().st_size == 0  # nothing written into it

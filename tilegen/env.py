@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ def cache_dir() -> Path:
     """Where generated kernel sources and the kernel index go (``TILEGEN_CACHE_DIR`` overrides); made
     private to the user, and not trusted where another user could write to it (``tilegen.files``)."""
     override = os.environ.get("TILEGEN_CACHE_DIR")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("tilegen"))
+    return _absolute(override) if override else Path(platformdirs.user_cache_dir("tilegen"))
 
 
 def db_path() -> Path:
@@ -27,8 +28,15 @@ def db_path() -> Path:
     """
     override = os.environ.get("TILEGEN_DB")
     if override and "://" not in override:
-        return Path(override)
+        return _absolute(override)
     return Path(platformdirs.user_data_dir("tilegen")) / "tuning.sqlite"
+
+
+@functools.cache
+def _absolute(value: str) -> Path:
+    """A variable's path made absolute the first time this process reads that value: a relative one keeps naming
+    the same place when the process changes its working directory later."""
+    return Path(value).expanduser().absolute()
 
 
 def db_target() -> str | Path:

@@ -78,13 +78,17 @@ def read_private(path: Path) -> bytes:
         if error.errno == errno.ELOOP:
             raise UnsafeError(f"{path} is a symbolic link") from None
         raise
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # before fdopen, which refuses a folder naming the descriptor
             raise UnsafeError(f"{path} is not a plain file")
         problem = _refusal(path, info)
         if problem:
             raise UnsafeError(problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         return f.read()
 
 

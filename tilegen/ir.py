@@ -64,6 +64,13 @@ class Spec:
             object.__setattr__(self, "_hash", value)
             return value
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The hash above is Python's, salted per process for strings: a spec sent to another process (a tuning
+        # worker) computes its own there, or it would miss every table its equal keys.
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     def to_dict(self) -> dict[str, Any]:
         """The canonical fields: family, IR version, and every field not at its default (or in ``ALWAYS``)."""
         data: dict[str, Any] = {"family": self.family, "ir_version": IR_VERSION}

@@ -93,8 +93,9 @@ def standalone_entry_point(spec: Spec, *, user_db: Path | None = None) -> str:
     ``device_info()``, this Triton (else the nearest one's, as dispatch serves them) and this
     template; the family writes the rest.
     """
-    if user_db is not None:
-        TuningDB(user_db, readonly=True).close()  # an explicit file must exist and be readable
+    # An explicit file must exist and be readable; an empty one is a database with no rows yet, as tune takes it.
+    if user_db is not None and not (user_db.is_file() and user_db.stat().st_size == 0):
+        TuningDB(user_db, readonly=True).close()
     family = family_of(spec)
     device = device_info()
     template = template_hash(family)

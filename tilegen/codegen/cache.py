@@ -9,8 +9,10 @@ alone (``tilegen.files``): the cache folders are made 0700 and the files 0600. W
 folder (``TILEGEN_CACHE_DIR``) or the one inside it is another user's or writable by other
 users, the process renders its modules into a private temporary folder of its own instead,
 removed at exit, and warns once; the ops work as before, without the cache's reuse across
-processes. A file in the folder that is not the user's alone, or differs from the rendered
-source, is replaced by a fresh one before the import.
+processes; so does a cache folder that cannot be made (a file in its place, no permission). A file in the
+folder that is not the user's alone, or differs from the rendered source, is replaced by a fresh one before the
+import, and its bytecode file removed (Python would take one of the same size and second as current); a bytecode
+file that fails to load is removed and the module compiled again.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -50,11 +53,16 @@ def _folder() -> Path:
     name = f"tilegen-{__version__}_triton-{triton.__version__}"
     try:
         return private_folder(env.cache_dir(), name)
-    except UnsafeError as error:
-        scratch = _scratch()
-        warn_once(f"tilegen: not importing generated modules from the cache ({error}); "
-                  f"rendering them in {scratch} for this process")
-        return private_folder(scratch, name)
+    except OSError as error:  # UnsafeError, or a folder that cannot be made: a file in its place, no permission
+        return _scratch_folder(name, error)
+
+
+def _scratch_folder(name: str, error: OSError) -> Path:
+    scratch = _scratch()
+    named = "TILEGEN_CACHE_DIR: " if os.environ.get("TILEGEN_CACHE_DIR") else ""
+    warn_once(f"tilegen: not importing generated modules from the cache ({named}{error}); rendering them in "
+              f"{scratch} for this process")
+    return private_folder(scratch, name)
 
 
 @functools.cache
@@ -71,11 +79,29 @@ def module_for(spec: Spec) -> ModuleType:
         from tilegen.triton_internals.interpreter import patch_interpreter
 
         patch_interpreter()
+    data = source_for(spec).encode()  # Python reads a module's source as UTF-8
     path = source_path(spec)
-    text = source_for(spec)
-    # Rewrite when absent, different (a hand-edited or truncated file must not be trusted) or not
-    # the user's alone: the import runs the file.
-    data = text.encode()  # Python reads a module's source as UTF-8
+    try:
+        _place(path, data)
+    except FileNotFoundError:  # the cache folder was removed meanwhile: made again, once
+        path = source_path(spec)
+        _place(path, data)
+    except OSError as error:  # a folder where the file goes, say: this process's scratch folder instead
+        path = _scratch_folder(path.parent.name, error) / path.name
+        _place(path, data)
+    name = f"tilegen_generated.{path.stem}"
+    try:
+        return _import(name, path)
+    except (EOFError, ValueError, TypeError):
+        # Bad marshal data: a broken bytecode file of the module, which Python would read again at every import.
+        if not _drop_bytecode(path):
+            raise
+        return _import(name, path)
+
+
+def _place(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, rewritten when absent, different (a hand-edited or truncated file must not be
+    trusted) or not the user's alone: the import runs the file."""
     try:
         same = read_private(path) == data
     except FileNotFoundError:
@@ -85,9 +111,27 @@ def module_for(spec: Spec) -> ModuleType:
         same = False
     if not same:
         write_atomically(path, data)
-    name = f"tilegen_generated.{path.stem}"
+        # Python takes a bytecode file as current when its source's size and modification second match: one of
+        # the file just replaced could.
+        _drop_bytecode(path)
+
+
+def _drop_bytecode(path: Path) -> bool:
+    """Remove the bytecode file Python keeps for ``path``; whether there was one."""
+    try:
+        Path(importlib.util.cache_from_source(str(path))).unlink()
+    except (FileNotFoundError, NotImplementedError):  # none, or bytecode caching off in this interpreter
+        return False
+    return True
+
+
+def _import(name: str, path: Path) -> ModuleType:
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # Triton reads kernel source through the module's file
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     return module

@@ -101,6 +101,11 @@ def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str) -> 
     any known revision: ``TUNED_FIELDS`` of each as stored, unchecked (SQLite lets a column hold any type)."""
     refuse_special(path)
     try:
+        if path.stat().st_size == 0:  # an empty file is a database with no rows yet, as tune and db take it
+            return []
+    except OSError:  # the connection below says what is wrong
+        pass
+    try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
         raise explain_error(e, path, True) from e
