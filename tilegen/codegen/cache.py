@@ -92,6 +92,9 @@ def module_for(spec: Spec) -> ModuleType:
     name = f"tilegen_generated.{path.stem}"
     try:
         return _import(name, path)
+    except FileNotFoundError:  # removed since it was written: written again, once
+        _place(path, data)
+        return _import(name, path)
     except (EOFError, ValueError, TypeError):
         # Bad marshal data: a broken bytecode file of the module, which Python would read again at every import.
         if not _drop_bytecode(path):
