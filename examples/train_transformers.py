@@ -1,7 +1,7 @@
 """Train a transformers ``LlamaForCausalLM`` with tilegen attention (``attn_implementation="tilegen"``) beside the
 same model with transformers' sdpa attention, from identical weights on identical padded batches.
 
-    python examples/train_transformers.py                  # CPU: Triton's interpreter, tiny model (~5 min on 2 cores)
+    python examples/train_transformers.py                  # CPU: Triton's interpreter, tiny model (~12 min on 2 cores)
     python examples/train_transformers.py --hidden 1024 --layers 8 --heads 16/8 --head-dim 64 --ffn 2816 \\
         --seq 2048 --batch 8 --vocab 256 --steps 300 --dtype bf16      # a GPU
 
