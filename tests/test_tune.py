@@ -862,10 +862,10 @@ def test_an_interrupt_always_queues_its_config_again_and_only_deaths_count_towar
     _RETRIES times). How many times in a row the config was queued again before it was given up."""
     from optuna.trial import TrialState
 
-    from tilegen.tuning.tuner import _RETRIES, _requeue_interrupted
+    from tilegen.tuning.tuner import _requeue_interrupted, _retry_callback
 
     study = optuna.create_study()
-    retry = optuna.storages.RetryFailedTrialCallback(max_retry=_RETRIES)
+    _, retry = _retry_callback()  # Optuna's, as the tuner's storage runs it
     study.enqueue_trial({"x": 3})
     count = 0
     for run in runs:

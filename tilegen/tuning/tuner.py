@@ -39,6 +39,7 @@ import sqlite3
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -716,18 +717,24 @@ class _Run:
         return len(self.feasible & (self.done.keys() | flying)) >= self.goal
 
 
+def _retry_callback() -> tuple[str, Callable]:
+    """``(argument, callback)``: Optuna's callback that queues a dead process's trial again, at most ``_RETRIES``
+    times, without the worker's label, and the ``RDBStorage`` argument that takes it (Optuna 4.9 renamed both)."""
+    renamed = "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback" if renamed else "RetryFailedTrialCallback")
+        return ("heartbeat_stale_trial_callback" if renamed else "failed_trial_callback",
+                _unlabelled(retry(max_retry=_RETRIES)))
+
+
 def _storage(db, heartbeat: int) -> tuple[optuna.storages.RDBStorage, object]:
     """Optuna's storage for the database's studies, with heartbeats: a trial of a dead process is
     failed and queued again (same config, same grid point) instead of staying RUNNING."""
     engine = db.studies_engine()
-    # Optuna 4.9 renamed the retry callback and the argument that takes it.
-    renamed = "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage).parameters
-    name = "heartbeat_stale_trial_callback" if renamed else "failed_trial_callback"
+    name, retry = _retry_callback()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = _unlabelled(getattr(
-            optuna.storages, "RetryHeartbeatStaleTrialCallback" if renamed else "RetryFailedTrialCallback")(
-            max_retry=_RETRIES))
         storage = optuna.storages.RDBStorage(
             db.studies_url(), engine_kwargs=engine, heartbeat_interval=heartbeat,
             grace_period=_GRACE_BEATS * heartbeat, **{name: retry},
