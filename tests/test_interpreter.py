@@ -42,9 +42,32 @@ def test_bf16_dot_and_cast_match_torch_once_mended():
     assert torch.equal(d, c.bfloat16())  # round to nearest even, as the GPU casts
 
 
+@triton.jit
+def _bf16_arithmetic(X, O, N: tl.constexpr):
+    r = tl.arange(0, N)
+    y = tl.load(X + r).to(tl.bfloat16)
+    tl.store(O + r, y * 4)
+    tl.store(O + N + r, y + y)
+    tl.store(O + 2 * N + r, -y)
+    tl.store(O + 3 * N + r, tl.exp(y.to(tl.float32)).to(tl.bfloat16) / y)
+    tl.store(O + 4 * N + r, tl.where(y < 0.5, y, 0.0))
+
+
+def test_bf16_arithmetic_matches_torch_once_mended():
+    """A bf16 product, sum, negation, quotient and comparison, each rounded to bf16 as the GPU rounds."""
+    patch_interpreter()
+    x = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(5 * 16, dtype=torch.bfloat16)
+    _bf16_arithmetic[(1,)](x, out, 16)
+    y = x.bfloat16()
+    expected = [y * 4, y + y, -y, torch.exp(y.float()).bfloat16() / y, torch.where(y < 0.5, y, 0.0)]
+    for i, want in enumerate(expected):
+        assert torch.equal(out[16 * i:16 * (i + 1)], want.bfloat16()), i
+
+
 def test_a_mended_interpreter_needs_no_further_fix():
     patch_interpreter()
-    assert mend_interpreter() == ()  # the probes now find both bugs gone
+    assert mend_interpreter() == ()  # the probes now find every bug gone
 
 
 def test_setting_triton_interpret_after_import_says_what_to_do():

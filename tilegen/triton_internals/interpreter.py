@@ -64,9 +64,9 @@ def mend_on_import_source() -> str:
     """Python source defining ``mend_interpreter`` and calling it when imported under the interpreter: what
     ``tilegen emit`` writes into a module that may run where tilegen is not there to mend Triton (the module
     imports ``os``)."""
-    return ("# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots and fp32 -> bf16 casts come out wrong\n"
-            "# (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each bug that the installed\n"
-            "# Triton shows when this module is imported.\n"
+    return ("# Under Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 dots, fp32 -> bf16 casts and bf16 arithmetic\n"
+            "# come out wrong (3.6.0 through 3.9.0 at least): mend_interpreter, tilegen's own fix, mends each bug that\n"
+            "# the installed Triton shows when this module is imported.\n"
             + inspect.getsource(mend_interpreter)
             + '\n\nif os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):\n    mend_interpreter()\n')
 
@@ -113,7 +113,41 @@ def mend_interpreter() -> tuple[str, ...]:
             return False
         return int(np.asarray(out.data).view(np.uint16)[0]) != 0x3F81
 
+    def arithmetic_is_wrong() -> bool:
+        # bf16 1.0 * bf16 2.0: numpy multiplies the uint16 bit patterns the interpreter holds bf16 in.
+        one, two = (handle(np.array([bits], np.uint16), tl.bfloat16) for bits in (0x3F80, 0x4000))
+        try:
+            out = builder.create_fmul(builder(), one, two)
+        except Exception:
+            return False
+        return int(np.asarray(out.data).view(np.uint16)[0]) != 0x4000
+
+    def narrow(out, dtype):
+        # An op on widened operands: back to bf16 bits where the op's type is bf16 (a comparison's bools stay).
+        data = np.asarray(out.data)
+        if dtype.scalar != tl.bfloat16 or data.dtype != np.float32:
+            return out
+        return handle(fp32_to_bf16_bits(data), tl.bfloat16)
+
     applied = []
+    if not hasattr(builder, "get_bf16"):  # Triton 3.6's interpreter has no bf16 constants (y * 4 on a bf16 y)
+        builder.get_bf16 = lambda self, value: handle(fp32_to_bf16_bits(np.array([value], np.float32)), tl.bfloat16)
+        applied.append("bf16-constant")
+    if arithmetic_is_wrong():
+        original_binary, original_unary = builder.binary_op, builder.unary_op
+
+        def binary_op(self, lhs, rhs, op):
+            if lhs.dtype.scalar != tl.bfloat16 and rhs.dtype.scalar != tl.bfloat16:
+                return original_binary(self, lhs, rhs, op)
+            return narrow(original_binary(self, widen(lhs), widen(rhs), op), lhs.dtype)
+
+        def unary_op(self, arg, op):
+            if arg.dtype.scalar != tl.bfloat16:
+                return original_unary(self, arg, op)
+            return narrow(original_unary(self, widen(arg), op), arg.dtype)
+
+        builder.binary_op, builder.unary_op = binary_op, unary_op
+        applied.append("bf16-arithmetic")
     if dot_is_wrong():
         original_dot = builder.create_dot
 
