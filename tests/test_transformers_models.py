@@ -242,7 +242,7 @@ def test_a_static_cache_forward_without_a_mask():
     ref, model = _llama()
     ids = _ids(2, 7)
     with torch.no_grad():
-        want, got = (m(input_ids=ids, past_key_values=StaticCache(config=m.config, max_cache_len=16)).logits
+        want, got = (m(input_ids=ids, cache=StaticCache(config=m.config, max_cache_len=16)).logits
                      for m in (ref, model))
     assert _rel(got, want) < REL
 
