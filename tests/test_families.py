@@ -132,6 +132,13 @@ def test_the_family_renders_from_its_own_folder_with_a_shared_piece():
 
 # --------------------------------------------------------------------------------- the op
 
+def test_the_op_names_a_tensor_its_kernels_cannot_reach(monkeypatch):
+    """A CPU tensor where kernels run on CUDA (no interpreter): the op says so, not Triton's pointer error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="x: tensors are on the CPU"):
+        row_softmax(torch.randn(3, 23))
+
+
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log-softmax"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (3, 257), (2, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")

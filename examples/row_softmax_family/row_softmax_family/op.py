@@ -12,6 +12,7 @@ from row_softmax_family.spec import RowSoftmaxSpec
 from tilegen import dispatch
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
+from tilegen.ops.tensors import check_device
 
 _plans = dispatch.plan_cache()
 
@@ -27,6 +28,7 @@ def row_softmax(x: torch.Tensor, *, log: bool = False) -> torch.Tensor:
     if plan is None:
         if x.dim() != 2 or x.dtype not in SPEC_DTYPES or x.stride(-1) != 1:
             raise ValueError(f"x: expected a [rows, cols] float tensor with unit-stride rows, got {tuple(x.shape)}")
+        check_device("x", x.device)  # a CPU tensor on a GPU host: named here, not Triton's pointer error
         spec = RowSoftmaxSpec(dtype=SPEC_DTYPES[x.dtype], log=log)
         launcher = dispatch.launcher_for(spec)
         plan = dispatch.planned(dispatch.table_for(spec, device_info()), x.shape[1],
