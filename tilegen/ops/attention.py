@@ -193,16 +193,14 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     batch, heads, n_q, _ = q.shape
     check_grid("q", batch * heads, "(batch, head) pairs with mods")  # mods launch directly, without the slices
     n_k = k.shape[2]
-    ranges = CallRanges(batch, heads, n_q, n_k, mask_band(left, right, n_k - n_q))
+    ranges = _mod_ranges(q, k, left, right)
     if found is not None:
         mods = bind_traced(_compiled_mods().bind(score_mod, mask_mod, found), q.device, ranges)
         return _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic)
-    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
-    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
+    mods, spec, trains = _eager_mods(spec, q, k, v, score_mod, mask_mod, ranges)
     launch = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
-    if wants_grad(q, k, v, mods.tensors):
+    if trains:
         attention_grad.check_training_args(out, deterministic)
-        spec = spec.replace(return_lse=True)  # the backward reads it
         bwd = attention_grad.mod_backward_spec(spec, "dense", mods, deterministic)
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
@@ -216,6 +214,26 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
         check_bool("deterministic", deterministic)
         out, lse = _launch_with_mods(spec, mods, q, k, v, out, launch)
     return (out, lse) if return_lse else out
+
+
+def _mod_ranges(q, k, left, right) -> CallRanges:
+    """What a mod's indices range over in a dense call: batch, heads, positions and the mask's band."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    return CallRanges(q.shape[0], q.shape[1], n_q, n_k, mask_band(left, right, n_k - n_q))
+
+
+def _eager_mods(spec, q, k, v, score_mod, mask_mod, ranges):
+    """``(mods, spec, trains)`` of an eager call with mods: the mods bound (indices checked against ``ranges``), the
+    mod spec it runs (with the LSE when it trains: the backward reads it), and whether it trains."""
+    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
+    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
+    trains = wants_grad(q, k, v, mods.tensors)
+    return mods, spec.replace(return_lse=True) if trains else spec, trains
+
+
+def _mod_choice(spec, q, k) -> dispatch.Choice:
+    """The config a call with mods runs: the mod spec's own table, by the longer of its query and key lengths."""
+    return dispatch.table_on(spec, q.device).choose(max(q.shape[2], k.shape[2]))
 
 
 def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic):
@@ -254,7 +272,7 @@ def _launch_with_mods(spec, mods, q, k, v, out, launch):
             refuse_grad("tilegen.attention", missing=NO_BACKWARD, out=out)
     lse = q.new_empty((batch, heads, n_q), dtype=torch.float32) if spec.return_lse else None
     if math.prod(out_shape) > 0:
-        config = dispatch.table_on(spec, q.device).choose(max(n_q, n_k)).config
+        config = _mod_choice(spec, q, k).config
         blocks = {}
         if mods.mask_mod is not None:
             blocks["mod_blocks"] = block_table(mods.mask_mod, mods.mask_tensors, batch, heads, n_q, n_k,
@@ -465,16 +483,11 @@ def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward,
         causal, window, softcap, score_mod, mask_mod = absorbed
         return explain(q, k, v, causal=causal, window=window, softcap=softcap, scale=given[0], return_lse=return_lse,
                        backward=backward, score_mod=score_mod, mask_mod=mask_mod)
-    batch, heads, n_q, _ = q.shape
-    n_k = k.shape[2]
-    ranges = CallRanges(batch, heads, n_q, n_k, mask_band(left, right, n_k - n_q))
-    mods = bind_mods(score_mod, mask_mod, q.device, ranges)
-    spec = with_mod_fields(spec, mods.score_mod, mods.mask_mod)
-    trains = wants_grad(q, k, v, mods.tensors)
+    mods, spec, _ = _eager_mods(spec, q, k, v, score_mod, mask_mod, _mod_ranges(q, k, left, right))
     if backward:
         bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, False)
-        return attention_grad.explain_backward(bwd, q.device, max(n_q, n_k))
-    return dispatch.table_on(spec.replace(return_lse=True) if trains else spec, q.device).choose(max(n_q, n_k))
+        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]))
+    return _mod_choice(spec, q, k)
 
 
 def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic):
