@@ -624,7 +624,7 @@ def _numbers_inside(value, code, path: tuple):
                 yield repr(key), value[key], (*path, ("item", key))
         return
     if isinstance(value, type):
-        if value.__module__ in ("builtins", "typing") or value.__module__.partition(".")[0] in _LIBRARIES:
+        if value.__module__.partition(".")[0] in _LIBRARIES:
             return
         attributes = {}
     else:
@@ -632,7 +632,7 @@ def _numbers_inside(value, code, path: tuple):
         if not isinstance(attributes, dict):
             return
     for name in code.co_names:
-        found = attributes.get(name, _MISSING)
+        found = _attribute(value, attributes, name)
         if found is _MISSING:
             found = inspect.getattr_static(value if isinstance(value, type) else type(value), name, _MISSING)
         if type(found) in _NUMBERS:
