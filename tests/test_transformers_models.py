@@ -43,7 +43,7 @@ def _fresh_warnings():
 def _pair(config_cls, model_cls, reference: str = "sdpa", **extra):
     """(transformers' model, the same weights on tilegen), both eval, fp32."""
     torch.manual_seed(0)
-    config = config_cls(**DIMS, **extra)
+    config = config_cls(**{**DIMS, **extra})
     config._attn_implementation = reference
     ref = model_cls(config).eval()
     model = tilegen_hf.use_tilegen(copy.deepcopy(ref))
@@ -264,11 +264,7 @@ def test_the_eager_fallback_keeps_the_causal_pattern():
 @pytest.mark.parametrize("head_dim", [4, 20])
 def test_a_head_dim_the_kernels_do_not_take_falls_back_with_one_warning(head_dim):
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**DIMS, "head_dim": head_dim})
-    config._attn_implementation = "sdpa"
-    ref = LlamaForCausalLM(config).eval()
-    model = tilegen_hf.use_tilegen(copy.deepcopy(ref))
+    ref, model = _pair(LlamaConfig, LlamaForCausalLM, head_dim=head_dim)
     ids = _ids(2, 9)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
