@@ -60,6 +60,11 @@ __all__ = ["NAME", "attention_forward", "mask_forward", "register", "use_tilegen
 NAME = "tilegen"
 
 _warned: set[str] = set()
+# Bound once: each attribute lookup on the way to them is paid on every call of a decoding step.
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_empty_like = torch.empty_like
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a CUDA build's; asked of CUDA tensors only
 
 
 def _warn_once(reason: str, target: str) -> None:
@@ -289,8 +294,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     (``PagedDecode._launch_through``); the others (every later layer of the step) launch it, where the views, the
     layer's cache and ``run``'s checks cost about twice the rest of the call's host time (CPU machine)."""
     # Under torch.compile the ragged path's op runs (a PagedDecode plan would have to be made outside the trace).
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                                                      or value.requires_grad)):
+    if _compiling() or (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return None
     # A contiguous tensor's strides follow from its shape, and asking is_contiguous() costs half of reading them;
     # not for dims of one element, which address nothing but in a cache of one key: its token stride sets the
@@ -304,7 +308,7 @@ def _decode(query, key, value, mask, n_k, window, softcap, scaling, steps: dict,
     step = steps.get(step_key)
     if step is not None:
         replay, tail, out_like = step
-        out = torch.empty_like(out_like)
+        out = _empty_like(out_like)
         # The step's own launch: its key fixes every view, so its replay needs no key of its own.
         replay(None, query, key, value, out, out, *tail)
         return out
@@ -461,8 +465,8 @@ def _capturing(t: torch.Tensor) -> bool:
     # that torch.compile(fullgraph=True) needs whole. Nothing captures on the legacy default stream (raw stream
     # 0), and asking which stream is current costs 0.15 us on the H200's host, asking the driver whether it
     # captures 0.35.
-    return t.is_cuda and not torch.compiler.is_compiling() and (
-        torch._C._cuda_getCurrentRawStream(t.get_device()) != 0 and torch.cuda.is_current_stream_capturing())
+    return t.is_cuda and not _compiling() and (
+        _raw_stream(t.get_device()) != 0 and torch.cuda.is_current_stream_capturing())
 
 
 def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
