@@ -559,6 +559,71 @@ def test_debug_plans_refuse_a_max_seqlen_k_below_the_longest_sequence(op, device
     _plan(op, cache, max_seqlen_k=8)
 
 
+@pytest.mark.parametrize("rows", [3, 5], ids=["fewer", "more"])
+def test_debug_paged_run_refuses_q_rows_other_than_the_planned_offsets_end(rows, device, monkeypatch):
+    """A q of more rows than cu_seqlens_q ends at leaves rows unwritten, one of fewer pairs rows with other
+    sequences' keys: TILEGEN_DEBUG=1's run checks it, as varlen_attention's does."""
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = tilegen.PagedKVCache(*_cache(device))  # sequences of 8 and 1 tokens
+    attn = tilegen.PagedAttention()
+    attn.plan(_offsets([3, 1], device), cache, heads_q=4, max_seqlen_q=3, max_seqlen_k=8)
+    out = torch.full((rows, 4, 32), math.nan, device=device)
+    with raises(ValueError, f"q: {rows} tokens, but the planned cu_seqlens_q ends at 4"):
+        attn.run(torch.randn(rows, 4, 32, device=device), cache, out=out)
+    assert out.isnan().all()
+    assert not attn.run(torch.randn(4, 4, 32, device=device), cache).isnan().any()
+
+
+def test_debug_paged_plan_refused_keeps_the_previous_plan(device, monkeypatch):
+    """A plan(...) that TILEGEN_DEBUG=1 refuses leaves the object as it was (as PagedDecode's does): run goes on
+    with the plan made before, never with the refused one, whose max_seqlen_q would leave rows unwritten."""
+    from tilegen.families.attention_fwd.reference import attention_reference
+
+    monkeypatch.setenv("TILEGEN_DEBUG", "1")
+    cache = tilegen.PagedKVCache(*_cache(device))  # sequences of 8 and 1 tokens
+    attn = tilegen.PagedAttention()
+    attn.plan(_offsets([6, 1], device), cache, heads_q=4, causal=True)
+    with raises(ValueError, "cu_seqlens_q: a sequence of 6 tokens exceeds max_seqlen 2"):
+        attn.plan(_offsets([6, 1], device), cache, heads_q=4, causal=True, max_seqlen_q=2)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 4, 32, generator=gen).to(device)
+    out = attn.run(q, cache, out=torch.full((7, 4, 32), math.nan, device=device))
+    keys = cache.k_pages[0].transpose(0, 1)[None]  # sequence 0's 8 keys, [1, heads_kv, 8, dim]
+    want, _ = attention_reference(q[:6].transpose(0, 1)[None], keys, cache.v_pages[0].transpose(0, 1)[None],
+                                  causal=True)
+    torch.testing.assert_close(out[:6].double(), want[0].transpose(0, 1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_ragged_calls_refuse_a_longest_sequence_past_int32(name, device):
+    """The kernels count a sequence's positions in int32: a max length past 2**31 - 1 would wrap their tile
+    offsets (negative rows read and written), so it is refused where it is given."""
+    big = {name: 2 ** 31 + 5}
+    cache = tilegen.PagedKVCache(*_cache(device))
+    with raises(ValueError, f"{name}: expected a host int from 0 to 2147483647 (the longest sequence), got {2 ** 31 + 5}"):
+        tilegen.PagedAttention().plan(_offsets([1, 1], device), cache, heads_q=4, **big)
+    q = torch.randn(2, 4, 32, device=device)
+    with raises(ValueError, f"{name}: expected a host int from 0 to 2147483647"):
+        tilegen.varlen_attention(q, q[:, :2], q[:, :2], _offsets([1, 1], device), _offsets([1, 1], device),
+                                 **{"max_seqlen_q": 1, "max_seqlen_k": 1, **big})
+
+
+@pytest.mark.parametrize("op", [tilegen.PagedDecode, tilegen.CascadeAttention, tilegen.PagedAttention],
+                         ids=lambda op: op.__name__)
+def test_paged_plans_refuse_a_cache_on_a_device_the_kernels_cannot_reach(op):
+    """A cache on a device tilegen's kernels do not run on (meta here; mps or xpu alike) is refused by name at
+    plan, before anything reads its lengths back."""
+    cache = tilegen.PagedKVCache(*_cache("meta"))
+    planner = op()
+    args = {tilegen.PagedDecode: (cache,), tilegen.PagedAttention: (_offsets([1, 1], "meta"), cache)}.get(op)
+    if args is None:
+        levels = [tilegen.CascadeLevel(*(torch.tensor(x, dtype=torch.int32, device="meta")
+                                         for x in ((0, 1, 2), (0, 1, 2), (0, 3), (8, 1))))]
+        args = (cache, levels)
+    with raises(ValueError, "cache: device meta is not supported; expected cuda"):
+        planner.plan(*args, heads_q=4)
+
+
 def test_cascade_refuses_an_out_that_requires_grad(device):
     cache = tilegen.PagedKVCache(*_cache(device))
     cascade = tilegen.CascadeAttention()

@@ -18,13 +18,12 @@ import torch
 
 from tilegen import dispatch, env
 from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.kv_append import KVAppendSpec
 from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import refuse_grad
+from tilegen.ops.tensors import check_device, refuse_grad
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -146,11 +145,7 @@ def _check(cache, k, v, cu_seqlens) -> KVAppendSpec:
     if dtype not in SPEC_DTYPES and page_dtype is None:
         raise TypeError(f"cache: pages of dtype {dtype} are not supported; expected float16, bfloat16, float32, "
                         "float8_e4m3fn or float8_e5m2")
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
-                         "TRITON_INTERPRET=1")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"cache: device {device} is not supported; expected cuda")
+    check_device("cache", device, "pages")
     kv_heads, dim, dim_v = cache.kv_heads, pages.shape[3], cache.v_pages.shape[3]
     for name, t, d, what in (("k", k, dim, "head_dim"), ("v", v, dim_v, "head_dim_v")):
         if not isinstance(t, torch.Tensor):

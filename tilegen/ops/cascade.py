@@ -34,7 +34,6 @@ import torch
 from tilegen import dispatch, env
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.attention_cascade import CascadeSpec
 from tilegen.families.attention_cascade.problem import device_schedule
 from tilegen.families.attention_cascade.schedule import HostLevel
@@ -43,7 +42,7 @@ from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.planned import Planner
-from tilegen.ops.tensors import check_bool, check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_device, check_out, refuse_grad
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
 
@@ -115,9 +114,7 @@ class CascadeAttention(Planner):
         pages = cache.k_pages
         kv_dtype, q_dtype = page_dtypes(cache, q_dtype)
         device = pages.device
-        if device.type == "cpu" and not interpreting():
-            raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
-                             "TRITON_INTERPRET=1")
+        check_device("cache", device, "pages")
         host = _host_levels(levels, cache)
         if causal:
             _check_causal(host, cache.page_size)

@@ -23,7 +23,6 @@ import torch
 from tilegen import dispatch, env
 from tilegen.device import device_info
 from tilegen.dtypes import SPEC_DTYPES
-from tilegen.env import interpreting
 from tilegen.families.attention_decode import DecodeSpec
 from tilegen.families.attention_decode.config import MAX_SPLITS, split_count
 from tilegen.families.attention_decode.problem import decode_buffers
@@ -38,7 +37,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
-from tilegen.ops.tensors import check_bool, check_grid, check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_device, check_grid, check_out, refuse_grad
 from tilegen.ops.varlen import paged_mods
 
 __all__ = ["PagedDecode"]
@@ -105,6 +104,7 @@ class PagedDecode(Planner):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         check_heads_q(cache, heads_q)
         check_grid("cache", cache.batch, "sequences")
+        check_device("cache", cache.k_pages.device, "pages")  # before cache.longest() reads the lengths from it
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 1 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits: expected an int in 1..{MAX_SPLITS} or None, got {num_splits!r}")
@@ -132,9 +132,6 @@ class PagedDecode(Planner):
         if score_mod is not None or mask_mod is not None:
             spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, device, cache.batch, heads_q, max_seqlen_k,
                                            (left, right))
-        if device.type == "cpu" and not interpreting():
-            raise ValueError("cache: pages are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
-                             "TRITON_INTERPRET=1")
         info = device_info(device.index if device.type == "cuda" else None)
         table = dispatch.table_for(spec, info)
         left, right = launch_window(mask, left, right, 1, max_seqlen_k)

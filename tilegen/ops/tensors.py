@@ -24,10 +24,11 @@ def empty_like_template(shape, dtype, device) -> torch.Tensor:
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
-def check_device(name: str, device: torch.device) -> None:
-    """Raise, naming ``name``, unless tilegen's kernels can run on ``device`` in this process."""
+def check_device(name: str, device: torch.device, what: str = "tensors") -> None:
+    """Raise, naming ``name`` (and ``what`` of it lies there), unless tilegen's kernels can run on ``device`` in this
+    process."""
     if device.type == "cpu" and not interpreting():
-        raise ValueError(f"{name}: tensors are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
+        raise ValueError(f"{name}: {what} are on the CPU; tilegen kernels run on CUDA, or on the CPU under "
                          "TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: device {device} is not supported; expected cuda")

@@ -42,7 +42,8 @@ from tilegen.mods.blocks import block_table
 from tilegen.mods.trace import CallRanges, ModCall, bind_mods, bind_traced, wants_grad
 from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
-from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
+from tilegen.ops.kv_cache import (_MAX_TOKENS, PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache,
+                                  page_dtypes)
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
@@ -504,6 +505,7 @@ class PagedAttention(Planner):
                              f"{cache.batch} sequences (expected {cache.batch + 1})")
         check_heads_q(cache, heads_q)
         check_grid("cache", cache.batch, "sequences")
+        check_device("cache", cache.k_pages.device, "pages")  # before the lengths are read back from it
         dim = cache.k_pages.shape[3]
         if head_dim is not None and head_dim != dim:
             raise ValueError(f"head_dim: {head_dim!r} differs from the cache's {dim}")
@@ -527,6 +529,13 @@ class PagedAttention(Planner):
         if score_mod is not None or mask_mod is not None:
             spec, mod_tensors = paged_mods(spec, score_mod, mask_mod, pages.device, cache.batch, heads_q,
                                            max_seqlen_k, (left, right))
+        # Checked before the plan is kept: a refused plan(...) leaves the previous one in place.
+        if env.debug():
+            cache.validate()
+            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
+            if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
+                raise ValueError("cu_seqlens_q: a sequence has more new tokens than the cache holds for it")
+            check_max_seqlen_k(cache, max_seqlen_k)
         self._plan = _planned(
             spec, cache.k_pages.device, max(max_seqlen_q, max_seqlen_k),
             {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right},
@@ -536,12 +545,6 @@ class PagedAttention(Planner):
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
             pages_layout=cache._pages_layout,
         )
-        if env.debug():
-            cache.validate()
-            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, max_seqlen_q)
-            if bool(((cu_seqlens_q[1:] - cu_seqlens_q[:-1]) > seq_lens).any()):
-                raise ValueError("cu_seqlens_q: a sequence has more new tokens than the cache holds for it")
-            check_max_seqlen_k(cache, max_seqlen_k)
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
@@ -564,14 +567,14 @@ class PagedAttention(Planner):
                                  f"({spec.name})")
         pages = cache.k_pages
         cu_q, indptr, indices, last, max_q, _, _ = plan.extra
-        if env.debug():
-            _check_planned_table(cache, plan)
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != plan.q_dtype or q.device != pages.device:
             raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
                              f"{pages.device}")
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
+        if env.debug():
+            _check_planned_table(cache, plan, q.shape[0])
         out = _new_output(plan, q) if out is None else _output(
             plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
@@ -593,11 +596,15 @@ class PagedAttention(Planner):
         return (out, lse) if spec.return_lse else out
 
 
-def _check_planned_table(cache: PagedKVCache, plan: _Plan) -> None:
-    """``TILEGEN_DEBUG=1``'s check at ``PagedAttention.run`` (synchronizes): the cache is valid, its page table is
-    the one ``plan`` read (``run`` reads the planned table, not the cache's), no sequence has grown past the
-    planned ``max_seqlen_k`` (its later keys would go unread) nor holds fewer keys than it has new tokens."""
+def _check_planned_table(cache: PagedKVCache, plan: _Plan, q_rows: int) -> None:
+    """``TILEGEN_DEBUG=1``'s check at ``PagedAttention.run`` (synchronizes): q has the rows the planned offsets
+    end at (more would go unwritten, fewer would pair rows with other sequences' keys), the cache is valid, its page
+    table is the one ``plan`` read (``run`` reads the planned table, not the cache's), no sequence has grown past
+    the planned ``max_seqlen_k`` (its later keys would go unread) nor holds fewer keys than it has new tokens."""
     cu_q, indptr, indices, last, _, _, max_k = plan.extra
+    end = int(cu_q[-1])
+    if end != q_rows:
+        raise ValueError(f"q: {q_rows} tokens, but the planned cu_seqlens_q ends at {end}")
     check_run_cache(cache, max_k)
     planned = cache.indptr is indptr and cache.indices is indices and cache.last_page_len is last
     if not planned and not (
@@ -768,8 +775,9 @@ def _check_lengths(name: str, t: Any, device: torch.device) -> None:
 
 
 def _check_max(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a host int >= 0 (the longest sequence), got {value!r}")
+    # The kernels count a sequence's positions (and its query tiles' first rows) in int32: past that they wrap.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_TOKENS:
+        raise ValueError(f"{name}: expected a host int from 0 to {_MAX_TOKENS} (the longest sequence), got {value!r}")
 
 
 def _check_rows(name: str, max_len: int, cu_name: str, batch: int, packed: str, total: int,
