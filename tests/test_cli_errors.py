@@ -38,6 +38,8 @@ CASES = {
     "emit-flag-beside-a-preset": (["emit", "--preset", "merge-d128", "--no-lse"], "--lse: taken only with --head-dim"),
     "emit-spec-inline-list": (["emit", "--spec", "[]"], "--spec: spec: expected a JSON object"),
     "tune-huge-size": (["tune", "--seqlens", "99999999999999999999"], "--seqlens: 99999999999999999999 is too large"),
+    "tune-size-past-the-largest-bucket": (["tune", "--sizes", "1073741825", "--trials", "1", "--db", "{tmp}/t.sqlite"],
+                                          "--sizes: attention_fwd files these sizes in bucket 2147483648"),
     "tune-size-not-a-number": (["tune", "--seqlens", "abc"], "--seqlens"),
     "tune-trials-zero": (["tune", "--trials", "0"], "--trials: expected a positive integer"),
     "tune-trials-not-a-number": (["tune", "--trials", "abc"], "'--trials'"),
@@ -112,11 +114,12 @@ def test_bad_input_ends_in_one_error_line_and_exit_status_2(case, paths, capsys)
     assert all(not line.startswith("error") for line in captured.err.splitlines()[:-1])
 
 
-def test_a_folder_in_tilegen_db_is_named_as_the_variable(tmp_path, monkeypatch, capsys):
-    """The user passed no --db: the error names where the folder came from."""
+@pytest.mark.parametrize("args", [["db", "list"], ["tune", "--trials", "1", "--sizes", "16"]], ids=["db", "tune"])
+def test_a_folder_in_tilegen_db_is_named_as_the_variable(args, tmp_path, monkeypatch, capsys):
+    """The user passed no --db: the error names where the folder came from (tune's before anything is measured)."""
     monkeypatch.setenv("TILEGEN_DB", str(tmp_path))
     with pytest.raises(SystemExit) as exit:
-        main(["db", "list"])
+        main(args)
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: TILEGEN_DB: {tmp_path} is a folder")
 

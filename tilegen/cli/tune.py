@@ -168,6 +168,9 @@ def check_db_option(db: str | None) -> str | Path | None:
     from tilegen.db.location import is_url, server_url
 
     if db is None:
+        # The user database the tune writes: a folder there is named as the variable that put it there, as db and
+        # emit name it, not left to SQLite's "unable to open database file".
+        refuse_folder("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", env.db_path())
         return None
     if is_url(db):
         try:
@@ -368,9 +371,9 @@ def _buckets(spec, family, device, lengths: list[int], batch_sizes: list[int]) -
     rule = family.buckets
     lengths = lengths or rule.tune_sizes(on_gpu=not device.is_interpreter)
     if rule.batch_unit is None:
-        return sorted({rule.of(n) for n in lengths})
+        return _storable(family, sorted({rule.of(n) for n in lengths}), "--sizes")
     batch_sizes = batch_sizes or rule.tune_batches(on_gpu=not device.is_interpreter)
-    buckets = sorted({rule.of((n, b)) for n in lengths for b in batch_sizes})
+    buckets = _storable(family, sorted({rule.of((n, b)) for n in lengths for b in batch_sizes}), "--sizes, --batches")
     if device.is_interpreter:
         return buckets  # the interpreter's problems are capped small whatever the bucket
     budget = device.memory_bytes * _KV_MEMORY_SHARE
@@ -390,6 +393,16 @@ def _buckets(spec, family, device, lengths: list[int], batch_sizes: list[int]) -
 
 #: Sizes past this overflow the kernels' int32 index arithmetic, and no tune could allocate them.
 _MAX_SIZE = 2**31 - 1
+
+
+def _storable(family, buckets: list[int], options: str) -> list[int]:
+    """``buckets``, refused before any trial when one lies past the database's 32-bit buckets (a size past 2**30
+    rounds up to 2**31 under a power-of-two rule), where the first trial's row would be refused after measuring."""
+    past = [bucket for bucket in buckets if bucket > _MAX_SIZE]
+    if past:
+        fail(f"{options}: {family.name} files these sizes in bucket {past[0]}, past the database's largest "
+             f"({_MAX_SIZE}); give smaller sizes")
+    return buckets
 
 
 def _parse_seqlens(text: str | None) -> list[int]:
