@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -398,8 +398,9 @@ def verify(
     mods = mod_texts(score_mod, mask_mod)
     if mods:  # the trials run in the worker process, which builds the mods from their paths (as a tune's do)
         export({kind: path for kind, path in (("score_mod", score_mod), ("mask_mod", mask_mod)) if path})
-    if not 0 < timeout < math.inf:
-        fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
+    # The worker's wait takes at most threading.TIMEOUT_MAX seconds; past it, an OverflowError mid-verify.
+    if not 0 < timeout <= threading.TIMEOUT_MAX:
+        fail(f"--timeout: expected a positive number of seconds up to {threading.TIMEOUT_MAX:g}, got {timeout:g}")
     if not 0 <= seed < 2**32:
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
     if shipped and drop_failed:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -115,8 +116,9 @@ def tune(
         fail(f"--timeout: expected a positive number of seconds, got {timeout:g}")
     if not 0 <= seed < 2**32:
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
-    if heartbeat < 1:
-        fail(f"--heartbeat: expected a positive whole number of seconds, got {heartbeat}")
+    # Past threading.TIMEOUT_MAX Optuna's heartbeat thread dies on an OverflowError and the tune goes on without one.
+    if not 1 <= heartbeat <= threading.TIMEOUT_MAX:
+        fail(f"--heartbeat: expected a whole number of seconds from 1 to {int(threading.TIMEOUT_MAX)}, got {heartbeat}")
     if compile_ahead is not None and compile_ahead < 0:
         fail(f"--compile-ahead: expected a number of processes, 0 or more, got {compile_ahead}")
     if confirm is not None and confirm < 0:
