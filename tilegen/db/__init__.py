@@ -31,7 +31,7 @@ __all__ = [
 
 _WHERE = {
     "DatabaseError": "tilegen.db.errors",
-    "IMPORTED": "tilegen.db.store",
+    "IMPORTED": "tilegen.db.exchange",
     "RowError": "tilegen.db.validate",
     "SCHEMA_REVISION": "tilegen.db.sqlite",
     "TRIAL_STATUSES": "tilegen.db.models",
@@ -39,8 +39,8 @@ _WHERE = {
     "TunedRow": "tilegen.db.rows",
     "VariantRow": "tilegen.db.rows",
     "TuningDB": "tilegen.db.store",
-    "imported_study": "tilegen.db.store",
-    "measured_study": "tilegen.db.store",
+    "imported_study": "tilegen.db.exchange",
+    "measured_study": "tilegen.db.exchange",
     "studies_url": "tilegen.db.store",
     "tuned_rows": "tilegen.db.lookup",
 }

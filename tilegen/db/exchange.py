@@ -21,6 +21,20 @@ from typing import Any, Callable
 from tilegen.db.models import TRIAL_STATUSES
 from tilegen.db.validate import INT32_MAX, INT64_MAX, RowError, check_best, check_gpu, check_trial, check_variant, safe_text
 
+
+#: What an imported trial's study name ends in (``TuningDB.import_json``).
+IMPORTED = "-imported"
+
+
+def imported_study(name: str) -> str:
+    """The study an imported trial of study ``name`` is filed under: one no tune writes to."""
+    return name if name.endswith(IMPORTED) else name + IMPORTED
+
+
+def measured_study(name: str) -> str:
+    """The study a tune measured the trials of study ``name`` in (an imported one's, before it was imported)."""
+    return name.removesuffix(IMPORTED)
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
 
 FORMAT = "tilegen-tuning-db"
@@ -113,7 +127,8 @@ def check(data: Any, *, skip_bad: bool = False) -> dict[str, list[Any]]:
                 else:
                     check_trial(spec, device, row["bucket"], row["config"], row["status"], row["time_ms"],
                                 max_error=row["max_error"], trial_number=row["trial_number"],
-                                study_name=row["study_name"], triton_version=row["triton_version"])
+                                # As it is stored: the suffix an import adds counts against the column's length.
+                                study_name=imported_study(row["study_name"]), triton_version=row["triton_version"])
             except RowError as e:
                 where = f"{name}[{i}] ({spec.name}, bucket {row['bucket']}, {row['gpu_key']}): {e}"
                 if not skip_bad:

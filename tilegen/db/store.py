@@ -39,7 +39,7 @@ from tilegen import env
 from tilegen.version import __version__
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
-from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check
+from tilegen.db.exchange import FORMAT, FORMAT_VERSION, IMPORTED, SECTIONS, check, imported_study, measured_study
 from tilegen.db.location import is_url, server_url, shown
 from tilegen.db.validate import (
     RowError, check_best, check_gpu, check_stored_trial, check_stored_tuned, check_trial, check_variant,
@@ -604,20 +604,6 @@ def _insert_or_fetch(
         # a writer that does not lock first, it happens.
         return session.scalars(query).one(), False
     return row, True
-
-
-#: What an imported trial's study name ends in (``TuningDB.import_json``).
-IMPORTED = "-imported"
-
-
-def imported_study(name: str) -> str:
-    """The study an imported trial of study ``name`` is filed under: one no tune writes to."""
-    return name if name.endswith(IMPORTED) else name + IMPORTED
-
-
-def measured_study(name: str) -> str:
-    """The study a tune measured the trials of study ``name`` in (an imported one's, before it was imported)."""
-    return name.removesuffix(IMPORTED)
 
 
 def _same_trial(session: Session, key: dict[str, Any], values: dict[str, Any]) -> bool:
