@@ -350,18 +350,22 @@ def test_emit_tuned_comments_carry_no_line_break_from_a_database_path(tmp_path):
 
 # -- item 4: a corrupt file, a full disk ---------------------------------------------------------------
 
-def _corrupt(path: Path) -> None:
+def _corrupt(path: Path, wal: bool = False) -> None:
     shutil.copy(REPO / "tuning_db" / "tuned.sqlite", path)
     with open(path, "r+b") as f:
+        if wal:  # the header's write and read versions: 2 says the file is in WAL mode
+            f.seek(18)
+            f.write(b"\x02\x02")
         f.seek(4096 * 3)
         f.write(bytes(range(256)) * 80)
 
 
+@pytest.mark.parametrize("wal", [False, True], ids=["rollback-journal", "wal-mode"])
 @pytest.mark.parametrize("command", [("tune", "--head-dim", "16", "--sizes", "16", "--trials", "1"),
-                                     ("db", "prune", "--yes"), ("db", "import", "{export}")])
-def test_a_corrupt_file_is_refused_before_anything_is_written_to_it_or_beside_it(tmp_path, command):
+                                     ("db", "prune", "--yes"), ("db", "import", "{export}"), ("db", "list")])
+def test_a_corrupt_file_is_refused_before_anything_is_written_to_it_or_beside_it(tmp_path, command, wal):
     db = tmp_path / "corrupt.sqlite"
-    _corrupt(db)
+    _corrupt(db, wal)
     export = tmp_path / "export.json"
     export.write_text(json.dumps(_export(tmp_path)))
     before, listing = db.read_bytes(), sorted(p.name for p in tmp_path.iterdir())

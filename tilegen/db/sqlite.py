@@ -31,11 +31,11 @@ VERSION_TABLE = "tg_alembic_version"
 BUSY_TIMEOUT_MS = 30_000
 
 
-def readonly_uri(path: Path) -> str:
+def readonly_uri(path: Path, immutable: bool = False) -> str:
     """A URI that opens ``path`` read-only; SQLite itself then refuses writes, so a shipped or shared
-    file is never touched."""
+    file is never touched. ``immutable``: read the file alone, creating nothing beside it (no -shm)."""
     uri = f"file:{quote(str(path))}?mode=ro"
-    if not os.access(path.parent, os.W_OK):
+    if immutable or not os.access(path.parent, os.W_OK):
         # Reading a WAL file needs its -shm file, which SQLite cannot create in a folder we
         # cannot write (an installed wheel). Nothing writes the file there: read it as immutable.
         uri += "&immutable=1"
