@@ -175,6 +175,36 @@ def test_bad_mod_options_end_in_one_line_naming_the_option(tmp_path, monkeypatch
     assert not (tmp_path / "fresh.sqlite").exists()
 
 
+def test_a_mod_spec_given_whole_names_the_option_and_dispatch_suggests_a_command_that_tunes(tmp_path, monkeypatch):
+    """A spec holding a mod's text (as dispatch's log shows it) cannot be tuned without the mod's function: one line
+    naming --score-mod, nothing measured. The command dispatch suggests for it takes the spec without the mod and
+    a --score-mod placeholder, which, filled in with the mod's path, tunes the same spec."""
+    (tmp_path / "tune_mods.py").write_text(MODS)
+    monkeypatch.chdir(tmp_path)
+    _importable(tmp_path, monkeypatch)
+    import tune_mods
+
+    alibi = tune_mods.make_alibi(batch=1, heads=1, n_q=16, n_k=16, device="cpu")
+    spec = presets()["default"].replace(score_mod=trace(alibi, "score_mod").canonical)
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "fresh.sqlite"), "--spec",
+                                      str(tmp_path / "spec.json"), "--sizes", "16", "--trials", "1"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "a spec with mods is tuned through tilegen tune --score-mod" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "fresh.sqlite").exists()
+
+    command = dispatch.tune_command(spec, 16)
+    assert "score_mod" not in command and " --score-mod PKG.MODULE:FUNCTION " in command, command
+    args = command.replace("PKG.MODULE:FUNCTION", "tune_mods:make_alibi").split(" ", 2)[2]
+    spec_json = args[len("--spec '"):args.index("' ")]
+    rest = args[args.index("' ") + 2:].split()
+    result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "tuned.sqlite"), "--spec", spec_json, *rest,
+                                      "--trials", "1"])
+    assert result.exit_code == 0, result.output
+    with TuningDB(tmp_path / "tuned.sqlite") as db:
+        assert [row.spec_hash for row in db.list_tuned()] == [spec.hash]
+
+
 def test_emit_takes_the_mod_options(tmp_path, monkeypatch):
     (tmp_path / "tune_mods.py").write_text(MODS)
     _importable(tmp_path, monkeypatch)

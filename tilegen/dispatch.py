@@ -155,7 +155,12 @@ class Table:
 
 
 def tune_command(spec: Spec, bucket: int) -> str:
-    return f"tilegen tune --spec '{spec.to_json()}' {family_of(spec).buckets.cli_args(bucket)}"
+    """The command that tunes ``spec`` at ``bucket``. A mod is named by its import path (a trial needs the function),
+    which only the caller knows: the command takes the spec without it and says where the path goes."""
+    mods = [kind for kind in ("score_mod", "mask_mod") if getattr(spec, kind, None) is not None]
+    base = spec.replace(**dict.fromkeys(mods)) if mods else spec
+    options = "".join(f" --{kind.replace('_', '-')} PKG.MODULE:FUNCTION" for kind in mods)
+    return f"tilegen tune --spec '{base.to_json()}'{options} {family_of(spec).buckets.cli_args(bucket)}"
 
 
 class PlanCache(dict):

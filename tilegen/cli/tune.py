@@ -298,8 +298,11 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
 
     if sampler not in SAMPLERS:
         fail(f"--sampler: expected one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    from tilegen.mods.sources import sources_for
+
     for spec in specs:
         try:
+            sources_for(spec)  # a spec with mods (from --spec) needs --score-mod/--mask-mod to name their functions
             family_of(spec).lower(spec)  # a spec the template cannot take fails here, not once per trial
         except NotImplementedError as e:
             fail(str(e) if len(specs) == 1 else f"{spec.name}: {e}")
