@@ -340,10 +340,15 @@ class Tuner:
                 run.ahead = space.share(pending, self.worker_index % self.worker_count, self.worker_count)
         return run
 
-    def _record(self, run: _Run, replace: bool = False) -> None:
+    def _rates(self, run: _Run) -> None:
+        """The bucket's TFLOP/s and GB/s at its best time in ``run.done`` (as this process last read it)."""
         best = _best(run.done)
         run.tflops = run.problem.flops() / (best.time_ms * 1e9) if best else None
         run.gbps = run.problem.bytes_moved() / (best.time_ms * 1e6) if best else None
+
+    def _record(self, run: _Run, replace: bool = False) -> None:
+        self._rates(run)
+        best = _best(run.done)
         if best is not None:
             run.recorded |= self.db.record_best(
                 **run.key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
@@ -388,6 +393,8 @@ class Tuner:
         self._record(run, replace=True)
 
     def _result(self, run: _Run) -> BucketResult:
+        # From the trials as last read: another process may have found the best since this one recorded a row.
+        self._rates(run)
         statuses = collections.Counter(r.status for r in run.done.values())
         return BucketResult(run.key, _best(run.done), run.tflops, run.gbps, statuses, run.recorded)
 
