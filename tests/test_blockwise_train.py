@@ -47,10 +47,14 @@ def _against_reference(layer: BlockwiseLayer, x: torch.Tensor, tolerance: float)
                  id="two-sided-window-softcap-no-rope"),
     pytest.param({"norm": "layernorm", "ffn": "gelu_mlp"}, 17, 16, id="layernorm-gelu"),
     pytest.param({}, 1, 16, id="one-token"),
+    # Attention's width (heads_q x head_dim) apart from d_model, as Gemma's and the tiny-layer preset's are
+    pytest.param({"d_model": 32}, 17, 8, id="heads-wider-than-d-model"),
+    pytest.param({"d_model": 96}, 17, 8, id="heads-narrower-than-d-model"),
 ])
 def test_gradients_match_the_float64_reference(options, tokens, block, device):
-    layer = _layer(TINY.replace(**options), device, block=block)
-    x = torch.randn(tokens, TINY.d_model, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+    config = TINY.replace(**options)
+    layer = _layer(config, device, block=block)
+    x = torch.randn(tokens, config.d_model, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
     _against_reference(layer, x, 1e-4)
 
 

@@ -126,7 +126,7 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
         attn = recorder.out[start:end]
         # 1. The FFN, recomputed from h, ffn_rows at a time: a schedule's block of 16k rows would otherwise
         # hold several [rows, d_ffn] intermediates (GBs at Llama-8B widths).
-        dh = torch.empty_like(attn)
+        dh = torch.empty_like(x[start:end])  # h's gradient: d_model wide, as x (attention's width may differ)
         for c0 in range(start, end, ffn_rows):
             c1 = min(c0 + ffn_rows, end)
             h = torch.addmm(x[c0:c1], recorder.out[c0:c1], w_o.T)
