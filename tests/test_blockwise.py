@@ -306,6 +306,26 @@ def test_bad_weights_are_named(device):
         BlockwiseLayer(config).load_weights({**weights, "self_attn.o_proj.weight": torch.ones(40, 40)})
 
 
+@pytest.mark.parametrize("name, value, exc, message", [
+    ("self_attn.q_proj.weight", torch.zeros(64), ValueError,
+     r"self_attn.q_proj.weight: expected a 2-d weight \[out, in\], got shape \(64,\)"),
+    ("self_attn.q_proj.weight", torch.zeros(64, 40, 1), ValueError, "self_attn.q_proj.weight: expected a 2-d weight"),
+    ("mlp.up_proj.weight", None, TypeError, "mlp.up_proj.weight: expected a tensor, got NoneType"),
+    ("self_attn.q_proj.weight", [[0.0] * 40] * 64, TypeError, "self_attn.q_proj.weight: expected a tensor, got list"),
+    ("self_attn.k_proj.weight", torch.zeros(8, 40), ValueError,
+     "self_attn.k_proj.weight: 8 rows, not a positive multiple of the head dim 16"),
+], ids=["q-1d", "q-3d", "up-none", "q-list", "k-fewer-rows-than-a-head"])
+def test_weights_the_config_is_read_from_are_named(name, value, exc, message, device):
+    """A layer built from its weights (from_llama, or blockwise_layer given heads_q) reads the widths off them: a
+    weight that is no matrix, or a k_proj whose rows make no whole KV head, is named, not unpacked into a bare error."""
+    config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN)
+    weights = {**layer_weights(config, torch.float32, device), name: value}
+    with pytest.raises(exc, match=message):
+        tilegen.BlockwiseLayer.from_llama(weights, heads_q=4)
+    with pytest.raises(exc, match=message):
+        tilegen.blockwise_layer(_x((7, D_MODEL), torch.float32, device), weights, heads_q=4)
+
+
 # ------------------------------------------------------------------ generated source and tuning
 
 def test_generated_source_reads_constexpr_globals_only_and_compiles():

@@ -53,6 +53,12 @@ def config_from_weights(weights: Mapping[str, torch.Tensor], *, heads_q: int, he
     for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.up_proj.weight"):
         if name not in weights:
             raise ValueError(f"{name}: missing; it gives the layer's widths")
+        # Read for their shapes before check_weights sees them: a weight that is no matrix is named here.
+        w = weights[name]
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(w).__name__}")
+        if w.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-d weight [out, in], got shape {tuple(w.shape)}")
     q_out, d_model = weights["self_attn.q_proj.weight"].shape
     if isinstance(heads_q, bool) or not isinstance(heads_q, int) or heads_q < 1:
         raise ValueError(f"heads_q: expected a positive int, got {heads_q!r}")
@@ -60,7 +66,11 @@ def config_from_weights(weights: Mapping[str, torch.Tensor], *, heads_q: int, he
         raise ValueError(f"heads_q: self_attn.q_proj.weight has {q_out} rows, not a multiple of heads_q={heads_q}")
     head_dim = q_out // heads_q
     if heads_kv is None:
-        heads_kv = weights["self_attn.k_proj.weight"].shape[0] // head_dim
+        k_out = weights["self_attn.k_proj.weight"].shape[0]
+        if k_out < head_dim or k_out % head_dim:
+            raise ValueError(f"self_attn.k_proj.weight: {k_out} rows, not a positive multiple of the head dim "
+                             f"{head_dim} (self_attn.q_proj.weight's {q_out} rows over heads_q={heads_q})")
+        heads_kv = k_out // head_dim
     options.setdefault("norm", "layernorm" if "input_layernorm.bias" in weights else "rmsnorm")
     options.setdefault("ffn", "swiglu" if "mlp.gate_proj.weight" in weights else "gelu_mlp")
     return LayerConfig(d_model=d_model, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
