@@ -245,3 +245,24 @@ def test_the_layer_in_a_compiled_model_runs_eagerly_with_the_same_gradients(devi
     torch._dynamo.reset()
     with pytest.raises(Exception, match="tilegen.blockwise_layer runs eagerly under torch.compile"):
         torch.compile(model, backend="eager", fullgraph=True)(x)
+
+
+def test_explain_layer_gives_the_block_a_training_call_runs(device, monkeypatch):
+    """A training call takes at most MAX_TRAINING_BLOCK query rows a block whatever the table chose; explain_layer
+    says so for such a call (a weight requiring grad), and gives the table's choice to an inference call. The cap is lowered
+    below the interpreter's default block here, as the H200's rows of 16384 rows meet the cap of 4096 there."""
+    from tilegen.layers import explain_layer, op
+    from tilegen.layers import train
+
+    monkeypatch.setattr(op, "MAX_TRAINING_BLOCK", 16)
+    layer = _layer(TINY, device, block=None)
+    weights = dict(layer.named_parameters())
+    x = torch.randn(40, TINY.d_model, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():  # the parameters require grad: outside grad mode the call does not train
+        assert explain_layer(x, weights, TINY).config.block_q > 16
+    assert explain_layer(x, weights, TINY).config.block_q == 16
+    rows = []
+    real = train.attention
+    monkeypatch.setattr(train, "attention", lambda q, k, v, **kw: rows.append(q.shape[2]) or real(q, k, v, **kw))
+    layer(x).sum().backward()
+    assert max(rows) == 16

@@ -21,6 +21,7 @@ when ``out`` is a buffer of its own; in place it is raised (see ``blockwise_laye
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,14 +97,7 @@ def blockwise_layer(
 
         return compiled.eagerly(blockwise_layer, x, weights, config, block=block, out=out, **config_kwargs)
     w, config = _resolve(x, weights, config, config_kwargs)
-    # A module's state_dict() is detached: its parameters say whether they require grad. Its buffers (a frozen norm's
-    # weight) and tied parameters under a second name stay what state_dict() gave: constants, or the parameter.
-    if isinstance(weights, torch.nn.Module):
-        params = dict(weights.named_parameters(remove_duplicate=False))
-        held = {name: params.get(name, t) for name, t in w.items()}
-    else:
-        held = w
-    trains = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in held.values()))
+    held, trains = _trained(x, weights, w)
     if trains and out is not None:
         raise TypeError("out: x or a weight requires grad, and a result written into `out` cannot be differentiated; "
                         "drop `out`, or call under torch.no_grad()")
@@ -130,7 +124,7 @@ def blockwise_layer(
     if trains:
         # The training forward runs the chosen block's schedule with attention recorded (no fallback: the
         # backward replays the blocks it ran). An empty x still gets a grad_fn, whose gradients are empty.
-        chosen = block if block is not None else min(table.choose(n).config.block_q, MAX_TRAINING_BLOCK)
+        chosen = block if block is not None else _training_choice(table.choose(n)).config.block_q
 
         def run(x_seq, w_seq, out_seq, recorder):
             launcher.launch(x_seq, w_seq, out_seq, **{**fixed, "attention": recorder, "block_q": chosen})
@@ -168,9 +162,30 @@ def explain_layer(
     **config_kwargs: Any,
 ) -> dispatch.Choice:
     """Which query block ``blockwise_layer(x, weights, config)`` runs with (``block=None``), and where it
-    comes from: a tuned row of the ``blockwise_layer`` family, or its default."""
-    _, config = _resolve(x, weights, config, config_kwargs)
-    return layer_table(layer_spec(config, x.dtype), x.device).choose(x.shape[-2])
+    comes from: a tuned row of the ``blockwise_layer`` family, or its default. A call that trains (x or a weight
+    requires grad, under grad mode) takes at most ``MAX_TRAINING_BLOCK`` rows a block, as the call does."""
+    w, config = _resolve(x, weights, config, config_kwargs)
+    choice = layer_table(layer_spec(config, x.dtype), x.device).choose(x.shape[-2])
+    return _training_choice(choice) if _trained(x, weights, w)[1] else choice
+
+
+def _trained(x, weights, w) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors a call holds for its weights, and whether the call trains. A module's state_dict() is detached:
+    its parameters say whether they require grad. Its buffers (a frozen norm's weight) and tied parameters under a
+    second name stay what state_dict() gave: constants, or the parameter."""
+    if isinstance(weights, torch.nn.Module):
+        params = dict(weights.named_parameters(remove_duplicate=False))
+        held = {name: params.get(name, t) for name, t in w.items()}
+    else:
+        held = w
+    return held, torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in held.values()))
+
+
+def _training_choice(choice: dispatch.Choice) -> dispatch.Choice:
+    """``choice`` as a training call runs it: a block of at most ``MAX_TRAINING_BLOCK`` query rows."""
+    if choice.config.block_q <= MAX_TRAINING_BLOCK:
+        return choice
+    return dataclasses.replace(choice, config=dataclasses.replace(choice.config, block_q=MAX_TRAINING_BLOCK))
 
 
 def _resolve(x, weights, config, config_kwargs) -> tuple[dict[str, torch.Tensor], LayerConfig]:
