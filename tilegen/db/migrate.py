@@ -193,9 +193,9 @@ def _refuse_corrupt(path: Path) -> None:
     if not path.is_file() or path.stat().st_size == 0:
         return  # a new file: SQLite creates it
     # A file that says it is in WAL mode gets -shm and -wal files beside it from a plain read-only open. Where none
-    # is there, no connection has it open in WAL mode: the file alone is the database, read as immutable, so that
-    # a corrupt one is left with nothing new beside it.
-    alone = not any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+    # is there (nor a rollback journal), no connection is writing it: the file alone is the database, read as
+    # immutable, so that a corrupt one is left with nothing new beside it.
+    alone = not any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
     try:
         connection = sqlite3.connect(readonly_uri(path, immutable=alone), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
