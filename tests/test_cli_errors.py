@@ -28,6 +28,7 @@ CASES = {
     "emit-head-dim-unsupported": (["emit", "--head-dim", "65"], "--head-dim"),
     "emit-spec-missing-file": (["emit", "--spec", "{tmp}/nope.json"], "--spec"),
     "emit-spec-not-json": (["emit", "--spec", "{{oops"], "--spec"),
+    "emit-spec-empty": (["emit", "--spec", ""], "--spec: empty; expected a spec's JSON object or the path"),
     "emit-unknown-preset": (["emit", "--preset", "nope"], "unknown preset 'nope'"),
     "emit-db-without-tuned": (["emit", "--db", "{db}"], "--db: read only with --tuned"),
     "emit-tuned-db-missing": (["emit", "--tuned", "--db", "{tmp}/missing.sqlite"], "no tilegen database at"),

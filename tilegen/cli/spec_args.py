@@ -114,6 +114,9 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
 def _spec_json(spec: str) -> Any:
     """``--spec``'s JSON, inline or read from the file it names; what cannot be read or parsed raises
     ``typer.BadParameter`` naming --spec."""
+    if not spec.strip():  # Path("") is the working folder
+        raise typer.BadParameter("empty; expected a spec's JSON object or the path of a file holding it",
+                                 param_hint="--spec")
     try:
         text = Path(spec).read_text() if not spec.lstrip().startswith(("{", "[")) else spec
         return json.loads(text)
