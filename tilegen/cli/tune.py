@@ -141,7 +141,8 @@ def tune(
             # study, so the same command measures it on resuming: a traceback would say nothing more.
             signum = received[-1] if received else signal.SIGINT
             typer.echo(f"error: interrupted by {signal.Signals(signum).name}; every finished trial is stored, "
-                       "and running the same command again resumes the tune", err=True)
+                       "and running the same command again goes on from them (measuring none twice, and "
+                       "--trials more configs a bucket)", err=True)
             raise typer.Exit(128 + signum) from None
 
 
