@@ -118,7 +118,8 @@ def tune(
         fail(f"--seed: expected an integer from 0 to {2**32 - 1}, got {seed}")
     # Past threading.TIMEOUT_MAX Optuna's heartbeat thread dies on an OverflowError and the tune goes on without one.
     if not 1 <= heartbeat <= threading.TIMEOUT_MAX:
-        fail(f"--heartbeat: expected a whole number of seconds from 1 to {int(threading.TIMEOUT_MAX)}, got {heartbeat}")
+        fail(f"--heartbeat: expected a positive whole number of seconds up to {int(threading.TIMEOUT_MAX)}, "
+             f"got {heartbeat}")
     if compile_ahead is not None and compile_ahead < 0:
         fail(f"--compile-ahead: expected a number of processes, 0 or more, got {compile_ahead}")
     if confirm is not None and confirm < 0:
