@@ -266,3 +266,41 @@ def test_explain_layer_gives_the_block_a_training_call_runs(device, monkeypatch)
     monkeypatch.setattr(train, "attention", lambda q, k, v, **kw: rows.append(q.shape[2]) or real(q, k, v, **kw))
     layer(x).sum().backward()
     assert max(rows) == 16
+
+
+def test_from_llama_reads_the_rope_base_and_eps_a_transformers_layer_holds(device):
+    """A Llama 3 layer (rope_theta 500000, eps 1e-6) loaded without those options gets them from its own config, and
+    its forward matches the module's; a RoPE of scaled frequencies (Llama 3.1's) is refused by name, unless
+    rope_theta is passed."""
+    transformers = pytest.importorskip("transformers")
+    if device != "cpu":
+        pytest.skip("tiny fp32 CPU model, run under the interpreter")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=500000.0,
+                                      max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    llama = LlamaDecoderLayer(config, layer_idx=0)
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    layer = BlockwiseLayer.from_llama(llama, heads_q=4, block=16)
+    assert (layer.config.rope_theta, layer.config.eps) == (500000.0, 1e-6)
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(40)[None]
+    with torch.no_grad():
+        out = llama(x, attention_mask=None, position_ids=positions,
+                    position_embeddings=LlamaRotaryEmbedding(config=config)(x, positions))
+        want = (out[0] if isinstance(out, tuple) else out)[0]
+        got = layer(x[0])
+    assert _rel(got, want.double()) < 1e-4
+
+    scaled = transformers.LlamaConfig(**{**config.to_dict(), "max_position_embeddings": 16384, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_theta": 500000.0}})
+    llama31 = LlamaDecoderLayer(scaled, layer_idx=0)
+    with pytest.raises(NotImplementedError, match="source: its attention config's RoPE is of type 'llama3'"):
+        BlockwiseLayer.from_llama(llama31, heads_q=4)
+    assert BlockwiseLayer.from_llama(llama31, heads_q=4, rope_theta=500000.0).config.rope_theta == 500000.0

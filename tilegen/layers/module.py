@@ -53,7 +53,15 @@ class BlockwiseLayer(torch.nn.Module):
                    heads_kv: int | None = None, block: int | None = None, **options: Any) -> BlockwiseLayer:
         """A layer holding ``source``'s weights (a state dict, or a module such as ``LlamaDecoderLayer``),
         its widths read from their shapes; ``options`` are ``LayerConfig``'s (``rope_theta``,
-        ``eps``, ``causal``, ...). Weights that do not fit raise an error naming the weight."""
+        ``eps``, ``causal``, ...). Weights that do not fit raise an error naming the weight.
+
+        A transformers decoder layer also gives what its weights cannot, unless ``options`` say otherwise: its
+        norm's eps and its attention config's ``rope_theta`` (so a Llama 3 layer gets 500000, not the default
+        10000). A RoPE of another type there (Llama 3.1's scaled frequencies, YaRN, ...) raises
+        ``NotImplementedError``: tilegen's RoPE turns by plain ``rope_theta`` frequencies, and the layer would
+        differ from the module's; pass ``rope_theta`` to build it anyway."""
+        if isinstance(source, torch.nn.Module):
+            options = {**_module_options(source, explicit_rope="rope_theta" in options), **options}
         weights = as_state_dict(source)
         config = config_from_weights(weights, heads_q=heads_q, heads_kv=heads_kv, **options)
         check_weights(weights, config)
@@ -82,3 +90,26 @@ class BlockwiseLayer(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return repr(self.config)
+
+
+def _module_options(module: torch.nn.Module, explicit_rope: bool) -> dict[str, Any]:
+    """The options a transformers decoder layer holds beside its weights: the input norm's eps, and its attention
+    config's RoPE base (``rope_parameters``, or an older transformers' ``rope_theta`` and ``rope_scaling``)."""
+    found: dict[str, Any] = {}
+    norm = getattr(module, "input_layernorm", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool):
+        found["eps"] = float(eps)
+    config = getattr(getattr(module, "self_attn", None), "config", None)
+    if config is None:
+        return found
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default") and not explicit_rope:
+        raise NotImplementedError(f"source: its attention config's RoPE is of type {kind!r}, whose frequencies "
+                                  "tilegen's RoPE (plain rope_theta frequencies) does not apply; pass rope_theta= to "
+                                  "build the layer with plain RoPE anyway")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    if isinstance(theta, (int, float)) and not isinstance(theta, bool):
+        found["rope_theta"] = float(theta)
+    return found
