@@ -21,6 +21,10 @@ from typing import Any, Callable
 from tilegen.db.models import TRIAL_STATUSES
 from tilegen.db.validate import INT32_MAX, INT64_MAX, RowError, check_best, check_gpu, check_trial, check_variant, safe_text
 
+__all__ = ["FORMAT", "FORMAT_VERSION", "IMPORTED", "SECTIONS", "check", "imported_study", "measured_study"]
+
+FORMAT = "tilegen-tuning-db"
+FORMAT_VERSION = 1
 
 #: What an imported trial's study name ends in (``TuningDB.import_json``).
 IMPORTED = "-imported"
@@ -35,10 +39,6 @@ def measured_study(name: str) -> str:
     """The study a tune measured the trials of study ``name`` in (an imported one's, before it was imported)."""
     return name.removesuffix(IMPORTED)
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "SECTIONS", "check"]
-
-FORMAT = "tilegen-tuning-db"
-FORMAT_VERSION = 1
 
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),

@@ -39,7 +39,7 @@ from tilegen import env
 from tilegen.version import __version__
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
-from tilegen.db.exchange import FORMAT, FORMAT_VERSION, IMPORTED, SECTIONS, check, imported_study, measured_study
+from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check, imported_study, measured_study
 from tilegen.db.location import is_url, server_url, shown
 from tilegen.db.validate import (
     RowError, check_best, check_gpu, check_stored_trial, check_stored_tuned, check_trial, check_variant,

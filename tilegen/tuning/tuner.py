@@ -340,15 +340,16 @@ class Tuner:
                 run.ahead = space.share(pending, self.worker_index % self.worker_count, self.worker_count)
         return run
 
-    def _rates(self, run: _Run) -> None:
-        """The bucket's TFLOP/s and GB/s at its best time in ``run.done`` (as this process last read it)."""
+    def _rates(self, run: _Run) -> TrialResult | None:
+        """The bucket's best trial in ``run.done`` (as this process last read it), its TFLOP/s and GB/s set on
+        ``run``."""
         best = _best(run.done)
         run.tflops = run.problem.flops() / (best.time_ms * 1e9) if best else None
         run.gbps = run.problem.bytes_moved() / (best.time_ms * 1e6) if best else None
+        return best
 
     def _record(self, run: _Run, replace: bool = False) -> None:
-        self._rates(run)
-        best = _best(run.done)
+        best = self._rates(run)
         if best is not None:
             run.recorded |= self.db.record_best(
                 **run.key.fields(), config=best.config.to_dict(), time_ms=best.time_ms, max_error=best.max_error,
@@ -394,9 +395,9 @@ class Tuner:
 
     def _result(self, run: _Run) -> BucketResult:
         # From the trials as last read: another process may have found the best since this one recorded a row.
-        self._rates(run)
+        best = self._rates(run)
         statuses = collections.Counter(r.status for r in run.done.values())
-        return BucketResult(run.key, _best(run.done), run.tflops, run.gbps, statuses, run.recorded)
+        return BucketResult(run.key, best, run.tflops, run.gbps, statuses, run.recorded)
 
     def _study(self, key: TuningKey, space) -> optuna.Study:
         # Choosing the run and creating its study is one step for every process (see studies_lock).
