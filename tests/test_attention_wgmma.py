@@ -36,6 +36,7 @@ from tilegen.families.attention_fwd.config import (
     wgmma_unsupported,
 )
 from tilegen.families.base import ConfigError
+from tilegen.families.lowering import gluon_widths
 from tilegen.ops.attention import prepare_call, run_with_config
 
 HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
@@ -73,6 +74,11 @@ def test_offered_on_hopper_with_triton_36_only():
     (AttentionSpec(head_dim=192, dtype="bf16"), WGMMA, "takes two consumers, BM128-BN64 and two slots"),
     (AttentionSpec(head_dim=256, dtype="bf16"), WS, "takes two consumers, BM128-BN64 and two slots"),
     (AttentionSpec(head_dim=256, dtype="bf16"), Config(128, 64, 8, 3, tma=1, wgmma=2), "takes two consumers"),
+    # A QK of 192 above a V of 128 is read in 192 columns: three slots fit, four do not.
+    (AttentionSpec(head_dim=192, head_dim_v=128, dtype="bf16"), Config(128, 64, 8, 4, tma=1, wgmma=2),
+     "head dim 192 (read as 192) takes two consumers, BM128-BN64 and 2 to 3 slots"),
+    (AttentionSpec(head_dim=160, head_dim_v=128, dtype="bf16"), Config(128, 128, 8, 2, tma=1, wgmma=2),
+     "head dim 160 (read as 192)"),
     (AttentionSpec(head_dim=64, dtype="fp32"), WGMMA, "bf16 or fp16"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 3, tma=0, wgmma=1), "goes with tma=1"),
     (AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 64, 4, 3, tma=1, wgmma=1), "BM128 with 8"),
@@ -307,6 +313,7 @@ def test_warp_specialized_consumers(config, grid, consumers, monkeypatch):
     AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
     AttentionSpec(head_dim=64, mask="none", dtype="fp16"),
     AttentionSpec(head_dim=96, q_per_kv=2, mask="causal", dtype="bf16"),
+    AttentionSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16"),
 ], ids=lambda s: s.name)
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -320,19 +327,23 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
                ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2, "TMA_STORE": True})]
     if spec.head_dim == 96:
         configs = configs[3:5]  # read into 128 columns: the warp-specialized kernel, both stores
+    if spec.head_dim == 192:  # Q and K in three parts of 64 columns: 64-key blocks, two or three slots, both stores
+        configs = [(kernel, q_rows, 64, stages, warps, constants) for stages in (2, 3)
+                   for kernel, q_rows, _, _, warps, constants in configs[3:5]]
     if spec.head_dim == 64:
         configs += [("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": True, "CONSUMERS": 3, "TMA_STORE": True}),
                     ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 3, "TMA_STORE": False})]
-    dim = triton.next_power_of_2(spec.head_dim)
+    dim, dim_v = gluon_widths(spec.head_dim, spec.dv)
+    dim //= 3 if dim == 192 else 1  # a part's columns
     for kernel, q_rows, block_n, stages, warps, constants in configs:
         if kernel == "kernel_wgmma_ws":  # causal: the tiles as the host's schedule deals them
             constants = {**constants, "SCHEDULED": spec.mask == "causal"}
         # The warp-specialized kernel stores through a descriptor of Q's block where the output allows one.
-        out = gluon_descriptor(q_rows, dim, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
+        out = gluon_descriptor(q_rows, dim_v, spec.dtype) if constants.get("TMA_STORE") else f"*{spec.dtype}"
         pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32",
                     "q_desc": gluon_descriptor(q_rows, dim, spec.dtype),
                     "k_desc": gluon_descriptor(block_n, dim, spec.dtype),
-                    "v_desc": gluon_descriptor(block_n, dim, spec.dtype)}
+                    "v_desc": gluon_descriptor(block_n, dim_v, spec.dtype)}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                    "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
         done = subprocess.run([sys.executable, str(script), json.dumps(request)], env=env, capture_output=True,
@@ -340,7 +351,7 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "cubin bytes" in done.stdout and done.stdout.strip().endswith("wgmma async"), done.stdout
         spilled = int(done.stdout.split("spill stores bytes")[1].split()[0])
-        if kernel == "kernel_wgmma_ws" and constants["TMA_STORE"] and block_n == 128:
+        if kernel == "kernel_wgmma_ws" and constants["TMA_STORE"] and (block_n == 128 or spec.head_dim == 192):
             # The shipped tiles: with the output leaving through TMA no value is spilled (with pointer
             # stores d128 causal spilled 54 words and d64 full with three consumers 86; BENCHMARKS.md).
             assert spilled == 0, done.stdout
@@ -428,6 +439,10 @@ GPU_CASES = [
     param(Case(1000, 1100, dtype="bf16", head_dim=256, batch=2, heads_q=8, heads_kv=2, causal=True)),
     param(Case(257, dtype="fp16", head_dim=256, heads_q=4, heads_kv=1)),
     param(Case(300, 100, dtype="bf16", head_dim=192, heads_q=4, heads_kv=2, causal=True)),  # rows that see no key
+    # A QK past 128 above a V of 128 or fewer: read into 192 columns in three parts, V and the output in their own.
+    param(Case(1000, 1100, dtype="bf16", head_dim=160, head_dim_v=128, batch=2, heads_q=8, heads_kv=2, causal=True)),
+    param(Case(257, 1000, dtype="fp16", head_dim=192, head_dim_v=64, heads_q=4, heads_kv=1)),
+    param(Case(1, 300, dtype="bf16", head_dim=136, head_dim_v=128, heads_q=2, heads_kv=2, causal=True)),
     param(Case(1050, 900, dtype="bf16", head_dim=192, batch=3, heads_q=11, heads_kv=11)),
     # A narrower V: its own descriptors and output columns (DeepSeek's 192/128).
     param(Case(1000, 1100, dtype="bf16", head_dim=192, head_dim_v=128, batch=2, heads_q=8, heads_kv=8, causal=True)),
@@ -440,9 +455,11 @@ def _skip_without_gluon(case, config) -> None:
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
     if config.block_m == 192 and case.head_dim != 64:
         pytest.skip("three consumer warpgroups at head dim 64 only")
-    if case.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
-                                or config.num_stages != 2):
-        pytest.skip("past head dim 128: two consumers, BM128-BN64 and two slots only")
+    if case.head_dim > 128:
+        spec = AttentionSpec(head_dim=case.head_dim, head_dim_v=case.dv, dtype=case.dtype)
+        reason = feasible(spec, config, device_info(torch.cuda.current_device()))
+        if reason is not None:
+            pytest.skip(reason)
     if case.dv != case.head_dim and config.wgmma == 1:
         pytest.skip("a narrower V: the warp-specialized kernel only")
 
@@ -470,7 +487,7 @@ def _run_gluon(spec, config, q, k, v, launch_values, monkeypatch, out=None, **la
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1),
                                     WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
-                                    Config(128, 64, 8, 2, tma=1, wgmma=3),
+                                    Config(128, 64, 8, 2, tma=1, wgmma=3), Config(128, 64, 8, 3, tma=1, wgmma=2),
                                     Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)],
                          ids=str)
 @pytest.mark.parametrize("case", GPU_CASES)
@@ -485,23 +502,25 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WGMMA, WS, WS_PINGPONG, Config(128, 64, 8, 3, tma=1, wgmma=2),
                                     Config(128, 64, 8, 2, tma=1, wgmma=3)], ids=str)
-@pytest.mark.parametrize("head_dim", [72, 96, 120, 200])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(72, 72), (96, 96), (120, 120), (200, 200), (168, 120)])
 @pytest.mark.parametrize("aligned", [True, False], ids=["tma-store", "pointer-store"])
-def test_a_padded_head_dim_writes_no_column_past_it(head_dim, config, aligned, monkeypatch):
-    """A head dim read into 128 (or 256) columns writes its own: the output is a view of a wider buffer whose extra
-    columns hold a pattern, left as it was, through the TMA store and (a base off 16 bytes) the pointer store."""
-    case = Case(300, 333, dtype="bf16", head_dim=head_dim, batch=2, heads_q=4, heads_kv=2, causal=True)
+def test_a_padded_head_dim_writes_no_column_past_it(head_dim, head_dim_v, config, aligned, monkeypatch):
+    """A head dim read into 128, 192 or 256 columns writes its own: the output is a view of a wider buffer whose
+    extra columns hold a pattern, left as it was, through the TMA store and (a base off 16 bytes) the pointer
+    store."""
+    case = Case(300, 333, dtype="bf16", head_dim=head_dim, head_dim_v=head_dim_v, batch=2, heads_q=4, heads_kv=2,
+                causal=True)
     _skip_without_gluon(case, config)
     q, k, v = case.inputs(torch.device("cuda"))
     offset = 0 if aligned else 1
-    width = head_dim + 16
+    width = head_dim_v + 16
     buffer = torch.full((2 * 4 * 300 * width + offset, ), math.nan, dtype=q.dtype, device="cuda")
     wide = buffer[offset:].view(2, 4, 300, width)
-    wide[..., head_dim:] = 7.0
-    out = wide[..., :head_dim]
+    wide[..., head_dim_v:] = 7.0
+    out = wide[..., :head_dim_v]
     spec, left, right, scale, softcap = prepare_call(q, k, v, True, None, None, None, True)
     _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch, out=out)
-    assert bool((wide[..., head_dim:] == 7.0).all()), "a column past the head dim was written"
+    assert bool((wide[..., head_dim_v:] == 7.0).all()), "a column past the head dim was written"
     check_against_reference(out, None, q, k, v, causal=True)
 
 

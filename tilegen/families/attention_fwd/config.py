@@ -14,6 +14,7 @@ import triton
 from tilegen.device import DeviceInfo
 from tilegen.families import base
 from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.lowering import gluon_widths
 from tilegen.mods.lower import gathers_per_score
 
 __all__ = ["Config", "TileConfig", "search_space", "tile_space", "feasible", "default_rule", "has_tma", "has_wgmma",
@@ -115,8 +116,9 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernel has no window"
-    # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256, which TMA fills with zeros past
-    # the tensor's (a spec's head dim is a multiple of 8, so a row is a multiple of TMA's 16 bytes).
+    # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256 (above a V of 128 or fewer, up to
+    # 192 into 192: lowering.gluon_widths), which TMA fills with zeros past the tensor's (a spec's head dim is a
+    # multiple of 8, so a row is a multiple of TMA's 16 bytes).
     # A narrower V (DeepSeek's 192/128) up to 128 columns: a wider one stages the output in Q's buffer, which
     # then must be as wide.
     if not 64 <= spec.dv <= spec.head_dim <= 256 or (spec.dv != spec.head_dim and spec.dv > 128):
@@ -168,15 +170,27 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
     if spec.dv != spec.head_dim and config.wgmma == 1:
         return f"{knob}: a narrower V is the warp-specialized kernel's (wgmma 2 or 3)"
-    if spec.head_dim > 128 and (config.wgmma == 1 or config.block_m != 128 or config.block_n != 64
-                                or config.num_stages != 2):
-        # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers; Q's buffers (64 KiB, the
-        # output staged in them) and two slots of 64 keys (128 KiB) fill the shared memory.
-        return (f"{knob}: head dim {spec.head_dim} (read as 256) takes two consumers, BM128-BN64 and two slots, "
-                f"not {config}")
+    if spec.head_dim > 128:
+        # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers (64 x 192: 96); Q's buffers
+        # (the output staged in them past 128 columns of V, else in buffers of its own) and the slots of 64 keys
+        # share the shared memory: two slots at 256 columns, three at 192.
+        width, stages = gluon_widths(spec.head_dim, spec.dv)[0], _ws_wide_stages(spec, device)
+        if config.wgmma == 1 or config.block_m != 128 or config.block_n != 64 or not 2 <= config.num_stages <= stages:
+            slots = "two slots" if stages == 2 else f"2 to {stages} slots"
+            return (f"{knob}: head dim {spec.head_dim} (read as {width}) takes two consumers, BM128-BN64 and "
+                    f"{slots}, not {config}")
     if config.num_stages < 2:
         return f"{knob}: K and V need at least two slots each"
     return None
+
+
+def _ws_wide_stages(spec: AttentionSpec, device: DeviceInfo) -> int:
+    """The most K/V slots of 64 keys the warp-specialized kernel fits past 128 columns: two consumers' Q buffers,
+    an output buffer each where V is 128 columns or fewer, and the slots, in the device's shared memory (less a
+    KiB for the barriers)."""
+    width, width_v = gluon_widths(spec.head_dim, spec.dv)
+    fixed = 2 * 64 * width + (2 * 64 * width_v if width_v <= 128 else 0)
+    return max(2, (device.smem_bytes // 2 - 512 - fixed) // (64 * (width + width_v)))
 
 
 def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
@@ -193,8 +207,11 @@ def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | N
             continue  # three consumer warpgroups of 64 rows; checked above
         if value % 16 or value & (value - 1):
             return f"{name}={value}: the template asserts a power of two and a multiple of 16"
-    dim_pad = triton.next_power_of_2(spec.head_dim)
-    dim_v_pad = triton.next_power_of_2(spec.dv)
+    # The Gluon kernels read a QK of 192 in 192 columns (gluon_widths), the Triton kernel in a power of two.
+    if config.wgmma:
+        dim_pad, dim_v_pad = gluon_widths(spec.head_dim, spec.dv)
+    else:
+        dim_pad, dim_v_pad = triton.next_power_of_2(spec.head_dim), triton.next_power_of_2(spec.dv)
     if config.block_m * dim_v_pad > 128 * 256:
         return f"block_m={config.block_m}: accumulator of {config.block_m}x{dim_v_pad} exceeds the template's bound"
     if device.is_interpreter:
@@ -264,11 +281,14 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             rule[1:] = causal + [(None, _WS_PINGPONG if spec.score_mod is not None else _WARP_SPECIALIZED)]
         return rule
     if _defaults_to_wgmma(spec, device):
-        # Head dims 136 ... 256 fit the warp-specialized kernel with 64-key blocks and two slots only. On the H200
+        # Head dims 136 ... 256 fit the warp-specialized kernel with 64-key blocks and two slots (three at a QK of 192
+        # above a narrower V). On the H200
         # (bf16, GQA 32/8, 16k tokens, TFLOP/s) it read 0.93-1.13 of cuDNN at d256 from 512 to 16k keys, causal and
         # full (the Triton row BM64-BN32 0.59-0.63: causal 4k 644 against 360, cuDNN 605), and 0.80-0.89 at d192
         # (read into 256 columns); ping-pong was level or slower (causal 1k 492 against 557). DeepSeek's 192/128
-        # (MHA): 0.91-1.02 of cuDNN, against about 0.5 for the Triton row.
+        # (MHA): 0.91-1.02 of cuDNN, against about 0.5 for the Triton row; with QK read into 192 columns in three
+        # parts, on an H100 1.01-1.12 of cuDNN but at full 16k (0.94), two slots level with or ahead of three
+        # (BENCHMARKS.md).
         return [(None, _WS_WIDE)]
     if spec.softcap and has_tma(device):
         # A softcap keeps the Triton kernel (its Gluon paths were slower at d128), but in wider tiles: on the H200

@@ -11,7 +11,7 @@ from typing import Any
 from tilegen.dtypes import TORCH_DTYPES
 from tilegen.families.attention_fwd.config import wgmma_unsupported
 from tilegen.families.attention_fwd.spec import AttentionSpec
-from tilegen.families.lowering import head_dim_values
+from tilegen.families.lowering import gluon_widths, head_dim_values
 from tilegen.mods.lower import mod_values
 
 __all__ = ["lower", "attention_values"]
@@ -25,15 +25,29 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         )
     wgmma = wgmma_unsupported(spec) is None
     return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
+            **_gluon_dims(spec),
             # Its launch takes the mask mod's block table: empty blocks skipped, whole ones unmasked.
             "mask_mod_blocks": spec.mask_mod is not None}
 
 
+def _gluon_dims(spec: AttentionSpec) -> dict[str, Any]:
+    """The dense Gluon kernels' columns (tilegen.families.lowering.gluon_widths): a QK of 192 is read in three
+    64-column parts, each copied and multiplied on its own."""
+    width, width_v = gluon_widths(spec.head_dim, spec.dv)
+    return {"wgmma_dim": width, "wgmma_dim_v": width_v, "qk_chunks": 3 if width == 192 else 1}
+
+
 def attention_values(spec) -> dict[str, Any]:
     """The values every attention template takes, from the fields every attention spec has."""
+    dims = head_dim_values(spec.head_dim, spec.dv)
     return {
         "kernel_name": f"_{spec.name}_kernel",
-        **head_dim_values(spec.head_dim, spec.dv),
+        **dims,
+        # The Gluon kernels' columns, as padded for tl.arange, Q's and K's in one part (the dense family's lowering
+        # narrows them).
+        "wgmma_dim": dims["head_dim_pad"],
+        "wgmma_dim_v": dims["head_dim_v_pad"],
+        "qk_chunks": 1,
         "q_per_kv": spec.q_per_kv,
         "mask": spec.mask,
         "softcap": spec.softcap,
