@@ -232,12 +232,14 @@ def test_a_padded_batch_whose_values_are_shorter_names_the_argument(device):
 
 # -------------------------------------------------------------------------------- paged
 
-def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):
-    """A cache holding ``k_lens`` tokens per sequence in shuffled pages; every unused slot is NaN."""
+def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3, dim_v=None):
+    """A cache holding ``k_lens`` tokens per sequence in shuffled pages (V's of ``dim_v`` columns, else ``dim``);
+    every unused slot is NaN."""
     counts = [math.ceil(n / page_size) for n in k_lens]
     num_pages = sum(counts) + spare
     k_pages = torch.full((num_pages, page_size, kv_heads, dim), math.nan, dtype=dtype, device=device)
-    v_pages = torch.full_like(k_pages, math.nan)
+    dim_v = dim if dim_v is None else dim_v
+    v_pages = torch.full((num_pages, page_size, kv_heads, dim_v), math.nan, dtype=dtype, device=device)
     order = torch.randperm(num_pages, generator=gen)
     # Entries past a sequence's pages hold garbage, as a vLLM block table may.
     block_table = torch.full((len(k_lens), max([*counts, 1]) + 1), num_pages + 7, dtype=torch.int32)
@@ -249,7 +251,7 @@ def make_cache(k_lens, page_size, kv_heads, dim, dtype, device, gen, spare=3):
             block_table[b, i] = page
             held = min(page_size, n - i * page_size)
             k_pages[page, :held] = _randn(gen, held, kv_heads, dim, dtype=dtype, device=device)
-            v_pages[page, :held] = _randn(gen, held, kv_heads, dim, dtype=dtype, device=device)
+            v_pages[page, :held] = _randn(gen, held, kv_heads, dim_v, dtype=dtype, device=device)
     return tilegen.PagedKVCache.from_block_table(k_pages, v_pages, block_table.to(device),
                                                  torch.tensor(k_lens, device=device))
 

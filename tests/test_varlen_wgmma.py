@@ -29,6 +29,7 @@ from tilegen.families.attention_varlen import VarlenAttentionSpec
 from tilegen.families.attention_varlen.config import VarlenConfig, default_rule, feasible, search_space
 from tilegen.families.attention_varlen.reference import varlen_reference
 from tilegen.families.base import ConfigError
+from tilegen.families.lowering import gluon_widths
 
 HOPPER = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
 AMPERE = DeviceInfo("NVIDIA A100", (8, 0), 108, 80 << 30, 166912)
@@ -40,6 +41,9 @@ WS_SHORT = VarlenConfig(128, 64, 8, 3, wgmma=2)
 WS_UNSTAGED = VarlenConfig(128, 128, 8, 3, wgmma=2)
 LLAMA = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16")
 PAGED = VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", kv_layout="paged", page_size=16)
+# A QK of 192 above a V of 128: Q and K read in three 64-column parts, 64-key blocks.
+DEEPSEEK = VarlenAttentionSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16")
+WS_QK192 = [VarlenConfig(128, 64, 8, 2, wgmma=2), VarlenConfig(128, 64, 8, 3, wgmma=3)]
 
 
 def test_the_knob_reads_and_labels_like_the_dense_ones():
@@ -59,7 +63,9 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
     (VarlenAttentionSpec(head_dim=128, mask="window", dtype="bf16"), WS, "no window"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True), WS, "takes neither"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="fp32"), WS, "bf16 or fp16"),
-    (VarlenAttentionSpec(head_dim=192, head_dim_v=128, dtype="bf16"), WS, "equal ones from 64 to 128"),
+    (VarlenAttentionSpec(head_dim=192, dtype="bf16"), WS, "equal ones from 64 to 128, or a QK of 136 to 192"),
+    (VarlenAttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WS, "equal ones from 64 to 128"),
+    (VarlenAttentionSpec(head_dim=192, head_dim_v=128, dtype="bf16"), WS, "takes two consumers, BM128-BN64"),
     (LLAMA, VarlenConfig(64, 64, 4, 2, wgmma=2), "BM128 with 8 warps"),
     (LLAMA, VarlenConfig(128, 32, 8, 2, wgmma=2), "64 or 128"),
     (LLAMA, VarlenConfig(128, 128, 8, 4, wgmma=2), "shared memory"),
@@ -67,7 +73,8 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
 def test_refuses_what_the_ragged_kernel_does_not_run(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
     offered = search_space(spec, HOPPER)["wgmma"]
-    assert offered == [0, 2, 3] if spec == LLAMA else offered == [0]
+    runs = spec == LLAMA or (spec.head_dim, spec.dv) == (192, 128)  # the tile is refused, not the kernel
+    assert offered == ([0, 2, 3] if runs else [0])
     assert search_space(PAGED, HOPPER)["wgmma"] == [0, 2, 3]
 
 
@@ -83,6 +90,11 @@ def test_default_rule_takes_the_warp_specialized_kernel_from_512_tokens_on_hoppe
     assert not any(c.wgmma for _, c in default_rule(LLAMA, AMPERE))
     for spec in (PAGED.replace(kv_dtype="fp8e4m3"), PAGED.replace(page_size=1)):
         assert not any(c.wgmma for _, c in default_rule(spec, HOPPER)), spec
+    for spec in (DEEPSEEK, DEEPSEEK.replace(kv_layout="paged", page_size=64, q_per_kv=4)):
+        rule = default_rule(spec, HOPPER)
+        assert rule == [(256, VarlenConfig(64, 32, 4, 2)), (None, WS_QK192[0])], (spec, rule)
+        for _, config in rule:
+            assert feasible(spec, config, HOPPER) is None, (spec, config)
 
 
 def test_ragged_and_paged_specs_carry_the_gluon_kernel():
@@ -106,20 +118,23 @@ def test_ragged_and_paged_specs_carry_the_gluon_kernel():
     VarlenAttentionSpec(head_dim=96, mask="none", dtype="fp16"),
     PAGED.replace(return_lse=True),
     PAGED.replace(head_dim=96, q_per_kv=8, page_size=64),
+    DEEPSEEK,
+    DEEPSEEK.replace(kv_layout="paged", page_size=16, q_per_kv=4),
 ], ids=lambda s: s.name)
 def test_the_ragged_kernel_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TILEGEN_CACHE_DIR"] = str(tmp_path)
-    dim = triton.next_power_of_2(spec.head_dim)
-    kv_rows = min(spec.page_size or 128, 128)  # a paged descriptor's block is a page
+    dim, dim_v = gluon_widths(spec.head_dim, spec.dv)
+    dim, block_n = (64, 64) if dim == 192 else (dim, 128)  # a QK of 192 in 64-column parts, 64-key blocks
+    kv_rows = min(spec.page_size or block_n, block_n)  # a paged descriptor's block is a page
     pointers = {"Out": f"*{spec.dtype}", "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "CuQ": "*i32",
                 "CuK": "*i32", "PageIndptr": "*i32", "Pages": "*i32", "LastLen": "*i32",
                 "q_desc": gluon_descriptor(64, dim, spec.dtype), "k_desc": gluon_descriptor(kv_rows, dim, spec.dtype),
-                "v_desc": gluon_descriptor(kv_rows, dim, spec.dtype)}
+                "v_desc": gluon_descriptor(kv_rows, dim_v, spec.dtype)}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma_ws", "ptxas": True,
                "configs": [{"PINGPONG": pingpong, "CONSUMERS": 2, "TMA_STORE": staged, "SCHEDULED": False,
-                            "BLOCK_N": 128, "STAGES": 2, "num_warps": 4}
+                            "BLOCK_N": block_n, "STAGES": 2, "num_warps": 4}
                            for pingpong, staged in ((False, True), (True, False))]}
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py")), json.dumps(request)],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -490,3 +505,63 @@ def test_a_launch_asks_gluon_for_a_blocks_shared_layout_once(monkeypatch):
     assert first[0].layout == real([1, 1, 64, 128], module.gl.bfloat16) and first[1].layout is launches[1][1][1].layout
     assert first[1].layout == real([1, 1, 128, 128], module.gl.bfloat16)
     assert short[1].layout == real([1, 1, 64, 128], module.gl.bfloat16) and launches[3][1][1].layout is first[1].layout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "pointer-store"])
+@pytest.mark.parametrize("config", WS_QK192, ids=str)
+@pytest.mark.parametrize("layout, causal, heads, q_lens, extra", [
+    pytest.param("ragged", True, (8, 2), [0, 1, 17, 257, 1000, 130], 0, id="ragged-gqa4-causal"),
+    pytest.param("ragged", False, (4, 4), [300, 0, 129, 1], 70, id="ragged-mha-full-longer-keys"),
+    pytest.param(16, True, (8, 2), [0, 1, 17, 300, 5], [0, 40, 0, 700, 64], id="p16-gqa4"),
+    pytest.param(64, True, (4, 1), [257, 1, 90], [63, 0, 1], id="p64-mqa"),
+])
+def test_a_qk_of_192_over_a_v_of_128_ragged_and_paged(layout, causal, heads, q_lens, extra, config, staged,
+                                                       monkeypatch):
+    """DeepSeek's 192/128 through the Gluon kernel, Q and K in three 64-column parts: packed sequences and shuffled
+    pages (NaN in every unused slot) against the float64 reference, into a poisoned output, with the output staged
+    in its own buffer or stored from the accumulators."""
+    from test_varlen import make_cache, paged_reference
+
+    from tilegen.codegen.cache import module_for
+
+    dtype = torch.bfloat16
+    paged = layout != "ragged"
+    spec = DEEPSEEK.replace(q_per_kv=heads[0] // heads[1], mask="causal" if causal else "none", return_lse=True,
+                            **({"kv_layout": "paged", "page_size": layout} if paged else {}))
+    if has_no_gluon(spec.replace(head_dim=128, head_dim_v=None)):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    if not staged:
+        monkeypatch.setattr(module_for(spec), "_STAGING_SMEM", 0)
+    gen = torch.Generator().manual_seed(len(q_lens) + heads[0])
+    k_lens = [n + e for n, e in zip(q_lens, extra)] if isinstance(extra, list) else [n + extra for n in q_lens]
+    q = torch.randn(sum(q_lens), heads[0], 192, generator=gen).to("cuda", dtype)
+    out = torch.full((q.shape[0], heads[0], 128), math.nan, device="cuda", dtype=dtype)
+    cu_q = _cu(q_lens)
+    with forced_config("attention_varlen", config):
+        if paged:
+            cache = make_cache(k_lens, layout, heads[1], 192, dtype, "cuda", gen, dim_v=128)
+            attn = tilegen.PagedAttention()
+            attn.plan(cu_q, cache, heads_q=heads[0], causal=causal, return_lse=True, max_seqlen_q=max(q_lens),
+                      max_seqlen_k=max(k_lens))
+            names = _gluon_ran(lambda: attn.run(q, cache, out=out))
+            _, lse = attn.run(q, cache, out=out)
+            ref, ref_lse = paged_reference(q, cache, cu_q, causal=causal)
+        else:
+            k = torch.randn(sum(k_lens), heads[1], 192, generator=gen).to("cuda", dtype)
+            v = torch.randn(sum(k_lens), heads[1], 128, generator=gen).to("cuda", dtype)
+            cu_k = _cu(k_lens)
+            names = _gluon_ran(lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
+                                                                causal=causal, return_lse=True, out=out))
+            _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
+                                              return_lse=True, out=out)
+            ck = cu_k.tolist()
+            ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])],
+                                            [v[a:b] for a, b in zip(ck, ck[1:])], cu_q.cpu(), causal=causal)
+    assert any("_wgmma_ws" in n for n in names), names
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    assert relative_error(out.cpu(), ref.cpu())[0] < 1e-2
+    ref_lse = ref_lse.cpu()
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 2e-2

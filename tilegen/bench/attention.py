@@ -154,8 +154,11 @@ def _reference(case: Case, q, k, v) -> torch.Tensor:
     if case.softcap is not None:
         return softcap_reference(q, k, v, case.causal, case.softcap)
     backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
+    if v.shape[-1] != q.shape[-1] and case.heads_kv != HEADS:
+        # The memory-efficient backend takes no GQA: K's and V's heads repeated for each query head instead.
+        k, v = (t.repeat_interleave(HEADS // case.heads_kv, dim=1) for t in (k, v))
     with torch.nn.attention.sdpa_kernel(backends):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.heads_kv != HEADS)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=k.shape[1] != HEADS)
 
 
 def softcap_reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:

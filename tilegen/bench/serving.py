@@ -2,7 +2,7 @@
 
     python -m tilegen.bench.serving --out results.json
 
-Parts (bf16, 32 query / 8 KV heads, head dim 128, causal):
+Parts (bf16, 32 query / 8 KV heads, head dim 128 unless ``--head-dims`` says D/DV, causal):
 - ragged: 64 sequences of mixed lengths (128..8192) through ``tilegen.varlen_attention``;
   peers: the dense ``tilegen.attention`` and SDPA (flash, cuDNN) at the same total tokens
   laid out as a uniform batch, and compiled FlexAttention over the packed tokens with a
@@ -77,18 +77,20 @@ def _documents(lengths):
     return (torch.tensor(ids, device="cuda"), torch.tensor(offsets, device="cuda"))
 
 
-def ragged(seed: int = 0) -> list[dict]:
+def ragged(seed: int = 0, dims: tuple[int, int] = (DIM, DIM)) -> list[dict]:
+    dim, dim_v = dims
     gen = torch.Generator("cuda").manual_seed(seed)
     # 64 lengths spread log-uniformly over 128..8192, none a multiple of a block, in a shuffled order.
     lengths = [int(128 * 64 ** (i / 63)) + 1 for i in range(64)]
     lengths = [lengths[(i * 37) % 64] for i in range(64)]
     total = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q = torch.randn(total, HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    k = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    v = torch.randn(total, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
-                                   "mask": "causal", "dtype": "bf16", "kv_layout": "ragged"})
+    q = torch.randn(total, HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(total, KV_HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(total, KV_HEADS, dim_v, device="cuda", dtype=DTYPE, generator=gen)
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dim, "head_dim_v": dim_v,
+                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
+                                   "kv_layout": "ragged"})
     problem = family_of(spec).problem(spec, 8192, on_gpu=True, q_lens=tuple(lengths), k_lens=tuple(lengths),
                                       heads_q=HEADS)
     flops = problem.flops()
@@ -96,8 +98,8 @@ def ragged(seed: int = 0) -> list[dict]:
     def ours():
         return tilegen.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
 
-    # Reference: SDPA flash per sequence (bottom-right equals top-left when n_q == n_k).
-    ref = torch.empty_like(q)
+    # Reference: SDPA per sequence (bottom-right equals top-left when n_q == n_k).
+    ref = torch.empty(total, HEADS, dim_v, device="cuda", dtype=DTYPE)
     bounds = cu.tolist()
     for a, b in zip(bounds, bounds[1:]):
         ref[a:b] = F.scaled_dot_product_attention(
@@ -111,9 +113,9 @@ def ragged(seed: int = 0) -> list[dict]:
     # The dense kernel and SDPA at the same total tokens, as a uniform batch of 4096-token sequences.
     seq = 4096
     batch = max(1, total // seq)
-    qd = torch.randn(batch, HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    kd = torch.randn(batch, KV_HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    vd = torch.randn(batch, KV_HEADS, seq, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    qd = torch.randn(batch, HEADS, seq, dim, device="cuda", dtype=DTYPE, generator=gen)
+    kd = torch.randn(batch, KV_HEADS, seq, dim, device="cuda", dtype=DTYPE, generator=gen)
+    vd = torch.randn(batch, KV_HEADS, seq, dim_v, device="cuda", dtype=DTYPE, generator=gen)
     dense_spec = tilegen.ops.attention.prepare_call(qd, kd, vd, True, None, None, None, False)[0]
     dense_flops = family_of(dense_spec).problem(dense_spec, seq, on_gpu=True, batch=batch, heads_q=HEADS).flops()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -124,21 +126,22 @@ def ragged(seed: int = 0) -> list[dict]:
                 return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
         return run
 
-    dense_ref = sdpa(SDPBackend.FLASH_ATTENTION)()
+    dense_ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
     for name, fn in (("tilegen-dense", lambda: tilegen.attention(qd, kd, vd, causal=True)),
                      ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))):
         rows.append({"part": "ragged", "uniform": f"{batch}x{seq}", **_row(name, fn, dense_flops, dense_ref)})
     return rows
 
 
-def equal(seed: int = 0, batch: int = 8, seq: int = 4096) -> list[dict]:
+def equal(seed: int = 0, batch: int = 8, seq: int = 4096, dims: tuple[int, int] = (DIM, DIM)) -> list[dict]:
     """Equal lengths: the ragged op against the dense one on the same tokens (the dense layout a view of them)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    dim, dim_v = dims
     gen = torch.Generator("cuda").manual_seed(seed)
-    q, k, v = (torch.randn(batch * seq, h, DIM, device="cuda", dtype=DTYPE, generator=gen)
-               for h in (HEADS, KV_HEADS, KV_HEADS))
-    qd, kd, vd = (t.view(batch, seq, -1, DIM).transpose(1, 2) for t in (q, k, v))
+    q, k, v = (torch.randn(batch * seq, h, d, device="cuda", dtype=DTYPE, generator=gen)
+               for h, d in ((HEADS, dim), (KV_HEADS, dim), (KV_HEADS, dim_v)))
+    qd, kd, vd = (t.view(batch, seq, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
     cu = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device="cuda")
     spec = tilegen.ops.attention.prepare_call(qd, kd, vd, True, None, None, None, False)[0]
     flops = family_of(spec).problem(spec, seq, on_gpu=True, batch=batch, heads_q=HEADS).flops()
@@ -147,36 +150,38 @@ def equal(seed: int = 0, batch: int = 8, seq: int = 4096) -> list[dict]:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
     shape = {"part": "equal", "uniform": f"{batch}x{seq}"}
     return [
         {**shape, **_row("tilegen-varlen", lambda: tilegen.varlen_attention(q, k, v, cu, cu, seq, seq, causal=True),
-                         flops, ref, lambda o: o.view(batch, seq, HEADS, DIM).transpose(1, 2))},
+                         flops, ref, lambda o: o.view(batch, seq, HEADS, dim_v).transpose(1, 2))},
         {**shape, **_row("tilegen-dense", lambda: tilegen.attention(qd, kd, vd, causal=True), flops, ref)},
         {**shape, **_row("sdpa-cudnn", cudnn, flops, ref)},
     ]
 
 
-def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
+def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16,
+          dims: tuple[int, int] = (DIM, DIM)) -> list[dict]:
+    dim, dim_v = dims
     gen = torch.Generator("cuda").manual_seed(seed)
     n_k = prefix + new
-    k = torch.randn(n_k, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    v = torch.randn(n_k, KV_HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
-    q = torch.randn(new, HEADS, DIM, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(n_k, KV_HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(n_k, KV_HEADS, dim_v, device="cuda", dtype=DTYPE, generator=gen)
+    q = torch.randn(new, HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
     pages = math.ceil(n_k / page_size)
     order = torch.randperm(pages + 16, device="cuda", generator=gen)[:pages].to(torch.int32)
-    k_pages = torch.full((pages + 16, page_size, KV_HEADS, DIM), math.nan, device="cuda", dtype=DTYPE)
-    v_pages = torch.full_like(k_pages, math.nan)
+    k_pages, v_pages = (torch.full((pages + 16, page_size, KV_HEADS, d), math.nan, device="cuda", dtype=DTYPE)
+                        for d in (dim, dim_v))
     padded = pages * page_size
-    k_pages[order] = F.pad(k, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, DIM)
-    v_pages[order] = F.pad(v, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, DIM)
+    k_pages[order] = F.pad(k, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, dim)
+    v_pages[order] = F.pad(v, (0, 0, 0, 0, 0, padded - n_k)).view(pages, page_size, KV_HEADS, dim_v)
     cache = tilegen.PagedKVCache.from_block_table(k_pages, v_pages, order[None], torch.tensor([n_k], device="cuda"))
     cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
     attn = tilegen.PagedAttention()
     attn.plan(cu_q, cache, heads_q=HEADS, causal=True, max_seqlen_q=new, max_seqlen_k=n_k)
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
-                                   "mask": "causal", "dtype": "bf16", "kv_layout": "paged", "page_size": page_size})
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dim, "head_dim_v": dim_v,
+                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
+                                   "kv_layout": "paged", "page_size": page_size})
     flops = family_of(spec).problem(spec, n_k, on_gpu=True, q_lens=(new,), k_lens=(n_k,), heads_q=HEADS).flops()
     qd, kd, vd = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     dense = tilegen.attention(qd, kd, vd, causal=True)  # bottom-right causal: the reference layout
@@ -229,14 +234,23 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--parts", default="ragged,equal,paged")
     parser.add_argument("--page-sizes", default="16", help="page sizes of the paged part, comma-separated")
+    parser.add_argument("--head-dims", default=str(DIM),
+                        help="D or D/DV: Q's and K's head dim, and V's (DeepSeek's 192/128); default 128")
     args = parser.parse_args(argv)
+    try:
+        dims = tuple(int(d) for d in args.head_dims.split("/"))
+        dims = dims * 2 if len(dims) == 1 else dims
+        if len(dims) != 2 or min(dims) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--head-dims: expected D or D/DV, positive integers, got {args.head_dims!r}")
     require_gpu("tilegen.bench.serving")
     rows = []
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
     parts = {
-        "ragged": ragged,
-        "equal": equal,
-        "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps)],
+        "ragged": lambda: ragged(dims=dims),
+        "equal": lambda: equal(dims=dims),
+        "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps, dims=dims)],
         "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps)],
     }
     for part in args.parts.split(","):

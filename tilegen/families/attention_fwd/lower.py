@@ -14,7 +14,7 @@ from tilegen.families.attention_fwd.spec import AttentionSpec
 from tilegen.families.lowering import gluon_widths, head_dim_values
 from tilegen.mods.lower import mod_values
 
-__all__ = ["lower", "attention_values"]
+__all__ = ["lower", "attention_values", "gluon_dims"]
 
 
 def lower(spec: AttentionSpec) -> dict[str, Any]:
@@ -25,13 +25,13 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
         )
     wgmma = wgmma_unsupported(spec) is None
     return {**attention_values(spec), "layout": "dense", "tma": True, "wgmma": wgmma,
-            **_gluon_dims(spec),
+            **gluon_dims(spec),
             # Its launch takes the mask mod's block table: empty blocks skipped, whole ones unmasked.
             "mask_mod_blocks": spec.mask_mod is not None}
 
 
-def _gluon_dims(spec: AttentionSpec) -> dict[str, Any]:
-    """The dense Gluon kernels' columns (tilegen.families.lowering.gluon_widths): a QK of 192 is read in three
+def gluon_dims(spec) -> dict[str, Any]:
+    """The Gluon kernels' columns (tilegen.families.lowering.gluon_widths): a QK of 192 is read in three
     64-column parts, each copied and multiplied on its own."""
     width, width_v = gluon_widths(spec.head_dim, spec.dv)
     return {"wgmma_dim": width, "wgmma_dim_v": width_v, "qk_chunks": 3 if width == 192 else 1}
@@ -43,8 +43,8 @@ def attention_values(spec) -> dict[str, Any]:
     return {
         "kernel_name": f"_{spec.name}_kernel",
         **dims,
-        # The Gluon kernels' columns, as padded for tl.arange, Q's and K's in one part (the dense family's lowering
-        # narrows them).
+        # The Gluon kernels' columns, as padded for tl.arange, Q's and K's in one part (the lowerings of the
+        # families that run the Gluon kernels narrow them: gluon_dims).
         "wgmma_dim": dims["head_dim_pad"],
         "wgmma_dim_v": dims["head_dim_v_pad"],
         "qk_chunks": 1,

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from tilegen.device import DeviceInfo
 from tilegen.families.attention_fwd import config as dense
 from tilegen.families.attention_fwd.config import TileConfig, has_wgmma, wgmma_unsupported
+from tilegen.families.lowering import gluon_widths
 
 __all__ = ["VarlenConfig", "search_space", "feasible", "default_rule", "ragged_wgmma_unsupported"]
 
@@ -39,11 +40,12 @@ def ragged_wgmma_unsupported(spec) -> str | None:
             return f"page_size={spec.page_size}: the Gluon kernel copies pages of a multiple of 8 slots"
     if spec.score_mod is not None or spec.softcap:
         return "score_mod, softcap: the ragged Gluon kernel takes neither"
-    if max(spec.head_dim, spec.dv) > 128:
-        # The ragged tile's store (through pointers: its last rows may be the next sequence's) is written for
-        # equal head dims up to 128: past that the dense kernel stages its output in Q's buffer and releases it
-        # after a TMA store, and a narrower V's columns reach the dense kernel's stores alone.
-        return f"head dims {spec.head_dim}/{spec.dv}: the ragged Gluon kernel takes equal ones from 64 to 128"
+    if (spec.head_dim != spec.dv or spec.head_dim > 128) and gluon_widths(spec.head_dim, spec.dv)[0] != 192:
+        # The ragged tile's store (through pointers: its last rows may be the next sequence's) takes V's columns up
+        # to 128: past that the dense kernel stages its output in Q's buffer and releases it after a TMA store.
+        # A QK of 136 to 192 above such a V is read in 64-column parts, as the dense kernel reads it.
+        return (f"head dims {spec.head_dim}/{spec.dv}: the ragged Gluon kernel takes equal ones from 64 to 128, or a "
+                f"QK of 136 to 192 above a V of 64 to 128")
     return wgmma_unsupported(spec)
 
 
@@ -80,6 +82,9 @@ def default_rule(spec, device: DeviceInfo) -> list[tuple[int | None, VarlenConfi
         rule = [(1024, VarlenConfig(64, 64, 4, 3)), (None, VarlenConfig(128, 64, 8, 3))]
     elif dim <= 128:
         rule = [(1024, VarlenConfig(64, 32, 4, 3)), (None, VarlenConfig(128, 128, 8, 3))]
+    elif _offered(spec, device):
+        # A QK of 192 in parts above a narrower V (DeepSeek's 192/128): the dense rule's tile past 128 columns.
+        return [(256, VarlenConfig(64, 32, 4, 2)), (None, VarlenConfig(128, 64, 8, 2, wgmma=2))]
     else:
         return [(None, VarlenConfig(64, 32, 4, 2))]
     if _offered(spec, device):
