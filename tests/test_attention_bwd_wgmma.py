@@ -53,7 +53,8 @@ ALIBI = D128.replace(score_mod=_alibi())
     (AttentionBwdSpec(head_dim=128, mask="window"), "mask='window'"),
     (AttentionBwdSpec(head_dim=128, mask="window", layout="ragged"), "mask='window'"),
     (AttentionBwdSpec(head_dim=128, softcap=True), "softcap"),
-    (AttentionBwdSpec(head_dim=96), "head dims 96/96"),
+    (AttentionBwdSpec(head_dim=48), "head dims 48/48"),
+    (AttentionBwdSpec(head_dim=136), "head dims 136/136: the Gluon kernels take equal ones from 64 to 128"),
     (AttentionBwdSpec(head_dim=128, head_dim_v=64), "head dims 128/64"),
     (AttentionBwdSpec(head_dim=64, dtype="fp32"), "dtype=fp32"),
 ], ids=lambda x: x if isinstance(x, str) else x.name)
@@ -88,6 +89,10 @@ def test_offered_on_hopper_with_triton_36_only():
         [(_, rule)] = default_rule(D128, HOPPER)
         assert rule.wgmma == 3 and feasible(D128, rule, HOPPER) is None
         assert not any(c.wgmma for _, c in default_rule(D128.replace(head_dim=64), HOPPER))
+        # Head dims between 64 and 128 are read into 128 columns, and take d128's kernels.
+        for head_dim in (72, 96, 120):
+            spec = D128.replace(head_dim=head_dim)
+            assert wgmma_unsupported(spec) is None and default_rule(spec, HOPPER) == default_rule(D128, HOPPER)
         # The Gluon ring holds every stage: six of 64-row Q and dO blocks at d128 do not fit beside K and V, five do.
         assert feasible(D128, Config(64, 128, 8, 5, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER) is None
         assert "shared memory" in feasible(D128, Config(64, 128, 8, 6, 128, 64, 8, 2, tma=1, wgmma=1), HOPPER)
@@ -177,11 +182,14 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (ALIBI, "_dkdv_wgmma", 128, 64, 2),  # a score mod, in every kernel
     (ALIBI, "_dkdv_wgmma_ws", 64, 64, 3),
     (ALIBI.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
+    (D128.replace(head_dim=96), "_dkdv_wgmma_ws", 64, 64, 3),  # read into 128 columns
+    (D128.replace(head_dim=80, mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
+    (D128.replace(head_dim=96), "_dq_wgmma", 128, 64, 3),
     (ALIBI, "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
-    d, dt = spec.head_dim, spec.dtype
+    d, dt = triton.next_power_of_2(spec.head_dim), spec.dtype  # read padded
     streamed_desc, held_desc = gluon_descriptor(streamed, d, dt), gluon_descriptor(held, d, dt)
     atomic = kernel.endswith("_atomic")
     kernel = kernel.removesuffix("_atomic")
@@ -219,6 +227,10 @@ GPU_CASES = [
     param(Case(129, 1000, dtype="bf16", head_dim=128, heads_q=8, heads_kv=8)),
     param(Case(1000, dtype="fp16", head_dim=128, batch=2, scale=0.3)),
     param(Case(1050, 900, dtype="bf16", head_dim=64, batch=3, heads_q=6, heads_kv=2, causal=True)),
+    # Head dims read into 128 columns.
+    param(Case(1000, dtype="bf16", head_dim=96, heads_q=8, heads_kv=2, causal=True)),
+    param(Case(257, 300, dtype="fp16", head_dim=80, heads_q=4, heads_kv=4)),
+    param(Case(1, 129, dtype="bf16", head_dim=120, heads_q=2, heads_kv=1, causal=True)),
 ]
 
 

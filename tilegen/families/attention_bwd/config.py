@@ -108,8 +108,9 @@ def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
         return "softcap: the Gluon kernels have none"
     if spec.mask not in ("none", "causal"):
         return f"mask={spec.mask!r}: the Gluon kernels have no window"
-    if spec.head_dim not in (64, 128) or spec.dv != spec.head_dim:
-        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernels take 64 or 128, equal"
+    if not 64 <= spec.head_dim <= 128 or spec.dv != spec.head_dim:
+        # One between 64 and 128 is read into 128 columns, which TMA fills with zeros past the tensor's.
+        return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernels take equal ones from 64 to 128"
     if spec.dtype not in ("bf16", "fp16"):
         return f"dtype={spec.dtype}: the Gluon kernels take bf16 or fp16"
     return None
@@ -215,7 +216,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
         return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
-    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
+    if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
         # A score mod (ALiBi, bf16, 4 x 4096, 32/8 heads, the H200, backward alone): without a mask the
         # warp-specialized kernel adding dQ by TMA reductions 6.25 ms against 7.05 for it with the dQ kernel and 6.53
         # for the Triton kernels' default; causal the warp-specialized kernel 3.90 ms against 4.76 (BENCHMARKS.md).
@@ -223,8 +224,9 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
         return [(None, Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
-    if dim == 128 and has_wgmma(device) and wgmma_unsupported(spec) is None:
-        # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
+    if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None:
+        # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200; 72 ... 120 read into 128 columns
+        # as d128): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
         # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
         if spec.mask == "none" and spec.layout == "dense":
