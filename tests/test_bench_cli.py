@@ -76,6 +76,12 @@ def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value,
     assert result.exit_code == 2 and message in result.output
 
 
+@pytest.mark.parametrize("value", ["19x", "192/128/64", "0/128"])
+def test_the_serving_benchmark_checks_its_head_dims_before_any_gpu_work(value):
+    result = runner.invoke(app, ["bench", "serving", "--head-dims", value])
+    assert result.exit_code == 2 and f"--head-dims: expected D or D/DV, positive integers, got '{value}'" in result.output
+
+
 def test_the_padded_decoding_step_benchmark_runs_every_provider(monkeypatch):
     """``--padded``'s case on the CPU (the interpreter, small heads), each provider called once where the GPU run
     times it: both integration paths agree with SDPA, and every provider has a figure."""
