@@ -225,10 +225,10 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
             return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
         return [(None, Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
     if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None:
-        # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200; 72 ... 120 read into 128 columns
-        # as d128): d128 causal 1k 259 TFLOP/s
+        # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
-        # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md).
+        # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md). Head dims 72 ... 120, read into 128
+        # columns, take d128's configs: on an H100 d96 ran 5-22% faster than on the Triton kernels.
         if spec.mask == "none" and spec.layout == "dense":
             # Without a mask it also adds dQ by TMA reductions, five products a block pair where the dQ kernel made
             # it seven: 32/8 full 4k 465 against 425, 32/32 full 16k 473 against 453. Causal it lost (16k 366
