@@ -31,23 +31,18 @@ def lower(spec: AttentionSpec) -> dict[str, Any]:
 
 
 def gluon_dims(spec) -> dict[str, Any]:
-    """The Gluon kernels' columns (tilegen.families.lowering.gluon_widths): a QK of 192 is read in three
-    64-column parts, each copied and multiplied on its own."""
+    """The warp-specialized Gluon kernel's columns, for the families that run it (dense, ragged and paged):
+    tilegen.families.lowering.gluon_widths, a QK of 192 read in three 64-column parts, each copied and multiplied
+    on its own."""
     width, width_v = gluon_widths(spec.head_dim, spec.dv)
     return {"wgmma_dim": width, "wgmma_dim_v": width_v, "qk_chunks": 3 if width == 192 else 1}
 
 
 def attention_values(spec) -> dict[str, Any]:
     """The values every attention template takes, from the fields every attention spec has."""
-    dims = head_dim_values(spec.head_dim, spec.dv)
     return {
         "kernel_name": f"_{spec.name}_kernel",
-        **dims,
-        # The Gluon kernels' columns, as padded for tl.arange, Q's and K's in one part (the lowerings of the
-        # families that run the Gluon kernels narrow them: gluon_dims).
-        "wgmma_dim": dims["head_dim_pad"],
-        "wgmma_dim_v": dims["head_dim_v_pad"],
-        "qk_chunks": 1,
+        **head_dim_values(spec.head_dim, spec.dv),
         "q_per_kv": spec.q_per_kv,
         "mask": spec.mask,
         "softcap": spec.softcap,
