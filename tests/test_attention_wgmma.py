@@ -11,6 +11,7 @@ a GPU the ``gpu`` tests run it against the float64 reference.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -107,8 +108,15 @@ def test_feasible_configs_and_default_rule():
     for spec in (AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16", return_lse=True),
                  AttentionSpec(head_dim=64, dtype="fp16")):
         for config in (WGMMA, Config(64, 128, 4, 3, tma=1, wgmma=1), Config(64, 64, 4, 2, tma=1, wgmma=1), WS,
-                       WS_PINGPONG, Config(128, 128, 8, 3, tma=1, wgmma=3)):
+                       WS_PINGPONG, Config(128, 128, 8, 2, tma=1, wgmma=3)):
             assert feasible(spec, config, HOPPER) is None, (spec, config)
+    # The warp-specialized kernel stages its output in a buffer of its own beside Q's and the ring: three slots of
+    # 128 keys fit at d64, not at d128 (256 KiB; 224 without the buffer), nor four beside a V of 64 at 128/64.
+    assert feasible(AttentionSpec(head_dim=64, dtype="fp16"), Config(128, 128, 8, 3, tma=1, wgmma=3), HOPPER) is None
+    for spec, config in ((AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 3, tma=1, wgmma=3)),
+                         (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), Config(128, 128, 8, 4, tma=1, wgmma=2))):
+        assert "shared memory" in feasible(spec, config, HOPPER), (spec, config)
+        assert feasible(spec, dataclasses.replace(config, wgmma=0), HOPPER) is None  # the Triton kernel stages none
     for config in (Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)):
         assert feasible(AttentionSpec(head_dim=64, dtype="fp16"), config, HOPPER) is None, config
     # From 512 keys the d128 rule takes the warp-specialized kernel, causal with 64-key blocks up to 1k; d64

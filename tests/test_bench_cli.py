@@ -82,6 +82,13 @@ def test_the_serving_benchmark_checks_its_head_dims_before_any_gpu_work(value):
     assert result.exit_code == 2 and f"--head-dims: expected D or D/DV, positive integers, got '{value}'" in result.output
 
 
+@pytest.mark.parametrize("value, message", [("100", "head_dim: expected a multiple of 8 in [16, 256], got 100"),
+                                            ("128/300", "head_dim_v")])
+def test_the_serving_benchmark_refuses_head_dims_the_ops_do_not_take(value, message):
+    result = runner.invoke(app, ["bench", "serving", "--head-dims", value])
+    assert result.exit_code == 2 and f"--head-dims {value}: " in result.output and message in result.output
+
+
 def test_the_padded_decoding_step_benchmark_runs_every_provider(monkeypatch):
     """``--padded``'s case on the CPU (the interpreter, small heads), each provider called once where the GPU run
     times it: both integration paths agree with SDPA, and every provider has a figure."""

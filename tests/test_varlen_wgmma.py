@@ -65,6 +65,7 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="fp32"), WS, "bf16 or fp16"),
     (VarlenAttentionSpec(head_dim=192, dtype="bf16"), WS, "equal ones from 64 to 128, or a QK of 136 to 192"),
     (VarlenAttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WS, "equal ones from 64 to 128"),
+    (VarlenAttentionSpec(head_dim=192, head_dim_v=48, dtype="bf16"), WS, "the ragged Gluon kernel takes equal ones"),
     (VarlenAttentionSpec(head_dim=192, head_dim_v=128, dtype="bf16"), WS, "takes two consumers, BM128-BN64"),
     (LLAMA, VarlenConfig(64, 64, 4, 2, wgmma=2), "BM128 with 8 warps"),
     (LLAMA, VarlenConfig(128, 32, 8, 2, wgmma=2), "64 or 128"),

@@ -204,13 +204,15 @@ def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 
     return rows
 
 
-def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16) -> list[dict]:
+def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 16,
+                dims: tuple[int, int] = (DIM, DIM)) -> list[dict]:
     """Every feasible config of the paged kernel on the paged part's data, fastest first (to pick defaults)."""
     from tilegen.device import device_info
     from tilegen.dispatch import launcher_for
 
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": DIM, "q_per_kv": HEADS // KV_HEADS,
-                                   "mask": "causal", "dtype": "bf16", "kv_layout": "paged", "page_size": page_size})
+    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
+                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
+                                   "kv_layout": "paged", "page_size": page_size})
     family = family_of(spec)
     problem = family.problem(spec, prefix + new, on_gpu=True, q_lens=(new,), k_lens=(prefix + new,), heads_q=HEADS)
     inputs = problem.inputs(seed)
@@ -244,6 +246,11 @@ def main(argv=None) -> None:
             raise ValueError
     except ValueError:
         parser.error(f"--head-dims: expected D or D/DV, positive integers, got {args.head_dims!r}")
+    try:  # the head dims the ragged and paged ops take, before any tensor is made
+        tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
+                                "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16"})
+    except ValueError as e:
+        parser.error(f"--head-dims {args.head_dims}: {e}")
     require_gpu("tilegen.bench.serving")
     rows = []
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
@@ -251,7 +258,7 @@ def main(argv=None) -> None:
         "ragged": lambda: ragged(dims=dims),
         "equal": lambda: equal(dims=dims),
         "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps, dims=dims)],
-        "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps)],
+        "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps, dims=dims)],
     }
     for part in args.parts.split(","):
         for row in parts[part]():

@@ -193,7 +193,10 @@ def _ws_wide_stages(spec: AttentionSpec, device: DeviceInfo) -> int:
     return max(2, (device.smem_bytes // 2 - 512 - fixed) // (64 * (width + width_v)))
 
 
-def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | None:
+def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo, *, output_buffer: bool = True) -> str | None:
+    """Why ``config`` cannot run ``spec`` on ``device``, or ``None``. ``output_buffer``: the warp-specialized kernel
+    stages a V of 128 columns or fewer in shared memory of its own before its TMA store (the dense launcher does
+    wherever the output allows a descriptor; the ragged one only where the buffer fits, so it passes False)."""
     reason = _wgmma_infeasible(spec, config, device)
     if reason is not None:
         return reason
@@ -222,6 +225,8 @@ def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -> str | N
         return f"~{regs:.0f} fp32 registers per thread for scores and accumulator: spills"
     elt = 4 if spec.dtype == "fp32" else 2
     smem = (config.block_m * dim_pad + config.num_stages * config.block_n * (dim_pad + dim_v_pad)) * elt
+    if config.wgmma > 1 and output_buffer and dim_v_pad <= 128:
+        smem += config.block_m * dim_v_pad * elt  # past 128 columns the output is staged in Q's buffer
     if smem > device.smem_bytes:
         return f"~{smem} bytes of shared memory against the device's {device.smem_bytes}"
     return None

@@ -40,7 +40,8 @@ def ragged_wgmma_unsupported(spec) -> str | None:
             return f"page_size={spec.page_size}: the Gluon kernel copies pages of a multiple of 8 slots"
     if spec.score_mod is not None or spec.softcap:
         return "score_mod, softcap: the ragged Gluon kernel takes neither"
-    if (spec.head_dim != spec.dv or spec.head_dim > 128) and gluon_widths(spec.head_dim, spec.dv)[0] != 192:
+    in_parts = gluon_widths(spec.head_dim, spec.dv)[0] == 192 and spec.dv >= 64
+    if (spec.head_dim != spec.dv or spec.head_dim > 128) and not in_parts:
         # The ragged tile's store (through pointers: its last rows may be the next sequence's) takes V's columns up
         # to 128: past that the dense kernel stages its output in Q's buffer and releases it after a TMA store.
         # A QK of 136 to 192 above such a V is read in 64-column parts, as the dense kernel reads it.
@@ -65,8 +66,10 @@ def feasible(spec, config: VarlenConfig, device: DeviceInfo) -> str | None:
             return f"wgmma={config.wgmma}: {reason}"
         if config.block_m != 128:
             return f"wgmma={config.wgmma}: two consumer warpgroups of 64 rows, so BM128 with 8 warps, not {config}"
-    # The dense checks of tiles, registers, shared memory and of the Gluon kernel (which reads through TMA).
-    return dense.feasible(spec, dense.Config(**knobs, tma=int(config.wgmma > 0)), device)
+    # The dense checks of tiles, registers, shared memory and of the Gluon kernel (which reads through TMA); the
+    # ragged launcher stages the output only where its buffer fits (the kernel's TMA_STORE), else stores it from
+    # the accumulators, so the dense check leaves that buffer out.
+    return dense.feasible(spec, dense.Config(**knobs, tma=int(config.wgmma > 0)), device, output_buffer=False)
 
 
 def default_rule(spec, device: DeviceInfo) -> list[tuple[int | None, VarlenConfig]]:
