@@ -113,8 +113,9 @@ def test_feasible_configs_and_default_rule():
     # The warp-specialized kernel stages its output in a buffer of its own beside Q's and the ring: three slots of
     # 128 keys fit at d64, not at d128 (256 KiB; 224 without the buffer), nor four beside a V of 64 at 128/64.
     assert feasible(AttentionSpec(head_dim=64, dtype="fp16"), Config(128, 128, 8, 3, tma=1, wgmma=3), HOPPER) is None
+    narrow_v = AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16")
     for spec, config in ((AttentionSpec(head_dim=128, dtype="bf16"), Config(128, 128, 8, 3, tma=1, wgmma=3)),
-                         (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), Config(128, 128, 8, 4, tma=1, wgmma=2))):
+                         (narrow_v, Config(128, 128, 8, 4, tma=1, wgmma=2))):
         assert "shared memory" in feasible(spec, config, HOPPER), (spec, config)
         assert feasible(spec, dataclasses.replace(config, wgmma=0), HOPPER) is None  # the Triton kernel stages none
     for config in (Config(192, 128, 12, 2, tma=1, wgmma=2), Config(192, 64, 12, 3, tma=1, wgmma=3)):

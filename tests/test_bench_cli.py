@@ -79,7 +79,8 @@ def test_the_decode_benchmark_checks_its_query_tokens_before_any_gpu_work(value,
 @pytest.mark.parametrize("value", ["19x", "192/128/64", "0/128"])
 def test_the_serving_benchmark_checks_its_head_dims_before_any_gpu_work(value):
     result = runner.invoke(app, ["bench", "serving", "--head-dims", value])
-    assert result.exit_code == 2 and f"--head-dims: expected D or D/DV, positive integers, got '{value}'" in result.output
+    expected = f"--head-dims: expected D or D/DV, positive integers, got '{value}'"
+    assert result.exit_code == 2 and expected in result.output
 
 
 @pytest.mark.parametrize("value, message", [("100", "head_dim: expected a multiple of 8 in [16, 256], got 100"),
