@@ -185,12 +185,23 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
 
 
 def _ws_wide_stages(spec: AttentionSpec, device: DeviceInfo) -> int:
-    """The most K/V slots of 64 keys the warp-specialized kernel fits past 128 columns: two consumers' Q buffers,
-    an output buffer each where V is 128 columns or fewer, and the slots, in the device's shared memory (less a
-    KiB for the barriers)."""
+    """The most K/V slots of 64 keys (two at least) the warp-specialized kernel's BM128 tile fits past 128 columns
+    in the device's shared memory, less a KiB for the barriers."""
     width, width_v = gluon_widths(spec.head_dim, spec.dv)
-    fixed = 2 * 64 * width + (2 * 64 * width_v if width_v <= 128 else 0)
-    return max(2, (device.smem_bytes // 2 - 512 - fixed) // (64 * (width + width_v)))
+    stages = 2
+    while _smem_bytes(Config(128, 64, 8, stages + 1, tma=1, wgmma=2), width, width_v, 2) + 1024 <= device.smem_bytes:
+        stages += 1
+    return stages
+
+
+def _smem_bytes(config: Config, width: int, width_v: int, elt: int, output_buffer: bool = True) -> int:
+    """Shared memory of ``config``'s Q tile and K/V ring at these columns, and with ``output_buffer`` the
+    warp-specialized kernel's output buffer, which it stages a V of 128 columns or fewer in before its TMA store
+    (past 128 columns the output is staged in Q's buffer)."""
+    smem = (config.block_m * width + config.num_stages * config.block_n * (width + width_v)) * elt
+    if config.wgmma > 1 and output_buffer and width_v <= 128:
+        smem += config.block_m * width_v * elt
+    return smem
 
 
 def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo, *, output_buffer: bool = True) -> str | None:
@@ -223,10 +234,7 @@ def feasible(spec: AttentionSpec, config: Config, device: DeviceInfo, *, output_
     regs = (config.block_m * dim_v_pad + config.block_m * config.block_n) / threads
     if regs > _MAX_FP32_REGS_PER_THREAD:
         return f"~{regs:.0f} fp32 registers per thread for scores and accumulator: spills"
-    elt = 4 if spec.dtype == "fp32" else 2
-    smem = (config.block_m * dim_pad + config.num_stages * config.block_n * (dim_pad + dim_v_pad)) * elt
-    if config.wgmma > 1 and output_buffer and dim_v_pad <= 128:
-        smem += config.block_m * dim_v_pad * elt  # past 128 columns the output is staged in Q's buffer
+    smem = _smem_bytes(config, dim_pad, dim_v_pad, 4 if spec.dtype == "fp32" else 2, output_buffer)
     if smem > device.smem_bytes:
         return f"~{smem} bytes of shared memory against the device's {device.smem_bytes}"
     return None
