@@ -13,6 +13,15 @@ def require_gpu(name: str) -> None:
         raise SystemExit(f"{name} times CUDA kernels; run it on a GPU")
 
 
+def parse_head_dims(item: str) -> tuple[int, int | None] | None:
+    """``D`` or ``D/DV`` (a V of DV columns, as DeepSeek's 192/128) as ``(D, DV or None)``; ``None`` unless both are
+    positive whole numbers. The benchmarks' ``--head-dims`` say which flag it was."""
+    dims = item.split("/")
+    if len(dims) > 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        return None
+    return int(dims[0]), int(dims[1]) if len(dims) == 2 else None
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend; ``None`` where matplotlib is not
     installed (the benchmarks' plots are optional)."""

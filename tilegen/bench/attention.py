@@ -32,7 +32,7 @@ import triton
 
 import tilegen
 from tilegen import dispatch
-from tilegen.bench import pyplot, require_gpu
+from tilegen.bench import parse_head_dims, pyplot, require_gpu
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
@@ -335,12 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--providers: unknown {sorted(only - known)}; known: {', '.join(sorted(known))}")
     if any(not h.isdigit() or int(h) < 1 or HEADS % int(h) for h in args.kv_heads.split(",")):
         parser.error(f"--kv-heads: expected divisors of {HEADS}, got {args.kv_heads!r}")
-    head_dims = []
-    for item in args.head_dims.split(","):
-        dims = item.split("/")
-        if len(dims) > 2 or not all(d.isdigit() and int(d) > 0 for d in dims):
+    dims = [(item, parse_head_dims(item)) for item in args.head_dims.split(",")]
+    for item, parsed in dims:
+        if parsed is None:
             parser.error(f"--head-dims: expected comma-separated D or D/DV (positive ints), got {item!r}")
-        head_dims.append((int(dims[0]), int(dims[1]) if len(dims) == 2 else None))
+    head_dims = [parsed for _, parsed in dims]
     if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
         parser.error(f"--softcap: expected a positive finite cap, got {args.softcap}")
     if args.rounds < 1:

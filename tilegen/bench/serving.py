@@ -29,7 +29,7 @@ import triton
 
 import tilegen
 from tilegen.families import family_of, relative_error
-from tilegen.bench import require_gpu
+from tilegen.bench import parse_head_dims, require_gpu
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -239,13 +239,10 @@ def main(argv=None) -> None:
     parser.add_argument("--head-dims", default=str(DIM),
                         help="D or D/DV: Q's and K's head dim, and V's (DeepSeek's 192/128); default 128")
     args = parser.parse_args(argv)
-    try:
-        dims = tuple(int(d) for d in args.head_dims.split("/"))
-        dims = dims * 2 if len(dims) == 1 else dims
-        if len(dims) != 2 or min(dims) < 1:
-            raise ValueError
-    except ValueError:
+    parsed = parse_head_dims(args.head_dims)
+    if parsed is None:
         parser.error(f"--head-dims: expected D or D/DV, positive integers, got {args.head_dims!r}")
+    dims = (parsed[0], parsed[1] or parsed[0])
     try:  # the head dims the ragged and paged ops take, before any tensor is made
         tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
                                 "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16"})
