@@ -67,7 +67,7 @@ def test_offered_on_hopper_with_triton_36_only():
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
 @pytest.mark.parametrize("spec,config,reason", [
-    (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "no window"),
+    (AttentionSpec(head_dim=64, mask="window", dtype="bf16"), WGMMA, "a window is the warp-specialized kernel's"),
     (AttentionSpec(head_dim=32, dtype="bf16"), WGMMA, "equal ones from 64 to 256"),
     (AttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WGMMA, "a narrower V is the warp-specialized"),
     (AttentionSpec(head_dim=256, head_dim_v=192, dtype="bf16"), WS, "or a V of 64 to 128 below a wider QK"),
@@ -101,6 +101,27 @@ def test_refuses_what_the_kernel_does_not_implement(spec, config, reason):
     assert reason in feasible(spec, config, HOPPER)
     # A spec the kernel does not implement is never offered the knob; a config it refuses is.
     assert search_space(spec, HOPPER)["wgmma"] == ([0] if wgmma_unsupported(spec) else [0, 1, 2, 3])
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
+def test_a_window_is_offered_the_warp_specialized_kernel():
+    """A window runs in the warp-specialized kernel (its tiles read the key blocks from the window's first on), not
+    in the one-partition kernel, whose launcher refuses it rather than run it unmasked."""
+    spec = AttentionSpec(head_dim=128, q_per_kv=4, mask="window", dtype="bf16")
+    for config in (WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2)):
+        assert feasible(spec, config, HOPPER) is None, config
+    assert feasible(AttentionSpec(head_dim=64, mask="window", dtype="bf16"), Config(192, 128, 12, 2, tma=1, wgmma=2),
+                    HOPPER) is None
+    assert [c for _, c in default_rule(spec, HOPPER)][1:] == [WS]
+    # At d64 too two consumers with 128-key blocks, not the full rule's three from 2k on (measured on an H100).
+    assert default_rule(AttentionSpec(head_dim=64, mask="window", dtype="bf16"), HOPPER)[1:] == [(None, WS)]
+    from tilegen.codegen import source_for
+
+    source = source_for(spec)
+    assert "_wgmma_ws(" in source and "window_left, window_right,\n" in source
+    assert 'raise ValueError("wgmma=1: the one-partition Gluon kernel has no window' in source
+    assert "_ws_window_blocks(" in source
+    assert "_ws_window_blocks" not in source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
@@ -157,7 +178,7 @@ def test_only_specs_it_implements_carry_the_kernel():
 
     source = source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
     assert "_wgmma(" in source and "_wgmma_ws(" in source
-    assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="bf16"))
+    assert "_wgmma" not in source_for(AttentionSpec(head_dim=64, mask="window", dtype="fp32"))
     assert "gluon" not in source_for(AttentionSpec(head_dim=96, head_dim_v=128, dtype="fp16"))
     # Past 128 into 256 columns, the output staged in Q's buffer.
     wide = source_for(AttentionSpec(head_dim=192, dtype="fp16"))
@@ -323,6 +344,7 @@ def test_warp_specialized_consumers(config, grid, consumers, monkeypatch):
     AttentionSpec(head_dim=64, mask="none", dtype="fp16"),
     AttentionSpec(head_dim=96, q_per_kv=2, mask="causal", dtype="bf16"),
     AttentionSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16"),
+    AttentionSpec(head_dim=128, q_per_kv=4, mask="window", dtype="bf16", return_lse=True),
 ], ids=lambda s: s.name)
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -334,8 +356,9 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, tmp_path):
                ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": True}),
                ("kernel_wgmma_ws", 64, 128, 2, 4, {"PINGPONG": False, "CONSUMERS": 2, "TMA_STORE": False}),
                ("kernel_wgmma_ws", 64, 64, 3, 4, {"PINGPONG": True, "CONSUMERS": 2, "TMA_STORE": True})]
-    if spec.head_dim == 96:
-        configs = configs[3:5]  # read into 128 columns: the warp-specialized kernel, both stores
+    if spec.head_dim == 96 or spec.mask == "window":
+        # Read into 128 columns, or a window: the warp-specialized kernel, both stores.
+        configs = configs[3:5] + (configs[5:] if spec.mask == "window" else [])
     if spec.head_dim == 192:  # Q and K in three parts of 64 columns: 64-key blocks, two or three slots, both stores
         configs = [(kernel, q_rows, 64, stages, warps, constants) for stages in (2, 3)
                    for kernel, q_rows, _, _, warps, constants in configs[3:5]]
@@ -506,6 +529,38 @@ def test_gluon_kernel_matches_reference(case, config, monkeypatch):
     spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, None, case.scale, True)
     out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
     check_against_reference(out, lse, q, k, v, causal=case.causal, scale=case.scale)
+
+
+WINDOW_CASES = [
+    param(Case(1000, dtype="bf16", head_dim=128, heads_q=4, heads_kv=2, window=(300, 0))),  # a sliding window
+    param(Case(1000, 1100, dtype="bf16", head_dim=128, batch=2, heads_q=8, heads_kv=2, window=(100, 50))),
+    param(Case(300, 100, dtype="fp16", head_dim=128, window=(20, 10))),  # rows that see no key
+    param(Case(1, 300, dtype="bf16", head_dim=64, heads_q=2, heads_kv=1, window=(5, 0))),
+    param(Case(257, dtype="fp16", head_dim=64, heads_q=4, heads_kv=1, window=(64, 64))),
+    # More 128-row tiles than SMs; a window of no left bound; past 128 columns.
+    param(Case(1050, 900, dtype="fp16", head_dim=64, batch=3, heads_q=11, heads_kv=11, window=(500, 0))),
+    param(Case(129, 1000, dtype="bf16", head_dim=96, heads_q=8, heads_kv=8, window=(None, 10))),
+    param(Case(1000, 1100, dtype="bf16", head_dim=192, head_dim_v=128, heads_q=4, heads_kv=2, window=(256, 0))),
+    param(Case(257, dtype="bf16", head_dim=256, heads_q=4, heads_kv=2, window=(100, 3))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(128, 64, 8, 3, tma=1, wgmma=3), Config(192, 128, 12, 2, tma=1, wgmma=2)],
+                         ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_gluon_kernel_with_a_window_matches_reference(case, config, monkeypatch):
+    _skip_without_gluon(case, config)
+    reason = feasible(AttentionSpec(head_dim=case.head_dim, head_dim_v=case.dv, mask="window", dtype=case.dtype),
+                      config, device_info(torch.cuda.current_device()))
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v = case.inputs(torch.device("cuda"))
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, case.window, None, case.scale, True)
+    assert spec.mask == "window"
+    out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch)
+    check_against_reference(out, lse, q, k, v, window=case.window, scale=case.scale)
 
 
 @pytest.mark.gpu

@@ -228,3 +228,26 @@ def test_softcap_cases_carry_their_cap_and_a_reference_that_agrees_with_the_fami
     for given in ("0", "-3", "nan", "inf"):
         result = runner.invoke(app, ["bench", "attention", "--softcap", given])
         assert result.exit_code == 2 and "--softcap: expected a positive finite cap" in result.output, given
+
+
+def test_bench_attention_window():
+    """--window: a sliding window in every case (named in the variant, passed to the op as (keys, 0)); the softcap
+    reference's window agrees with the family's float64 reference; FLOPs count the pairs the window lets through;
+    a negative window is refused before any GPU work."""
+    from tilegen.bench import attention as bench
+    from tilegen.families.attention_fwd import AttentionSpec
+    from tilegen.families.attention_fwd.reference import attention_reference
+
+    case = bench.Case(1024, 128, False, 8, window=100)
+    assert case.variant == "d=128 window 100 gqa4" and case.bounds == (100, 0)
+    spec = AttentionSpec(head_dim=128, q_per_kv=4, mask="window", dtype="bf16")
+    pairs = sum(min(i, 100) + 1 for i in range(1024))
+    assert case.flops(spec) == 2.0 * case.batch * bench.HEADS * pairs * 256
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 17, 32, generator=gen) * 4
+    k, v = (torch.randn(2, 2, 23, 32, generator=gen) * 4 for _ in range(2))
+    ref, _ = attention_reference(q, k, v, window=(5, 0), softcap=5.0)
+    got = bench.softcap_reference(q, k, v, False, 5.0, window=5)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+    result = runner.invoke(app, ["bench", "attention", "--window", "-1"])
+    assert result.exit_code == 2 and "--window: expected a count of keys >= 0" in result.output

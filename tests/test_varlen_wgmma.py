@@ -60,7 +60,6 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
                          kv_dtype="fp8e4m3"), WS, "pages of the queries' dtype"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", kv_layout="paged", page_size=1), WS,
      "multiple of 8 slots"),
-    (VarlenAttentionSpec(head_dim=128, mask="window", dtype="bf16"), WS, "no window"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True), WS, "takes neither"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="fp32"), WS, "bf16 or fp16"),
     (VarlenAttentionSpec(head_dim=192, dtype="bf16"), WS, "equal ones from 64 to 128, or a QK of 136 to 192"),
@@ -401,6 +400,66 @@ def test_ragged_gluon_offsets_wrong_in_value_stay_inside_the_tensors(which, entr
     assert_guard_bands(out_buffer, pad, -77.0)
     assert torch.isfinite(out).all(), "a kernel read outside q, k or v"
     assert relative_error(out[good], ref[good])[0] < 1e-2
+
+
+WINDOW_CASES = [
+    # (query lengths, extra keys per sequence, window, query heads / KV heads, head dim, dtype)
+    pytest.param([0, 1, 17, 257, 1000, 130], 0, (300, 0), (8, 2), 128, torch.bfloat16, id="bf16-d128-sliding"),
+    pytest.param([300, 0, 129, 1], 70, (20, 40), (4, 4), 64, torch.float16, id="fp16-d64-both-sides"),
+    pytest.param([700, 5], [0, 600], (None, 3), (4, 2), 96, torch.bfloat16, id="bf16-d96-no-left-bound"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 3], ids=["sms", "3-programs"])
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT], ids=str)
+@pytest.mark.parametrize("q_lens, extra, window, heads, dim, dtype", WINDOW_CASES)
+@pytest.mark.parametrize("layout", ["ragged", "paged"])
+def test_a_window_ragged_and_paged(layout, q_lens, extra, window, heads, dim, dtype, config, programs, monkeypatch):
+    """A window's tiles read their key blocks from the window's first on: packed sequences (with empty ones and
+    rows that see no key), and pages of 16 slots shuffled, NaN in every unused one."""
+    from test_varlen import make_cache, paged_reference
+
+    gen = torch.Generator().manual_seed(sum(q_lens) + dim)
+    k_lens = extra if isinstance(extra, list) else [n + extra for n in q_lens]
+    spec = VarlenAttentionSpec(head_dim=dim, q_per_kv=heads[0] // heads[1], mask="window", return_lse=True,
+                               dtype="bf16" if dtype == torch.bfloat16 else "fp16")
+    if layout == "paged":
+        spec = spec.replace(kv_layout="paged", page_size=16)
+    if has_no_gluon(spec):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    _few_programs(spec, programs, monkeypatch)
+    q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
+    cu_q = _cu(q_lens)
+    out = torch.full((q.shape[0], heads[0], dim), math.nan, dtype=dtype, device="cuda")
+    with forced_config("attention_varlen", config):
+        if layout == "paged":
+            cache = make_cache(k_lens, 16, heads[1], dim, dtype, "cuda", gen)
+            attn = tilegen.PagedAttention()
+            attn.plan(cu_q, cache, heads_q=heads[0], window=window, return_lse=True, max_seqlen_q=max(q_lens),
+                      max_seqlen_k=max(k_lens))
+            names = _gluon_ran(lambda: attn.run(q, cache, out=out))
+            _, lse = attn.run(q, cache, out=out)
+            ref, ref_lse = paged_reference(q, cache, cu_q, window=window)
+        else:
+            k, v = (torch.randn(sum(k_lens), heads[1], dim, generator=gen).to("cuda", dtype) for _ in range(2))
+            cu_k = _cu(k_lens)
+
+            def call():
+                return tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), window=window,
+                                                return_lse=True, out=out)
+
+            names = _gluon_ran(call)
+            _, lse = call()
+            ck = cu_k.tolist()
+            ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])],
+                                            [v[a:b] for a, b in zip(ck, ck[1:])], cu_q.cpu(), window=window)
+    assert any("_wgmma_ws" in n for n in names), names
+    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
+    assert relative_error(out.cpu(), ref.cpu())[0] < 1e-2
+    assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(ref_lse.cpu()))
+    seen = torch.isfinite(ref_lse).cpu()
+    assert (lse.double().cpu()[seen] - ref_lse.cpu()[seen]).abs().max() < 2e-2
 
 
 PAGED_CASES = [

@@ -8,6 +8,8 @@
                                                          # Gemma 2's softcap (SDPA has none)
     python -m tilegen.bench.attention --seqlens 1024,2048,4096,8192,16384,32768 --kv-heads 32,8 \
         --dtypes bf16,fp16 --providers tilegen,sdpa-cudnn   # the whole grid against cuDNN
+    python -m tilegen.bench.attention --window 4096 --kv-heads 8 --providers tilegen,flex
+                                                         # Mistral's sliding window (SDPA has none)
 
 ``tilegen`` is the op as users call it (tuned rows of the user's and the shipped database,
 else the heuristic default); ``tilegen-default`` runs the heuristic default for the length
@@ -35,6 +37,7 @@ from tilegen import dispatch
 from tilegen.bench import parse_head_dims, pyplot, require_gpu
 from tilegen.device import device_info
 from tilegen.families import family_of
+from tilegen.families.attention_fwd.problem import attention_flops
 from tilegen.ops.attention import prepare_call, run_with_config
 
 __all__ = ["main", "peers", "plot"]
@@ -53,6 +56,12 @@ class Case:
     dtype: str = "bf16"
     head_dim_v: int | None = None  # None: the head dim
     softcap: float | None = None  # Gemma 2's tanh softcap on the scores; SDPA has none
+    window: int | None = None  # a sliding window: each query sees itself and this many keys before it (not causal)
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None] | None:
+        """The op's ``window`` argument: the sliding window's, or none (the case's ``causal`` says the rest)."""
+        return None if self.window is None else (self.window, 0)
 
     @property
     def dv(self) -> int:
@@ -63,6 +72,8 @@ class Case:
         return max(1, TOKENS // self.seqlen)
 
     def flops(self, spec) -> float:
+        if self.window is not None:
+            return attention_flops(spec, self.batch, HEADS, self.seqlen, self.seqlen, self.window, 0)
         problem = family_of(spec).problem(spec, self.seqlen, on_gpu=True, batch=self.batch, heads_q=HEADS)
         return problem.flops()
 
@@ -73,7 +84,8 @@ class Case:
         dtype = "" if self.dtype == "bf16" else f" {self.dtype}"
         dims = f"{self.head_dim}" if self.head_dim_v is None else f"{self.head_dim}v{self.head_dim_v}"
         cap = "" if self.softcap is None else f" softcap {self.softcap:g}"
-        return f"d={dims} {'causal' if self.causal else 'full'}{gqa}{cap}{dtype}"
+        mask = f"window {self.window}" if self.window is not None else "causal" if self.causal else "full"
+        return f"d={dims} {mask}{gqa}{cap}{dtype}"
 
     def __str__(self) -> str:
         return f"N={self.seqlen} {self.variant}"
@@ -90,18 +102,19 @@ def _inputs(case: Case, seed: int = 0):
     return q, k, v
 
 
-def peers(causal: bool, gqa: bool, seqlen: int, softcap: float | None = None) -> dict:
+def peers(causal: bool, gqa: bool, seqlen: int, softcap: float | None = None, window: int | None = None) -> dict:
     """SDPA's flash and cuDNN backends and compiled FlexAttention, each ``fn(q, k, v)`` as users call it
     (the backward benchmark differentiates through the same calls). Flex's causal block mask is made
     at its first call, so a machine without flex fails that call, not this one. With a ``softcap`` Flex
-    takes it as a score mod, and SDPA, which has none, raises at its call."""
+    takes it as a score mod, and SDPA, which has none, raises at its call; so with a sliding ``window`` (each query
+    sees itself and ``window`` keys before it), which Flex takes as its block mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def sdpa(backend):
         def run(q, k, v):
-            if softcap is not None:
-                raise NotImplementedError("SDPA has no softcap")
+            if softcap is not None or window is not None:
+                raise NotImplementedError("SDPA has no softcap" if window is None else "SDPA has no window")
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return run
@@ -114,11 +127,15 @@ def peers(causal: bool, gqa: bool, seqlen: int, softcap: float | None = None) ->
     score_mod = None if softcap is None else (
         lambda score, b, h, q_idx, kv_idx: softcap * torch.tanh(score / softcap))
 
+    def visible(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window) if window is not None else q_idx >= kv_idx
+
+    masked = causal or window is not None
+
     def run_flex(q, k, v):
-        if causal and not masks:
-            masks.append(create_block_mask(
-                lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen, device=q.device))
-        return flex(q, k, v, block_mask=masks[0] if causal else None, enable_gqa=gqa, score_mod=score_mod)
+        if masked and not masks:
+            masks.append(create_block_mask(visible, None, None, seqlen, seqlen, device=q.device))
+        return flex(q, k, v, block_mask=masks[0] if masked else None, enable_gqa=gqa, score_mod=score_mod)
 
     return {"sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
             "flex": run_flex}
@@ -127,7 +144,7 @@ def peers(causal: bool, gqa: bool, seqlen: int, softcap: float | None = None) ->
 def _providers(case: Case, inputs, configs=()):
     # Decided once, outside the timed call: the op's own column pays for its dispatch, and this
     # one should differ from it only in the config.
-    spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, None, case.softcap, None, False)
+    spec, left, right, scale, softcap = prepare_call(*inputs, case.causal, case.bounds, case.softcap, None, False)
     family = family_of(spec)
     device = device_info()
 
@@ -141,18 +158,25 @@ def _providers(case: Case, inputs, configs=()):
         return run
 
     return {
-        "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal, softcap=case.softcap),
+        "tilegen": lambda q, k, v: tilegen.attention(q, k, v, causal=case.causal, window=case.bounds,
+                                                      softcap=case.softcap),
         "tilegen-default": with_config(family.default_config(spec, device, family.buckets.of(case.seqlen))),
-        **peers(case.causal, case.heads_kv != HEADS, case.seqlen, case.softcap),
+        **peers(case.causal, case.heads_kv != HEADS, case.seqlen, case.softcap, case.window),
         **{f"tilegen {config}": with_config(config) for config in configs},
     }
 
 
 def _reference(case: Case, q, k, v) -> torch.Tensor:
     """What every provider is checked against: SDPA flash, or where it refuses the shapes (a V narrower than Q and
-    K) its memory-efficient backend; with a softcap, ``softcap_reference``."""
+    K, a window's mask) its memory-efficient backend; with a softcap, ``softcap_reference``."""
     if case.softcap is not None:
-        return softcap_reference(q, k, v, case.causal, case.softcap)
+        return softcap_reference(q, k, v, case.causal, case.softcap, case.window)
+    if case.window is not None:
+        rows = torch.arange(case.seqlen, device=q.device)
+        keep = (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :] <= case.window)
+        k, v = (t.repeat_interleave(HEADS // case.heads_kv, dim=1) for t in (k, v))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     backends = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]
     if v.shape[-1] != q.shape[-1] and case.heads_kv != HEADS:
         # The memory-efficient backend takes no GQA: K's and V's heads repeated for each query head instead.
@@ -161,15 +185,16 @@ def _reference(case: Case, q, k, v) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=k.shape[1] != HEADS)
 
 
-def softcap_reference(q, k, v, causal: bool, softcap: float) -> torch.Tensor:
+def softcap_reference(q, k, v, causal: bool, softcap: float, window: int | None = None) -> torch.Tensor:
     """Softcapped attention in float32, one (batch, head) at a time so that a 16k-token score matrix fits; the
-    causal mask aligned bottom-right, as tilegen's."""
+    causal mask aligned bottom-right, as tilegen's (with a sliding ``window``, also at most that many keys back)."""
     out = torch.empty(q.shape[:3] + (v.shape[3], ), device=q.device, dtype=q.dtype)
     group = q.shape[1] // k.shape[1]
     n_q, n_k = q.shape[2], k.shape[2]
     keep = None
-    if causal:
-        keep = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + n_k - n_q
+    if causal or window is not None:
+        back = torch.arange(n_q, device=q.device)[:, None] + n_k - n_q - torch.arange(n_k, device=q.device)[None, :]
+        keep = (back >= 0) & (back <= window) if window is not None else back >= 0
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
             s = (q[b, h].float() @ k[b, h // group].float().T) / math.sqrt(q.shape[3])
@@ -201,8 +226,8 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
     if only:
         providers = {name: fn for name, fn in providers.items() if name in only or name.startswith("tilegen ")}
     ref = _reference(case, q, k, v)
-    choice = tilegen.explain(q, k, v, causal=case.causal, softcap=case.softcap)
-    flops = case.flops(prepare_call(q, k, v, case.causal, None, case.softcap, None, False)[0])
+    choice = tilegen.explain(q, k, v, causal=case.causal, window=case.bounds, softcap=case.softcap)
+    flops = case.flops(prepare_call(q, k, v, case.causal, case.bounds, case.softcap, None, False)[0])
     row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
            "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
@@ -238,7 +263,7 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
 def sweep_case(case: Case) -> list[dict]:
     """Time every feasible config of the case's spec (to pick defaults and check the search space)."""
     q, k, v = _inputs(case)
-    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, None, case.softcap, None, False)
+    spec, left, right, scale, softcap = prepare_call(q, k, v, case.causal, case.bounds, case.softcap, None, False)
     ref = _reference(case, q, k, v)
     results = []
     for config in family_of(spec).candidates(spec, device_info()):
@@ -312,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default="64,128",
                         help="comma-separated head dims, each D or D/DV for a V of DV columns (DeepSeek's 192/128)")
     parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--window", type=int, default=None, metavar="KEYS",
+                        help="a sliding window in place of --masks: each query sees itself and KEYS keys before it "
+                             "(Mistral's 4096; tilegen and Flex, SDPA has none)")
     parser.add_argument("--softcap", type=float, default=None,
                         help="Gemma 2's tanh softcap on every case's scores (tilegen and Flex; SDPA has none)")
     parser.add_argument("--kv-heads", default="32", help="KV heads per case (32 query heads): 32 is MHA, 8 GQA 32/8")
@@ -342,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     head_dims = [parsed for _, parsed in dims]
     if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
         parser.error(f"--softcap: expected a positive finite cap, got {args.softcap}")
+    if args.window is not None and args.window < 0:
+        parser.error(f"--window: expected a count of keys >= 0, got {args.window}")
     if args.rounds < 1:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
@@ -356,12 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--configs: expected a JSON list of attention_fwd knob objects: {e}")
     require_gpu("tilegen.bench.attention")
     dispatch.reset()
+    masks = args.masks.split(",") if args.window is None else ["window"]
     cases = [
-        Case(int(n), d, m == "causal", int(h), dt, dv, args.softcap)
+        Case(int(n), d, m == "causal", int(h), dt, dv, args.softcap, args.window)
         for dt in args.dtypes.split(",")
         for h in args.kv_heads.split(",")
         for d, dv in head_dims
-        for m in args.masks.split(",")
+        for m in masks
         for n in args.seqlens.split(",")
     ]
     info = device_info()

@@ -114,8 +114,6 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     if gathers_per_score(spec.score_mod):
         # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of K and V fill.
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
-    if spec.mask not in ("none", "causal"):
-        return f"mask={spec.mask!r}: the Gluon kernel has no window"
     # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256 (above a V of 128 or fewer, up to
     # 192 into 192: lowering.gluon_widths), which TMA fills with zeros past the tensor's (a spec's head dim is a
     # multiple of 8, so a row is a multiple of TMA's 16 bytes).
@@ -170,6 +168,8 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"block_n={config.block_n}: the Gluon kernels take 64 or 128"
     if spec.dv != spec.head_dim and config.wgmma == 1:
         return f"{knob}: a narrower V is the warp-specialized kernel's (wgmma 2 or 3)"
+    if spec.mask == "window" and config.wgmma == 1:
+        return f"{knob}: a window is the warp-specialized kernel's (wgmma 2 or 3)"
     if spec.head_dim > 128:
         # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers (64 x 192: 96); Q's buffers
         # (the output staged in them past 128 columns of V, else in buffers of its own) and the slots of 64 keys
@@ -273,6 +273,11 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # 32 x 512: 260 against 253 without it, 226 for the tuned Triton row, cuDNN 263).
             if spec.mask == "causal":
                 rule[1:] = [(512, _WS_PINGPONG), (1024, _WARP_SPECIALIZED), (4096, _WS_PINGPONG), (None, _WS_THREE)]
+            elif spec.mask == "window":
+                # A window's work a tile is its width, not the length: on an H100 (bf16, GQA 32/8, 16k tokens) two
+                # consumers with 128-key blocks read 350-423 TFLOP/s at windows of 1024 and 4096 keys, against
+                # 268-445 for the full rule's three consumers with ping-pong (BENCHMARKS.md).
+                rule[1:] = [(None, _WARP_SPECIALIZED)]
             else:
                 rule[1:] = [(1024, _WARP_SPECIALIZED), (None, _WS_THREE_PINGPONG)]
         return rule
@@ -287,6 +292,8 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
             # from 512 keys on (full 512: 513 against 377); causal up to 1k with three slots of 64 keys, where
             # a causal tile has few blocks and half of its diagonal one is masked (1k: 422 against 375 for
             # BN128, 359 for the Triton row).
+            # A window keeps 128-key blocks: on an H100 (bf16, GQA 32/8, 16k tokens) they led 64-key ones by 6-11% at
+            # windows of 1024 and 4096 keys, and lost by 25% at 128 (BENCHMARKS.md).
             causal = [(1024, _WS_SHORT_CAUSAL)] if spec.mask == "causal" else []
             # A score mod adds CUDA-core work to every block: the consumers taking turns hide it under the other's
             # products (ALiBi, bf16, 4 x 4096, 32/8 heads, full: ping-pong 542 TFLOP/s, without 509, one partition
