@@ -397,11 +397,12 @@ def _alibi_text(heads: int) -> str:
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the wgmma knob is offered under Triton 3.6 only")
-def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_is_not():
+def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_alone():
     """A score mod runs in the Gluon kernels' softmax: the tuner may choose them (it checks every candidate against
     the reference), and the default rule takes the ping-pong kernel at d128 (measured there), not at d64; a softcap
-    only a tune (its Gluon kernels ran slower). A mask mod's block table, and a gather by both positions, stay the
-    Triton kernel's."""
+    only a tune (its Gluon kernels ran slower). The warp-specialized kernel walks a mask mod's block table where the
+    mod is the only mask (BM128: the table's query blocks are its tiles), where a tune chooses it; a mask mod beside
+    a built-in mask, and a gather by both positions, stay the Triton kernel's."""
     from tilegen.mods import library
     from tilegen.mods.trace import trace
 
@@ -413,7 +414,16 @@ def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_
     assert wgmma_unsupported(d64) is None and not any(c.wgmma for _, c in default_rule(d64, HOPPER))
     documents = alibi.replace(score_mod=None, mask_mod=trace(library.document_mask(torch.zeros(8, dtype=torch.int64)),
                                                              "mask_mod").canonical)
-    assert "mask mod" in wgmma_unsupported(documents)
+    assert "a mask mod alone" in wgmma_unsupported(documents)
+    documents = documents.replace(mask="none")
+    assert wgmma_unsupported(documents) is None and feasible(documents, WS, HOPPER) is None
+    assert feasible(documents, WS_PINGPONG, HOPPER) is None
+    assert "two consumers (BM128)" in feasible(documents, WGMMA, HOPPER)
+    # Offered to a tune, not taken by the default (it led the Triton rows for one mask of three measured).
+    assert not any(c.wgmma for _, c in default_rule(documents, HOPPER))
+    assert search_space(documents, HOPPER)["wgmma"] == [0, 1, 2, 3]
+    assert "two consumers (BM128)" in feasible(documents.replace(head_dim=64), Config(192, 128, 12, 2, tma=1, wgmma=2),
+                                               HOPPER)
     bias = alibi.replace(score_mod=trace(library.relative_bias(torch.randn(8, 32)), "score_mod").canonical)
     assert "gather" in wgmma_unsupported(bias)
     softcap = AttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True)
@@ -447,6 +457,31 @@ def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
                     "v_desc": gluon_descriptor(block_n, spec.head_dim, spec.dtype)}
         request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                    "configs": [{**constants, "BLOCK_N": block_n, "STAGES": stages, "num_warps": warps}]}
+        out = compile_for_sm90(request, tmp_path, kernels=1)
+        assert out.strip().endswith("wgmma async"), out
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
+@pytest.mark.parametrize("head_dim,dtype", [(128, "bf16"), (64, "fp16")])
+def test_the_warp_specialized_kernel_with_a_mask_mod_compiles_for_sm90(head_dim, dtype, tmp_path):
+    """The warp-specialized kernel walking a document mask's block table (gathers of document ids by each position,
+    in the steps the table marks partial) compiles for sm90, its wgmma kept asynchronous."""
+    pytest.importorskip("triton.backends.nvidia")
+    from tilegen.mods import library
+    from tilegen.mods.trace import trace
+
+    documents = trace(library.document_mask(torch.zeros(64, dtype=torch.int32)), "mask_mod").canonical
+    spec = AttentionSpec(head_dim=head_dim, q_per_kv=4, dtype=dtype, mask_mod=documents, return_lse=True)
+    for block_n, stages, constants in ((128, 2, {"PINGPONG": False, "TMA_STORE": True}),
+                                       (64, 3, {"PINGPONG": True, "TMA_STORE": False})):
+        out = gluon_descriptor(64, head_dim, dtype) if constants["TMA_STORE"] else f"*{dtype}"
+        pointers = {"Out": out, "Lse": "*fp32", "Sched": "*i32", "qk_scale": "fp32", "mm_t0": "*i32",
+                    "BlkCount": "*i32", "BlkIndex": "*i32", "BlkFull": "*i8",
+                    "q_desc": gluon_descriptor(64, head_dim, dtype), "k_desc": gluon_descriptor(block_n, head_dim, dtype),
+                    "v_desc": gluon_descriptor(block_n, head_dim, dtype)}
+        request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": "kernel_wgmma_ws", "ptxas": True,
+                   "configs": [{**constants, "CONSUMERS": 2, "SCHEDULED": False, "BLOCK_N": block_n, "STAGES": stages,
+                                "num_warps": 4}]}
         out = compile_for_sm90(request, tmp_path, kernels=1)
         assert out.strip().endswith("wgmma async"), out
 
@@ -608,6 +643,55 @@ def test_gluon_kernel_with_a_score_mod_matches_reference(case, config, monkeypat
     spec = with_mod_fields(spec, _alibi_text(q.shape[1]), None)
     out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch, mod_tensors=(slopes,))
     ref, ref_lse = attention_reference(q, k, v, causal=case.causal, scale=case.scale, score_mod=library.alibi(slopes))
+    assert relative_error(out, ref)[0] < 1e-2
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-2
+
+
+def _mask_mod_cases():
+    from tilegen.mods import library
+
+    docs = torch.tensor([0] * 300 + [1] * 129 + [2] * 500 + [3] * 71, device="cuda")
+    docs_batched = torch.tensor([[0] * 400 + [1] * 857, [0] * 1 + [5] * 1256], device="cuda")
+    prefix = torch.tensor([700, 0], dtype=torch.int32, device="cuda")
+    # (id, mask mod, batch, query heads, KV heads, n_q, n_k, head dim, dtype)
+    return [
+        ("document-d128-gqa", library.document_mask(docs), 1, 8, 2, 1000, 1000, 128, torch.bfloat16),
+        ("document-batched-d64", library.document_mask(docs_batched), 2, 4, 4, 1257, 1257, 64, torch.float16),
+        ("prefix-lm-d128", library.prefix_lm(prefix), 2, 4, 1, 1000, 1100, 128, torch.bfloat16),
+        ("sliding-global-d64", library.sliding_window(100, global_tokens=17), 1, 11, 11, 1050, 900, 64, torch.float16),
+        ("causal-one-row-d96", library.causal(), 1, 2, 2, 1, 300, 96, torch.bfloat16),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
+                                    Config(128, 64, 8, 3, tma=1, wgmma=3)], ids=str)
+@pytest.mark.parametrize("name", ["document-d128-gqa", "document-batched-d64", "prefix-lm-d128", "sliding-global-d64",
+                                  "causal-one-row-d96"])
+def test_gluon_kernel_with_a_mask_mod_matches_reference(name, config, monkeypatch):
+    """The warp-specialized kernel walking a mask mod's block table (empty blocks skipped, whole ones unmasked, the
+    mod evaluated on the others), against the float64 reference with the same mod, into a poisoned output."""
+    from tilegen.families import relative_error
+    from tilegen.families.attention_fwd.reference import attention_reference
+    from tilegen.mods.blocks import block_table
+    from tilegen.mods.trace import trace
+    from tilegen.ops.memo import with_mod_fields
+
+    if not has_wgmma(device_info(torch.cuda.current_device())):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    _, mask_mod, batch, hq, hkv, n_q, n_k, dim, dtype = next(c for c in _mask_mod_cases() if c[0] == name)
+    gen = torch.Generator().manual_seed(n_q + dim)
+    q, k, v = (torch.randn(batch, h, n, dim, generator=gen).to("cuda", dtype)
+               for h, n in ((hq, n_q), (hkv, n_k), (hkv, n_k)))
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
+    traced = trace(mask_mod, "mask_mod")
+    spec = with_mod_fields(spec, None, traced.canonical)
+    table = block_table(traced.canonical, traced.tensors, batch, hq, n_q, n_k, config.block_m, config.block_n,
+                        q.device)
+    out, lse = _run_gluon(spec, config, q, k, v, (scale, softcap, left, right), monkeypatch,
+                          mod_tensors=traced.tensors, mod_blocks=table)
+    ref, ref_lse = attention_reference(q, k, v, mask_mod=mask_mod)
     assert relative_error(out, ref)[0] < 1e-2
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen) and (lse.double()[seen] - ref_lse[seen]).abs().max() < 2e-2

@@ -60,7 +60,7 @@ def test_the_knob_reads_and_labels_like_the_dense_ones():
                          kv_dtype="fp8e4m3"), WS, "pages of the queries' dtype"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", kv_layout="paged", page_size=1), WS,
      "multiple of 8 slots"),
-    (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True), WS, "takes neither"),
+    (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True), WS, "takes none of them"),
     (VarlenAttentionSpec(head_dim=128, mask="causal", dtype="fp32"), WS, "bf16 or fp16"),
     (VarlenAttentionSpec(head_dim=192, dtype="bf16"), WS, "equal ones from 64 to 128, or a QK of 136 to 192"),
     (VarlenAttentionSpec(head_dim=128, head_dim_v=64, dtype="bf16"), WS, "equal ones from 64 to 128"),

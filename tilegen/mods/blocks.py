@@ -61,6 +61,11 @@ class BlockTable:
         return (self.run_count, self.run_start, self.run_end, self.run_full, self.stride_b, self.stride_h,
                 self.indices.shape[1])
 
+    def list_args(self) -> tuple:
+        """The lists as a kernel that walks them block by block reads them (the warp-specialized Gluon kernel, whose
+        loader and consumers each step through the same blocks)."""
+        return self.count, self.indices, self.full, self.stride_b, self.stride_h, self.indices.shape[1]
+
 
 def _first(flags: torch.Tensor) -> torch.Tensor:
     """Per row, the columns where ``flags`` holds, in order, then the others (a stable sort)."""

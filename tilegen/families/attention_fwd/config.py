@@ -108,9 +108,9 @@ def has_wgmma(device: DeviceInfo) -> bool:
 
 def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     """Why the Gluon kernel does not implement ``spec``, or ``None`` when it does."""
-    if spec.mask_mod is not None:
-        # A mask mod's block table (tilegen.mods.blocks) is walked by the Triton kernel alone.
-        return "mask_mod: the Gluon kernel takes no mask mod"
+    if spec.mask_mod is not None and (spec.mask != "none" or spec.score_mod is not None or spec.softcap):
+        # The warp-specialized kernel walks a mask mod's block table (tilegen.mods.blocks) as the only mask.
+        return "mask_mod: the Gluon kernel takes a mask mod alone (no built-in mask, score mod or softcap beside it)"
     if gathers_per_score(spec.score_mod):
         # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of K and V fill.
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
@@ -137,7 +137,10 @@ def _defaults_to_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
     heads, d128) its Gluon kernels ran slower than the Triton one (one partition 307 TFLOP/s, warp-specialized
     236-237, against 310). A score mod at d128 only, where it was measured (ALiBi there: 542 against 446); at d64
     its Gluon paths are a tune's to choose (every candidate checked against the reference)."""
-    if spec.softcap or not _offers_wgmma(spec, device):
+    if spec.softcap or spec.mask_mod is not None or not _offers_wgmma(spec, device):
+        # A mask mod: its Gluon kernel walks the block table in 128-row tiles, which led the tuned Triton rows on
+        # an H100 for a prefix-LM mask (1210 against 1382 µs) and trailed them for a document mask (865 against 833)
+        # and a sliding window with global tokens (891 against 771; bf16, 4 x 4096, GQA 32/8, d128): a tune's choice.
         return False
     return spec.score_mod is None or max(spec.head_dim, spec.dv) == 128
 
@@ -170,6 +173,8 @@ def _wgmma_infeasible(spec: AttentionSpec, config: Config, device: DeviceInfo) -
         return f"{knob}: a narrower V is the warp-specialized kernel's (wgmma 2 or 3)"
     if spec.mask == "window" and config.wgmma == 1:
         return f"{knob}: a window is the warp-specialized kernel's (wgmma 2 or 3)"
+    if spec.mask_mod is not None and (config.wgmma == 1 or config.block_m != 128):
+        return f"{knob}: a mask mod is the warp-specialized kernel's with two consumers (BM128), not {config}"
     if spec.head_dim > 128:
         # Two consumers' 64 x 256 fp32 accumulators take 128 of their 240 registers (64 x 192: 96); Q's buffers
         # (the output staged in them past 128 columns of V, else in buffers of its own) and the slots of 64 keys

@@ -38,8 +38,8 @@ def ragged_wgmma_unsupported(spec) -> str | None:
         if spec.page_size % 8:
             # Each page's copy lands in its rows of the key block, at whole 8-row groups of the 128-byte swizzle.
             return f"page_size={spec.page_size}: the Gluon kernel copies pages of a multiple of 8 slots"
-    if spec.score_mod is not None or spec.softcap:
-        return "score_mod, softcap: the ragged Gluon kernel takes neither"
+    if spec.score_mod is not None or spec.mask_mod is not None or spec.softcap:
+        return "score_mod, mask_mod, softcap: the ragged Gluon kernel takes none of them"
     in_parts = gluon_widths(spec.head_dim, spec.dv)[0] == 192 and spec.dv >= 64
     if (spec.head_dim != spec.dv or spec.head_dim > 128) and not in_parts:
         # The ragged tile's store (through pointers: its last rows may be the next sequence's) takes V's columns up
