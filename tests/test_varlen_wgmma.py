@@ -418,8 +418,6 @@ WINDOW_CASES = [
 def test_a_window_ragged_and_paged(layout, q_lens, extra, window, heads, dim, dtype, config, programs, monkeypatch):
     """A window's tiles read their key blocks from the window's first on: packed sequences (with empty ones and
     rows that see no key), and pages of 16 slots shuffled, NaN in every unused one."""
-    from test_varlen import make_cache, paged_reference
-
     gen = torch.Generator().manual_seed(sum(q_lens) + dim)
     k_lens = extra if isinstance(extra, list) else [n + extra for n in q_lens]
     spec = VarlenAttentionSpec(head_dim=dim, q_per_kv=heads[0] // heads[1], mask="window", return_lse=True,
@@ -430,36 +428,48 @@ def test_a_window_ragged_and_paged(layout, q_lens, extra, window, heads, dim, dt
         pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
     _few_programs(spec, programs, monkeypatch)
     q = torch.randn(sum(q_lens), heads[0], dim, generator=gen).to("cuda", dtype)
-    cu_q = _cu(q_lens)
     out = torch.full((q.shape[0], heads[0], dim), math.nan, dtype=dtype, device="cuda")
     with forced_config("attention_varlen", config):
-        if layout == "paged":
-            cache = make_cache(k_lens, 16, heads[1], dim, dtype, "cuda", gen)
-            attn = tilegen.PagedAttention()
-            attn.plan(cu_q, cache, heads_q=heads[0], window=window, return_lse=True, max_seqlen_q=max(q_lens),
-                      max_seqlen_k=max(k_lens))
-            names = _gluon_ran(lambda: attn.run(q, cache, out=out))
-            _, lse = attn.run(q, cache, out=out)
-            ref, ref_lse = paged_reference(q, cache, cu_q, window=window)
-        else:
-            k, v = (torch.randn(sum(k_lens), heads[1], dim, generator=gen).to("cuda", dtype) for _ in range(2))
-            cu_k = _cu(k_lens)
+        _check_ragged_or_paged(16 if layout == "paged" else None, q, q_lens, k_lens, heads[1], (dim, dim), out, gen,
+                               window=window)
 
-            def call():
-                return tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), window=window,
-                                                return_lse=True, out=out)
 
-            names = _gluon_ran(call)
-            _, lse = call()
-            ck = cu_k.tolist()
-            ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])],
-                                            [v[a:b] for a, b in zip(ck, ck[1:])], cu_q.cpu(), window=window)
+def _check_ragged_or_paged(page_size, q, q_lens, k_lens, heads_kv, dims, out, gen, **mask) -> None:
+    """``tilegen.varlen_attention`` over packed keys and values drawn from ``gen`` (``page_size`` None), or
+    ``PagedAttention`` over a cache of shuffled pages of that size (NaN in every unused slot), each with the mask
+    arguments, into the poisoned ``out``: the Gluon kernel ran, wrote every element, and agrees with the float64
+    reference (output and LSE)."""
+    from test_varlen import make_cache, paged_reference
+
+    cu_q = _cu(q_lens)
+    if page_size is not None:
+        cache = make_cache(k_lens, page_size, heads_kv, dims[0], q.dtype, "cuda", gen, dim_v=dims[1])
+        attn = tilegen.PagedAttention()
+        attn.plan(cu_q, cache, heads_q=q.shape[1], return_lse=True, max_seqlen_q=max(q_lens),
+                  max_seqlen_k=max(k_lens), **mask)
+        names = _gluon_ran(lambda: attn.run(q, cache, out=out))
+        _, lse = attn.run(q, cache, out=out)
+        ref, ref_lse = paged_reference(q, cache, cu_q, **mask)
+    else:
+        k, v = (torch.randn(sum(k_lens), heads_kv, d, generator=gen).to("cuda", q.dtype) for d in dims)
+        cu_k = _cu(k_lens)
+
+        def call():
+            return tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), return_lse=True, out=out,
+                                            **mask)
+
+        names = _gluon_ran(call)
+        _, lse = call()
+        ck = cu_k.tolist()
+        ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])], [v[a:b] for a, b in zip(ck, ck[1:])],
+                                        cu_q.cpu(), **mask)
     assert any("_wgmma_ws" in n for n in names), names
     assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
     assert relative_error(out.cpu(), ref.cpu())[0] < 1e-2
-    assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(ref_lse.cpu()))
-    seen = torch.isfinite(ref_lse).cpu()
-    assert (lse.double().cpu()[seen] - ref_lse.cpu()[seen]).abs().max() < 2e-2
+    ref_lse = ref_lse.cpu()
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 2e-2
 
 
 PAGED_CASES = [
@@ -581,8 +591,6 @@ def test_a_qk_of_192_over_a_v_of_128_ragged_and_paged(layout, causal, heads, q_l
     """DeepSeek's 192/128 through the Gluon kernel, Q and K in three 64-column parts: packed sequences and shuffled
     pages (NaN in every unused slot) against the float64 reference, into a poisoned output, with the output staged
     in its own buffer or stored from the accumulators."""
-    from test_varlen import make_cache, paged_reference
-
     from tilegen.codegen.cache import module_for
 
     dtype = torch.bfloat16
@@ -597,31 +605,6 @@ def test_a_qk_of_192_over_a_v_of_128_ragged_and_paged(layout, causal, heads, q_l
     k_lens = [n + e for n, e in zip(q_lens, extra)] if isinstance(extra, list) else [n + extra for n in q_lens]
     q = torch.randn(sum(q_lens), heads[0], 192, generator=gen).to("cuda", dtype)
     out = torch.full((q.shape[0], heads[0], 128), math.nan, device="cuda", dtype=dtype)
-    cu_q = _cu(q_lens)
     with forced_config("attention_varlen", config):
-        if paged:
-            cache = make_cache(k_lens, layout, heads[1], 192, dtype, "cuda", gen, dim_v=128)
-            attn = tilegen.PagedAttention()
-            attn.plan(cu_q, cache, heads_q=heads[0], causal=causal, return_lse=True, max_seqlen_q=max(q_lens),
-                      max_seqlen_k=max(k_lens))
-            names = _gluon_ran(lambda: attn.run(q, cache, out=out))
-            _, lse = attn.run(q, cache, out=out)
-            ref, ref_lse = paged_reference(q, cache, cu_q, causal=causal)
-        else:
-            k = torch.randn(sum(k_lens), heads[1], 192, generator=gen).to("cuda", dtype)
-            v = torch.randn(sum(k_lens), heads[1], 128, generator=gen).to("cuda", dtype)
-            cu_k = _cu(k_lens)
-            names = _gluon_ran(lambda: tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens),
-                                                                causal=causal, return_lse=True, out=out))
-            _, lse = tilegen.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
-                                              return_lse=True, out=out)
-            ck = cu_k.tolist()
-            ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(ck, ck[1:])],
-                                            [v[a:b] for a, b in zip(ck, ck[1:])], cu_q.cpu(), causal=causal)
-    assert any("_wgmma_ws" in n for n in names), names
-    assert not torch.isnan(out).any(), f"{torch.isnan(out).sum().item()} output elements never written"
-    assert relative_error(out.cpu(), ref.cpu())[0] < 1e-2
-    ref_lse = ref_lse.cpu()
-    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse))
-    seen = torch.isfinite(ref_lse)
-    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max() < 2e-2
+        _check_ragged_or_paged(layout if paged else None, q, q_lens, k_lens, heads[1], (192, 128), out, gen,
+                               causal=causal)
