@@ -119,7 +119,7 @@ def test_a_window_is_offered_the_warp_specialized_kernel():
 
     source = source_for(spec)
     assert "_wgmma_ws(" in source and "window_left, window_right,\n" in source
-    assert 'raise ValueError("wgmma=1: the one-partition Gluon kernel has no window' in source
+    assert '"window; the warp-specialized one (wgmma 2 or "' in source
     assert "_ws_window_blocks(" in source
     assert "_ws_window_blocks" not in source_for(AttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"))
 
@@ -311,6 +311,38 @@ def _launch_on_a_stand_in_gpu(spec, config, heads, n_q, monkeypatch, out=None, s
     return launches
 
 
+@pytest.mark.parametrize("knobs,message", [
+    ({"block_m": 128, "block_n": 128, "wgmma": 2}, "block table is for 64x64 blocks, the launch runs 128x128"),
+    ({"block_m": 64, "block_n": 64, "wgmma": 1}, "the one-partition Gluon kernel has no mask mod"),
+    ({"block_m": 192, "block_n": 64, "wgmma": 2}, "block_m=192: three consumer warpgroups walk no mask mod's"),
+], ids=["other-blocks", "one-partition", "three-consumers"])
+def test_a_mask_mods_launch_refuses_a_kernel_or_table_that_would_drop_its_mask(knobs, message, monkeypatch):
+    """A direct launch (which feasible's checks do not guard) never runs a mask mod's spec unmasked: the
+    one-partition Gluon kernel has no mask mod, and a table of other blocks than the launch's tiles, or a tile no
+    kernel walks a table in, is refused before any kernel runs."""
+    from tilegen.mods import library
+    from tilegen.mods.blocks import block_table
+    from tilegen.mods.trace import trace
+
+    traced = trace(library.document_mask(torch.tensor([0] * 300 + [1] * 700)), "mask_mod")
+    spec = AttentionSpec(head_dim=128, dtype="bf16", mask_mod=traced.canonical)
+    module = module_for(spec)
+    if module.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(module, "TMA_MIN_WORK", 0)
+    monkeypatch.setattr(module, "_SMS", {0: 132})
+    ran = []
+    for name in (f"_{spec.name}_kernel_wgmma_ws", f"_{spec.name}_kernel_wgmma", f"_{spec.name}_kernel"):
+        monkeypatch.setattr(module, name, type("Spy", (), {"__getitem__": lambda self, grid: ran.append})())
+    q, k, v = (torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16).as_subclass(OnGpu) for _ in range(3))
+    rows = 192 if knobs["block_m"] == 192 else 64  # the table of the launch's tiles where the tiles are refused
+    table = block_table(traced.canonical, traced.tensors, 1, 2, 1000, 1000, rows, 64, "cpu")
+    with pytest.raises(ValueError, match=message):
+        module.launch(q, k, v, q, q, scale=0.1, softcap=0.0, window_left=1 << 30, window_right=1 << 30, num_warps=8,
+                      num_stages=2, tma=1, mod_tensors=traced.tensors, mod_blocks=table, **knobs)
+    assert not ran
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 def test_warp_specialized_output_store(offset, monkeypatch):
     """The output goes out through a TMA descriptor of one consumer's 64 rows where its base and strides allow
@@ -426,6 +458,9 @@ def test_a_score_mod_and_a_softcap_are_offered_the_gluon_kernels_and_a_mask_mod_
                                                HOPPER)
     bias = alibi.replace(score_mod=trace(library.relative_bias(torch.randn(8, 32)), "score_mod").canonical)
     assert "gather" in wgmma_unsupported(bias)
+    allowed = torch.rand(64, 64) > 0.5
+    pairs = documents.replace(mask_mod=trace(lambda b, h, q_idx, kv_idx: allowed[q_idx, kv_idx], "mask_mod").canonical)
+    assert "mask_mod: a gather by both positions" in wgmma_unsupported(pairs)
     softcap = AttentionSpec(head_dim=128, mask="causal", dtype="bf16", softcap=True)
     assert search_space(softcap, HOPPER)["wgmma"] == [0, 1, 2, 3] and feasible(softcap, WS, HOPPER) is None
     assert not any(c.wgmma for _, c in default_rule(softcap, HOPPER))

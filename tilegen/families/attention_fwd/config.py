@@ -111,9 +111,10 @@ def wgmma_unsupported(spec: AttentionSpec) -> str | None:
     if spec.mask_mod is not None and (spec.mask != "none" or spec.score_mod is not None or spec.softcap):
         # The warp-specialized kernel walks a mask mod's block table (tilegen.mods.blocks) as the only mask.
         return "mask_mod: the Gluon kernel takes a mask mod alone (no built-in mask, score mod or softcap beside it)"
-    if gathers_per_score(spec.score_mod):
-        # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of K and V fill.
-        return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernel's"
+    for field in ("score_mod", "mask_mod"):
+        if gathers_per_score(getattr(spec, field)):
+            # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of K and V fill.
+            return f"{field}: a gather by both positions (staged through shared memory) is the Triton kernel's"
     # Head dims 72 ... 120 are read into 128 columns and 136 ... 248 into 256 (above a V of 128 or fewer, up to
     # 192 into 192: lowering.gluon_widths), which TMA fills with zeros past the tensor's (a spec's head dim is a
     # multiple of 8, so a row is a multiple of TMA's 16 bytes).
