@@ -140,8 +140,8 @@ def _defaults_to_wgmma(spec: AttentionSpec, device: DeviceInfo) -> bool:
     its Gluon paths are a tune's to choose (every candidate checked against the reference)."""
     if spec.softcap or spec.mask_mod is not None or not _offers_wgmma(spec, device):
         # A mask mod: its Gluon kernel walks the block table in 128-row tiles, which led the tuned Triton rows on
-        # an H100 for a prefix-LM mask (1210 against 1382 µs) and trailed them for a document mask (865 against 833)
-        # and a sliding window with global tokens (891 against 771; bf16, 4 x 4096, GQA 32/8, d128): a tune's choice.
+        # an H100 for a prefix-LM mask (1192 against 1332 µs) and trailed them for a document mask (867 against 808)
+        # and a sliding window with global tokens (900 against 765; bf16, 4 x 4096, GQA 32/8, d128): a tune's choice.
         return False
     return spec.score_mod is None or max(spec.head_dim, spec.dv) == 128
 
