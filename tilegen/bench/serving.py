@@ -67,6 +67,13 @@ def _flex_document(q, k, v, doc_q, doc_k, offset_q, offset_k, n_q, n_k):
     return lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
 
 
+def _spec(dims: tuple[int, int], **layout):
+    """The parts' ``attention_varlen`` spec (causal bf16, 32/8 heads) at head dims ``dims``, laid out as ``layout``
+    says (``kv_layout``, ``page_size``; none: the fields every layout shares)."""
+    return tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
+                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16", **layout})
+
+
 def _documents(lengths):
     ids, offsets = [], []
     start = 0
@@ -88,9 +95,7 @@ def ragged(seed: int = 0, dims: tuple[int, int] = (DIM, DIM)) -> list[dict]:
     q = torch.randn(total, HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
     k = torch.randn(total, KV_HEADS, dim, device="cuda", dtype=DTYPE, generator=gen)
     v = torch.randn(total, KV_HEADS, dim_v, device="cuda", dtype=DTYPE, generator=gen)
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dim, "head_dim_v": dim_v,
-                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
-                                   "kv_layout": "ragged"})
+    spec = _spec(dims, kv_layout="ragged")
     problem = family_of(spec).problem(spec, 8192, on_gpu=True, q_lens=tuple(lengths), k_lens=tuple(lengths),
                                       heads_q=HEADS)
     flops = problem.flops()
@@ -179,9 +184,7 @@ def paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: int = 
     cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
     attn = tilegen.PagedAttention()
     attn.plan(cu_q, cache, heads_q=HEADS, causal=True, max_seqlen_q=new, max_seqlen_k=n_k)
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dim, "head_dim_v": dim_v,
-                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
-                                   "kv_layout": "paged", "page_size": page_size})
+    spec = _spec(dims, kv_layout="paged", page_size=page_size)
     flops = family_of(spec).problem(spec, n_k, on_gpu=True, q_lens=(new,), k_lens=(n_k,), heads_q=HEADS).flops()
     qd, kd, vd = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     dense = tilegen.attention(qd, kd, vd, causal=True)  # bottom-right causal: the reference layout
@@ -210,9 +213,7 @@ def sweep_paged(seed: int = 0, prefix: int = 32768, new: int = 4096, page_size: 
     from tilegen.device import device_info
     from tilegen.dispatch import launcher_for
 
-    spec = tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
-                                   "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16",
-                                   "kv_layout": "paged", "page_size": page_size})
+    spec = _spec(dims, kv_layout="paged", page_size=page_size)
     family = family_of(spec)
     problem = family.problem(spec, prefix + new, on_gpu=True, q_lens=(new,), k_lens=(prefix + new,), heads_q=HEADS)
     inputs = problem.inputs(seed)
@@ -244,8 +245,7 @@ def main(argv=None) -> None:
         parser.error(f"--head-dims: expected D or D/DV, positive integers, got {args.head_dims!r}")
     dims = (parsed[0], parsed[1] or parsed[0])
     try:  # the head dims the ragged and paged ops take, before any tensor is made
-        tilegen.spec_from_json({"family": "attention_varlen", "head_dim": dims[0], "head_dim_v": dims[1],
-                                "q_per_kv": HEADS // KV_HEADS, "mask": "causal", "dtype": "bf16"})
+        _spec(dims)
     except ValueError as e:
         parser.error(f"--head-dims {args.head_dims}: {e}")
     require_gpu("tilegen.bench.serving")
