@@ -175,6 +175,8 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
 @pytest.mark.parametrize("spec,kernel,held,streamed,stages", [
     (D128, "_dkdv_wgmma", 128, 64, 2),
     (D128, "_dkdv_wgmma_ws", 64, 64, 2),  # each consumer's 64 keys
+    (D128, "_dkdv_wgmma_ws_stats", 64, 64, 3),  # the LSE and Delta by TMA
+    (D128.replace(q_per_kv=1, mask="none"), "_dkdv_wgmma_ws_atomic_stats", 64, 64, 3),
     (D128.replace(layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
     (D128.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),  # dQ by TMA reductions too
     (AttentionBwdSpec(head_dim=64, mask="causal", dtype="bf16"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
@@ -183,7 +185,7 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (ALIBI, "_dkdv_wgmma_ws", 64, 64, 3),
     (ALIBI.replace(mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
     (D128.replace(head_dim=96), "_dkdv_wgmma_ws", 64, 64, 3),  # read into 128 columns
-    (D128.replace(head_dim=80, mask="none"), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
+    (D128.replace(head_dim=80, mask="none"), "_dkdv_wgmma_ws_atomic_stats", 64, 64, 3),
     (D128.replace(head_dim=96), "_dq_wgmma", 128, 64, 3),
     (ALIBI, "_dq_wgmma", 128, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
@@ -191,8 +193,9 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed,
     pytest.importorskip("triton.backends.nvidia")
     d, dt = triton.next_power_of_2(spec.head_dim), spec.dtype  # read padded
     streamed_desc, held_desc = gluon_descriptor(streamed, d, dt), gluon_descriptor(held, d, dt)
-    atomic = kernel.endswith("_atomic")
-    kernel = kernel.removesuffix("_atomic")
+    stats = kernel.endswith("_stats")
+    atomic = kernel.removesuffix("_stats").endswith("_atomic")
+    kernel = kernel.removesuffix("_stats").removesuffix("_atomic")
     if kernel.startswith("_dkdv"):
         pointers = {"q_desc": streamed_desc, "do_desc": streamed_desc, "k_desc": held_desc, "v_desc": held_desc,
                     "dK": f"*{dt}", "dV": f"*{dt}"}
@@ -205,6 +208,16 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed,
                 pointers["dq_desc"] = gluon_descriptor(streamed, d // 2, "fp32")
             else:
                 pointers["dq_desc"], blocks["dq_desc"] = "constexpr", None
+            # The LSE's and Delta's rows, fp32 [batch, heads, n_q] in blocks of [1, 1, BLOCK_M], or none.
+            blocks["STATS"] = stats
+            from triton.experimental.gluon import language as gl
+
+            stats_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+            for name in ("lse_desc", "delta_desc"):
+                if stats:
+                    pointers[name] = f"tensordesc<fp32[1, 1, {streamed}],{stats_layout!r}>"
+                else:
+                    pointers[name], blocks[name] = "constexpr", None
     else:
         pointers = {"q_desc": held_desc, "do_desc": held_desc, "k_desc": streamed_desc, "v_desc": streamed_desc,
                     "dQ": f"*{dt}"}
@@ -248,16 +261,24 @@ def test_gluon_kernels_match_reference(case, config, monkeypatch):
     if feasible(spec, config, device_info(torch.cuda.current_device())) is not None:
         pytest.skip(feasible(spec, config, device_info(torch.cuda.current_device())))
     module = module_for(spec)
-    runs = []
+    runs, stats = [], []
+
+    def spied(name, kernel):
+        def launch(grid):
+            runs.append(name)
+            return lambda *args, **kwargs: stats.append(kwargs.get("STATS")) or kernel[grid](*args, **kwargs)
+        return type("Spy", (), {"__getitem__": lambda self, grid: launch(grid)})()
+
     for name in ("_dkdv_wgmma", "_dq_wgmma", "_dkdv_wgmma_ws"):
-        kernel = getattr(module, name)
-        spy = type("Spy", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: runs.append(name) or kernel[grid]})
-        monkeypatch.setattr(module, name, spy())
+        monkeypatch.setattr(module, name, spied(name, getattr(module, name)))
     q, k, v, out, dout, lse, dlse = _direct_inputs(case, "cuda")
     grads = _launch(spec, config, case, q, k, v, out, dout, lse, dlse)
     torch.cuda.synchronize()
     taken = {1: ["_dkdv_wgmma"], 2: ["_dkdv_wgmma", "_dq_wgmma"], 3: ["_dkdv_wgmma_ws"]}[config.wgmma]
     assert runs == taken, "the launcher did not take the Gluon kernels the config names"
+    if config.wgmma == 3:
+        # The LSE and Delta come by TMA where their rows are 16-byte aligned (n_q a multiple of 4); both paths run.
+        assert stats == [case.n_q % 4 == 0], stats
     check_grads(grads, attention_backward_reference(q, k, v, dout, dlse=dlse, **case.mask_kwargs()), case.torch_dtype)
 
 
@@ -344,16 +365,20 @@ def test_a_score_mod_with_the_gluon_knob_runs_the_triton_kernels_off_the_gpu(dev
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_ragged_batch_through_the_warp_specialized_kernel(causal, dtype, monkeypatch):
     """A packed batch of odd lengths through the warp-specialized dK/dV kernel, whose tiles read past each sequence
-    into the next (``ragged_launch_matches_reference``)."""
+    into the next (``ragged_launch_matches_reference``); the LSE and Delta by loads, not TMA copies (a block's rows
+    past its sequence would bring the next one's)."""
     if not has_wgmma(device_info(torch.cuda.current_device())):
         pytest.skip("the Gluon kernels need an sm90 GPU and Triton 3.6")
     spec = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal" if causal else "none", dtype=dtype,
                             layout="ragged")
     module = module_for(spec)
-    runs = []
+    stats = []
     kernel = module._dkdv_wgmma_ws
-    monkeypatch.setattr(module, "_dkdv_wgmma_ws",
-                        type("Spy", (), {"__getitem__": lambda self, grid: runs.append(grid) or kernel[grid]})())
+
+    def launch(grid):
+        return lambda *args, **kwargs: stats.append(kwargs["STATS"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(module, "_dkdv_wgmma_ws", type("Spy", (), {"__getitem__": lambda self, grid: launch(grid)})())
     ragged_launch_matches_reference(spec, WS, [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7],
                                     heads_q=8, device="cuda")
-    assert runs, "the launcher did not take the warp-specialized kernel"
+    assert stats == [False], "the launcher did not take the warp-specialized kernel, or took the TMA copies"
