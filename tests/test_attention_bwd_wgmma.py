@@ -382,3 +382,48 @@ def test_ragged_batch_through_the_warp_specialized_kernel(causal, dtype, monkeyp
     ragged_launch_matches_reference(spec, WS, [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7],
                                     heads_q=8, device="cuda")
     assert stats == [False], "the launcher did not take the warp-specialized kernel, or took the TMA copies"
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+@pytest.mark.parametrize("lse_shape,lse_view,rows,stats", [
+    ((2, 4, 64), None, 64, True),  # the op's own: contiguous, rows a multiple of 4
+    ((2, 4, 66), None, 66, False),  # rows 264 bytes apart: no descriptor
+    ((1, 1, 1001), (slice(None), slice(None), slice(0, 64)), 64, False),  # a size-1 dim's stride is 1001 floats
+    ((2, 64, 4), "transposed", 64, False),  # the scratch's strides (contiguous) are not the LSE's
+    ((2, 4, 100), None, 64, False),  # n_q below the tensors' rows: rows the delta pass never writes
+], ids=["contiguous", "rows-66", "size-1-dim-stride", "lse-head-last", "n_q-short"])
+def test_the_lse_goes_by_tma_only_where_it_is_addressed_as_the_kernels_address_it(lse_shape, lse_view, rows, stats,
+                                                                                  monkeypatch):
+    """The launcher passes the LSE's and Delta's descriptors only where a TMA copy reads what the loads would: the
+    scratch 16-byte aligned and laid out as the LSE is, n_q rows (CPU tensors posing as CUDA ones, the kernels
+    recorded, not run). The BPT layer's one-head LSE, a slice of a longer buffer, once made the descriptor assert."""
+    from helpers import OnGpu
+
+    spec = AttentionBwdSpec(head_dim=128, q_per_kv=1, mask="causal", dtype="bf16")
+    module = module_for(spec)
+    calls = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.setdefault(self.name, kwargs)
+
+    lse = torch.zeros(lse_shape)
+    if lse_view == "transposed":
+        lse = lse.transpose(1, 2)  # [2, 4, 64] stored head-last
+    elif lse_view is not None:
+        lse = lse[lse_view]
+    heads, n_q = lse.shape[1], rows
+    q, k, v, out, dout, dq, dk, dv = (torch.zeros(lse.shape[0], heads, lse.shape[2], 128, dtype=torch.bfloat16)
+                                      .as_subclass(OnGpu) for _ in range(8))
+    scratch = [torch.empty(lse.shape).as_subclass(OnGpu) for _ in range(2)]  # contiguous, as plain callers make it
+    if lse_view != "transposed":
+        scratch = [torch.empty_like(lse).as_subclass(OnGpu) for _ in range(2)]
+    for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
+        monkeypatch.setattr(module, name, Recorder(name))
+    module.launch(q, k, v, out, dout, lse.as_subclass(OnGpu), None, dq, dk, dv, *scratch,
+                  torch.zeros(q.shape).as_subclass(OnGpu), None, None, n_q, n_q, scale=0.1, softcap=0.0,
+                  window_left=-1, window_right=0, **WS.to_dict())
+    assert calls["_dkdv_wgmma_ws"]["STATS"] is stats
