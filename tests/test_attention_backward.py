@@ -537,15 +537,20 @@ def test_varlen_gradients_match_reference(mask, device):
         check_grads(grads, refs, torch.float32, what=f"sequence {b}: ")
 
 
-def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3):
+def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3, tail=0):
     """One direct launch of ``spec`` (ragged) with ``config`` over sequences of ``lens_q`` queries and ``lens_k``
-    keys, into NaN-poisoned gradients, each sequence's rows against the float64 reference of that sequence alone."""
+    keys, into NaN-poisoned gradients, each sequence's rows against the float64 reference of that sequence alone.
+    ``tail`` rows past the last sequence, which no sequence owns, hold NaN in Q, dO, K and V (a packed buffer's
+    unwritten capacity)."""
     heads_kv, d = heads_q // spec.q_per_kv, spec.head_dim
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     causal = spec.mask == "causal"
     gen = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(sum(lens_q), heads_q, d, generator=gen).to(device, torch_dtype) for _ in "qo")
-    k, v = (torch.randn(sum(lens_k), heads_kv, d, generator=gen).to(device, torch_dtype) for _ in "kv")
+    def packed(rows, heads):
+        return torch.cat([torch.randn(rows, heads, d, generator=gen), torch.full((tail, heads, d), math.nan)])
+
+    q, dout = (packed(sum(lens_q), heads_q).to(device, torch_dtype) for _ in "qo")
+    k, v = (packed(sum(lens_k), heads_kv).to(device, torch_dtype) for _ in "kv")
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
                   for lens in (lens_q, lens_k))
     spans = [(cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()) for b in range(len(lens_q))]
@@ -582,10 +587,13 @@ def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, de
                                                                                      atomic_dq=1, tma=1)], ids=str)
 def test_ragged_launch_through_tma_descriptors(mask, config, device):
     """Q and dO (dK/dV kernel), K and V (dQ kernel) through descriptors of the packed tensors: a block past its
-    sequence reads the next one's rows, which the masks must leave out (lengths that end mid-block, an empty
-    sequence, one without keys, more keys than queries)."""
+    sequence reads the next one's rows, or rows no sequence owns, which the masks must leave out (lengths that end
+    mid-block, an empty sequence, one without keys, more keys than queries)."""
     spec = AttentionBwdSpec(head_dim=32, q_per_kv=2, mask=mask, dtype="fp32", layout="ragged")
     ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device)
+    # Rows no sequence owns hold NaN: a block reaching into them must not carry it into any gradient (0 x NaN).
+    ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device,
+                                    tail=9)
 
 
 # --------------------------------------------------------------------------- against SDPA on a GPU

@@ -235,6 +235,15 @@ def test_bad_softcap(device, softcap):
         tilegen.attention(q, k, v, softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", [1e-39, 2.0 ** -127], ids=["1e-39", "2^-127"])
+def test_a_softcap_past_fp32s_normal_range_is_refused(device, softcap):
+    """The forward would run, but the backward's 1/softcap overflows fp32 and its gradients would be NaN."""
+    q, k, v = qkv(device)
+    with raises(ValueError, "softcap: expected None or a number >= 1.175e-38"):
+        tilegen.attention(q, k, v, softcap=softcap)
+    tilegen.attention(q, k, v, softcap=2.0 ** -126)  # the smallest normal itself is a number the kernels take
+
+
 def test_bad_input_is_refused_before_any_kernel_is_generated(device, monkeypatch):
     """Validation comes first: a refused call never renders or imports a kernel."""
     import tilegen.ops.attention as attention_module

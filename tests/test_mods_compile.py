@@ -381,3 +381,39 @@ def test_a_mod_compiles_again_for_another_length(device):
         q, k, v = _inputs(device, n)
         ref, _ = attention_reference(q, k, v, score_mod=biased)
         assert relative_error(compiled(q, k, v), ref)[0] < 1e-4, n
+
+
+@pytest.mark.parametrize("wants", [True, False], ids=["learned", "frozen"])
+def test_the_backward_ops_fake_strides_match_theirs_for_a_permuted_captured_tensor(device, wants):
+    """A learned bias stored permuted (a dense leaf with other strides): the backward ops' fake implementations must
+    give its gradient the strides the ops do, or a compiled training step's graph is traced with the wrong ones."""
+    from tilegen.mods.trace import CallRanges, bind_mods
+    from tilegen.ops.attention import prepare_call
+    from tilegen.ops.varlen import _checked_ragged
+
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(2, 12, 12, generator=gen).transpose(1, 2).contiguous().transpose(1, 2).to(device)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx, kv_idx]
+
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=gen).to(device) for _ in range(3))
+    spec, left, right, scale, softcap = prepare_call(q, k, v, False, None, None, None, True)
+    mods = bind_mods(score_mod, None, q.device, CallRanges(b=1, h=2, q_idx=12, kv_idx=12))
+    fwd = (list(mods.tensors), 1, mods.score_mod, None, spec.dv, spec.mask, spec.softcap, True, scale, softcap, left,
+           right, False)
+    out, lse = torch.ops.tilegen.attention_mods_fwd(q, k, v, *fwd)
+    tail = (list(mods.tensors), [wants], 1, mods.score_mod, None, spec.mask, spec.softcap, scale, softcap, left, right,
+            False)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    torch.library.opcheck(torch.ops.tilegen.attention_mods_bwd.default, (dout, q, k, v, out, lse, None, *tail),
+                          test_utils=("test_faketensor",))
+
+    # The same over a packed batch of one sequence.
+    qr, kr, vr = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    cu = torch.tensor([0, 12], dtype=torch.int32, device=device)
+    spec, left, right, scale, softcap = _checked_ragged(qr, kr, vr, cu, cu, 12, 12, False, None, None, None, True)
+    out, lse = torch.ops.tilegen.varlen_attention_mods_fwd(qr, kr, vr, cu, cu, 12, 12, *fwd)
+    dout = torch.randn(out.shape, generator=gen).to(device)
+    torch.library.opcheck(torch.ops.tilegen.varlen_attention_mods_bwd.default,
+                          (dout, qr, kr, vr, out, lse, None, cu, cu, 12, 12, *tail), test_utils=("test_faketensor",))

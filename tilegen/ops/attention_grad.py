@@ -328,14 +328,23 @@ def _attention_mods_bwd(
     fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
     dq, dk, dv, grads = run_with_mods(spec, mods, wants, dout, q, k, v, out, lse, dlse, None, None, q.shape[2],
                                       k.shape[2], fixed, deterministic)
-    # A custom op returns tensors only: zeros where a tensor gets no gradient (the autograd's backward drops them).
-    return dq, dk, dv, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, mod_tensors)]
+    return dq, dk, dv, _mod_grads(grads, mod_tensors)
 
 
 @_attention_mods_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, mod_tensors, wants, score_tensors, score_mod, mask_mod, mask, has_softcap, scale,
       softcap, window_left, window_right, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [_contiguous_like(t) for t in mod_tensors]
+
+
+def _mod_grads(grads, mod_tensors) -> list[torch.Tensor]:
+    """The captured tensors' gradients as the ops return them: contiguous, zeros where a tensor gets none (the
+    autograd's backward drops those), so that the fake implementations' strides match whatever the tensors' own."""
+    return [_contiguous_like(t).zero_() if g is None else g.contiguous() for g, t in zip(grads, mod_tensors)]
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def attach_mods(forward_op) -> None:
@@ -378,12 +387,12 @@ def _varlen_attention_mods_bwd(
     fixed = {"scale": scale, "softcap": softcap, "window_left": window_left, "window_right": window_right}
     dq, dk, dv, grads = run_with_mods(spec, mods, wants, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                                       max_seqlen_q, max_seqlen_k, fixed, deterministic)
-    return dq, dk, dv, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, mod_tensors)]
+    return dq, dk, dv, _mod_grads(grads, mod_tensors)
 
 
 @_varlen_attention_mods_bwd.register_fake
 def _(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t in mod_tensors]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [_contiguous_like(t) for t in mod_tensors]
 
 
 def attach_ragged_mods(forward_op) -> None:

@@ -14,6 +14,9 @@ from numbers import Integral, Real
 __all__ = ["window_bounds", "mask_kind", "launch_window", "mask_band", "score_scalars"]
 
 
+_FP32_TINY = 2.0 ** -126
+
+
 def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
     """The launcher's ``(scale, softcap)``: ``1/sqrt(head_dim)`` by default, softcap 0.0 for none.
 
@@ -33,6 +36,11 @@ def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
         isinstance(softcap, bool) or not isinstance(softcap, Real) or not (0 < softcap < math.inf)
     ):
         raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
+    if softcap is not None and softcap < _FP32_TINY:
+        # The backward divides by it (tanh's derivative): past fp32's normal range 1/softcap is inf, and the
+        # gradients NaN where the forward was right.
+        raise ValueError(f"softcap: expected None or a number >= {_FP32_TINY:.4g} (fp32's smallest normal), "
+                         f"got {softcap!r}")
     return float(scale), float(softcap) if softcap is not None else 0.0
 
 
