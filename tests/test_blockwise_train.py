@@ -58,6 +58,35 @@ def test_gradients_match_the_float64_reference(options, tokens, block, device):
     _against_reference(layer, x, 1e-4)
 
 
+def test_frozen_weights_get_no_gradient_sums_and_the_rest_stay_exact(device, monkeypatch):
+    """Weights that want no gradient (a frozen backbone, adapters trained beside it) get no fp32 sum and no
+    weight-gradient GEMM in the backward; x's gradient and the trained weights' stay exact."""
+    from tilegen.layers import train
+
+    layer = _layer(TINY, device, block=8)
+    trained = {"mlp.down_proj.weight", "post_attention_layernorm.weight"}
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name in trained)
+    computed = []
+    add = train._add_product
+    monkeypatch.setattr(train, "_add_product",
+                        lambda grads, name, a, b: (computed.append(name) if name in grads else None,
+                                                   add(grads, name, a, b)))
+    x = torch.randn(19, TINY.d_model, generator=torch.Generator().manual_seed(2)).to(device).requires_grad_()
+    y = layer(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+    (y * dy).sum().backward()
+    assert set(computed) == {"mlp.down_proj.weight"}, computed
+    w64 = {name: p.detach().double().requires_grad_() for name, p in layer.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+    (reference_layer(x64, w64, layer.config) * dy.double()).sum().backward()
+    for name, p in layer.named_parameters():
+        assert (p.grad is not None) == (name in trained), name
+        if p.grad is not None:
+            assert _rel(p.grad, w64[name].grad) < 1e-4, name
+    assert _rel(x.grad, x64.grad) < 1e-4
+
+
 def test_the_ffn_recomputed_in_chunks_that_cut_across_blocks(device, monkeypatch):
     """The backward recomputes the FFN ffn_recompute_rows at a time inside each schedule block: chunks of 7
     rows in blocks of 16 leave ragged ends in every block, and the sum over chunks must still be exact."""
@@ -304,3 +333,40 @@ def test_from_llama_reads_the_rope_base_and_eps_a_transformers_layer_holds(devic
     with pytest.raises(NotImplementedError, match="source: its attention config's RoPE is of type 'llama3'"):
         BlockwiseLayer.from_llama(llama31, heads_q=4)
     assert BlockwiseLayer.from_llama(llama31, heads_q=4, rope_theta=500000.0).config.rope_theta == 500000.0
+
+
+def test_from_llama_refuses_what_its_config_says_the_layer_would_compute_otherwise(device):
+    """A transformers layer whose config the weights do not show: an MLP activation other than SiLU, attention
+    dropout, or head counts other than the call's. Each would build a layer that differs from the module, so each
+    is refused by name; the same config with SiLU, no dropout and its own head counts builds."""
+    transformers = pytest.importorskip("transformers")
+    if device != "cpu":
+        pytest.skip("tiny fp32 CPU model, run under the interpreter")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    base = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+    def llama(**changes):
+        config = transformers.LlamaConfig(**{**base, **changes})
+        config._attn_implementation = "sdpa"
+        return LlamaDecoderLayer(config, layer_idx=0)
+
+    with pytest.raises(NotImplementedError, match="source: its MLP's activation is 'gelu'"):
+        BlockwiseLayer.from_llama(llama(hidden_act="gelu"), heads_q=4)
+    with pytest.raises(NotImplementedError, match="attention_dropout=0.3"):
+        BlockwiseLayer.from_llama(llama(attention_dropout=0.3), heads_q=4)
+    with pytest.raises(ValueError, match="heads_q: 2, but the module's config has num_attention_heads=4"):
+        BlockwiseLayer.from_llama(llama(), heads_q=2)
+    with pytest.raises(ValueError, match="heads_kv: 1, but the module's config has num_key_value_heads=2"):
+        BlockwiseLayer.from_llama(llama(), heads_q=4, heads_kv=1)
+    layer = BlockwiseLayer.from_llama(llama(), heads_q=4, heads_kv=2)
+    assert (layer.config.heads_q, layer.config.heads_kv, layer.config.ffn) == (4, 2, "swiglu")
+
+
+def test_autocast_is_refused_by_name(device):
+    """Under torch.autocast the layer's projections would come out in two dtypes; it says so, not attention."""
+    layer = _layer(TINY, device)
+    x = torch.randn(9, TINY.d_model, generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        with pytest.raises(NotImplementedError, match="torch.autocast is not supported"):
+            layer(x)

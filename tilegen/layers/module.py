@@ -59,8 +59,10 @@ class BlockwiseLayer(torch.nn.Module):
         norm's eps and its attention config's ``rope_theta`` (so a Llama 3 layer gets 500000, not the default
         10000). A RoPE of another type there (Llama 3.1's scaled frequencies, YaRN, ...) raises
         ``NotImplementedError``: tilegen's RoPE turns by plain ``rope_theta`` frequencies, and the layer would
-        differ from the module's; pass ``rope_theta`` to build it anyway."""
+        differ from the module's; pass ``rope_theta`` to build it anyway. So does an MLP activation other than SiLU
+        or attention dropout, and ``heads_q``/``heads_kv`` other than its config's raise ``ValueError``."""
         if isinstance(source, torch.nn.Module):
+            _check_module_config(source, heads_q, heads_kv)
             options = {**_module_options(source, explicit_rope="rope_theta" in options), **options}
         weights = as_state_dict(source)
         config = config_from_weights(weights, heads_q=heads_q, heads_kv=heads_kv, **options)
@@ -90,6 +92,27 @@ class BlockwiseLayer(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return repr(self.config)
+
+
+def _check_module_config(module: torch.nn.Module, heads_q: Any, heads_kv: Any) -> None:
+    """What a transformers decoder layer's config says that its weights cannot, against the call: the layer would
+    otherwise compute something else than the module, and say nothing."""
+    config = getattr(getattr(module, "self_attn", None), "config", None)
+    if config is None:
+        return
+    act = getattr(config, "hidden_act", "silu")
+    if hasattr(getattr(module, "mlp", None), "gate_proj") and act not in ("silu", "swish"):
+        raise NotImplementedError(f"source: its MLP's activation is {act!r}; the layer's gated MLP (swiglu) applies "
+                                  "SiLU")
+    dropout = getattr(config, "attention_dropout", 0.0)
+    if isinstance(dropout, (int, float)) and dropout > 0:
+        raise NotImplementedError(f"source: its attention config has attention_dropout={dropout}; tilegen's "
+                                  "attention applies no dropout (set it to 0.0 to build the layer)")
+    for name, given, held in (("heads_q", heads_q, "num_attention_heads"),
+                              ("heads_kv", heads_kv, "num_key_value_heads")):
+        want = getattr(config, held, None)
+        if given is not None and isinstance(want, int) and given != want:
+            raise ValueError(f"{name}: {given!r}, but the module's config has {held}={want}")
 
 
 def _module_options(module: torch.nn.Module, explicit_rope: bool) -> dict[str, Any]:

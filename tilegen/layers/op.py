@@ -96,6 +96,11 @@ def blockwise_layer(
         from tilegen.layers import compiled  # imports Dynamo: only a compiled call gets here
 
         return compiled.eagerly(blockwise_layer, x, weights, config, block=block, out=out, **config_kwargs)
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        # Its projections would come out in mixed dtypes (a matmul into a buffer is not autocast, one into a new
+        # tensor is), and attention refuses those with a message about its own arguments.
+        raise NotImplementedError("tilegen.blockwise_layer: torch.autocast is not supported; cast the layer and x "
+                                  "to one dtype instead (layer.to(torch.bfloat16))")
     w, config = _resolve(x, weights, config, config_kwargs)
     held, trains = _trained(x, weights, w)
     if trains and out is not None:

@@ -82,7 +82,10 @@ class LayerFunction(torch.autograd.Function):
                                       "implemented; differentiate once (create_graph=False)")
         x, *weights = ctx.saved_tensors
         w = dict(zip(ctx.names, weights))
-        grads = {name: torch.zeros_like(t, dtype=torch.float32) for name, t in w.items()}
+        # fp32 sums only for the weights that want a gradient: a frozen backbone's would be weight-sized buffers and
+        # GEMMs thrown away (``_add_product`` skips a name that has none).
+        grads = {name: torch.zeros_like(t, dtype=torch.float32) for i, (name, t) in enumerate(w.items())
+                 if ctx.needs_input_grad[4 + i]}
         dx = torch.empty_like(x)
         sequences = zip(x.unbind(0), dout.unbind(0), dx.unbind(0)) if x.dim() == 3 else [(x, dout, dx)]
         for (x_seq, dout_seq, dx_seq), recorder in zip(sequences, ctx.recorders):
@@ -90,9 +93,9 @@ class LayerFunction(torch.autograd.Function):
         # One weight at a time, each fp32 sum freed as its copy in the weight's dtype is made: all of them
         # in both dtypes at once would add half the fp32 sums to the step's peak.
         dw = []
-        for i, (name, t) in enumerate(w.items()):
-            total = grads.pop(name)
-            dw.append(total.to(t.dtype) if ctx.needs_input_grad[4 + i] else None)
+        for name, t in w.items():
+            total = grads.pop(name, None)
+            dw.append(None if total is None else total.to(t.dtype))
             del total
         return (dx if ctx.needs_input_grad[0] else None), None, None, None, *dw
 
@@ -193,12 +196,14 @@ def ffn_recompute_rows(config: LayerConfig, itemsize: int) -> int:
 
 
 def _add_product(grads: dict, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``grads[name] += a @ b``, the sum fp32 and ``a``, ``b`` in the layer's dtype. On CUDA one GEMM adds the
-    half-precision product to the sum in fp32 (``out_dtype``), in place: an fp32 copy of the operands would
-    multiply at a fraction of the tensor cores' rate, and a result apart from the sum would first be a copy of
-    it (addmm's beta term), a weight-sized device copy per call (3.7 ms of a 16k-token step at Llama-3-8B
-    widths on the H200)."""
-    acc = grads[name]
+    """``grads[name] += a @ b`` (nothing where ``name`` has no sum: a frozen weight), the sum fp32 and ``a``, ``b``
+    in the layer's dtype. On CUDA one GEMM adds the half-precision product to the sum in fp32 (``out_dtype``), in
+    place: an fp32 copy of the operands would multiply at a fraction of the tensor cores' rate, and a result apart
+    from the sum would first be a copy of it (addmm's beta term), a weight-sized device copy per call (3.7 ms of a
+    16k-token step at Llama-3-8B widths on the H200)."""
+    acc = grads.get(name)
+    if acc is None:  # a frozen weight
+        return
     if acc.is_cuda and a.dtype != acc.dtype:
         try:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
@@ -273,7 +278,8 @@ def _norm_graph(x, w, prefix: str, config: LayerConfig):
     def backward(dxn, grads) -> torch.Tensor:
         dxl, *dnorm = torch.autograd.grad(xn, [xl, *leaves], dxn.to(xn.dtype))
         for name, g in zip(names, dnorm):
-            grads[name] += g
+            if name in grads:
+                grads[name] += g
         return dxl.float()
 
     return xn.detach(), backward
