@@ -96,7 +96,7 @@ class BlockwiseLayer(torch.nn.Module):
 
 def _check_module_config(module: torch.nn.Module, heads_q: Any, heads_kv: Any) -> None:
     """What a transformers decoder layer's config says that its weights cannot, against the call: the layer would
-    otherwise compute something else than the module, and say nothing."""
+    otherwise compute something other than what the module does, and say nothing."""
     config = getattr(getattr(module, "self_attn", None), "config", None)
     if config is None:
         return

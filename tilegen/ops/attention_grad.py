@@ -338,8 +338,8 @@ def _(dout, q, k, v, out, lse, dlse, mod_tensors, wants, score_tensors, score_mo
 
 
 def _mod_grads(grads, mod_tensors) -> list[torch.Tensor]:
-    """The captured tensors' gradients as the ops return them: contiguous, zeros where a tensor gets none (the
-    autograd's backward drops those), so that the fake implementations' strides match whatever the tensors' own."""
+    """The captured tensors' gradients as the ops return them: contiguous whatever the tensors' strides, as the fake
+    implementations say they are, and zeros where a tensor gets none (the autograd's backward drops those)."""
     return [_contiguous_like(t).zero_() if g is None else g.contiguous() for g, t in zip(grads, mod_tensors)]
 
 
