@@ -643,6 +643,39 @@ def test_cascade_refuses_an_out_that_requires_grad(device):
     assert out.isnan().all()
 
 
+def test_fp8_scales_that_require_grad_are_refused_by_every_paged_op(device):
+    """An FP8 cache's scales held as parameters (a calibration that learns them) require grad; no paged op has a
+    backward for them, so each refuses them by name rather than return an output without a grad_fn."""
+    k_pages, v_pages, *table = _cache(device)
+    k_scale, v_scale = (torch.full((2,), 0.5, device=device, requires_grad=True) for _ in range(2))
+    cache = tilegen.PagedKVCache(k_pages.to(torch.float8_e4m3fn), v_pages.to(torch.float8_e4m3fn), *table,
+                                 k_scale, v_scale)
+    q = torch.randn(2, 4, 32, device=device, dtype=torch.bfloat16)
+    decode, prefill, cascade = tilegen.PagedDecode(), tilegen.PagedAttention(), tilegen.CascadeAttention()
+    decode.plan(cache, heads_q=4)
+    prefill.plan(_offsets([1, 1], device), cache, heads_q=4)
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
+    for name, call in (("PagedDecode.run", lambda: decode.run(q, cache)),
+                       ("PagedAttention.run", lambda: prefill.run(q, cache)),
+                       ("CascadeAttention.run", lambda: cascade.run(q, cache)),
+                       ("append_kv", lambda: tilegen.append_kv(cache, q[:, :2], q[:, :2], _offsets([1, 1], device)))):
+        with raises(NotImplementedError, f"tilegen.{name}: cache.k_scale requires grad"):
+            call()
+    with torch.no_grad():
+        decode.run(q, cache)
+
+
+def test_a_prefill_run_over_a_cache_of_no_pages_is_refused(device):
+    """A run may take another layer's cache of the planned layout; one of no pages at all would have the kernel
+    clamp the planned page ids into an empty range and read before the pages, so it is refused by name."""
+    cache = tilegen.PagedKVCache(*_cache(device))
+    prefill = tilegen.PagedAttention()
+    prefill.plan(_offsets([1, 1], device), cache, heads_q=4)
+    empty = tilegen.PagedKVCache(*_cache(device, pages=0, indptr=(0,), indices=(), last=()))
+    with raises(ValueError, "cache: has no pages, but the plan's page table lists some"):
+        prefill.run(torch.randn(2, 4, 32, device=device), empty)
+
+
 def test_cascade_over_an_empty_batch_gives_an_empty_output(device):
     """cascade_levels of a cache of no sequence gives a level of no node, which plans and runs to nothing."""
     cache = tilegen.PagedKVCache(*_cache(device, indptr=(0,), indices=(), last=()))

@@ -469,3 +469,33 @@ def test_any_shared_batch_matches_decode_over_its_page_tables(case, device):
     out, lse = cascade.run(q, cache)
     ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32))
     _check(out, lse, ref, ref_lse, dtype)
+
+
+def test_levels_of_a_prefix_chain_deeper_than_pythons_recursion_limit(device):
+    """Sequence i shares pages 0..i with sequence i + 1 (requests that each extend the one before, as a beam or a
+    tree search makes them): a tree of one level per sequence, deeper than Python's recursion limit."""
+    import sys
+
+    batch = sys.getrecursionlimit() + 50
+    seqs = [list(range(i + 1)) + [batch + i] for i in range(batch)]
+    indptr = [0]
+    for s in seqs:
+        indptr.append(indptr[-1] + len(s))
+    pages = torch.zeros(2 * batch, 1, 1, 16, device=device)
+    cache = tilegen.PagedKVCache(pages, pages.clone(), *(torch.tensor(x, dtype=torch.int32, device=device) for x in
+                                                          (indptr, [p for s in seqs for p in s], [1] * batch)))
+    levels = tilegen.cascade_levels(cache)
+    # A level per shared page (batch - 1 of them: page i is the last batch - i sequences'), then the last level's
+    # own pages: each sequence's one, and the last sequence's final shared page beside it.
+    assert len(levels) == batch
+    assert levels[0].kv_indptr.tolist() == [0, 1] and levels[-1].kv_indptr[-1].item() == batch + 1
+
+
+@pytest.mark.parametrize("qo_lens", [1, torch.tensor(1), torch.tensor([[1]])], ids=["int", "0-d", "2-d"])
+def test_qo_lens_that_is_no_list_of_lengths_is_refused_by_name(device, qo_lens):
+    pages = torch.zeros(2, 1, 1, 16, device=device)
+    cache = tilegen.PagedKVCache(pages, pages.clone(), *(torch.tensor(x, dtype=torch.int32, device=device) for x in
+                                                          ([0, 1], [0], [1])))
+    with pytest.raises(ValueError, match="qo_lens: expected 1 ints >= 0"):
+        tilegen.cascade_levels(cache, qo_lens=qo_lens)
+

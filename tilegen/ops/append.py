@@ -91,7 +91,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     # No backward: pages written through raw pointers would silently hold values outside the graph.
     # Inline, as it runs every call.
     if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or cache.k_pages.requires_grad
-                                    or cache.v_pages.requires_grad):
+                                    or cache.v_pages.requires_grad or cache._scales_require_grad()):
         _refuse_grad(cache, k, v)
     if env.debug():
         _check_device_values(cache, k, cu_seqlens)
@@ -105,7 +105,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 
 def _refuse_grad(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
-    refuse_grad("tilegen.append_kv", k=k, v=v, **{"cache.k_pages": cache.k_pages, "cache.v_pages": cache.v_pages})
+    refuse_grad("tilegen.append_kv", k=k, v=v, **cache._named_tensors())
 
 
 def explain_append(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> dispatch.Choice:

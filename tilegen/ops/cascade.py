@@ -199,9 +199,8 @@ class CascadeAttention(Planner):
                 raise ValueError(f"out: expected {list(out_shape)} {q.dtype} on {q.device}")
             check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages})
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
-                                        or v_pages.requires_grad):
-            refuse_grad("tilegen.CascadeAttention.run", q=q, out=out,
-                        **{"cache.k_pages": pages, "cache.v_pages": v_pages})
+                                        or v_pages.requires_grad or cache._scales_require_grad()):
+            refuse_grad("tilegen.CascadeAttention.run", q=q, out=out, **cache._named_tensors())
         lse = q.new_empty((plan.tokens, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.tokens:
             plan.launch((q.stride(), out.stride(), pages.stride(), v_pages.stride()),
@@ -237,9 +236,13 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
         q = [1] * batch
     else:
         # A tensor's or an array's tolist gives Python ints; a list of NumPy integers is refused below.
-        q = qo_lens.tolist() if hasattr(qo_lens, "tolist") else list(qo_lens)
-        if len(q) != batch or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in q):
-            raise ValueError(f"qo_lens: expected {batch} ints >= 0 (one per sequence), got {q!r}")
+        q = qo_lens.tolist() if hasattr(qo_lens, "tolist") else qo_lens
+        try:
+            q = list(q)  # a scalar (a 0-d tensor's tolist() is one) is no list of lengths
+        except TypeError:
+            q = None
+        if q is None or len(q) != batch or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in q):
+            raise ValueError(f"qo_lens: expected {batch} ints >= 0 (one per sequence), got {qo_lens!r}")
         if any(n > k for n, k in zip(q, lens)):
             raise ValueError("qo_lens: a sequence has more query tokens than keys (its query tokens are its last keys)")
     seqs = [indices[indptr[b]:indptr[b + 1]] for b in range(batch)]
@@ -248,7 +251,12 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
                      (lens[b] - q[b] + 1) // size if causal else len(seqs[b])) for b in range(batch)]
     tiers: list[list[tuple[int, int, int, int]]] = []  # per depth: (first seq, end seq, first page, end page)
 
-    def split(first: int, end: int, page: int, depth: int) -> None:
+    # Runs of sequences sharing pages from `page` on, split at each page where they part, breadth first: a prefix
+    # tree as deep as the batch is long (each sequence one page past its neighbour's) takes no recursion, and each
+    # depth's nodes still come in sequence order.
+    pending = collections.deque([(0, batch, 0, 0)])
+    while pending:
+        first, end, page, depth = pending.popleft()
         b = first
         while b < end:
             group_end = b + 1
@@ -262,10 +270,8 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
                 while len(tiers) <= depth:
                     tiers.append([])
                 tiers[depth].append((b, group_end, page, stop))
-                split(b, group_end, stop, depth + 1)
+                pending.append((b, group_end, stop, depth + 1))
             b = group_end
-
-    split(0, batch, 0, 0)
     consumed = [0] * batch
     q_ptr = [0]
     for n in q:

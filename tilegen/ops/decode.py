@@ -202,10 +202,10 @@ class PagedDecode(Planner):
             check_out("out", out, {"q": q, "cache.k_pages": pages, "cache.v_pages": v_pages}, may_be=("q",))
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
-                                        or v_pages.requires_grad
+                                        or v_pages.requires_grad or cache._scales_require_grad()
                                         or (plan.mod_tensors and any(t.requires_grad for t in plan.mod_tensors))):
-            refuse_grad("tilegen.PagedDecode.run", q=q, out=out,
-                        **{"cache.k_pages": pages, "cache.v_pages": v_pages}, **mod_tensor_names(plan.mod_tensors))
+            refuse_grad("tilegen.PagedDecode.run", q=q, out=out, **cache._named_tensors(),
+                        **mod_tensor_names(plan.mod_tensors))
         lse = q.new_empty((plan.batch, plan.heads_q), dtype=torch.float32) if spec.return_lse else None
         if plan.batch:
             # The plan and the checks above fix every shape and dtype the launcher reads (the scales' sizes

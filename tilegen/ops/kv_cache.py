@@ -130,6 +130,16 @@ class PagedKVCache:
             return same
         return PagedKVCache(k_pages, v_pages, self.indptr, self.indices, self.last_page_len, self.k_scale, self.v_scale)
 
+    def _scales_require_grad(self) -> bool:
+        """Whether an FP8 cache's scales require grad (an nn.Parameter does): the ops have no backward for them
+        either. Short-circuits on a cache without scales, as it runs inline on every call."""
+        return bool(self._scales) and (self._scales[0].requires_grad or self._scales[1].requires_grad)
+
+    def _named_tensors(self) -> dict[str, torch.Tensor | None]:
+        """The tensors an op reads from this cache that could require grad, by the names its errors give them."""
+        return {"cache.k_pages": self.k_pages, "cache.v_pages": self.v_pages, "cache.k_scale": self.k_scale,
+                "cache.v_scale": self.v_scale}
+
     def _without_pages(self) -> PagedKVCache:
         """For ``with_pages`` only: this cache's page table, scales and checks holding no pages, so that a caller
         keeping it between layers keeps no layer's pages alive."""

@@ -567,6 +567,9 @@ class PagedAttention(Planner):
                                  f"({spec.name})")
         pages = cache.k_pages
         cu_q, indptr, indices, last, max_q, _, _ = plan.extra
+        if not pages.shape[0] and indices.numel():
+            # The kernel clamps page ids into the cache's pages: with none, its reads would start before them.
+            raise ValueError("cache: has no pages, but the plan's page table lists some")
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
         if q.dtype != plan.q_dtype or q.device != pages.device:
@@ -579,10 +582,10 @@ class PagedAttention(Planner):
             plan, q, out, {"cache.k_pages": pages, "cache.v_pages": cache.v_pages})
         # No backward: an output without a grad_fn would silently cut the graph. Inline, as it runs every call.
         if torch.is_grad_enabled() and (q.requires_grad or out.requires_grad or pages.requires_grad
-                                        or cache.v_pages.requires_grad
+                                        or cache.v_pages.requires_grad or cache._scales_require_grad()
                                         or (plan.mod_tensors and any(t.requires_grad for t in plan.mod_tensors))):
-            refuse_grad("tilegen.PagedAttention.run", q=q, out=out, **{"cache.k_pages": pages,
-                        "cache.v_pages": cache.v_pages}, **mod_tensor_names(plan.mod_tensors))
+            refuse_grad("tilegen.PagedAttention.run", q=q, out=out, **cache._named_tensors(),
+                        **mod_tensor_names(plan.mod_tensors))
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32) if spec.return_lse else None
         if plan.launches and q.shape[0]:
             # The plan and the checks above fix what the launcher reads but the strides, q's token count
