@@ -665,6 +665,12 @@ def test_fp8_scales_that_require_grad_are_refused_by_every_paged_op(device):
         decode.run(q, cache)
 
 
+def test_an_empty_cache_of_an_unsupported_page_size_names_page_size(device):
+    with raises(ValueError, "page_size: 3 is not supported; expected one of"):
+        tilegen.PagedKVCache.empty(4, 3, 2, 32, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                                   torch.ones(1, dtype=torch.int32, device=device), device=device)
+
+
 def test_a_prefill_run_over_a_cache_of_no_pages_is_refused(device):
     """A run may take another layer's cache of the planned layout; one of no pages at all would have the kernel
     clamp the planned page ids into an empty range and read before the pages, so it is refused by name."""

@@ -233,6 +233,8 @@ class PagedKVCache:
                             ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+        if page_size not in PAGE_SIZES:  # named as the caller gave it, not as the pages made from it
+            raise ValueError(f"page_size: {page_size} is not supported; expected one of {PAGE_SIZES}")
         if not isinstance(block_table, torch.Tensor):
             raise ValueError(f"block_table: expected a [batch, max_pages] tensor, got {_describe(block_table)}")
         device = torch.device(device) if device is not None else block_table.device
