@@ -144,6 +144,22 @@ def test_export_then_import_into_a_fresh_database(populated, tmp_path):
         assert {r.provenance for r in b.list_tuned()} == {"imported"}
 
 
+def test_export_refuses_to_write_over_the_database_it_exports(populated, tmp_path):
+    """`tilegen db export $TILEGEN_DB` would leave the database a JSON file every later command refuses; so would
+    writing over the studies file beside it."""
+    studies = populated.with_name(populated.stem + ".optuna.sqlite")
+    studies.write_bytes(b"studies")
+    before = populated.read_bytes()
+    for target in (populated, studies, tmp_path / ".." / tmp_path.name / populated.name):
+        assert_one_line_error(invoke("db", "--db", populated, "export", target), "is the database's own file")
+    assert populated.read_bytes() == before and studies.read_bytes() == b"studies"
+
+
+def test_a_server_url_whose_port_is_no_number_is_refused_in_one_line():
+    for url in ("postgresql+psycopg://tg@dbhost:54x2/tilegen", "postgresql+psycopg://tg@::1:5432/tilegen"):
+        assert_one_line_error(invoke("db", "--db", url, "list"), f"--db: {url!r} is not a database URL")
+
+
 def test_import_replace_takes_a_slower_retune(populated, tmp_path):
     retune, exported = tmp_path / "retune.sqlite", tmp_path / "retune.json"
     with TuningDB(retune) as db:

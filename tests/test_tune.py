@@ -881,3 +881,20 @@ def test_an_interrupt_always_queues_its_config_again_and_only_deaths_count_towar
             break
         count += 1
     assert count == queued
+
+
+def test_a_worker_whose_start_is_interrupted_closes_and_passes_the_interrupt_on(monkeypatch):
+    """Ctrl-C (or a spawn that fails, EAGAIN) inside the child's start leaves a process that never started: closing
+    the worker must not try to join it, or an AssertionError would hide the interrupt."""
+    import multiprocessing
+
+    from tilegen.tuning.worker import Worker
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn").Process, "start", interrupted)
+    worker = Worker()
+    with pytest.raises(KeyboardInterrupt):
+        worker.start()
+    worker.close()

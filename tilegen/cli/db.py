@@ -210,6 +210,11 @@ def export(
     """Write the whole database as JSON (`tilegen db import` reads it back, on any machine)."""
     path = _path(ctx, db)
     _need(path)
+    if not isinstance(path, _Server) and file.exists():
+        # Written over, the database (or the studies beside it) would be JSON, and every later command refuse it.
+        for kept in (path, path.with_name(path.stem + ".optuna.sqlite")):
+            if kept.exists() and file.resolve() == kept.resolve():
+                fail(f"FILE.json: {file} is the database's own file ({kept}); export to another path")
     with _open(path) as database:
         data = database.export_json()
     with _errors(f"FILE.json: cannot write {file}"):

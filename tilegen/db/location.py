@@ -33,7 +33,7 @@ def server_url(text: str):
 
     try:
         url = make_url(text)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is no number (an IPv6 host without brackets)
         raise DatabaseError(f"{text!r} is not a database URL; give a SQLite file path or a URL such as "
                             f"{URL_EXAMPLE}") from None
     if url.drivername in ("postgresql", "postgresql+psycopg"):

@@ -180,9 +180,11 @@ class Worker:
 
     def _kill(self) -> None:
         if self._proc is not None:
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join()
+            # A start interrupted (Ctrl-C) or failed (EAGAIN) left a process that never started: nothing to join.
+            if self._proc.pid is not None:
+                if self._proc.is_alive():
+                    self._proc.kill()
+                self._proc.join()
             self._proc.close()
             self._conn.close()
         self._proc = self._conn = None
