@@ -144,6 +144,26 @@ def test_tuned_rows_never_create_a_missing_user_database(tmp_path, monkeypatch):
     assert not (tmp_path / "missing").exists()
 
 
+def test_tuned_rows_read_a_writers_wal_in_a_folder_the_reader_cannot_write(tmp_path, monkeypatch):
+    # A team's database that another user's tune is writing: its rows sit in the -wal until a checkpoint, and a
+    # reader that cannot create files there must still see them (read as immutable, it saw none).
+    import tilegen.db.sqlite as sqlite_core
+
+    user = tmp_path / "team.sqlite"
+    monkeypatch.setattr(env, "shipped_db_path", lambda: tmp_path / "no-shipped.sqlite")
+    monkeypatch.setenv("TILEGEN_DB", str(user))
+    real_access = os.access
+    monkeypatch.setattr(sqlite_core.os, "access",
+                        lambda path, mode: False if mode == os.W_OK else real_access(path, mode))
+    with TuningDB(user) as writer:
+        record(writer, 64, 1.0)
+        assert Path(f"{user}-wal").stat().st_size > 0  # the row is in the -wal, not yet in the file
+        rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+        assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(user)}
+    # Closed: the rows are checkpointed into the file and the -wal is gone; a reader there reads the file alone.
+    assert tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"]).keys() == {64}
+
+
 def test_tuned_rows_warn_once_on_a_broken_user_database_and_use_the_shipped_one(tmp_path, monkeypatch, caplog):
     shipped, user = tmp_path / "shipped.sqlite", tmp_path / "user.sqlite"
     with TuningDB(shipped) as db:

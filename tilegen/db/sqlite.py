@@ -35,11 +35,17 @@ def readonly_uri(path: Path, immutable: bool = False) -> str:
     """A URI that opens ``path`` read-only; SQLite itself then refuses writes, so a shipped or shared
     file is never touched. ``immutable``: read the file alone, creating nothing beside it (no -shm)."""
     uri = f"file:{quote(str(path))}?mode=ro"
-    if immutable or not os.access(path.parent, os.W_OK):
-        # Reading a WAL file needs its -shm file, which SQLite cannot create in a folder we
-        # cannot write (an installed wheel). Nothing writes the file there: read it as immutable.
+    if immutable or not (os.access(path.parent, os.W_OK) or _wal_beside(path)):
+        # Reading a WAL file needs its -shm file, which SQLite cannot create in a folder we cannot write (an
+        # installed wheel): read the file as immutable there. Where a writer's -wal and -shm are beside it (a team's
+        # database that a tune is writing, or one killed mid-tune), SQLite reads them as they are: immutable would
+        # leave out every row still in the -wal, and take no lock against the writer's checkpoint.
         uri += "&immutable=1"
     return uri
+
+
+def _wal_beside(path: Path) -> bool:
+    return all(os.path.isfile(f"{path}{suffix}") for suffix in ("-wal", "-shm"))
 
 
 def explain_error(error: Exception, path: Path, readonly: bool) -> DatabaseError:
