@@ -599,9 +599,10 @@ def test_ragged_launch_through_tma_descriptors(mask, config, device):
 # --------------------------------------------------------------------------- against SDPA on a GPU
 
 @pytest.mark.gpu
-def test_bf16_error_within_sdpa_on_gpu():
+@pytest.mark.parametrize("head_dim", [128, 192, 256])  # past 128 on the default's own tiles
+def test_bf16_error_within_sdpa_on_gpu(head_dim):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shape_q, shape_kv = (2, 8, 1000, 128), (2, 2, 1000, 128)
+    shape_q, shape_kv = (2, 8, 1000, head_dim), (2, 2, 1000, head_dim)
     q = torch.randn(shape_q, generator=gen, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(shape_kv, generator=gen, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(shape_kv, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -78,6 +78,20 @@ def test_infeasible_configs_say_why(config, reason):
     assert reason in feasible(D128, config, HOPPER)
 
 
+@pytest.mark.parametrize("device", [HOPPER, AMPERE], ids=lambda d: d.name)
+def test_every_default_is_a_config_its_own_feasible_takes(device):
+    # Past d128 the default once held more than the registers (feasible refused it, and it spilled: 0.4x the tiles
+    # that fit, BENCHMARKS.md); a default the tuner would never measure is no default.
+    for head_dim, head_dim_v in ((16, 16), (64, 64), (72, 72), (128, 128), (160, 160), (192, 128), (192, 192),
+                                 (256, 256), (128, 256)):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for mask, q_per_kv in (("causal", 1), ("none", 4)):
+                spec = AttentionBwdSpec(head_dim=head_dim, head_dim_v=head_dim_v, q_per_kv=q_per_kv, mask=mask,
+                                        dtype=dtype)
+                for _, config in default_rule(spec, device):
+                    assert feasible(spec, config, device) is None, (spec.name, config)
+
+
 def test_offered_on_hopper_with_triton_36_only():
     assert "sm90" in feasible(D128, BOTH, AMPERE)
     assert "sm90" in feasible(D128, BOTH, CPU_INTERPRETER)

@@ -201,7 +201,16 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     if device.is_interpreter:
         return [(None, Config(16, 32, 4, 1, 32, 16, 4, 1))]
     dim = max(spec.head_dim, spec.dv)
-    if spec.dtype == "fp32" or dim > 128:
+    if dim > 128:
+        # Past d128 the Triton kernels (bf16, 4 x 4096, 32/8 heads, an H100, backward alone): M64-N64 with 8 warps,
+        # 2 stages and TMA 203 TFLOP/s causal at d256 and 158 at d192, against 154 and 111 for M32-N32 with 4
+        # warps and 96 and 72 for M32-N64 with 4 warps (its dK/dV held more than the registers: spills). Three
+        # stages or 128-row blocks ran out of shared memory (264 KiB asked), and two stages ask for about 200 KiB:
+        # fp32, and GPUs with less shared memory than Hopper's, take the smaller tiles.
+        if spec.dtype == "fp32" or device.smem_bytes < 224 * 1024:
+            return [(None, Config(32, 32, 4, 2, 32, 32, 4, 2))]
+        return [(None, Config(64, 64, 8, 2, 64, 64, 8, 2, tma=int(has_tma(device))))]
+    if spec.dtype == "fp32":
         return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2))]
     # TMA for the streamed blocks lifted every cell of the grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
