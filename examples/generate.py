@@ -141,9 +141,10 @@ class Engine:
     """Greedy generation over a paged KV cache with continuous batching (see the module docstring).
 
     Args:
-        model: a ``LlamaForCausalLM`` (or a model of its layout: ``model.model.{embed_tokens, layers,
-            norm, rotary_emb}``, ``model.lm_head``); its modules are called as they are, but for Llama's
-            RMSNorms, which run torch's fused ``rms_norm`` with their weights.
+        model: a ``LlamaForCausalLM``, or a Mistral (no sliding window) or Qwen2 causal LM, whose layers
+            compute Llama's; its modules are called as they are, but for Llama's RMSNorms, which run torch's
+            fused ``rms_norm`` with their weights. Another decoder (Qwen3, OLMo 2, Gemma, Granite, Phi-3, ...)
+            is refused (``ValueError``): its layers do more than this engine writes out.
         page_size: tokens per page (one of ``tilegen.ops.kv_cache.PAGE_SIZES``).
         num_pages: pages in the pool; default enough for ``max_batch`` sequences of ``max_seq_len``.
         max_batch: most requests running at once.
@@ -165,6 +166,7 @@ class Engine:
                  max_seq_len: int | None = None, prefill_tokens: int = 16384, buckets=None,
                  cuda_graphs: bool | None = None, eos_token_id: int | None = None,
                  kv_dtype: torch.dtype | None = None, kv_scale: float = 1.0, keep_logits: bool = False):
+        _check_llama_form(model)
         inner = model.model
         config = model.config
         rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -551,6 +553,27 @@ class Engine:
             for r, at in zip(requests, positions):
                 r.output[at] = next(values)
         self._pending = []
+
+
+# Models whose decoder computes Llama's layer as ``Engine._layer`` writes it (norm, q/k/v, RoPE, attention, o,
+# norm, MLP; the embedding unscaled, the logits as the head gives them). Others that share the module names do
+# something more: Qwen3 and OLMo 2 normalize q and k, Gemma scales the embedding, Granite multiplies the embedding,
+# residuals and logits, Phi-3 joins q, k and v in one module: run here, their tokens would be silently wrong.
+_LLAMA_FORMS = ("LlamaModel", "MistralModel", "Qwen2Model")
+_ATTENTION_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def _check_llama_form(model) -> None:
+    inner = getattr(model, "model", None)
+    form = type(inner).__name__
+    if form not in _LLAMA_FORMS or not hasattr(model, "lm_head"):
+        raise ValueError(f"model: {type(model).__name__} (a {form}) is not a decoder this engine computes; it runs "
+                         f"Llama's layer as written, for {', '.join(_LLAMA_FORMS)} with an lm_head")
+    for i, layer in enumerate(inner.layers):
+        modules = {name for name, _ in layer.self_attn.named_children()} - {"rotary_emb"}
+        if modules != _ATTENTION_MODULES:
+            raise ValueError(f"model: layer {i}'s attention has modules {sorted(modules)}; this engine runs "
+                             f"{sorted(_ATTENTION_MODULES)} alone")
 
 
 def _rms_norm(module, h: torch.Tensor) -> torch.Tensor:

@@ -165,6 +165,35 @@ def test_rope_tables_are_the_models_own_and_length_dependent_ones_are_refused():
         gen.Engine(_model(rope_parameters=dynamic), page_size=8)
 
 
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3", {}),  # q and k normalized per head
+    ("olmo2", {}),  # the same, and its norms after each sublayer
+    ("gemma", {"hidden_activation": "gelu_pytorch_tanh"}),  # the embedding scaled by sqrt(hidden_size)
+    ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0}),
+    ("phi3", {"pad_token_id": 0}),  # q, k and v in one module
+])
+def test_a_decoder_that_is_not_llamas_layer_is_refused(model_type, extra):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, **{**gen.TINY, "num_hidden_layers": 1, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="^model: "):
+        gen.Engine(model, page_size=8)
+
+
+def test_a_mistral_without_a_window_and_a_qwen2_are_served_as_llama():
+    import transformers
+
+    for model_type in ("mistral", "qwen2"):
+        config = transformers.AutoConfig.for_model(model_type, **{**gen.TINY, "num_hidden_layers": 2,
+                                                                  "sliding_window": None})
+        model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        prompt = _prompts([7])[0]
+        outputs = gen.Engine(model, page_size=8, num_pages=4, max_batch=1, max_seq_len=32).generate(
+            [gen.Request(prompt, 4)])
+        assert outputs == [_reference(model, prompt, 4)], model_type
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the command's CPU smoke run (on a GPU it builds Llama-3-8B widths)")
 def test_the_command_runs_and_matches_transformers(tmp_path, capsys):
     out = tmp_path / "results.json"
