@@ -144,6 +144,13 @@ def test_tuned_rows_never_create_a_missing_user_database(tmp_path, monkeypatch):
     assert not (tmp_path / "missing").exists()
 
 
+def test_a_sqlite_file_uri_is_refused_by_the_api_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatabaseError, match="not a file: URI"):
+        TuningDB(f"file:{tmp_path / 'x.sqlite'}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_tuned_rows_read_a_writers_wal_in_a_folder_the_reader_cannot_write(tmp_path, monkeypatch):
     # A team's database that another user's tune is writing: its rows sit in the -wal until a checkpoint, and a
     # reader that cannot create files there must still see them (read as immutable, it saw none).

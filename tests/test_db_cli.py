@@ -160,6 +160,17 @@ def test_a_server_url_whose_port_is_no_number_is_refused_in_one_line():
         assert_one_line_error(invoke("db", "--db", url, "list"), f"--db: {url!r} is not a database URL")
 
 
+def test_a_sqlite_file_uri_is_refused_before_anything_is_created(tmp_path, monkeypatch):
+    # SQLite opened the file the URI names while the studies file and the folders took the text as a relative path.
+    monkeypatch.chdir(tmp_path)
+    TuningDB(tmp_path / "x.sqlite").close()
+    before = sorted(tmp_path.iterdir())
+    uri = f"file:{tmp_path / 'x.sqlite'}"
+    for command in (("db", "--db", uri, "list"), ("tune", "--db", uri, "--seqlens", "16", "--trials", "1")):
+        assert_one_line_error(invoke(*command), "give a SQLite database as a file path, not a file: URI")
+    assert sorted(tmp_path.iterdir()) == before  # no "file:" folder beside it
+
+
 def test_import_replace_takes_a_slower_retune(populated, tmp_path):
     retune, exported = tmp_path / "retune.sqlite", tmp_path / "retune.json"
     with TuningDB(retune) as db:

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from tilegen import env
 from tilegen.version import __version__
-from tilegen.cli.app import app, fail, refuse_folder
+from tilegen.cli.app import app, fail, check_db_path
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB, studies_url
 from tilegen.db.location import is_url
 from tilegen.db.validate import safe_text
@@ -86,7 +86,7 @@ def _path(ctx: typer.Context, db: str | None) -> Path | _Server:
     if is_url(chosen):
         return _Server(chosen)
     chosen = Path(chosen)
-    refuse_folder("--db" if db is not None or ctx.obj is not None else "TILEGEN_DB", chosen)
+    check_db_path("--db" if db is not None or ctx.obj is not None else "TILEGEN_DB", chosen)
     return chosen
 
 

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from tilegen import env
-from tilegen.cli.app import app, fail, refuse_folder
+from tilegen.cli.app import app, fail, check_db_path
 from tilegen.cli.spec_args import MOD_HELP, takes_specs, with_mods
 from tilegen.device import device_info, host_gpu_models
 from tilegen.families import BUILTIN, families, family_of
@@ -174,7 +174,7 @@ def check_db_option(db: str | None) -> str | Path | None:
     if db is None:
         # The user database the tune writes: a folder there is named as the variable that put it there, as db and
         # emit name it, not left to SQLite's "unable to open database file".
-        refuse_folder("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", env.db_path())
+        check_db_path("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", env.db_path())
         return None
     if is_url(db):
         try:
@@ -183,7 +183,7 @@ def check_db_option(db: str | None) -> str | Path | None:
             fail(f"--db: {e}")
         return db
     path = Path(db)
-    refuse_folder("--db", path)
+    check_db_path("--db", path)
     return path
 
 

@@ -121,6 +121,10 @@ class TuningDB:
             self._engine = open_server_engine(self.url, self.location, readonly=readonly)
             self._writer = self._engine
             return
+        if str(target).startswith("file:"):
+            # SQLite would open the file the URI names, while the studies, the folder and every message took the
+            # text as a relative path: two files apart.
+            raise DatabaseError(f"{str(target)!r}: give a SQLite database as a file path, not a file: URI")
         self.path = Path(target).expanduser()
         self.url = None
         self.location = str(self.path)
