@@ -58,6 +58,19 @@ def test_sliding_window_and_softcap(device):
     assert _rel(out, ref.transpose(1, 2)) < 1e-4
 
 
+def test_an_explicit_sliding_window_of_none_wins_over_the_module(device):
+    """Not passed, the window is the module's; passed as None (EXAONE 4's full-attention layers, whose module holds
+    the config's window), there is none."""
+    q, k, v = _qkv(device)
+    module = types.SimpleNamespace(is_causal=True, sliding_window=4)
+    windowed = attention_reference(q, k, v, causal=True, window=(3, 0))[0].transpose(1, 2)
+    full = attention_reference(q, k, v, causal=True)[0].transpose(1, 2)
+    out, _ = tilegen_hf.attention_forward(module, q, k, v, None)
+    assert _rel(out, windowed) < 1e-4
+    out, _ = tilegen_hf.attention_forward(module, q, k, v, None, sliding_window=None)
+    assert _rel(out, full) < 1e-4
+
+
 @pytest.fixture
 def _fresh_warnings():
     tilegen_hf._warned.clear()
@@ -115,7 +128,7 @@ def test_a_padding_mask_runs_ragged_with_zeros_in_padded_rows(n_q, device, monke
        window=st.one_of(st.none(), st.integers(1, 8)), seed=st.integers(0, 99))
 def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, window, seed, device):
     """Any rows of one run of real tokens each (left, right, both, none at all), queries the last n_q of the keys
-    (or, bidirectional with fewer queries, cross-attention: every query real), a causal sliding window or none,
+    (or, bidirectional, where the mask pads the keys only: every query real), a causal sliding window or none,
     NaN in every padded position."""
     window = window if causal else None
     n = max(1, max(lead + length for lead, length in runs) + after)
@@ -125,7 +138,7 @@ def test_padding_runs_in_place_property(runs, after, fewer_queries, causal, wind
     padding = padding.to(device)
     n_q = max(1, n - fewer_queries)
     q, k, v = _qkv(device, n=n, seed=seed, batch=len(runs))
-    real_q = padding[:, -n_q:] if causal or n_q == n else torch.ones_like(padding[:, :n_q])
+    real_q = padding[:, -n_q:] if causal else torch.ones_like(padding[:, :n_q])
     q = q[:, :, -n_q:].masked_fill(~real_q[:, None, :, None], math.nan)
     k, v = (_poisoned(t, padding) for t in (k, v))
     out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=causal), q, k, v, padding,
@@ -167,9 +180,11 @@ def test_layers_of_one_mask_with_other_arguments_each_get_their_own(device, monk
             if "softcap" in kwargs:
                 scores = kwargs["softcap"] * torch.tanh(scores / kwargs["softcap"])
             ref = (scores.masked_fill(~allowed, -math.inf).softmax(-1) @ vv).transpose(1, 2)
-            # Padded queries are zeros, bidirectional or not (n_q == n_k: a query's row is its token's)
-            assert _rel(out[padding], ref[padding].to(out.dtype)) < 1e-4, (kwargs, causal)
-            assert (out[~padding] == 0).all()
+            # A causal call's padded queries are zeros, and so are a window's (its queries are the keys' tokens); a
+            # bidirectional mask pads the keys only (the call may be cross-attention): every query attends.
+            real = padding if causal or window is not None else torch.ones_like(padding)
+            assert _rel(out[real], ref[real].to(out.dtype)) < 1e-4, (kwargs, causal)
+            assert (out[~real] == 0).all()
 
 
 def test_arguments_equal_to_served_ones_but_of_another_type_are_still_refused(device):
@@ -514,6 +529,35 @@ def test_a_padding_mask_over_no_tokens(n_q, n_k, causal, device):
     assert out.shape == (2, n_q, 4, 16) and (out == 0).all()
 
 
+@pytest.mark.parametrize("path", ["ragged", "holes", "4-d", "fallback"])
+def test_a_bidirectional_mask_pads_keys_only_with_as_many_queries_as_keys(path, device, _fresh_warnings):
+    """Cross-attention with the decoder as long as the encoder gets the encoder's padding mask, which says nothing of
+    the queries: every query row attends the real keys, on each path a bidirectional padding mask takes."""
+    # The fallback's SDPA mask is built from the 2-d one: a head dim the kernels do not take goes there.
+    q, k, v = _qkv(device, d=4 if path == "fallback" else 16)
+    padding = torch.ones(2, 19, dtype=torch.bool, device=device)
+    padding[1, 13:] = False  # right padding
+    if path == "holes":
+        padding[0, 4:9] = False
+    allowed = padding[:, None, None, :].expand(2, 1, 19, 19)
+    mask = allowed if path == "4-d" else padding
+    module = types.SimpleNamespace(is_causal=False)
+    if path == "fallback":
+        with pytest.warns(RuntimeWarning, match="head dim"):
+            out, _ = tilegen_hf.attention_forward(module, q, k, v, mask)
+        tilegen_hf._warned.clear()
+    else:
+        out, _ = tilegen_hf.attention_forward(module, q, k, v, mask)
+    assert not tilegen_hf._warned
+    assert _rel(out, _dense_reference(q, k, v, allowed)) < 1e-4
+    # A 4-d mask whose padded query rows see no key is not the keys' padding alone: SDPA serves it as it is.
+    rows = allowed & padding[:, None, :, None]
+    with pytest.warns(RuntimeWarning, match="a mask that is not causal"):
+        out, _ = tilegen_hf.attention_forward(module, q, k, v, rows)
+    real = padding
+    assert _rel(out[real], _dense_reference(q, k, v, rows)[real]) < 1e-4
+
+
 def test_a_padded_batch_differentiates_in_place_with_no_gradient_through_padding(device):
     q, k, v = _qkv(device, seed=3)
     padding = torch.ones(2, 19, dtype=torch.bool, device=device)
@@ -579,6 +623,26 @@ def test_a_4d_causal_mask_over_padding_runs_ragged(kind, device, monkeypatch, _f
     # The same mask with the window the call does not have: not causal over padding.
     with pytest.warns(RuntimeWarning, match="a mask that is not causal"):
         tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, mask)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_4d_causal_mask_of_a_static_cache_places_its_queries_before_the_unwritten_slots(window, device,
+                                                                                           _fresh_warnings):
+    """A static cache's 23 slots, of which the first 12 are written once these 3 queries' keys are: the queries
+    sit at positions 9 to 11, and the slots past them hold NaN here."""
+    q, _, _ = _qkv(device, n=3, seed=7)
+    _, k, v = _qkv(device, n=23, seed=8)
+    padding = (torch.arange(23, device=device) < 12)[None].repeat(2, 1)
+    padding[1, :4] = False  # left padding
+    k, v = (t.masked_fill(~padding[:, None, :, None], math.nan) for t in (k, v))
+    i = torch.arange(9, 12, device=device)[:, None]
+    j = torch.arange(23, device=device)[None]
+    allowed = (j <= i) & ((j > i - window) if window else True)
+    allowed = allowed[None, None] & padding[:, None, None, :]
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), q, k, v, allowed,
+                                          sliding_window=window)
+    assert not tilegen_hf._warned
+    assert _rel(out, _dense_reference(q, k.nan_to_num(), v.nan_to_num(), allowed)) < 1e-4
 
 
 def test_what_it_cannot_serve_goes_to_sdpa_with_one_warning_per_reason(device, _fresh_warnings):

@@ -247,6 +247,84 @@ def test_a_static_cache_forward_without_a_mask():
     assert _rel(got, want) < REL
 
 
+@pytest.mark.parametrize("kind", ["2-d", "4-d"])
+def test_a_static_cache_decoding_loop_with_a_mask_of_the_caches_length(kind, monkeypatch):
+    """A decoding loop over a static cache may pass a mask of the cache's full length, zeros on the slots not written
+    yet (a 2-d one, or a 4-d one of its own): the queries sit at the cache position, not on the mask's last columns.
+    Row 1 is left-padded."""
+    from transformers import StaticCache
+    ref, model = _llama()
+    ids, length = _ids(2, 5), 12
+    padding = torch.ones(2, length, dtype=torch.bool)
+    padding[1, :2] = False
+
+    def mask(start, n):  # the slots written once n more tokens are
+        written = padding & (torch.arange(length) < start + n)
+        if kind == "2-d":
+            return written.long()
+        causal = torch.arange(length)[None] <= torch.arange(start, start + n)[:, None]
+        return causal[None, None] & written[:, None, None, :]
+
+    steps = []
+    calls = _Calls(monkeypatch)
+    for m in (ref, model):
+        cache = StaticCache(config=m.config, max_cache_len=length)
+        with torch.no_grad():
+            out = m(input_ids=ids, attention_mask=mask(0, 5), cache=cache, use_cache=True)
+            logits = [out.logits[:, -1]]
+            for t in range(5, 8):
+                out = m(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask(t, 1), cache=cache,
+                        use_cache=True)
+                logits.append(out.logits[:, -1])
+        steps.append(torch.stack(logits, 1))
+    assert torch.isfinite(steps[1]).all() and _rel(steps[1], steps[0]) < REL
+    assert len(calls.ops) == 8  # every call in tilegen, none fell back
+
+
+def test_exaone4_full_attention_layers_pass_no_window():
+    """EXAONE 4's global layers pass sliding_window=None while their module holds the config's window: the call's
+    None wins, as in transformers' own attention."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+    ref, model = _pair(Exaone4Config, Exaone4ForCausalLM, sliding_window=4, sliding_window_pattern=2)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [4, 4]
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    # 12 tokens, three times the window: a windowed global layer differs far beyond REL.
+    _compare(ref, model, input_ids=_ids(2, 12))
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                        init_std=0.2, attn_implementation="sdpa")
+    ref = BartForConditionalGeneration(config).eval()
+    return ref, tilegen_hf.use_tilegen(copy.deepcopy(ref))
+
+
+def test_cross_attention_with_as_many_decoder_as_encoder_tokens():
+    """The encoder's padding mask pads cross-attention's keys only: with the decoder as long as the encoder (seq2seq
+    with fixed padding), every decoder row is real and attends the real encoder tokens, in tilegen's own call and in
+    the eager fallback that output_attentions takes."""
+    ref, model = _bart()
+    ids = _ids(2, 6)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0  # the encoder's row 1 is right-padded
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=_ids(2, 6, seed=2))
+    with torch.no_grad():
+        want = ref(**inputs).logits
+        got = model(**inputs).logits
+    assert torch.isfinite(got).all() and _rel(got, want) < REL
+    eager = copy.deepcopy(ref)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="output_attentions"):
+        got = model(**inputs, output_attentions=True)
+    with torch.no_grad():
+        want = eager(**inputs, output_attentions=True)
+    assert _rel(got.logits, want.logits) < REL
+    assert all(_rel(g, w) < REL for g, w in zip(got.cross_attentions, want.cross_attentions))
+
+
 def test_the_eager_fallback_keeps_the_causal_pattern():
     """output_attentions goes to the model's eager attention, which has no is_causal flag: without a mask it must
     still get the causal pattern, and its weights above the diagonal are 0."""
@@ -374,6 +452,29 @@ def test_an_overlay_mask_function_gets_sdpas_mask():
         is None
     chunked = masking_utils.chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long))
     assert tilegen_hf.mask_forward(1, 5, 5, mask_function=chunked, allow_is_causal_skip=False).shape == (1, 1, 5, 5)
+
+
+def test_the_mask_builder_places_the_queries_where_transformers_has_them():
+    """transformers' key j is the 2-d mask's column kv_offset + j, query i sits at q_offset + i; the attention
+    function takes a causal call's queries for the mask's last columns, so the mask ends at the last query."""
+    from transformers import masking_utils
+
+    causal = masking_utils.causal_mask_function
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, :6] = True
+    mask[0, :2] = False  # left padding
+    # A static cache's decoding step: 12 slots, a tensor offset, a mask of the cache's length.
+    got = tilegen_hf.mask_forward(2, 1, 12, q_offset=torch.tensor(5), mask_function=causal, attention_mask=mask)
+    assert torch.equal(got, mask[:, :6])
+    # A sliding window's cache keeps the keys from position 1 on: the mask's columns from there.
+    got = tilegen_hf.mask_forward(2, 2, 5, q_offset=4, kv_offset=1, mask_function=causal, attention_mask=mask)
+    assert torch.equal(got, mask[:, 1:6])
+    # Bidirectional: the keys' columns, whatever the queries.
+    got = tilegen_hf.mask_forward(2, 6, 12, mask_function=masking_utils.bidirectional_mask_function,
+                                  attention_mask=mask)
+    assert torch.equal(got, mask)
+    with pytest.raises(ValueError, match="must cover every query"):
+        tilegen_hf.mask_forward(2, 1, 12, q_offset=6, mask_function=causal, attention_mask=mask[:, :6])
 
 
 def test_the_ragged_layout_is_computed_once_per_mask(monkeypatch):

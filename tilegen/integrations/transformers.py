@@ -13,7 +13,9 @@ Every attention call of the model then runs in tilegen:
   ``register()`` installs a mask builder that, like FlashAttention-2's, hands the attention function the
   2-d padding mask (bool) or the packed sequences' ids (int64, one id per sequence) instead of a dense
   ``[batch, 1, n_q, n_k]`` mask; transformers' ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword
-  arguments (padding-free training) are taken as they are. Padded rows' outputs are zeros;
+  arguments (padding-free training) are taken as they are. A causal call's padded rows' outputs are zeros; a
+  bidirectional call's mask pads its keys only (it may be cross-attention, whose queries the mask does not
+  describe), so every query attends the real keys, as in transformers' own attention;
 - a decoding step of a padded batch (one query a row, at its row's last key): ``tilegen.PagedDecode`` over
   transformers' cache where it lies, each key a page of one slot (``_decode``), instead of a ragged copy of K
   and V on every step and layer;
@@ -113,7 +115,7 @@ def attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = _EMPTY,
     softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,6 +127,10 @@ def attention_forward(
     ``[batch, >= n_k]`` (1 = a real token), a 2-d integer tensor of packed sequences' ids ``[batch, n]``
     (what ``mask_forward`` hands over), or a 4-d mask: served when it is the causal (or bidirectional)
     pattern, window included, over padding, else handed to the fallback.
+
+    ``sliding_window``: when not passed, the module's ``sliding_window`` attribute (models that leave the window
+    to the mask); passed, ``None`` included, it is the call's (EXAONE 4's full-attention layers pass ``None`` while
+    their module holds the config's window).
     """
     # The module's attributes read from its dict: nn.Module.__getattr__, the path of a missing one (a Llama
     # module has no sliding_window), costs microseconds on every call, and so would raising on the way.
@@ -134,7 +140,7 @@ def attention_forward(
         if is_causal is _EMPTY:
             is_causal = _module_attribute(module, "is_causal", True)
     causal = bool(is_causal)
-    if sliding_window is None:
+    if sliding_window is _EMPTY:
         sliding_window = attrs.get("sliding_window", _EMPTY)
         if sliding_window is _EMPTY:  # a Llama module's case, every call: the class's lack is remembered
             windowless = _windowless.get(type(module))
@@ -191,7 +197,9 @@ def attention_forward(
         shape_q, shape_k = query.shape, key.shape  # each .shape is a new torch.Size: read once
         batch, n_q, n_k = shape_q[0], shape_q[2], shape_k[2]
         if attention_mask.dtype is torch.bool:
-            layout = _layout(attention_mask, n_q, n_k, causal, _padding_layout)
+            # A bidirectional window counts positions of one sequence: its queries are the keys' own, as a causal
+            # call's are (_padding_layout).
+            layout = _layout(attention_mask, n_q, n_k, causal or window is not None, _padding_layout)
             rows = layout.batch
         else:
             if attention_mask.is_floating_point() or attention_mask.is_complex():
@@ -497,16 +505,22 @@ def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
     return layout
 
 
-def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
-    """``n_k``: the call's keys, of which it reads the mask's length at most (``_Layout.keys``)."""
+def _padding_layout(mask: torch.Tensor, n_q: int, n_k: int, aligned: bool) -> _Layout:
+    """``n_k``: the call's keys, of which it reads the mask's length at most (``_Layout.keys``). ``aligned``: the
+    queries are the last n_q of the keys (a causal call, or a window, which counts positions of one sequence), so
+    the mask pads them too; else it pads the keys only."""
     batch, length = mask.shape
     n_k = min(n_k, length)
     mask_k = mask[:, length - n_k:]
-    if causal or n_q == n_k:
+    if aligned:
         # A causal layer's queries are the last n_q of its keys (a cached decode step or chunked prefill); queries
-        # before the first key see none (their rows are zeros, as padding's).
+        # before the first key see none (their rows are zeros, as padding's). A window needs its query and key runs
+        # to be the same tokens: the ragged kernel aligns a sequence's queries on its keys bottom-right.
         mask_q = _query_rows(mask_k, n_q)
-    else:  # cross-attention: the mask pads the keys only
+    else:
+        # A bidirectional call may be cross-attention, even with as many queries as keys (seq2seq with fixed
+        # padding), and nothing the call gets tells it from self-attention: masking queries by the keys' padding
+        # would zero real decoder rows, while a padded query's row is ignored by the model.
         mask_q = mask_k.new_ones(mask_k.shape[0], n_q)
     lens_q = mask_q.sum(-1, dtype=torch.int32)
     lens_k = mask_k.sum(-1, dtype=torch.int32)
@@ -562,8 +576,8 @@ def _runs(mask: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.Tensor | None:
     """The 2-d padding mask a ``[batch, 1, n_q, n_k]`` mask (bool, or additive float: 0 or very negative)
     is made of, given the call's causal pattern and window; ``None`` when it is not made that way.
-    A key no query attends counts as padding, and so does its query row, whose output is then zeros
-    (transformers' padded rows: no key at all, or, right of the sequence, arbitrary)."""
+    A key no query attends counts as padding, and so, in a causal mask, does its query row, whose output is then
+    zeros (transformers' padded rows: no key at all, or, right of the sequence, arbitrary)."""
     causal, sliding_window, batch = pattern
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[2:] != (n_q, n_k):
         return None
@@ -576,12 +590,25 @@ def _padding_of_dense(mask: torch.Tensor, n_q: int, n_k: int, pattern) -> torch.
     else:
         return None
     padding = allowed.any(dim=2)[:, 0]
-    expected = _dense_mask(padding, mask.shape[0], n_q, n_k, causal, sliding_window, mask.device)
-    rows = padding[:, n_k - n_q:] if causal or n_q == n_k else torch.ones_like(padding[:, :n_q])
+    keys = n_k
+    if causal and n_q and n_k:
+        # The 2-d mask stands for the queries as its last n_q keys (_padding_layout), but a static cache's mask ends
+        # with slots not written yet, past the last query. A row's last allowed key is at most its query's position,
+        # and is that position where the query's own key is real: the latest over the rows places the last query.
+        # The keys past it no query attends; they are cut, as mask_forward cuts a 2-d mask there.
+        last = torch.where(allowed[:, 0], torch.arange(n_k, device=mask.device), -1).amax(-1)
+        reach = int(torch.where(last >= 0, last + torch.arange(n_q, 0, -1, device=mask.device), 0).amax())
+        if 0 < reach < n_k:
+            keys = reach
+            padding, allowed = padding[:, :keys], allowed[..., :keys]
+    expected = _dense_mask(padding, mask.shape[0], n_q, keys, causal, sliding_window, mask.device)
+    # Only a causal call's queries are known to be its last keys (see _padding_layout): a bidirectional mask must
+    # give every query row the keys' padding.
+    rows = _query_rows(padding, n_q) if causal else padding.new_ones(padding.shape[0], n_q)
     same = (expected == allowed) | ~rows[:, None, :, None]
     if not bool(same.all()):
         return None
-    return padding.expand(batch, n_k).contiguous()  # one row broadcast over the batch: the same padding in each
+    return padding.expand(batch, keys).contiguous()  # one row broadcast over the batch: the same padding in each
 
 
 def _segments_layout(ids: torch.Tensor, n_q: int, n_k: int, causal: bool) -> _Layout:
@@ -677,7 +704,7 @@ def _dense_mask(mask, batch, n_q, n_k, causal, sliding_window, device, explicit=
     if mask.dtype == torch.bool:
         mask_k = mask[:, mask.shape[1] - n_k:]
         allowed = allowed & mask_k[:, None, None, :]
-        if causal or n_q == n_k:  # padded queries see no key: their rows are zeros, as on tilegen's paths
+        if causal:  # padded queries see no key: their rows are zeros, as on tilegen's paths (_padding_layout)
             allowed = allowed & _query_rows(mask_k, n_q)[:, None, :, None]
         return allowed
     return allowed & (mask[:, None, :, None] == mask[:, None, None, :])
@@ -689,10 +716,12 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
 
     For the patterns ``attention_forward`` serves (causal or bidirectional, optionally a causal sliding
     window, packed sequences), it returns what FlashAttention-2's builder does, with nothing of size
-    n_q x n_k: ``None`` when there is no padding, else the 2-d bool padding mask cut to the last
-    ``kv_length`` keys; for packed sequences, their ids ``[batch, n]``. The window itself reaches the
-    attention function as its ``sliding_window`` argument, as it does FlashAttention-2's. Any other
-    pattern gets SDPA's 4-d mask, which ``attention_forward`` hands to the fallback.
+    n_q x n_k: ``None`` when there is no padding, else the 2-d bool padding mask of the call's keys (transformers'
+    columns ``kv_offset`` on), and for a causal pattern no further than the last query (``q_offset + q_length``);
+    for packed sequences, their ids ``[batch, n]``. The window itself reaches the attention function as its
+    ``sliding_window`` argument, as it does FlashAttention-2's. Any other pattern gets SDPA's 4-d mask, which
+    ``attention_forward`` hands to the fallback. A causal mask that ends before the last query is refused: its
+    queries cannot be placed on its columns.
     """
     from transformers import masking_utils
 
@@ -704,18 +733,30 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                                        attention_mask=attention_mask, **kwargs)
     if isinstance(pattern, torch.Tensor):  # packed sequences' ids
         return pattern
-    if attention_mask is None and pattern == "causal":
+    # transformers' layout: key j is the 2-d mask's column kv_offset + j, query i sits at position q_offset + i.
+    kv_offset = int(kv_offset)  # a static cache's offsets are tensors: reading one synchronizes once a forward
+    if pattern == "causal":
         # A static cache holds kv_length slots, of which the keys past the last query are not written yet: the
-        # dense call's bottom-right causal pattern would read them. A mask of the written keys cuts them, as a
-        # padding mask shorter than kv_length does (reading a tensor offset synchronizes once a forward).
-        written = int(q_offset) + q_length - int(kv_offset)
-        if written < kv_length:
-            return torch.ones(batch_size, max(written, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, -kv_length:]
-        # Shorter than kv_length: a static cache, whose unwritten keys the mask must cut.
-        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        # dense call's bottom-right causal pattern would read them, and the ragged one takes the mask's last n_q
+        # columns for its queries. A mask that ends at the last query cuts those slots (attention_forward reads
+        # no key past the mask) and puts the queries where transformers has them, whatever length the caller's
+        # mask has (a decoding loop may pass one of the cache's full length, zeros where nothing is written).
+        end = int(q_offset) + q_length
+        written = end - kv_offset
+        if attention_mask is None:
+            if written < kv_length:
+                return torch.ones(batch_size, max(written, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
             return None
+        if end > attention_mask.shape[1] or written > kv_length:
+            raise ValueError(f"tilegen attention: a 2-d attention_mask of {attention_mask.shape[1]} positions for "
+                             f"queries at positions {int(q_offset)} to {end - 1} over {kv_length} keys from position "
+                             f"{kv_offset}: the mask must cover every query's position")
+        attention_mask = attention_mask[:, kv_offset:end]
+    elif attention_mask is not None:
+        # Keys past the mask are padding to transformers, and attention_forward reads none of them.
+        attention_mask = attention_mask[:, kv_offset:kv_offset + kv_length]
+    if attention_mask is not None and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
     return attention_mask
 
 
