@@ -185,6 +185,17 @@ def test_a_captured_tensor_of_three_or_four_dims_takes_its_gradient_at_each_elem
     _check_dense(score_mod, None, [bias], 2, 3, 1, 5, 9, torch.float32, device)
 
 
+def test_a_gather_at_an_index_computed_from_the_score_takes_its_gradient_per_score(device):
+    """An index that follows the score (a bucket by the logit's sign) follows neither position, yet reads an element
+    per score: each score's gradient goes to its own element, not a block's sum to the first score's."""
+    table = torch.tensor([0.5, -0.5], device=device).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[(score > 0).int()]
+
+    _check_dense(score_mod, None, [table], 1, 2, 1, 17, 33, torch.float32, device)
+
+
 def test_a_captured_tensor_alone_takes_a_gradient(device):
     """Q, K and V frozen, the bias table learned: the call still differentiates, to the table only."""
     table = torch.randn(2, 8, device=device).requires_grad_()

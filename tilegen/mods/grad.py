@@ -143,8 +143,10 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
     score_lines, d_score = _tangents(graph, "score", "d", prefix)
     body += score_lines
     # Which positions each value follows: a gather at an index that follows neither (slopes[h]) reads one element
-    # for a whole score block.
-    follows: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"})}
+    # for a whole score block. The score differs at every (query, key), as a value of both positions does: an index
+    # computed from it (table[(score > 0).int()]) reads an element per score.
+    follows: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}),
+                                          "score": frozenset({"q", "k"})}
     for name, _, _, args in graph.values:
         follows[name] = frozenset().union(*(follows.get(a, frozenset()) for a in args))
     for i in grad_tensors(text):

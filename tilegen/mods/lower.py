@@ -85,10 +85,12 @@ def gathers_per_score(text: str | None) -> bool:
     """Whether the mod reads a captured tensor at an index that depends on both the query and the key
     position (T5's relative bias: ``table[h, bucket(kv_idx - q_idx)]``): a gather of a whole score tile,
     which Triton stages through shared memory. Indices that follow one position alone (``doc[q_idx]``)
-    or neither (``slopes[h]``) load a row or a column."""
+    or neither (``slopes[h]``) load a row or a column; one computed from the score (``table[(score > 0).int()]``)
+    follows both."""
     if text is None:
         return False
-    depends: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"})}
+    depends: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}),
+                                          "score": frozenset({"q", "k"})}
     for name, _, op, args in parse(text).values:
         reads = frozenset().union(*(depends.get(a, frozenset()) for a in args))
         if op == "getitem" and frozenset().union(*(depends.get(a, frozenset()) for a in args[1:])) == {"q", "k"}:
