@@ -194,8 +194,13 @@ def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
     (lambda s, b, h, q, k: s * _SCALAR, "score_mod", ValueError, r"'_SCALAR' has no dimension.*read z\[0\]"),
     (lambda s, b, h, q, k: s * _SCALAR[()], "score_mod", ValueError, r"has no dimension.*read z\[0\]"),
     (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
+    (lambda s, b, h, q, k: s + _BF16[h] * 0.1, "score_mod", ValueError,
+     "mul of a bfloat16 value and 0.1: torch computes it in bfloat16, which does not hold 0.1 exactly"),
+    (lambda b, h, q, k: _U8[k % 2] < 300, "mask_mod", ValueError,
+     r"lt of a uint8 value and 300: torch computes it in uint8, which does not hold 300 \(torch wraps it around\)"),
 ], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
-        "partial-index", "float-index", "bare-tensor", "zero-dim-tensor", "zero-dim-tensor-indexed", "arity"])
+        "partial-index", "float-index", "bare-tensor", "zero-dim-tensor", "zero-dim-tensor-indexed", "arity",
+        "bf16-and-an-inexact-number", "uint8-and-a-number-past-it"])
 def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
     with pytest.raises(error, match=needle):
         trace(fn, kind)
@@ -203,6 +208,8 @@ def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, nee
 
 _TABLE = torch.rand(2, 5)
 _SCALAR = torch.tensor(0.5)
+_BF16 = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+_U8 = torch.tensor([1, 2], dtype=torch.uint8)
 
 
 def test_bad_calls_are_refused_before_any_kernel_runs(device):
@@ -237,6 +244,34 @@ def test_every_supported_operation_matches_torch(device):
         return keep[kv_idx % 3] | ~(h == 0) | (q_idx - kv_idx == 0)
 
     q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=5)
+    _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def _promotion_cases(device):
+    gen = torch.Generator().manual_seed(11)
+    u8 = torch.randint(150, 256, (33,), generator=gen, dtype=torch.uint8).to(device)
+    i8 = torch.randint(0, 128, (17,), generator=gen, dtype=torch.int8).to(device)
+    # Powers of two, and integers 8 m + r (r < 4) in [1024, 2048): bfloat16 holds 8 m, and rounding to it is the
+    # same to nearest or toward zero (Triton's interpreter truncates), so only torch's types decide the result.
+    bf16 = torch.tensor([2.0**-8, 2.0**-7], dtype=torch.bfloat16, device=device)
+    return {
+        "bool-add": (None, lambda b, h, q_idx, kv_idx: (kv_idx % 3 == 0) + (q_idx < kv_idx)),
+        "uint8-add-int8": (lambda score, b, h, q_idx, kv_idx: score + (u8[kv_idx] + i8[q_idx]) * 0.01, None),
+        "uint8-floordiv-int32": (lambda score, b, h, q_idx, kv_idx: score + (u8[kv_idx] // (q_idx + 1)) * 0.01, None),
+        "bf16-times-int32": (lambda score, b, h, q_idx, kv_idx: score + bf16[h] * (kv_idx * 8 + kv_idx % 4 + 1024),
+                             None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_promotion_cases("cpu")))
+def test_mods_compute_in_the_types_the_trace_records(name, device):
+    """Each value is computed in the dtype torch gives it (the canonical text's), not in Triton's promotion of the
+    operands: bool + bool is a logical or (Triton's int1 + an exclusive or), uint8 + int8 is int16 (Triton keeps
+    uint8, which wraps), uint8 // int32 floors in int32 (Triton refuses the mixed signedness), bfloat16 * int32
+    rounds the integer and the product to bfloat16 (Triton computes it in float32). The mask's block table, which
+    torch evaluates, agrees with the kernel."""
+    score_mod, mask_mod = _promotion_cases(device)[name]
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=12)
     _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
 
 

@@ -31,6 +31,13 @@ The supported operations (anything else is refused when the mod is traced, namin
   strides, sizes), read at every call, so their values may change between calls without a new
   kernel; a new shape or dtype traces the function again.
 
+Types: every value is computed in the dtype torch gives it when the mod is traced (on 0-dim tensors
+and Python numbers, as FlexAttention traces it), whatever Triton's own promotion would make of the
+operands: ``bool + bool`` is a logical or, ``uint8 + int8`` is int16, a bfloat16 product is rounded
+to bfloat16. A Python number that torch converts to the operation's integer type by wrapping it
+around (``uint8_value < 300``), or to float16/bfloat16 by rounding it, which torch does for some
+operations and devices and not for others (``bf16_value * 0.1``), is refused when the mod is traced.
+
 Out-of-range indices: an index the host can bound (the roles and integer constants under ``+ - *``,
 ``//`` and ``%`` by a positive constant, unary ``-``, ``abs``, ``minimum``, ``maximum``, ``clamp``,
 ``where``, bools: ``q_idx``, ``kv_idx - q_idx + n``) is checked on the host at every call over every

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilegen.mods.lower import _is_number, parse
+from tilegen.mods.lower import _COMPARE, _is_number, compute_dtype, number_value, parse
 
 __all__ = ["BlockTable", "backward_tables", "block_table", "evaluate_mask"]
 
@@ -89,6 +89,7 @@ def evaluate_mask(text: str, tensors, b, h, q_idx, kv_idx) -> torch.Tensor:
         raise ValueError(f"not a mask mod: {text[:40]!r}")
     device = q_idx.device
     env = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+    dtypes = {"b": "int32", "h": "int32", "q_idx": "int32", "kv_idx": "int32"}
     env.update({f"t{i}": t for i, t in enumerate(tensors)})
 
     def val(a):
@@ -109,30 +110,43 @@ def evaluate_mask(text: str, tensors, b, h, q_idx, kv_idx) -> torch.Tensor:
         elif op == "to":
             x = val(args[0])
             r = x != 0 if args[1] == "bool" else x.to(_TORCH_DTYPES[args[1]])
-        elif op == "clamp":
-            r = val(args[0])
-            if args[1] != "None":
-                r = torch.maximum(r, val(args[1]))
-            if args[2] != "None":
-                r = torch.minimum(r, val(args[2]))
+        elif op in ("tanh", "exp", "log", "sqrt"):
+            r = getattr(torch, op)(val(args[0]).float())
+        elif op == "not":
+            r = ~val(args[0])
         else:
-            a = [val(x) for x in args]
-            is_int = not to.is_floating_point and to != torch.bool
-            if op in ("tanh", "exp", "log", "sqrt"):
-                r = getattr(torch, op)(a[0].float())
-            elif op == "floordiv":
+            # Operands converted to the type the text's torch computed in (not the one these tensors' shapes would
+            # promote to: a number here is a 0-dim tensor, there a Python number), as the kernel does.
+            kind = compute_dtype(op, args, dtypes, dtype)
+            operands = args[1:] if op == "where" else args
+            wide = kind in ("float16", "bfloat16") and op != "where"  # in float32, rounded once: as the kernel
+            a = []
+            for x in operands:
+                if x == "None" or _is_number(x):
+                    a.append(None if x == "None" else number_value(x))
+                else:
+                    a.append(env[x].to(_TORCH_DTYPES[kind]).float() if wide else env[x].to(_TORCH_DTYPES[kind]))
+            is_int = kind not in ("float32", "float16", "bfloat16") and not wide
+            if op == "floordiv":
                 r = torch.div(a[0], a[1], rounding_mode="floor") if is_int else torch.floor(a[0] / a[1])
             elif op == "mod":
                 r = torch.remainder(a[0], a[1]) if is_int else a[0] - torch.floor(a[0] / a[1]) * a[1]
             elif op == "where":
-                r = torch.where(a[0].bool(), a[1], a[2])
-            elif op == "not":
-                r = ~a[0]
+                r = torch.where(val(args[0]).bool(), *a)
+            elif op == "clamp":
+                r = a[0]
+                if a[1] is not None:
+                    r = torch.clamp(r, min=a[1])
+                if a[2] is not None:
+                    r = torch.clamp(r, max=a[2])
             else:
                 r = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.true_divide,
                      "neg": torch.neg, "abs": torch.abs, "lt": torch.lt, "le": torch.le, "gt": torch.gt,
                      "ge": torch.ge, "eq": torch.eq, "ne": torch.ne, "and": torch.bitwise_and,
                      "or": torch.bitwise_or, "minimum": torch.minimum, "maximum": torch.maximum}[op](*a)
+            if wide and op not in _COMPARE:
+                r = r.to(_TORCH_DTYPES[kind])
+        dtypes[name] = dtype
         env[name] = r.to(to)
     result = val(graph.result)
     return result != 0

@@ -8,10 +8,14 @@ which ``_attend_blocks`` calls on every score block with q_idx ``[BLOCK_M, 1]`` 
 
 from __future__ import annotations
 
+import functools
+import math
 import re
+import struct
 from dataclasses import dataclass
 
-__all__ = ["parse", "lower_mod", "mod_ref", "LoweredMod", "ModSyntaxError"]
+__all__ = ["parse", "lower_mod", "mod_ref", "LoweredMod", "ModSyntaxError", "ModTypeError", "check_types",
+           "compute_dtype"]
 
 _OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "abs": 1, "floordiv": 2, "mod": 2, "lt": 2, "le": 2,
         "gt": 2, "ge": 2, "eq": 2, "ne": 2, "and": 2, "or": 2, "not": 1, "where": 3, "tanh": 1, "exp": 1,
@@ -115,6 +119,188 @@ def mod_ref(a: str, prefix: str) -> str:
     return {"inf": 'float("inf")', "-inf": 'float("-inf")', "nan": 'float("nan")'}.get(a, a)
 
 
+# Types. The canonical text records the dtype torch gives every value (0-dim tensors and Python numbers, as the
+# trace runs the mod); the kernel computes that, not what Triton's own promotion would make of the operands.
+_FLOATS = ("float32", "float16", "bfloat16")
+_HALF = ("float16", "bfloat16")
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+_INT_RANGE = {"uint8": (0, 2**8 - 1), "int8": (-2**7, 2**7 - 1), "int16": (-2**15, 2**15 - 1),
+              "int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
+# Arithmetic whose operands torch converts to the computation type: a number it converts is refused where that
+# conversion wraps or rounds (check_types).
+_CONVERTS = ("add", "sub", "mul", "div", "floordiv", "mod", *_COMPARE)
+
+
+class ModTypeError(ValueError):
+    """An operation of a mod whose result the kernel cannot compute as torch does (``check_types``)."""
+
+
+def number_value(token: str) -> bool | int | float:
+    """A canonical number token as the Python number it spells."""
+    if token in ("True", "False"):
+        return token == "True"
+    return float(token) if any(c in token for c in ".ena") else int(token)
+
+
+def _promote(a: str, b: str) -> str:
+    """``torch.promote_types`` over the dtypes a mod computes in."""
+    if a == b or b == "bool":
+        return a
+    if a == "bool":
+        return b
+    if a in _FLOATS and b in _FLOATS:
+        return "float32"  # float16 with bfloat16, either with float32
+    if a in _FLOATS or b in _FLOATS:
+        return a if a in _FLOATS else b
+    if "uint8" in (a, b):
+        other = b if a == "uint8" else a
+        return "int16" if other == "int8" else other
+    return a if _INT_RANGE[a][1] > _INT_RANGE[b][1] else b
+
+
+def _result_type(operands: list[str], dtypes: dict) -> str:
+    """``torch.result_type`` of values (0-dim tensors) and Python numbers: a number takes part only when its
+    category (bool, integer, float) is above every value's, as the default type of that category."""
+    values = [dtypes[a] for a in operands if not _is_number(a)]
+    numbers = [{bool: "bool", int: "int64", float: "float32"}[type(number_value(a))] for a in operands
+               if _is_number(a)]
+    value = functools.reduce(_promote, values) if values else None
+    number = functools.reduce(_promote, numbers) if numbers else None
+    if value is None or number is None:
+        return value or number
+    if value in _FLOATS:
+        return value
+    return _promote(value, number) if value == "bool" or number in _FLOATS else value
+
+
+def compute_dtype(op: str, args: tuple[str, ...], dtypes: dict, result: str) -> str:
+    """The dtype torch converts the operands of ``op`` to and computes in: the result's, but for a comparison."""
+    return _result_type(list(args), dtypes) if op in _COMPARE else result
+
+
+def _exact(number, dtype: str) -> bool:
+    """Whether ``dtype`` holds the Python number exactly."""
+    if dtype in _INT_RANGE:
+        low, high = _INT_RANGE[dtype]
+        return not isinstance(number, float) and low <= number <= high
+    if dtype == "bool":
+        return number in (0, 1)
+    if number != number or number in (math.inf, -math.inf):
+        return True
+    code = {"float16": "e", "bfloat16": "f", "float32": "f"}[dtype]
+    try:
+        packed = struct.pack("<" + code, number)
+    except OverflowError:
+        return False
+    if dtype == "bfloat16" and packed[:2] != b"\0\0":  # bfloat16 is float32's upper half
+        return False
+    return struct.unpack("<" + code, packed)[0] == number
+
+
+def check_types(text: str) -> None:
+    """Raise ``ModTypeError`` naming the first operation whose torch result the kernel cannot compute exactly: a
+    Python number that torch converts to the operation's integer type by wrapping it around (``uint8_value < 300``),
+    or to a float16/bfloat16 one by rounding it, which torch does for some operations and devices and not for others
+    (``bf16_value * 0.1``)."""
+    graph = parse(text)
+    dtypes = {"score": "float32", **{r: "int32" for r in ("b", "h", "q_idx", "kv_idx")}}
+    for name, dtype, op, args in graph.values:
+        dtypes[name] = dtype
+        kind = compute_dtype(op, args, dtypes, dtype)
+        # A select or a bound (where, clamp) gives the number back rounded as torch does; an integer one must fit.
+        if op not in _CONVERTS and not (op in ("and", "or", "where", "clamp") and kind in _INT_RANGE):
+            continue
+        for a in args[1 if op == "where" else 0:]:
+            # float32: torch converts a number to it as Triton does, whatever the operation.
+            if not _is_number(a) or kind == "float32" or _exact(number_value(a), kind):
+                continue
+            value = " and ".join(("an " if dtypes[x].startswith("int") else "a ") + f"{dtypes[x]} value"
+                                 if not _is_number(x) else x for x in args if x != "None")
+            if kind in _INT_RANGE:
+                raise ModTypeError(f"{op} of {value}: torch computes it in {kind}, which does not hold {a} (torch "
+                                   f"wraps it around); use a number in [{_INT_RANGE[kind][0]}, {_INT_RANGE[kind][1]}], "
+                                   "or cast the value to a wider type (.long()) first")
+            raise ModTypeError(f"{op} of {value}: torch computes it in {kind}, which does not hold {a} exactly, and "
+                               f"whether torch rounds {a} to {kind} first depends on the operation and the device; use "
+                               f"a number {kind} holds, or compute in float32 (.float()) first")
+
+
+_TRITON_BITS = {"bool": 1, "uint8": 8, "int8": 8, "int16": 16, "int32": 32, "uint32": 32, "int64": 64,
+                "uint64": 64}
+
+
+def _triton_number(token: str) -> str:
+    """The type Triton gives a Python number (``semantic.to_tensor_type``)."""
+    x = number_value(token)
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "int32" if -2**31 <= x < 2**31 else "uint32" if 0 <= x < 2**32 else "int64" if x < 2**63 else "uint64"
+    inside = 2**-126 <= abs(x) <= (2 - 2**-23) * 2**127
+    return "float32" if x != x or x == 0 or abs(x) == math.inf or inside else "float64"
+
+
+def _triton_kind(dtype: str) -> int:
+    return 0 if dtype == "bool" else 2 if dtype in (*_FLOATS, "float64") else 1
+
+
+def _triton_promote(a: tuple[str, bool], b: tuple[str, bool], div_or_mod: bool = False) -> str | None:
+    """The type Triton computes a binary operation in (``semantic.computation_type_impl``), from each operand's type
+    and whether it is a Python number; None where Triton refuses the pair."""
+    (x, x_number), (y, y_number) = a, b
+    if x_number != y_number:
+        number, value = (x, y) if x_number else (y, x)
+        if _triton_kind(number) <= _triton_kind(value):
+            x = y = value
+    if "float64" in (x, y):
+        return "float64"
+    if div_or_mod and (x in _FLOATS or y in _FLOATS):
+        return "float32"
+    if "float32" in (x, y):
+        return "float32"
+    if "float16" in (x, y):
+        return "float16"
+    if "bfloat16" in (x, y):
+        return "bfloat16" if x == y else "float32"
+    signed_x, signed_y = x not in ("bool", "uint8", "uint32", "uint64"), y not in ("bool", "uint8", "uint32", "uint64")
+    if signed_x != signed_y and div_or_mod:
+        return None
+    if signed_x == signed_y:
+        return x if _TRITON_BITS[x] > _TRITON_BITS[y] else y
+    unsigned, signed = (x, y) if signed_y else (y, x)
+    return unsigned if _TRITON_BITS[unsigned] >= _TRITON_BITS[signed] else signed
+
+
+def _holds(big: str | None, small: str) -> bool:
+    """Whether every value of dtype ``small`` is one of dtype ``big``."""
+    if big is None:
+        return False
+    if big == small or small == "bool":
+        return True
+    if big in ("float32", "float64") and small in _FLOATS:
+        return small != "float32" or big == "float64"
+    if small in _FLOATS or big == "bool":
+        return False
+    if big in _FLOATS:  # an integer type: those of at most the float's significand bits
+        return {"uint8": 8, "int8": 8, "int16": 16}.get(small, 64) <= {"float16": 11, "bfloat16": 8}.get(big, 24)
+    if big in _INT_RANGE and small in _INT_RANGE:
+        return _INT_RANGE[big][0] <= _INT_RANGE[small][0] and _INT_RANGE[small][1] <= _INT_RANGE[big][1]
+    return False
+
+
+def _to(code: str, source: str, target: str) -> str:
+    """The value ``code`` of dtype ``source`` as torch converts it to ``target``. Through float32 where bfloat16 is
+    either: torch converts integers to bfloat16 through float32 (which rounds twice past 2**24), and Triton's
+    interpreter holds bfloat16 as raw bits, which only its float32 conversions read."""
+    if source == target:
+        return code
+    if target == "bool":
+        return f"({code}.to(tl.float32) != 0)" if source == "bfloat16" else f"({code} != 0)"
+    if (source == "bfloat16" or target == "bfloat16") and "float32" not in (source, target):
+        return f"{code}.to(tl.float32).to(tl.{target})"
+    return f"{code}.to(tl.{target})"
+
+
 @dataclass(frozen=True)
 class LoweredMod:
     """The jit function's parameters after the roles (a string ending in ", " or empty), its body, the helpers
@@ -139,33 +325,104 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
     def ref(a: str) -> str:
         return mod_ref(a, prefix)
 
-    def as_tensor(a: str, dtype: str) -> str:
-        # The helpers take tensors: a Python number becomes a scalar of the result's type.
-        return f"tl.full([], {ref(a)}, tl.{dtype})" if _is_number(a) else ref(a)
+    def converted(x: str, kind: str) -> str:
+        """Operand ``x`` as torch converts it to the computation type ``kind``; a number as it is."""
+        return ref(x) if _is_number(x) or x == "None" else _to(ref(x), dtypes[x], kind)
 
-    for name, dtype, op, args in graph.values:
-        a = [ref(x) for x in args]
-        is_int = dtype not in ("float32", "float16", "bfloat16")
+    def in_float32(x: str, kind: str) -> str:
+        """Operand ``x`` converted to the bfloat16 computation type, read as float32 (bfloat16 math below)."""
+        if _is_number(x) or x == "None":
+            return ref(x)
+        if dtypes[x] in ("bool", "uint8", "int8", "bfloat16"):  # bfloat16 holds them: no rounding
+            return f"{ref(x)}.to(tl.float32)"
+        return f"{_to(ref(x), dtypes[x], kind)}.to(tl.float32)"
+
+    def arithmetic(op: str, a: list[str], args: tuple[str, ...], kind: str) -> str:
+        """The operation on operands ``a`` (code) that hold values of ``kind``."""
         if op in _BINARY:
-            expr = f"{a[0]} {_BINARY[op]} {a[1]}"
-        elif op == "neg":
-            expr = f"-{a[0]}"
-        elif op == "not":
-            expr = f"~{a[0]}"
-        elif op == "abs":
-            expr = f"tl.abs({a[0]})"
-        elif op == "where":
-            expr = f"tl.where({a[0]}, {a[1]}, {a[2]})"
-        elif op in ("minimum", "maximum"):
+            # torch's + on bools is a logical or; Triton's on int1 an exclusive or.
+            return f"{a[0]} | {a[1]}" if op == "add" and kind == "bool" else f"{a[0]} {_BINARY[op]} {a[1]}"
+        if op == "neg":
+            return f"-{a[0]}"
+        if op == "abs":
+            return f"tl.abs({a[0]})"
+        if op in ("minimum", "maximum"):
             # torch's minimum/maximum propagate NaN; Triton's do not unless asked.
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if not is_int else ""
-            expr = f"tl.{op}({a[0]}, {a[1]}{nan})"
-        elif op == "clamp":
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if kind in _FLOATS else ""
+            return f"tl.{op}({a[0]}, {a[1]}{nan})"
+        if op == "clamp":
             expr = a[0]
             if args[1] != "None":
                 expr = f"tl.maximum({expr}, {a[1]})"
             if args[2] != "None":
                 expr = f"tl.minimum({expr}, {a[2]})"
+            return expr
+        if op in ("floordiv", "mod") and kind not in _FLOATS:
+            # Triton's integer // and % truncate toward zero (C); torch's floor (Python).
+            helpers.add(op)
+            fn = "_mod_floordiv" if op == "floordiv" else "_mod_remainder"
+            return f"{fn}({a[0]}, {a[1]})"
+        if op == "floordiv":
+            return f"tl.floor({a[0]} / {a[1]})"
+        return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
+
+    def triton_type(op: str, operands: list[tuple[str, bool]]) -> tuple[str | None, str | None]:
+        """The type Triton computes ``op`` in from operands ``(type, is a number)``, and the type of its result."""
+        if op == "clamp":
+            kind = operands[0]
+            for bound in operands[1:]:
+                if bound[0] != "None":
+                    kind = (_triton_promote(kind, bound), False)
+                    if kind[0] is None:
+                        return None, None
+            return kind[0], kind[0]
+        if op in ("neg", "abs"):
+            return operands[0][0], operands[0][0]
+        kind = _triton_promote(*operands, div_or_mod=op in ("div", "floordiv", "mod"))
+        if kind is None or op in _COMPARE:
+            return kind, "bool"
+        if op == "div" or (op in ("floordiv", "mod") and kind in _FLOATS):
+            return kind, "float64" if kind == "float64" else "float32"  # Triton divides in float32
+        return kind, kind
+
+    for name, dtype, op, args in graph.values:
+        a = [ref(x) for x in args]
+        if op in (*_BINARY, "neg", "abs", "minimum", "maximum", "clamp", "floordiv", "mod", "where"):
+            kind = compute_dtype(op, args, dtypes, dtype)
+            operands = args[1:] if op == "where" else args
+            if kind == "bfloat16" and op != "where":
+                # In float32 on bfloat16 values, rounded once to bfloat16: torch's result (its bfloat16 kernels compute
+                # so), and arithmetic Triton's interpreter has (it holds bfloat16 as raw bits).
+                expr = arithmetic(op, [in_float32(x, kind) for x in operands], args, "float32")
+                if op not in _COMPARE:
+                    expr = f"({expr}).to(tl.bfloat16)"
+            else:
+                if op in ("floordiv", "mod") and kind not in _FLOATS:
+                    # The helpers take tensors: a Python number becomes a scalar of the result's type.
+                    operand_code = [f"tl.full([], {ref(x)}, tl.{kind})" if _is_number(x) else ref(x) for x in operands]
+                    types = [(kind if _is_number(x) else dtypes[x], False) for x in operands]
+                else:
+                    operand_code = [ref(x) for x in operands]
+                    types = [("None" if x == "None" else _triton_number(x), True) if _is_number(x) or x == "None"
+                             else (dtypes[x], False) for x in operands]
+                computed, result = triton_type(op, types)
+                # Triton's promotion of the operands as they are gives torch's values where it computes in a type that
+                # holds torch's, into which torch's conversion of every operand is exact (or the same as Triton's).
+                same = _holds(computed, kind) and (computed == kind or all(
+                    number or t in ("None", kind) or _holds(kind, t) for t, number in types))
+                if not same:
+                    operand_code = [c if _is_number(x) or x == "None" else converted(x, kind)
+                                    for c, x in zip(operand_code, operands)]
+                    types = [(kind, False) if not number else (t, number) for t, number in types]
+                    computed, result = triton_type(op, types)
+                if op == "where":
+                    expr = f"tl.where({a[0]}, {operand_code[0]}, {operand_code[1]})"
+                else:
+                    expr = arithmetic(op, operand_code, args, kind)
+                if result != (dtype if op not in _COMPARE else "bool"):
+                    expr = _to(f"({expr})", result, dtype)
+        elif op == "not":
+            expr = f"~{a[0]}"
         elif op in ("tanh", "exp", "log", "sqrt"):
             # In fp32 whatever the input type, then to the type torch gives (fp16/bf16 inputs stay so).
             x = f"{a[0]}.to(tl.float32)"
@@ -173,20 +430,13 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             if op == "tanh":
                 helpers.add("tanh")
             expr = f"{fn}({x})" + ("" if dtype == "float32" else f".to(tl.{dtype})")
-        elif op in ("floordiv", "mod"):
-            if is_int:
-                # Triton's integer // and % truncate toward zero (C); torch's floor (Python).
-                helpers.add(op)
-                fn = "_mod_floordiv" if op == "floordiv" else "_mod_remainder"
-                expr = f"{fn}({as_tensor(args[0], dtype)}, {as_tensor(args[1], dtype)})"
-            elif op == "floordiv":
-                expr = f"tl.floor({a[0]} / {a[1]})"
-            else:
-                expr = f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
         elif op == "to":
-            expr = f"({a[0]} != 0)" if args[1] == "bool" else f"{a[0]}.to(tl.{args[1]})"
             if _is_number(args[0]):
                 expr = f"tl.full([], {a[0]}, tl.{args[1]})"
+            elif args[1] == "bool" or ("bfloat16" in (dtypes[args[0]], args[1]) and dtypes[args[0]] != args[1]):
+                expr = _to(a[0], dtypes[args[0]], args[1])
+            else:
+                expr = f"{a[0]}.to(tl.{args[1]})"
         elif op == "getitem":
             t, index = a[0], args[1:]
             offsets, masks = [], []

@@ -26,6 +26,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.fx as fx
 
+from tilegen.mods.lower import ModTypeError, check_types
+
 __all__ = ["trace", "traced", "TracedMod", "ModCall", "CallRanges", "bind_mods", "bind_traced", "locate", "fetch",
            "wants_grad", "index_spans", "number_paths",
            "ROLES", "DTYPE_NAMES"]
@@ -262,6 +264,10 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         _fail(kind, f"returns {dtype}, expected a floating score")
     header = [kind] + [f"t{i}={DTYPE_NAMES[t.dtype]}[{t.dim()}]" for i, t in enumerate(tensors)]
     canonical = ";".join(header + lines + [f"return {returned}"])
+    try:
+        check_types(canonical)
+    except ModTypeError as e:
+        _fail(kind, str(e), ValueError)
     return TracedMod(kind, canonical, tuple(tensors), tuple(_name_of(fn, t) for t in tensors), tuple(checks))
 
 
