@@ -194,13 +194,14 @@ def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
     (lambda s, b, h, q, k: s * _SCALAR, "score_mod", ValueError, r"'_SCALAR' has no dimension.*read z\[0\]"),
     (lambda s, b, h, q, k: s * _SCALAR[()], "score_mod", ValueError, r"has no dimension.*read z\[0\]"),
     (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
+    (lambda s, b, h, q, k: _TABLE[0, 0] * 2 * s, "score_mod", ValueError, "0-dim tensor made while the mod was traced"),
     (lambda s, b, h, q, k: s + _BF16[h] * 0.1, "score_mod", ValueError,
      "mul of a bfloat16 value and 0.1: torch computes it in bfloat16, which does not hold 0.1 exactly"),
     (lambda b, h, q, k: _U8[k % 2] < 300, "mask_mod", ValueError,
      r"lt of a uint8 value and 300: torch computes it in uint8, which does not hold 300 \(torch wraps it around\)"),
 ], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
         "partial-index", "float-index", "bare-tensor", "zero-dim-tensor", "zero-dim-tensor-indexed", "arity",
-        "bf16-and-an-inexact-number", "uint8-and-a-number-past-it"])
+        "zero-dim-tensor-computed", "bf16-and-an-inexact-number", "uint8-and-a-number-past-it"])
 def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
     with pytest.raises(error, match=needle):
         trace(fn, kind)
@@ -273,6 +274,23 @@ def test_mods_compute_in_the_types_the_trace_records(name, device):
     score_mod, mask_mod = _promotion_cases(device)[name]
     q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=12)
     _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+
+
+def test_an_element_at_constant_indices_is_read_from_its_captured_tensor(device):
+    """temperature[0] and table.T[2, 1] are evaluated by Python before the tracer sees them (0-dim views): the mod
+    reads the captured tensor there, at every call, as it reads it at any other index."""
+    temperature = torch.tensor([0.5], device=device)
+    table = torch.randn(2, 3, device=device)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temperature[0] + table.T[2, 1] * (kv_idx - q_idx)
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=13)
+    _check(q, k, v, score_mod=score_mod)
+    text = traced(score_mod, "score_mod").canonical
+    assert "getitem(t0,0)" in text and "getitem(t1,1,2)" in text
+    temperature[0] = 2.0
+    _check(q, k, v, score_mod=score_mod)
 
 
 def test_constant_mods(device):

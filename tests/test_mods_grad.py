@@ -196,6 +196,18 @@ def test_a_gather_at_an_index_computed_from_the_score_takes_its_gradient_per_sco
     _check_dense(score_mod, None, [table], 1, 2, 1, 17, 33, torch.float32, device)
 
 
+def test_an_element_of_a_learned_tensor_at_constant_indices_takes_its_gradient(device):
+    """temperature[1] and table[1, 2] (0-dim views, which Python makes before the tracer sees them) are the captured
+    tensors read there: their gradients are the sums over every score at those elements."""
+    temperature = torch.tensor([0.5, 2.0], device=device).requires_grad_()
+    table = torch.randn(2, 3, device=device).requires_grad_()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * temperature[1] + table[1, 2] * (kv_idx - q_idx) * 0.1
+
+    _check_dense(score_mod, None, [temperature, table], 1, 2, 1, 17, 33, torch.float32, device)
+
+
 def test_a_captured_tensor_alone_takes_a_gradient(device):
     """Q, K and V frozen, the bias table learned: the call still differentiates, to the table only."""
     table = torch.randn(2, 8, device=device).requires_grad_()

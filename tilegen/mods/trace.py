@@ -56,7 +56,10 @@ _FUNCTIONS = {
 }
 _METHODS = {"abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh",
             "clamp": "clamp", "to": "to", "__getitem__": "getitem", "float": "to", "int": "to", "long": "to",
-            "bool": "to"}
+            "bool": "to",
+            # The operators as fx records them when a tensor's element (temperature[0] * x) is their left operand.
+            "add": "add", "sub": "sub", "mul": "mul", "div": "div", "__floordiv__": "floordiv", "remainder": "mod",
+            "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne", "__and__": "and", "__or__": "or"}
 # The cast methods, as the .to() they are.
 _CAST_METHODS = {"float": torch.float32, "int": torch.int32, "long": torch.int64, "bool": torch.bool}
 SUPPORTED = ("+ - * / // % unary-, abs, < <= > >= == !=, & | ~, torch.where, torch.tanh, torch.exp, torch.log, "
@@ -129,7 +132,7 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         _fail(kind, f"expected a function, got {type(fn).__name__}")
     try:
         target = _with_roles(fn, kind)
-        tracer = _Tracer()
+        tracer = _Tracer(fn)
         graph = tracer.trace(target)
         graph_module = fx.GraphModule(tracer.root, graph)
     except Exception as e:  # control flow on a traced value, an unsupported Python function, a wrong arity
@@ -223,9 +226,15 @@ def trace(fn: Callable, kind: str) -> TracedMod:
         for a in args[1:] if op == "getitem" else args:
             if isinstance(a, fx.Node) and a.op == "get_attr":
                 t = tensors[attr_index[a.target]]
-                if t.dim() == 0:  # z and z[()] alike: indexing a real tensor in the mod gives a new one
+                if t.dim() == 0 and (_name_of(fn, t) != "<captured tensor>" or t._base is not None):
+                    # z itself, or z[()]: a view of z, not an element of a tensor the kernel can index
                     _fail(kind, f"captured tensor {_name_of(fn, t)!r} has no dimension, and captured tensors are "
                                 "read by index: capture it with one element (z.reshape(1)) and read z[0]", ValueError)
+                if t.dim() == 0:
+                    _fail(kind, "a 0-dim tensor made while the mod was traced (torch.tensor(0.5), or t[0] * 2 in "
+                                "t[0] * 2 * score: Python runs it before the score takes part) is no tensor the kernel "
+                                "can read; use a Python number, or let the arguments take part first "
+                                "(score * t[0] * 2)", ValueError)
                 _fail(kind, f"captured tensor {_name_of(fn, t)!r} is used without indexing; index it with one "
                             "expression per dimension", ValueError)
         try:
@@ -282,9 +291,20 @@ def _op_of(node: fx.Node) -> str | None:
 class _Tracer(fx.Tracer):
     """fx's tracer, for a mod's captured values: an ``nn.Parameter`` the mod closes over (learned ALiBi slopes, a
     bias table) is a captured tensor like any other, where fx takes parameters from the traced module alone;
-    a NumPy or enum number is the Python number it stands for."""
+    a NumPy or enum number is the Python number it stands for; an element of a captured tensor read at constant
+    indices (``temperature[0]``, which Python evaluates before fx sees it: a 0-dim view) is that tensor read there,
+    at every call."""
+
+    def __init__(self, fn: Callable | None = None):
+        super().__init__()
+        self._fn, self._reached = fn, None
 
     def create_arg(self, a):
+        if isinstance(a, torch.Tensor) and a.dim() == 0 and a._base is not None:
+            found = self._element_of(a)
+            if found is not None:
+                base, index = found
+                return self.create_node("call_function", operator.getitem, (self.create_arg(base), index), {})
         if isinstance(a, torch.nn.Parameter) and all(a is not p for p in self.root.parameters()):
             name = self.tensor_attrs.get(a)
             if name is None:
@@ -295,6 +315,44 @@ class _Tracer(fx.Tracer):
                 self.tensor_attrs[a] = name
             return self.create_node("get_attr", name, (), {})
         return super().create_arg(_python_number(a))
+
+    def _element_of(self, a: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """The tensor of at least one dimension that the 0-dim view ``a`` is an element of, and its index: one the mod
+        reaches (the tensor it indexed) first, else the view's base."""
+        if self._reached is None:
+            self._reached = _reachable_tensors(self._fn) if self._fn is not None else []
+        root = a._base
+        for t in (*self._reached, root):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.layout != torch.strided or t.dtype != a.dtype:
+                continue
+            if t is not root and t._base is not root:  # not the view's memory
+                continue
+            index = _index_of(t, a.storage_offset() - t.storage_offset())
+            if index is not None:
+                return t, index
+        return None
+
+
+def _index_of(t: torch.Tensor, offset: int) -> tuple[int, ...] | None:
+    """The index of ``t`` whose element lies ``offset`` elements past its first, if one does."""
+    if offset < 0:
+        return None
+    index = [0] * t.dim()
+    for d in sorted(range(t.dim()), key=lambda d: -t.stride(d)):
+        if t.stride(d) > 0 and t.shape[d] > 1:
+            index[d] = min(offset // t.stride(d), t.shape[d] - 1)
+            offset -= index[d] * t.stride(d)
+    return tuple(index) if offset == 0 else None
+
+
+def _reachable_tensors(fn) -> list[torch.Tensor]:
+    """The tensors a mod reaches: through its closure, globals and defaults (``_captured_values``), and a module's
+    parameters and buffers."""
+    found = [value for _, value, _ in _captured_values(fn) if isinstance(value, torch.Tensor)]
+    owner = fn.__self__ if isinstance(fn, types.MethodType) else fn
+    if isinstance(owner, torch.nn.Module):
+        found += [*owner.parameters(), *owner.buffers()]
+    return found
 
 
 def _python_number(a):
