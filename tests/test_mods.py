@@ -195,13 +195,15 @@ def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
     (lambda s, b, h, q, k: s * _SCALAR[()], "score_mod", ValueError, r"has no dimension.*read z\[0\]"),
     (lambda s, b: s, "score_mod", TypeError, "expected 5 arguments"),
     (lambda s, b, h, q, k: _TABLE[0, 0] * 2 * s, "score_mod", ValueError, "0-dim tensor made while the mod was traced"),
+    (lambda s, b, h, q, k: s + _SPARSE[h, k], "score_mod", ValueError,
+     "'_SPARSE' has layout torch.sparse_coo; captured tensors must be strided"),
     (lambda s, b, h, q, k: s + _BF16[h] * 0.1, "score_mod", ValueError,
      "mul of a bfloat16 value and 0.1: torch computes it in bfloat16, which does not hold 0.1 exactly"),
     (lambda b, h, q, k: _U8[k % 2] < 300, "mask_mod", ValueError,
      r"lt of a uint8 value and 300: torch computes it in uint8, which does not hold 300 \(torch wraps it around\)"),
 ], ids=["unsupported-function", "pow", "control-flow", "mask-returns-float", "score-returns-bool", "float64-cast",
         "partial-index", "float-index", "bare-tensor", "zero-dim-tensor", "zero-dim-tensor-indexed", "arity",
-        "zero-dim-tensor-computed", "bf16-and-an-inexact-number", "uint8-and-a-number-past-it"])
+        "zero-dim-tensor-computed", "sparse-tensor", "bf16-and-an-inexact-number", "uint8-and-a-number-past-it"])
 def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, needle):
     with pytest.raises(error, match=needle):
         trace(fn, kind)
@@ -209,6 +211,7 @@ def test_unsupported_mods_are_refused_at_trace_time_by_name(fn, kind, error, nee
 
 _TABLE = torch.rand(2, 5)
 _SCALAR = torch.tensor(0.5)
+_SPARSE = torch.rand(2, 5).to_sparse()
 _BF16 = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
 _U8 = torch.tensor([1, 2], dtype=torch.uint8)
 

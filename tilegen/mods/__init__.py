@@ -27,9 +27,9 @@ The supported operations (anything else is refused when the mod is traced, namin
   ``.long()``, ``.bool()``); Python numbers;
 - indexing a captured tensor (a tensor the function closes over or reads from its module)
   with one index expression per dimension: ``bias[h, q_idx - kv_idx + n]``, ``slopes[h]``,
-  ``doc_ids[q_idx] == doc_ids[kv_idx]``, ``temperature[0]``. Captured tensors are kernel
-  arguments (pointer, strides, sizes), read at every call, so their values may change between
-  calls without a new kernel; a new shape or dtype traces the function again.
+  ``doc_ids[q_idx] == doc_ids[kv_idx]``, ``temperature[0]``. Captured tensors are strided (dense)
+  kernel arguments (pointer, strides, sizes), read at every call, so their values may change
+  between calls without a new kernel; a new shape or dtype traces the function again.
 
 Types: every value is computed in the dtype torch gives it when the mod is traced (on 0-dim tensors
 and Python numbers, as FlexAttention traces it), whatever Triton's own promotion would make of the

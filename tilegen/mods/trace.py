@@ -180,6 +180,8 @@ def trace(fn: Callable, kind: str) -> TracedMod:
                 _fail(kind, f"captured {type(t).__name__} {node.target!r} is not a tensor")
             if t.dtype not in DTYPE_NAMES:
                 _fail(kind, f"captured tensor {_name_of(fn, t)!r}: dtype {t.dtype} is not supported")
+            if t.layout != torch.strided:
+                _fail(kind, _not_strided(_name_of(fn, t), t), ValueError)
             if node.target not in attr_index:
                 attr_index[node.target] = len(tensors)
                 tensors.append(t)
@@ -278,6 +280,12 @@ def trace(fn: Callable, kind: str) -> TracedMod:
     except ModTypeError as e:
         _fail(kind, str(e), ValueError)
     return TracedMod(kind, canonical, tuple(tensors), tuple(_name_of(fn, t) for t in tensors), tuple(checks))
+
+
+def _not_strided(name: str, t: torch.Tensor) -> str:
+    """Why a captured tensor of another layout is refused: the kernel reads an element at its pointer and strides."""
+    return (f"captured tensor {name!r} has layout {t.layout}; captured tensors must be strided (dense) tensors, "
+            "which the kernel reads by pointer and strides: capture its .to_dense()")
 
 
 def _op_of(node: fx.Node) -> str | None:
@@ -1082,6 +1090,8 @@ def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: Call
         for name, t in zip(mod.names, mod.tensors):
             if t.device != device:
                 raise ValueError(f"{mod.kind}: captured tensor {name!r} is on {t.device}, the inputs on {device}")
+            if t.layout != torch.strided:  # a TracedMod made elsewhere than trace, or under torch.compile
+                raise ValueError(f"{mod.kind}: {_not_strided(name, t)}")
         mod.check_ranges(ranges)
         tensors.extend(mod.tensors)
     return ModCall(mods[0].canonical if mods[0] else None, mods[1].canonical if mods[1] else None, tuple(tensors),
