@@ -444,6 +444,29 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
     compile_for_sm90(request, tmp_path, kernels=1)
 
 
+@pytest.mark.parametrize("name,pointers", [
+    ("bool-add", {}), ("uint8-add-int8", {"sm_t0": "*u8", "sm_t1": "*i8"}), ("uint8-floordiv-int32", {"sm_t0": "*u8"}),
+    ("bf16-times-int32", {"sm_t0": "*bf16"}),
+])
+def test_the_type_casts_compile_for_an_h200(name, pointers, tmp_path):
+    """The casts the lowering adds where torch's types and Triton's differ, through the sm90 compiler too (the
+    interpreter accepts casts the compiler may not)."""
+    import json
+
+    pytest.importorskip("triton.backends.nvidia")
+    score_mod, mask_mod = _promotion_cases("cpu")[name]
+    texts = {key: trace(fn, key).canonical for key, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))
+             if fn is not None}
+    spec = AttentionSpec(head_dim=64, mask="causal", dtype="bf16", **texts)
+    pointers = {**pointers, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16"), "Lse": "*fp32", "qk_scale": "fp32",
+                "softcap_scale": "fp32"}
+    if mask_mod is not None:
+        pointers = {**pointers, "RUN_COUNT": "*i32", "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8"}
+    request = {"spec": json.loads(spec.to_json()), "pointers": pointers,
+               "configs": [{"BLOCK_M": 64, "BLOCK_N": 64, "TMA": False, "num_warps": 4}]}
+    compile_for_sm90(request, tmp_path, kernels=1)
+
+
 def test_mod_specs_are_tuned_only_with_their_functions_named():
     from tilegen.families.attention_decode import DecodeProblem, DecodeSpec
     from tilegen.families.attention_fwd import Problem
