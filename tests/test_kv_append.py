@@ -383,6 +383,21 @@ def test_bad_input_on_another_device_or_a_cache_of_no_sequence(device):
         tilegen.append_kv(empty, k, v, cu[:1])
 
 
+@pytest.mark.parametrize("source", ["k", "v"])
+def test_new_tokens_sharing_memory_with_the_pages_are_refused(source, device):
+    # Read while the pages are written: the rows of the first sequence land on slots the second still reads.
+    cache, k, v, cu = make_batch([0, 20], [30, 9], page_size=8, dim=8, spare_pages=6, device=device)
+    pages = cache.k_pages if source == "k" else cache.v_pages
+    pages.copy_(torch.randn_like(pages))
+    alias = pages.view(-1, 2, 8)[: k.shape[0]]
+    before = (cache.k_pages.clone(), cache.v_pages.clone())
+    with _raises(ValueError, f"{source}: overlaps cache.{source}_pages in memory"):
+        tilegen.append_kv(cache, *((alias, v) if source == "k" else (k, alias)), cu)
+    assert torch.equal(cache.k_pages.nan_to_num(), before[0].nan_to_num())
+    assert torch.equal(cache.v_pages.nan_to_num(), before[1].nan_to_num())
+    tilegen.append_kv(cache, *((alias.clone(), v) if source == "k" else (k, alias.clone())), cu)  # a copy is taken
+
+
 def test_a_head_dim_past_the_kernel_s_bound_is_refused(device):
     cache, k, v, cu = make_batch([1], [2], page_size=8, dim=520, device=device)
     with _raises(ValueError, "k: head dim 520 is not supported; expected 1..512"):

@@ -23,7 +23,7 @@ from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, refuse_grad
+from tilegen.ops.tensors import _span, check_device, refuse_grad
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -97,11 +97,27 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         _check_device_values(cache, k, cu_seqlens)
     if plan.launches:
         k_pages, v_pages = cache.k_pages, cache.v_pages
+        # Addresses change from call to call, so this is not part of the plan.
+        _check_apart(k, v, k_pages, v_pages)
         # The plan fixes the shapes and dtypes the launcher reads, but for the page table's length, which
         # grows with the cache (the kernel clamps page ids into it); that and the strides complete the replay key.
         indices = cache.indices
         plan.launch((k.stride(), v.stride(), k_pages.stride(), v_pages.stride(), indices.shape[0]),
                     k, v, cu_seqlens, k_pages, v_pages, cache.indptr, indices, cache.last_page_len, *cache._scales)
+
+
+def _check_apart(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+    """Raise when ``k`` or ``v`` shares memory with the pages: the kernel reads them while writing the pages, so
+    a row already overwritten would be read back silently wrong. Spans are compared, as ``check_out`` does."""
+    for name, t in (("k", k), ("v", v)):
+        storage = t.untyped_storage().data_ptr()
+        for pages_name, pages in (("cache.k_pages", k_pages), ("cache.v_pages", v_pages)):
+            if pages.untyped_storage().data_ptr() != storage:
+                continue
+            span, there = _span(t), _span(pages)
+            if span is not None and there is not None and span[0] < there[1] and there[0] < span[1]:
+                raise ValueError(f"{name}: overlaps {pages_name} in memory, which the append writes; "
+                                 "pass a tensor of its own (a copy)")
 
 
 def _refuse_grad(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:
