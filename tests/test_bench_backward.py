@@ -74,6 +74,17 @@ def test_a_peer_that_does_not_run_is_na(monkeypatch):
     assert table[1].split()[-2:] == ["n/a", "-"]
 
 
+def test_a_tilegen_run_that_does_not_run_is_told_apart_from_a_wrong_gradient(monkeypatch):
+    # A config out of shared memory raised in the check, and was reported as "failed the gradient check".
+    def out_of_memory(q, k, v, causal=False):
+        raise RuntimeError("out of resource: shared memory, Required: 264192")
+
+    monkeypatch.setattr(bench, "_peers", lambda cell, names, det: {"tilegen": out_of_memory, "math": _math})
+    row = bench.bench_cell(bench.Cell(33, 16, 2, 2, False, "fp32", batch=1), ["tilegen", "math"], "cpu", smoke=True)
+    assert not row["check"]["passed"] and row["tilegen"]["error"].startswith("did not run: RuntimeError: out of")
+    assert "bwd_ms" in row["math"]
+
+
 def test_the_smoke_run_checks_and_times_tilegens_backward(tmp_path):
     code = bench.main(["--smoke", "--masks", "causal", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "backward.json").read_text())["rows"]
