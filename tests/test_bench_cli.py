@@ -41,6 +41,13 @@ def test_a_benchmark_gets_the_flags_after_its_name():
     assert result.exit_code == 2 and "--dtypes: expected bf16 and/or fp16" in result.output
 
 
+def test_help_after_a_benchmark_name_is_the_benchmarks_own():
+    """``--help`` after NAME lists the benchmark's flags, as ``-h`` does, not the help of ``tilegen bench``."""
+    result = runner.invoke(app, ["bench", "decode", "--help"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("usage: tilegen bench decode") and "--q-tokens" in result.output
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message a machine without a GPU gets")
 @pytest.mark.parametrize("name", ["attention", "decode", "serving", "cascade", "mods"])
 def test_without_a_gpu_a_gpu_benchmark_says_so_in_one_line(name):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import typer
+from typer.core import TyperCommand
 
 import tilegen.bench
 from tilegen.cli.app import app, fail
@@ -40,7 +41,18 @@ def _help() -> str:
             "Its flags follow NAME; `tilegen bench NAME -h` lists them.\n\n\b\n" + rows)
 
 
-@app.command(help=_help(), context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class _BenchCommand(TyperCommand):
+    """``tilegen bench``, whose ``--help`` after NAME belongs to the benchmark: click would otherwise take it as
+    its own eager help option and show this command's help in place of the benchmark's flags."""
+
+    def parse_args(self, ctx, args):
+        if args and not args[0].startswith("-"):
+            args = [args[0], *("-h" if arg == "--help" else arg for arg in args[1:])]
+        return super().parse_args(ctx, args)
+
+
+@app.command(help=_help(), cls=_BenchCommand,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(
     ctx: typer.Context,
     name: str = typer.Argument("attention", help="The benchmark (default attention: prefill against the peers)."),
