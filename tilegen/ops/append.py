@@ -23,7 +23,7 @@ from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import _span, check_device, refuse_grad
+from tilegen.ops.tensors import check_device, first_overlap, refuse_grad
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -108,16 +108,12 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 def _check_apart(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
     """Raise when ``k`` or ``v`` shares memory with the pages: the kernel reads them while writing the pages, so
-    a row already overwritten would be read back silently wrong. Spans are compared, as ``check_out`` does."""
+    a row already overwritten would be read back silently wrong."""
     for name, t in (("k", k), ("v", v)):
-        storage = t.untyped_storage().data_ptr()
-        for pages_name, pages in (("cache.k_pages", k_pages), ("cache.v_pages", v_pages)):
-            if pages.untyped_storage().data_ptr() != storage:
-                continue
-            span, there = _span(t), _span(pages)
-            if span is not None and there is not None and span[0] < there[1] and there[0] < span[1]:
-                raise ValueError(f"{name}: overlaps {pages_name} in memory, which the append writes; "
-                                 "pass a tensor of its own (a copy)")
+        pages = first_overlap(t, {"cache.k_pages": k_pages, "cache.v_pages": v_pages})
+        if pages is not None:
+            raise ValueError(f"{name}: overlaps {pages} in memory, which the append writes; "
+                             "pass a tensor of its own (a copy)")
 
 
 def _refuse_grad(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor) -> None:

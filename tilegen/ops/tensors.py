@@ -9,7 +9,7 @@ import torch
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "refuse_grad", "writable"]
+           "empty_like_template", "first_overlap", "refuse_grad", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -106,17 +106,26 @@ def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | Non
     most calls pay for reading each tensor's storage address and no more (3 µs in all for
     ``out`` and three inputs on the 2-core CPU machine)."""
     check_distinct(name, out)
-    storage = out.untyped_storage().data_ptr()
+    other = first_overlap(out, inputs, may_be)
+    if other is not None:
+        allowed = " or ".join(may_be)
+        raise ValueError(f"{name}: overlaps {other} in memory; pass " + (f"{allowed} itself, or " if allowed else "")
+                         + "a tensor of its own")
+
+
+def first_overlap(t: torch.Tensor, others: dict[str, torch.Tensor | None], may_be: tuple[str, ...] = ()) -> str | None:
+    """The name of the first of ``others`` whose span overlaps ``t``'s, but one of ``may_be`` that is exactly ``t``
+    (same address, shape and strides); None when none does. Only tensors of one storage can overlap: most calls
+    read each tensor's storage address and no more."""
+    storage = t.untyped_storage().data_ptr()
     span = None
-    for other, t in inputs.items():
-        if t is None or t.untyped_storage().data_ptr() != storage:
+    for other, u in others.items():
+        if u is None or u.untyped_storage().data_ptr() != storage:
             continue
-        if other in may_be and (t.data_ptr(), t.shape, t.stride()) == (out.data_ptr(), out.shape, out.stride()):
+        if other in may_be and (u.data_ptr(), u.shape, u.stride()) == (t.data_ptr(), t.shape, t.stride()):
             continue
-        span = span or _span(out)
-        there = _span(t)
+        span = span or _span(t)
+        there = _span(u)
         if span is not None and there is not None and span[0] < there[1] and there[0] < span[1]:
-            allowed = " or ".join(may_be)
-            raise ValueError(f"{name}: overlaps {other} in memory; pass "
-                             + (f"{allowed} itself, or " if allowed else "")
-                             + "a tensor of its own")
+            return other
+    return None
