@@ -38,8 +38,13 @@ def check_db_path(source: str, path: Path) -> None:
     """End the command, naming ``source`` (an option, or TILEGEN_DB), when ``path``, where a database file is
     wanted, is a folder or a SQLite ``file:`` URI (SQLite would open the file it names, while the studies file
     and the folders took the text as a relative path)."""
-    if str(path).startswith("file:"):
-        fail(f"{source}: {str(path)!r}: give a SQLite database as a file path, not a file: URI")
+    from tilegen.db.errors import DatabaseError
+    from tilegen.db.location import refuse_file_uri
+
+    try:
+        refuse_file_uri(path)
+    except DatabaseError as e:
+        fail(f"{source}: {e}")
     if path.is_dir():
         fail(f"{source}: {path} is a folder; give the database file, e.g. {path / 'tuning.sqlite'}")
 

@@ -11,7 +11,7 @@ import os
 
 from tilegen.db.errors import DatabaseError
 
-__all__ = ["is_url", "server_url", "shown"]
+__all__ = ["is_url", "refuse_file_uri", "server_url", "shown"]
 
 #: What a server URL should look like, for error messages.
 URL_EXAMPLE = "postgresql+psycopg://user:password@host:5432/dbname"
@@ -20,6 +20,13 @@ URL_EXAMPLE = "postgresql+psycopg://user:password@host:5432/dbname"
 def is_url(value: str | os.PathLike[str] | None) -> bool:
     """Whether ``value`` names a database server rather than a file."""
     return isinstance(value, str) and "://" in value
+
+
+def refuse_file_uri(value: str | os.PathLike[str]) -> None:
+    """``DatabaseError`` for a SQLite ``file:`` URI where a file path is wanted: SQLite would open the file it names,
+    while the studies file, the folders and every message took the text as a relative path (two files apart)."""
+    if str(value).startswith("file:"):
+        raise DatabaseError(f"{str(value)!r}: give a SQLite database as a file path, not a file: URI")
 
 
 def server_url(text: str):

@@ -40,7 +40,7 @@ from tilegen.version import __version__
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check, imported_study, measured_study
-from tilegen.db.location import is_url, server_url, shown
+from tilegen.db.location import is_url, refuse_file_uri, server_url, shown
 from tilegen.db.validate import (
     RowError, check_best, check_gpu, check_stored_trial, check_stored_tuned, check_trial, check_variant,
     config_from_json,
@@ -121,10 +121,7 @@ class TuningDB:
             self._engine = open_server_engine(self.url, self.location, readonly=readonly)
             self._writer = self._engine
             return
-        if str(target).startswith("file:"):
-            # SQLite would open the file the URI names, while the studies, the folder and every message took the
-            # text as a relative path: two files apart.
-            raise DatabaseError(f"{str(target)!r}: give a SQLite database as a file path, not a file: URI")
+        refuse_file_uri(target)
         self.path = Path(target).expanduser()
         self.url = None
         self.location = str(self.path)
