@@ -29,7 +29,7 @@ from rich.text import Text
 from tilegen import env
 from tilegen.version import __version__
 from tilegen.cli.app import app, fail, check_db_path
-from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB, studies_url
+from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB, studies_path
 from tilegen.db.location import is_url
 from tilegen.db.validate import safe_text
 from tilegen.families import ConfigError, get
@@ -212,7 +212,7 @@ def export(
     _need(path)
     if not isinstance(path, _Server) and file.exists():
         # Written over, the database (or the studies beside it) would be JSON, and every later command refuse it.
-        for kept in (path, Path(studies_url(path).removeprefix("sqlite:///"))):
+        for kept in (path, studies_path(path)):
             if kept.exists() and file.resolve() == kept.resolve():
                 fail(f"FILE.json: {file} is the database's own file ({kept}); export to another path")
     with _open(path) as database:

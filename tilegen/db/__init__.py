@@ -25,6 +25,7 @@ __all__ = [
     "VariantRow",
     "imported_study",
     "measured_study",
+    "studies_path",
     "studies_url",
     "tuned_rows",
 ]
@@ -41,6 +42,7 @@ _WHERE = {
     "TuningDB": "tilegen.db.store",
     "imported_study": "tilegen.db.exchange",
     "measured_study": "tilegen.db.exchange",
+    "studies_path": "tilegen.db.store",
     "studies_url": "tilegen.db.store",
     "tuned_rows": "tilegen.db.lookup",
 }

@@ -64,7 +64,7 @@ from tilegen.device import DeviceInfo
 from tilegen.families import families
 from tilegen.ir import Spec
 
-__all__ = ["Refused", "TuningDB", "studies_url"]
+__all__ = ["Refused", "TuningDB", "studies_path", "studies_url"]
 
 _M = TypeVar("_M", bound=Base)
 #: How long a write to the studies file waits while another tune process writes.
@@ -77,8 +77,13 @@ def studies_url(db_path: str | os.PathLike[str]) -> str:
     >>> studies_url("/data/tuning.sqlite")
     'sqlite:////data/tuning.optuna.sqlite'
     """
+    return f"sqlite:///{studies_path(db_path)}"
+
+
+def studies_path(db_path: str | os.PathLike[str]) -> Path:
+    """The file of the studies kept beside a tuning database (``studies_url``'s)."""
     path = Path(db_path).expanduser().absolute()
-    return f"sqlite:///{path.with_name(path.stem + '.optuna.sqlite')}"
+    return path.with_name(path.stem + ".optuna.sqlite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +171,7 @@ class TuningDB:
         another tune process writes."""
         if self.is_server:
             return {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
-        path = studies_url(self.path).removeprefix("sqlite:///")
-        return {"creator": functools.partial(studies_connection, path, _STUDIES_TIMEOUT_S)}
+        return {"creator": functools.partial(studies_connection, str(studies_path(self.path)), _STUDIES_TIMEOUT_S)}
 
     @contextlib.contextmanager
     def studies_lock(self, name: str = "") -> Iterator[None]:
@@ -179,7 +183,7 @@ class TuningDB:
         session advisory lock on a server, held on a connection of its own.
         """
         if not self.is_server:
-            lock = Path(self.studies_url().removeprefix("sqlite:///") + ".lock")
+            lock = Path(f"{studies_path(self.path)}.lock")
             lock.parent.mkdir(parents=True, exist_ok=True)
             with open(lock, "a") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
