@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 
-from tilegen.mods.lower import ModGraph, _is_number, lower_mod, mod_ref, parse
+from tilegen.mods.lower import ModGraph, _is_number, followed, lower_mod, mod_ref, parse, positions
 
 __all__ = ["ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values"]
 
@@ -143,12 +143,8 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
     score_lines, d_score = _tangents(graph, "score", "d", prefix)
     body += score_lines
     # Which positions each value follows: a gather at an index that follows neither (slopes[h]) reads one element
-    # for a whole score block. The score differs at every (query, key), as a value of both positions does: an index
-    # computed from it (table[(score > 0).int()]) reads an element per score.
-    follows: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}),
-                                          "score": frozenset({"q", "k"})}
-    for name, _, _, args in graph.values:
-        follows[name] = frozenset().union(*(follows.get(a, frozenset()) for a in args))
+    # for a whole score block; one computed from the score (table[(score > 0).int()]) an element per score.
+    follows = positions(graph)
     for i in grad_tensors(text):
         t = f"{prefix}_t{i}"
         flag = f"{prefix.upper()}_T{i}_G"
@@ -161,7 +157,7 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
         for site, index, lines, d_site in passes:
             if d_site is None:
                 continue
-            one = not frozenset().union(*(follows.get(x, frozenset()) for x in index))
+            one = not followed(follows, index)
             offset, inside = "", []
             for dim, x in enumerate(index):
                 x_ref = mod_ref(x, prefix)

@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 
 __all__ = ["parse", "lower_mod", "mod_ref", "LoweredMod", "ModSyntaxError", "ModTypeError", "check_types",
-           "compute_dtype"]
+           "compute_dtype", "positions", "followed"]
 
 _OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "abs": 1, "floordiv": 2, "mod": 2, "lt": 2, "le": 2,
         "gt": 2, "ge": 2, "eq": 2, "ne": 2, "and": 2, "or": 2, "not": 1, "where": 3, "tanh": 1, "exp": 1,
@@ -93,14 +93,23 @@ def gathers_per_score(text: str | None) -> bool:
     follows both."""
     if text is None:
         return False
-    depends: dict[str, frozenset[str]] = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}),
-                                          "score": frozenset({"q", "k"})}
-    for name, _, op, args in parse(text).values:
-        reads = frozenset().union(*(depends.get(a, frozenset()) for a in args))
-        if op == "getitem" and frozenset().union(*(depends.get(a, frozenset()) for a in args[1:])) == {"q", "k"}:
-            return True
-        depends[name] = reads
-    return False
+    graph = parse(text)
+    follows = positions(graph)
+    return any(op == "getitem" and followed(follows, args[1:]) == {"q", "k"} for _, _, op, args in graph.values)
+
+
+def positions(graph) -> dict[str, frozenset[str]]:
+    """The positions each value of a parsed mod follows: ``"q"`` (the query's), ``"k"`` (the key's), both, or
+    neither (``h``, a constant). The score differs at every (query, key), as a value of both positions does."""
+    follows = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}), "score": frozenset({"q", "k"})}
+    for name, _, _, args in graph.values:
+        follows[name] = followed(follows, args)
+    return follows
+
+
+def followed(follows: dict[str, frozenset[str]], names) -> frozenset[str]:
+    """The positions the values ``names`` follow together (``positions``'s map)."""
+    return frozenset().union(*(follows.get(a, frozenset()) for a in names))
 
 
 _NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?(?:e[+-]?\d+)?|inf|nan)|True|False")
