@@ -69,13 +69,16 @@ class Choice:
     rule: Buckets | None = field(default=None, compare=False)  # the family's, to show what a bucket means
     tuned_under: str | None = None  # the Triton version of a row served for want of the installed one's
     installed_triton: str | None = field(default=None, compare=False)  # the version the rows were chosen for
+    tuned_for: str | None = None  # the spec a row served from another spec of the family was tuned for
 
     @property
     def note(self) -> str | None:
-        """What a user should know about where the config came from: a row of another Triton says so."""
-        if self.tuned_under is None:
-            return None
-        return f"tuned under Triton {self.tuned_under}; installed {self.installed_triton}"
+        """What a user should know about where the config came from: a row of another Triton or another spec
+        (``Family.rows_from``) says so."""
+        notes = [] if self.tuned_for is None else [f"tuned for {self.tuned_for}"]
+        if self.tuned_under is not None:
+            notes.append(f"tuned under Triton {self.tuned_under}; installed {self.installed_triton}")
+        return "; ".join(notes) or None
 
     def __repr__(self) -> str:
         def shown(bucket: int | None) -> str:
@@ -99,6 +102,7 @@ class Table:
         # ``tuned_rows`` says which rows another Triton tuned (a plain dict of rows has none).
         self.tuned_under: dict[int, str] = dict(getattr(rows, "tuned_under", {}))
         self.triton_version: str | None = getattr(rows, "triton_version", None)
+        self.tuned_for: dict[int, str] = dict(getattr(rows, "tuned_for", {}))
         self._choices: dict[int, Choice] = {}
 
     def choose(self, size: int | tuple[int, int]) -> Choice:
@@ -122,7 +126,7 @@ class Table:
         nearest = self.family.buckets.nearest(bucket, self.rows)
         config, source = self.rows[nearest]
         return Choice(config, source, bucket, nearest, self.family.buckets, self.tuned_under.get(nearest),
-                      self.triton_version)
+                      self.triton_version, self.tuned_for.get(nearest))
 
     def run(self, size: int | tuple[int, int], launch: Callable[[Choice], Any]) -> tuple[Choice, Any]:
         """``launch(choice)`` with the choice for ``size``; a tuned row that fails is skipped for good
@@ -140,6 +144,7 @@ class Table:
         """Forget the tuned row behind ``choice``: it failed to compile or launch here."""
         self.rows.pop(choice.tuned_bucket, None)
         self.tuned_under.pop(choice.tuned_bucket, None)
+        self.tuned_for.pop(choice.tuned_bucket, None)
         self._choices.clear()
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         message = (

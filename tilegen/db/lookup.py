@@ -28,7 +28,7 @@ from tilegen.db.sqlite import read_tuned
 from tilegen.db.rows import TunedRow
 from tilegen.db.validate import RowError, check_best, config_from_json, runnable_here, safe_text
 from tilegen.device import DeviceInfo
-from tilegen.families import Config
+from tilegen.families import Config, family_of
 from tilegen.ir import Spec
 
 __all__ = ["TunedRows", "served_rows", "serving_order", "tuned_rows"]
@@ -44,10 +44,13 @@ class TunedRows(dict[int, tuple[Config, str]]):
     version, ``triton_version`` is the installed one the rows were chosen for (``tilegen.explain`` tells
     the two apart)."""
 
-    def __init__(self, rows=(), *, triton_version: str, tuned_under: Mapping[int, str] | None = None):
+    def __init__(self, rows=(), *, triton_version: str, tuned_under: Mapping[int, str] | None = None,
+                 tuned_for: Mapping[int, str] | None = None):
         super().__init__(rows)
         self.triton_version = triton_version
         self.tuned_under = dict(tuned_under or {})
+        # A row tuned for another spec of the family (``Family.rows_from``): its bucket -> that spec's name.
+        self.tuned_for = dict(tuned_for or {})
 
 
 def serving_order(version: str, installed: str) -> tuple | None:
@@ -90,6 +93,10 @@ def tuned_rows(
     skipped with a warning, so one bad row never breaks the op. A row of another Triton whose
     config this one cannot run (the Gluon kernel's, under anything but Triton 3.6) is passed over
     quietly for the next nearest: that is no fault of the file.
+
+    A bucket with no row of ``spec``'s own is then served the row of the first of the family's
+    ``rows_from(spec)`` that has one and whose config ``feasible`` takes for ``spec`` (``tuned_for``
+    names that spec).
     """
     # Per bucket, each row that may serve it: (its order, file preference, config, source, Triton).
     candidates: dict[int, list[tuple]] = {}
@@ -130,6 +137,15 @@ def tuned_rows(
                 rows.tuned_under[bucket] = version
             rows[bucket] = (config, source)
             break
+    family = family_of(spec)
+    for kin in family.rows_from(spec) if family.rows_from is not None else ():
+        served = tuned_rows(kin, device, template_hash, triton_version, user_db=user_db)
+        for bucket, (config, source) in served.items():
+            if bucket not in rows and family.feasible(spec, config, device) is None:
+                rows[bucket] = (config, source)
+                rows.tuned_for[bucket] = kin.name
+                if bucket in served.tuned_under:
+                    rows.tuned_under[bucket] = served.tuned_under[bucket]
     if rows.tuned_under:
         tuned = ", ".join(sorted(set(rows.tuned_under.values()), key=Version))
         _warn_once(f"tilegen: {spec.name} on {device.key}: no tuned row of the installed Triton {triton_version} for "

@@ -228,6 +228,10 @@ class Family:
         standalone: optional ``standalone(family, spec, tuned, device, *, template_hash,
             triton_version) -> str``, what ``tilegen emit --tuned`` appends (see
             ``standalone_entry_point``).
+        rows_from: optional ``rows_from(spec) -> (spec, ...)``: specs of this family whose tuned rows
+            serve a bucket ``spec`` has no row of its own for, first one first, where ``feasible``
+            takes their config for ``spec`` (a forward that also writes its LSE runs well on the
+            configs tuned without it, and training calls it with no rows of its own).
     """
 
     name: str
@@ -243,6 +247,7 @@ class Family:
     presets: dict[str, Spec] = dataclasses.field(default_factory=dict)
     template_dir: Path | None = None
     standalone: Callable[..., str] | None = None
+    rows_from: Callable[[Spec], tuple[Spec, ...]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -259,8 +264,9 @@ class Family:
         for field in ("lower", "search_space", "feasible", "default_rule"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"{field}: expected a function, got {getattr(self, field)!r}")
-        if self.standalone is not None and not callable(self.standalone):
-            raise TypeError(f"standalone: expected a function or None, got {self.standalone!r}")
+        for field in ("standalone", "rows_from"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise TypeError(f"{field}: expected a function or None, got {getattr(self, field)!r}")
         if self.template_dir is not None:
             # A str would be a different value after a round trip through a Path, and so a different family.
             object.__setattr__(self, "template_dir", Path(self.template_dir))

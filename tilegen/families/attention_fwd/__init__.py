@@ -13,7 +13,7 @@ from tilegen.families.attention_fwd import config as _config
 from tilegen.families.attention_fwd.config import Config
 from tilegen.families.attention_fwd.lower import lower as _lower
 from tilegen.families.attention_fwd.problem import Problem
-from tilegen.families.attention_fwd.spec import AttentionSpec
+from tilegen.families.attention_fwd.spec import AttentionSpec, without_lse
 from tilegen.families.attention_fwd.standalone import entry_point
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
@@ -48,4 +48,5 @@ FAMILY = Family(
         "deepseek-prefill": AttentionSpec(head_dim=192, head_dim_v=128, mask="causal", dtype="bf16"),
     },
     standalone=entry_point,
+    rows_from=without_lse,
 )

@@ -9,13 +9,21 @@ from tilegen.ir import Spec, SpecError, check_bool, check_choice, check_int
 from tilegen.mods.lower import ModSyntaxError, check_mod_field, mod_name
 
 __all__ = ["AttentionFields", "AttentionSpec", "MASKS", "KV_LAYOUTS", "SUPPORTED_HEAD_DIMS", "check_attention_fields",
-           "check_mods", "mod_name_parts"]
+           "check_mods", "mod_name_parts", "without_lse"]
 
 MASKS = ("none", "causal", "window")
 KV_LAYOUTS = ("contiguous", "ragged", "paged")
 #: Head dims the dense template accepts: multiples of 8 from 16 to 256. Dims that are
 #: not powers of two are padded to the next one inside the kernel and masked.
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
+
+
+def without_lse(spec) -> tuple:
+    """The spec whose tuned rows serve ``spec`` where it has none (``Family.rows_from``): the same forward without
+    its LSE, which a training call asks for (the backward reads it) but ``tilegen tune`` presets and inference
+    tune without. Writing the LSE is one store of a row's sum after its last key block, so a config's speed
+    ranks alike with or without it."""
+    return (spec.replace(return_lse=False),) if spec.return_lse else ()
 
 
 def check_attention_fields(spec) -> None:

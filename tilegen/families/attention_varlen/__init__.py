@@ -13,6 +13,7 @@ from __future__ import annotations
 from tilegen.families.attention_varlen import config as _config
 from tilegen.families.attention_varlen.lower import lower as _lower
 from tilegen.families.attention_varlen.problem import VarlenProblem
+from tilegen.families.attention_fwd.spec import without_lse
 from tilegen.families.attention_varlen.spec import VarlenAttentionSpec
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
@@ -32,6 +33,7 @@ FAMILY = Family(
     feasible=_config.feasible,
     default_rule=_config.default_rule,
     problem_type=VarlenProblem,
+    rows_from=without_lse,
     presets={
         "varlen-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),
         "paged16-llama": VarlenAttentionSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16",
