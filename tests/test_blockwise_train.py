@@ -370,3 +370,28 @@ def test_autocast_is_refused_by_name(device):
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
         with pytest.raises(NotImplementedError, match="torch.autocast is not supported"):
             layer(x)
+
+
+def test_the_module_trains_with_tied_parameters_and_a_weight_held_as_a_buffer(device):
+    """A parameter tied under two names, and a norm weight frozen as a buffer, are weights of the module all the
+    same: ``layer(x)`` reads each name, and the tied parameter's gradient is the sum of both uses."""
+    layer = _layer(TINY, device, block=5)
+    layer.mlp.up_proj.weight = layer.mlp.gate_proj.weight
+    frozen = layer.input_layernorm.weight.detach().clone()
+    del layer.input_layernorm.weight
+    layer.input_layernorm.register_buffer("weight", frozen)
+    x = torch.randn(17, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    y = layer(x)
+    y.square().sum().backward()
+    w64 = {name: t.detach().double() for name, t in layer.state_dict().items()}
+    for name, t in w64.items():
+        t.requires_grad_(name != "input_layernorm.weight")
+    w64["mlp.up_proj.weight"] = w64["mlp.gate_proj.weight"]
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference_layer(x64, w64, TINY)
+    y64.square().sum().backward()
+    assert _rel(y.detach(), y64.detach()) < 1e-4 and _rel(x.grad, x64.grad) < 1e-4
+    assert _rel(layer.mlp.gate_proj.weight.grad, w64["mlp.gate_proj.weight"].grad) < 1e-4
+    for name, p in layer.named_parameters():
+        assert _rel(p.grad, w64[name].grad) < 1e-4, name
+    assert frozen.grad is None

@@ -78,12 +78,18 @@ class BlockwiseLayer(torch.nn.Module):
         weights = as_state_dict(source)
         check_weights(weights, self.config)
         with torch.no_grad():
-            for name, param in self.named_parameters():
+            for name, param in self.weights().items():
                 param.copy_(weights[name])
         return self
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {name: param for name, param in self.named_parameters()}
+        """The layer's tensors by Llama name: a parameter tied under two names appears under both, and a weight
+        re-registered as a buffer (a frozen norm) is there too; ``named_parameters()`` would drop either. Other
+        buffers are not weights."""
+        names = self.config.weight_shapes()
+        held = {name: t for name, t in self.named_buffers(remove_duplicate=False) if name in names}
+        held.update(self.named_parameters(remove_duplicate=False))
+        return held
 
     def forward(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output; differentiable (to ``x`` and the parameters) when grad mode is on and
