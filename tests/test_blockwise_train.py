@@ -395,3 +395,37 @@ def test_the_module_trains_with_tied_parameters_and_a_weight_held_as_a_buffer(de
     for name, p in layer.named_parameters():
         assert _rel(p.grad, w64[name].grad) < 1e-4, name
     assert frozen.grad is None
+
+
+def test_from_llama_reads_a_mistral_layer_s_sliding_window(device):
+    """A Mistral layer's config holds a sliding window (each token sees itself and the ``sliding_window - 1`` tokens
+    before it) that its weights cannot show: the layer built from it applies that window, and matches the module
+    run with the window's mask past the window's length; an explicit ``window`` wins."""
+    transformers = pytest.importorskip("transformers")
+    if device != "cpu":
+        pytest.skip("tiny fp32 CPU model, run under the interpreter")
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralRotaryEmbedding
+
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                        max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    mistral = MistralDecoderLayer(config, layer_idx=0)
+    with torch.no_grad():
+        for p in mistral.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    layer = BlockwiseLayer.from_llama(mistral, heads_q=4, block=8)
+    assert layer.config.window == (5, 0)
+    tokens = 19
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(tokens)
+    seen = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - 6)
+    mask = torch.zeros(tokens, tokens).masked_fill(~seen, float("-inf"))[None, None]
+    with torch.no_grad():
+        out = mistral(x, attention_mask=mask, position_ids=positions[None],
+                      position_embeddings=MistralRotaryEmbedding(config=config)(x, positions[None]))
+        want = (out[0] if isinstance(out, tuple) else out)[0]
+        got = layer(x[0])
+    assert _rel(got, want.double()) < 1e-4
+    assert BlockwiseLayer.from_llama(mistral, heads_q=4, window=None).config.window is None

@@ -56,11 +56,11 @@ class BlockwiseLayer(torch.nn.Module):
         ``eps``, ``causal``, ...). Weights that do not fit raise an error naming the weight.
 
         A transformers decoder layer also gives what its weights cannot, unless ``options`` say otherwise: its
-        norm's eps and its attention config's ``rope_theta`` (so a Llama 3 layer gets 500000, not the default
-        10000). A RoPE of another type there (Llama 3.1's scaled frequencies, YaRN, ...) raises
-        ``NotImplementedError``: tilegen's RoPE turns by plain ``rope_theta`` frequencies, and the layer would
-        differ from the module's; pass ``rope_theta`` to build it anyway. So does an MLP activation other than SiLU
-        or attention dropout, and ``heads_q``/``heads_kv`` other than its config's raise ``ValueError``."""
+        norm's eps, its attention config's ``rope_theta`` (so a Llama 3 layer gets 500000, not the default
+        10000) and ``sliding_window`` (Mistral's), as ``window=(sliding_window - 1, 0)``. A RoPE of another type
+        there (Llama 3.1's scaled frequencies, YaRN, ...) raises ``NotImplementedError``: tilegen's RoPE turns by
+        plain ``rope_theta`` frequencies, and the layer would differ from the module's; pass ``rope_theta`` to build
+        it anyway. So does an MLP activation other than SiLU or attention dropout, and ``heads_q``/``heads_kv`` other than its config's raise ``ValueError``."""
         if isinstance(source, torch.nn.Module):
             _check_module_config(source, heads_q, heads_kv)
             options = {**_module_options(source, explicit_rope="rope_theta" in options), **options}
@@ -123,7 +123,8 @@ def _check_module_config(module: torch.nn.Module, heads_q: Any, heads_kv: Any) -
 
 def _module_options(module: torch.nn.Module, explicit_rope: bool) -> dict[str, Any]:
     """The options a transformers decoder layer holds beside its weights: the input norm's eps, and its attention
-    config's RoPE base (``rope_parameters``, or an older transformers' ``rope_theta`` and ``rope_scaling``)."""
+    config's RoPE base (``rope_parameters``, or an older transformers' ``rope_theta`` and ``rope_scaling``) and sliding
+    window (``sliding_window``, where ``layer_types`` makes this layer one of sliding attention, if it has them)."""
     found: dict[str, Any] = {}
     norm = getattr(module, "input_layernorm", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -141,4 +142,12 @@ def _module_options(module: torch.nn.Module, explicit_rope: bool) -> dict[str, A
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     if isinstance(theta, (int, float)) and not isinstance(theta, bool):
         found["rope_theta"] = float(theta)
+    window = getattr(config, "sliding_window", None)
+    types, index = getattr(config, "layer_types", None), getattr(module.self_attn, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        window = window if types[index] == "sliding_attention" else None
+    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        # transformers' sliding window keeps a key when q_idx - kv_idx < sliding_window: the token and the
+        # sliding_window - 1 before it (Mistral's 4096).
+        found["window"] = (window - 1, 0)
     return found
