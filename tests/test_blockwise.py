@@ -540,6 +540,20 @@ def test_the_reference_at_chosen_rows_is_the_whole_reference_there(device):
                                    whole[rows], rtol=1e-12, atol=1e-12)
 
 
+def test_the_reference_takes_a_scale_of_zero_or_below(device):
+    """A config's scale need only be finite: the reference layer at scale 0 or below is the layer's function there
+    (its attention at chosen rows, which computes the scores as they are), not NaN, and so is the layer."""
+    for scale in (-0.5, 0.0):
+        config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN, scale=scale)
+        weights = layer_weights(config, torch.float32, device)
+        x = _x((TOKENS, D_MODEL), torch.float32, device)
+        whole = reference_layer(x, weights, config, compute_dtype=torch.float64)
+        at_rows = reference_layer(x, weights, config, compute_dtype=torch.float64, rows=torch.arange(TOKENS))
+        torch.testing.assert_close(whole, at_rows, rtol=1e-12, atol=1e-12)
+        out = tilegen.blockwise_layer(x, weights, config, block=16)
+        assert relative_error(out - x, whole - x.double())[0] < TOL[torch.float32], scale
+
+
 def test_the_layer_problem_poisons_checks_and_samples_rows(monkeypatch):
     from tilegen.layers.family import problem as layer_problem
 

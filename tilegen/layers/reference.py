@@ -93,10 +93,11 @@ def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config
     scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
     if rows is not None:
         attn = _attention_at(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at, config, scale)
-    elif config.window is None and config.softcap is None:
+    elif config.window is None and config.softcap is None and scale > 0:
+        # SDPA's math path scales q and k by sqrt(scale) each: NaN for a scale of 0 or below.
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=config.causal, scale=scale, enable_gqa=hq != hkv)
-    else:  # SDPA has neither: the attention family's reference (the whole score matrix) does
+    else:  # SDPA cannot: the attention family's reference (the whole score matrix) does
         attn = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=config.causal,
                                    window=config.window, softcap=config.softcap, scale=scale,
                                    compute_dtype=dtype)[0].to(dtype)
