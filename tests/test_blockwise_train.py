@@ -429,3 +429,16 @@ def test_from_llama_reads_a_mistral_layer_s_sliding_window(device):
         got = layer(x[0])
     assert _rel(got, want.double()) < 1e-4
     assert BlockwiseLayer.from_llama(mistral, heads_q=4, window=None).config.window is None
+
+
+def test_loading_two_values_into_a_tied_parameter_is_refused_by_name(device):
+    """A parameter tied under two names takes one value: a source whose weights there differ is refused, naming
+    both, where one of them would silently win; a source that agrees loads."""
+    layer = _layer(TINY, device)
+    layer.mlp.up_proj.weight = layer.mlp.gate_proj.weight
+    weights = random_weights(TINY, torch.Generator().manual_seed(4), device, torch.float32)
+    with pytest.raises(ValueError, match="mlp.up_proj.weight: tied to mlp.gate_proj.weight"):
+        layer.load_weights(weights)
+    weights["mlp.up_proj.weight"] = weights["mlp.gate_proj.weight"].clone()
+    layer.load_weights(weights)
+    assert torch.equal(layer.mlp.up_proj.weight, weights["mlp.gate_proj.weight"])

@@ -74,11 +74,20 @@ class BlockwiseLayer(torch.nn.Module):
 
     def load_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module) -> BlockwiseLayer:
         """Copy a Llama-style layer's weights in (dtype and device converted to the layer's);
-        a missing, unexpected or misshapen weight raises an error naming it."""
+        a missing, unexpected or misshapen weight raises an error naming it, as does one of a parameter tied under
+        two names whose values there differ."""
         weights = as_state_dict(source)
         check_weights(weights, self.config)
+        held = self.weights()
+        first: dict[int, str] = {}
+        for name, param in held.items():
+            # A tied parameter holds one value: of two that differ, whichever came last would silently win.
+            other = first.setdefault(id(param), name)
+            if other != name and not torch.equal(weights[name], weights[other]):
+                raise ValueError(f"{name}: tied to {other} in this layer, but the source's values for the two "
+                                 "differ")
         with torch.no_grad():
-            for name, param in self.weights().items():
+            for name, param in held.items():
                 param.copy_(weights[name])
         return self
 
