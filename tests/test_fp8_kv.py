@@ -173,6 +173,29 @@ def test_paged_prefill_reads_fp8_pages(fmt, per_head, q_dtype, device):
         attn.run(q, other)
 
 
+
+def test_a_nan_in_a_bf16_query_gives_its_row_nan(device):
+    """A bf16 query over FP8 pages is narrowed to fp16 by a clamp: a NaN element must stay NaN (its row's
+    answer is NaN, as the reference's), where a clamp that drops NaN made it -65504 and the row finite."""
+    gen = torch.Generator().manual_seed(13)
+    cache, dequantized = fp8_cache([1, 17], "e4m3", True, device, gen)
+    q = torch.randn(2, KV_HEADS * GROUP, DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
+    q[1, 5, 3] = math.nan
+    cu = torch.arange(3, dtype=torch.int32)
+    ref, _ = paged_reference(q, dequantized, cu)
+    ref[1, 5] = math.nan  # softmax over NaN scores (the reference zeroes rows of NaN weights, meant for empty ones)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=q.shape[1])
+    prefill = tilegen.PagedAttention()
+    prefill.plan(cu.to(device), cache, heads_q=q.shape[1], causal=True)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=q.shape[1])
+    for op in (decode, prefill, cascade):
+        out = op.run(q, cache).cpu()
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), type(op).__name__
+        _check(torch.nan_to_num(out), torch.nan_to_num(ref), torch.bfloat16)
+
+
 # ----------------------------------------------------------------------------------------- append_kv
 
 def _append_batch(fmt, per_head, device, gen, k_scale=None):
