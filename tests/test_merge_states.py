@@ -114,6 +114,24 @@ def test_a_nan_or_inf_lse_gives_a_nan_row_and_leaves_the_others(device):
     assert relative_error(o[good], ref[good])[0] < TOL[torch.float32]
 
 
+
+def test_a_nan_in_a_side_that_saw_keys_reaches_its_row_however_little_it_weighs(device):
+    """A finite LSE far below the other side's (200 and 1000 apart: exp underflows in fp32, and in float64
+    for the second) still weighs its side: a NaN in its o makes the row NaN, where only an LSE of -inf weighs 0."""
+    o_a, lse_a, o_b, lse_b = make_parts((4, 2, 8), torch.float32, device, seed=5)
+    lse_a = torch.tensor([[0.0, -200.0], [-1000.0, NEG_INF], [-200.0, 0.0], [0.0, 0.0]], device=device)
+    lse_b = torch.zeros(4, 2, device=device)
+    o_a, o_b = o_a.clone(), o_b.clone()
+    o_a[:3, :, 1] = math.nan
+    o_b[3, 1, 2] = math.nan
+    bad = torch.tensor([[True, True], [True, False], [True, True], [False, True]], device=device)
+    ref, _ = merge_reference(o_a, lse_a, o_b, lse_b)
+    o, lse = tilegen.merge_states(o_a, lse_a, o_b, lse_b)
+    assert torch.equal(torch.isnan(ref).any(-1), bad)
+    assert torch.equal(torch.isnan(o).any(-1), bad)
+    assert relative_error(o[~bad], ref[~bad])[0] < TOL[torch.float32] and not torch.isnan(lse).any()
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # inf * 0, discarded
 def test_a_side_that_saw_no_key_weighs_nothing_whatever_its_o_holds(device):
     parts = make_parts((9, 3, 16), torch.bfloat16, device, seed=4)

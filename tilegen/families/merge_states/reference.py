@@ -21,9 +21,10 @@ def merge_reference(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]
     m = torch.where(empty, 0.0, m)
     wa, wb = torch.exp(la - m), torch.exp(lb - m)
     total = wa + wb
-    # A weight of 0 multiplies nothing: the o of a side that saw no key may hold anything.
-    part_a = torch.where(wa[..., None] > 0, wa[..., None] * o_a.double(), 0.0)
-    part_b = torch.where(wb[..., None] > 0, wb[..., None] * o_b.double(), 0.0)
+    # The o of a side that saw no key may hold anything; a side that saw keys keeps its NaN however little it
+    # weighs (an exp that underflows to 0 is still a weight).
+    part_a = torch.where(la[..., None] > float("-inf"), wa[..., None] * o_a.double(), 0.0)
+    part_b = torch.where(lb[..., None] > float("-inf"), wb[..., None] * o_b.double(), 0.0)
     o = (part_a + part_b) / torch.where(empty, 1.0, total)[..., None]
     lse = torch.where(empty, float("-inf"), m + torch.log(total))
     return o, lse
