@@ -428,6 +428,31 @@ def test_emit_tuned_module_runs_without_tilegen_and_matches_the_reference(emitte
     assert (lse.double() - ref_lse)[finite].abs().max() < 1e-5
 
 
+def test_an_emitted_module_refuses_inputs_its_kernel_would_misread(emitted):
+    # The kernel reads k, v and the window as the call passes them: a shape, device or value tilegen.attention
+    # refuses by name would read past the tensors, or give an answer for a call that means nothing.
+    module_spec = importlib.util.spec_from_file_location("standalone_attention", emitted)
+    m = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(m)
+    q, k, v = torch.randn(2, 4, 17, 32), torch.randn(2, 2, 17, 32), torch.randn(2, 2, 17, 32)
+    cases = {
+        "k: head dim": ((q, k[..., :16], v), {}),
+        "k, v: batch": ((q, k[:1], v[:1]), {}),
+        "v: heads and seq": ((q, k, v[:, :, :9]), {}),
+        "v: heads and seq ": ((q, k, v[:, :1]), {}),
+        "k: expected 4 dims": ((q, k[0], v), {}),
+        "k: on meta": ((q, k.to("meta"), v), {}),
+        "window_left: expected an int >= 0": ((q, k, v), {"window_left": -3}),
+        "window_right: expected an int >= 0": ((q, k, v), {"window_right": 2.5}),
+        "scale: expected a finite number": ((q, k, v), {"scale": float("nan")}),
+        "softcap: expected a finite positive number": ((q, k, v), {"softcap": 0.0}),
+    }
+    for needle, (args, kwargs) in cases.items():
+        with pytest.raises((ValueError, TypeError)) as error:
+            m.attention(*args, **{"softcap": 20.0, **kwargs})
+        assert str(error.value).startswith(needle.strip()), (needle, error.value)
+
+
 @pytest.mark.parametrize("tuned", [True, False], ids=["tuned", "plain"])
 def test_an_emitted_bf16_module_is_right_under_the_interpreter_without_tilegen(tmp_path, tuned):
     # bf16 is what the interpreter gets wrong unmended (dots on raw bits, truncating casts); tilegen mends it for

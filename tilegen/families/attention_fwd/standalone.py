@@ -74,7 +74,9 @@ _SOFTCAP_CODE = {
     True: """\
     if softcap is None:
         raise ValueError("softcap: this kernel was generated with logit softcapping; pass softcap=")
-    softcap = float(softcap)""",
+    softcap = float(softcap)
+    if not 0 < softcap < math.inf:
+        raise ValueError("softcap: expected a finite positive number, got %r" % softcap)""",
     False: """\
     if softcap is not None:
         raise ValueError("softcap: this kernel was generated without logit softcapping")
@@ -89,7 +91,13 @@ _WINDOW_CHECK = {
     if window_left is not None or window_right not in (None, 0):
         raise ValueError("window_left, window_right: this kernel was generated causal (left unbounded, right 0)")
 """,
-    "window": "",
+    "window": """\
+    # A negative or fractional side would reach the kernel's integer bounds as a band no call means.
+    for name, side in (("window_left", window_left), ("window_right", window_right)):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError("%s: expected an int >= 0 or None (unbounded), got %r" % (name, side))
+    window_left, window_right = (None if side is None else int(side) for side in (window_left, window_right))
+""",
 }
 
 _STANDALONE = string.Template('''
@@ -101,6 +109,7 @@ _STANDALONE = string.Template('''
 # of DEFAULTS, a list of (largest bucket, config) ending in None: the rules and the code of
 # tilegen's own dispatch.
 import math
+import numbers
 import os
 
 import torch
@@ -134,17 +143,31 @@ def attention(q, k, v, *, scale=None, softcap=None, window_left=None, window_rig
     ``window_left``/``window_right`` bound the keys around the bottom-right aligned
     diagonal (None: unbounded); ``scale`` defaults to 1/sqrt(head_dim).
     """
-    batch, heads, n_q, dim = q.shape
-    n_k = k.shape[2]
+    # The kernel reads k and v with q's batch and k's heads and length: a mismatch would read past them.
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError("%s: expected 4 dims [batch, heads, seq, head_dim], got %r"
+                             % (name, tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__))
         if t.dtype != DTYPE:
             raise TypeError("%s: expected %s, got %s" % (name, DTYPE, t.dtype))
+        if t.device != q.device:
+            raise ValueError("%s: on %s while q is on %s; all inputs must share a device" % (name, t.device, q.device))
+    batch, heads, n_q, dim = q.shape
+    n_k = k.shape[2]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError("k, v: batch sizes %d, %d differ from q's %d" % (k.shape[0], v.shape[0], batch))
+    if k.shape[3] != dim:
+        raise ValueError("k: head dim %d differs from q's %d" % (k.shape[3], dim))
+    if v.shape[1:3] != k.shape[1:3]:
+        raise ValueError("v: heads and seq %s differ from k's %s" % (tuple(v.shape[1:3]), tuple(k.shape[1:3])))
     if dim != HEAD_DIM or v.shape[3] != HEAD_DIM_V or heads != k.shape[1] * Q_PER_KV:
         raise ValueError(
             "q, k, v: expected head dims %d/%d and %d query heads per KV head, got shapes %s, %s, %s"
             % (HEAD_DIM, HEAD_DIM_V, Q_PER_KV, tuple(q.shape), tuple(k.shape), tuple(v.shape))
         )
     scale = 1.0 / math.sqrt(int(HEAD_DIM)) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError("scale: expected a finite number, got %r" % scale)
 $softcap_code
 $window_check    left, right = launch_window(MASK, window_left, window_right, n_q, n_k)
     out = q.new_empty(batch, heads, n_q, int(HEAD_DIM_V))  # int(): the kernel's globals are tl.constexpr
