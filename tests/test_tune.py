@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -137,6 +138,24 @@ def test_failing_configs_get_their_status_and_never_win(tmp_path, monkeypatch):
     assert str(result.best.config) not in failures
     assert str(Config.from_dict(best.config)) == str(result.best.config)
     assert best.time_ms == min(t.time_ms for t in trials if t.status == "ok")
+
+
+@pytest.mark.parametrize("where", ["out", "lse"])
+def test_an_unwritten_element_outside_the_checked_rows_fails_the_trial(where):
+    # On a GPU the reference covers batch 0's leading heads and last rows only; the NaN poison elsewhere must
+    # still fail a config that leaves part of the output unwritten (a tile its schedule skipped), as the other
+    # families' checks do.
+    from tilegen.families.attention_fwd import AttentionSpec
+    from tilegen.families.attention_fwd.reference import attention_reference
+
+    spec = AttentionSpec(head_dim=16, mask="causal", dtype="fp32", return_lse=True)
+    problem = ATTENTION_FWD.problem(spec, 16, on_gpu=False, batch=2)
+    inputs = problem.inputs(seed=0)
+    ref, ref_lse = attention_reference(*inputs, causal=True, scale=problem.scale)
+    outputs = (ref.float(), ref_lse.float())
+    assert problem.check(inputs, outputs)[0] < problem.tolerance
+    outputs[where == "lse"][1, 0, 0] = math.nan
+    assert problem.check(inputs, outputs) == (math.inf, math.inf)
 
 
 def test_grid_measures_every_feasible_config_once(tmp_path):
