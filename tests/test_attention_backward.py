@@ -356,6 +356,29 @@ def test_explain_backward(device):
     assert choice.config != tilegen.explain(q, k, v, causal=True).config
 
 
+def test_explain_backward_of_a_deterministic_call_names_the_config_it_runs(device, monkeypatch):
+    # A tuned row with atomics runs, in a deterministic call, with a dQ kernel of its own in their place.
+    import tilegen.ops.attention_grad as grad_module
+    from tilegen import dispatch
+
+    case = Case(40, dtype="fp32", head_dim=16, causal=True)
+    q, k, v = leaf_inputs(case, device)
+    spec = grad_module.backward_spec(q.dtype, 16, 16, q.shape[1] // k.shape[1], "causal", False, "dense")
+    info = device_info(torch.device(device))
+    atomic = CONFIGS["atomic-dq"]
+    dispatch._tables[(spec, info)] = dispatch.Table(spec, info, {64: (atomic, "tuned.sqlite")})
+    ran = []
+    real = grad_module.deterministic_config
+    monkeypatch.setattr(grad_module, "deterministic_config", lambda config: ran.append(real(config)) or ran[-1])
+    tilegen.attention(q, k, v, causal=True, deterministic=True).sum().backward()
+    assert ran and ran[-1].atomic_dq == 0
+    assert tilegen.explain(q, k, v, causal=True, backward=True).config == atomic
+    choice = tilegen.explain(q, k, v, causal=True, backward=True, deterministic=True)
+    assert choice.config == ran[-1] and (choice.source, choice.tuned_bucket) == ("tuned.sqlite", 64)
+    with pytest.raises(TypeError, match="deterministic"):
+        tilegen.explain(q, k, v, backward=True, deterministic=1)
+
+
 # --------------------------------------------------------------------------- opcheck and torch.compile
 
 def test_opcheck_dense(device):

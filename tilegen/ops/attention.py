@@ -453,28 +453,31 @@ def _check_out(out, shape, q) -> None:
 
 
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
-            backward=False, score_mod=None, mask_mod=None) -> dispatch.Choice:
+            backward=False, deterministic=False, score_mod=None, mask_mod=None) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
-    ``backward=True``: the config its backward runs. A call that trains (an input requires grad, grad mode on)
+    ``backward=True``: the config its backward runs (with ``deterministic=True``, a dQ kernel of its own in place
+    of a row's atomics, as such a call runs it). A call that trains (an input requires grad, grad mode on)
     runs the forward that also writes the LSE its backward reads: that variant's config is the one shown.
     With mods, the mod spec's (or, for a mod that is a built-in option, the built-in's)."""
     check_bool("backward", backward)
+    check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
     try:
         return_lse = return_lse or ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
     except AttributeError:  # not tensors: the checks say which
         pass
     if score_mod is not None or mask_mod is not None:
-        return _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, score_mod, mask_mod)
+        return _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, deterministic, score_mod,
+                             mask_mod)
     if backward:
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                                            "dense")
-        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]))
+        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]), deterministic)
     return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
 
 
-def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, score_mod, mask_mod):
+def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward, deterministic, score_mod, mask_mod):
     """``explain`` of a call with mods, choosing as ``_with_mods`` and ``_launch_with_mods`` do."""
     given = scale, softcap
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
@@ -482,11 +485,11 @@ def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward,
     if absorbed[3:] != (score_mod, mask_mod):
         causal, window, softcap, score_mod, mask_mod = absorbed
         return explain(q, k, v, causal=causal, window=window, softcap=softcap, scale=given[0], return_lse=return_lse,
-                       backward=backward, score_mod=score_mod, mask_mod=mask_mod)
+                       backward=backward, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
     mods, spec, _ = _eager_mods(spec, q, k, v, score_mod, mask_mod, _mod_ranges(q, k, left, right))
     if backward:
-        bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, False)
-        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]))
+        bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, deterministic)
+        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]), deterministic)
     return _mod_choice(spec, q, k)
 
 

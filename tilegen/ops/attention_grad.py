@@ -235,9 +235,12 @@ def apply_with_mods(name: str, forward, backward, q, k, v, tensors) -> tuple[tor
     return _WithMods.apply(name, forward, backward, q, k, v, *tensors)
 
 
-def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int) -> dispatch.Choice:
-    """The backward's choice for a call of ``size`` (the longer sequence)."""
-    return _table(spec, device).choose(size)
+def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int,
+                     deterministic: bool = False) -> dispatch.Choice:
+    """The backward's choice for a call of ``size`` (the longer sequence); ``deterministic``: with the config
+    such a call runs in the row's place."""
+    choice = _table(spec, device).choose(size)
+    return dataclasses.replace(choice, config=deterministic_config(choice.config)) if deterministic else choice
 
 
 @torch.library.custom_op("tilegen::attention_bwd", mutates_args=())
