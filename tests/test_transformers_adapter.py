@@ -789,3 +789,26 @@ def test_register_without_transformers_says_what_it_needs(monkeypatch):
 def test_importing_tilegen_does_not_import_transformers():
     code = "import sys, tilegen, tilegen.integrations.transformers; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["2d", "4d"])
+def test_a_mask_laid_out_under_inference_mode_serves_a_training_call(dense, device):
+    """An evaluation under torch.inference_mode, then a training step on the same mask object: the layout the first
+    made must be of normal tensors, which the second's backward can save (inference tensors it cannot)."""
+    q, k, v = _qkv(device, n=7, seed=15)
+    padding = torch.ones(2, 7, dtype=torch.bool, device=device)
+    padding[0, :2] = False
+    allowed = _causal(7, 7, device) & padding[:, None, None, :]
+    mask = allowed if dense else padding
+    module = types.SimpleNamespace(is_causal=True)
+    with torch.inference_mode():
+        tilegen_hf.attention_forward(module, q, k, v, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = tilegen_hf.attention_forward(module, *leaves, mask)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(16)).to(device)
+    grads = torch.autograd.grad(out, leaves, dout.masked_fill(~padding[:, :, None, None], 0.0))
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(_dense_reference(*refs, allowed), refs,
+                               dout.double().masked_fill(~padding[:, :, None, None], 0.0))
+    for name, got, expected in zip("qkv", grads, want):
+        assert _rel(got, expected) < 1e-4, name

@@ -491,7 +491,11 @@ def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
         key = (id(mask), *args)
         entry = _layouts.get(key)
         if entry is None or entry[0]() is not mask or entry[1] != version:
-            layout = build(mask, n_q, n_k, pattern)
+            # Of normal tensors whatever the caller's mode: one made under torch.inference_mode (an evaluation) and
+            # kept with the mask would hold offsets that a later training call on that mask cannot save for its
+            # backward.
+            with torch.inference_mode(False):
+                layout = build(mask, n_q, n_k, pattern)
             if len(_layouts) >= _MAX_LAYOUTS:
                 _layouts.clear()
             # The entry goes with its mask (generation makes a new one every step): a decode table holds plans'
