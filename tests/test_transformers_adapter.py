@@ -4,6 +4,7 @@ and the float64 reference, and what it hands to SDPA instead. Importing tilegen 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
@@ -812,3 +813,21 @@ def test_a_mask_laid_out_under_inference_mode_serves_a_training_call(dense, devi
                                dout.double().masked_fill(~padding[:, :, None, None], 0.0))
     for name, got, expected in zip("qkv", grads, want):
         assert _rel(got, expected) < 1e-4, name
+
+
+def test_a_mask_that_outlives_the_modules_globals_drops_its_layout_quietly(device, monkeypatch):
+    """At interpreter exit the module's globals are set to None before the last masks die (a 4-d mask's entry holds
+    the padding mask of another): their entries' callbacks must not look the cache up by its global name."""
+    padding = torch.ones(2, 7, dtype=torch.bool, device=device)
+    padding[0, :2] = False
+    key = (id(padding), 7, 7, True, tilegen_hf._padding_layout)
+    tilegen_hf._layout(padding, 7, 7, True, tilegen_hf._padding_layout)
+    layouts = tilegen_hf._layouts
+    assert key in layouts
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(tilegen_hf, "_layouts", None)
+    del padding
+    gc.collect()
+    assert not unraisable, unraisable[0].exc_value
+    assert key not in layouts

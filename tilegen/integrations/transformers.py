@@ -499,8 +499,10 @@ def _layout(mask: torch.Tensor, n_q: int, n_k: int, pattern, build):
             if len(_layouts) >= _MAX_LAYOUTS:
                 _layouts.clear()
             # The entry goes with its mask (generation makes a new one every step): a decode table holds plans'
-            # buffers.
-            entry = _layouts[key] = (weakref.ref(mask, lambda _, key=key: _layouts.pop(key, None)), version, layout)
+            # buffers. The dictionary's pop is bound here: at interpreter exit a mask may die after the module's
+            # globals are set to None.
+            entry = _layouts[key] = (weakref.ref(mask, lambda _, key=key, pop=_layouts.pop: pop(key, None)), version,
+                                     layout)
         _last = (entry[0], entry[1], args, entry[2])
         layout = entry[2]
     # A capture finds its layout made by the warm-up calls before it (making one synchronizes).
