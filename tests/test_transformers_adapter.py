@@ -707,6 +707,18 @@ def test_a_mask_of_no_key_gives_zeros(keys, device):
     assert out.shape == (2, 19, 4, 16) and not out.any()
 
 
+@pytest.mark.parametrize("keys", [19, 0], ids=["keys past the mask", "no key"])
+def test_a_mask_of_no_key_differentiates_to_zeros(keys, device):
+    """Zeros without a grad_fn would leave the projections before attention with no gradient (None, which an
+    optimizer skips, where it is zero)."""
+    leaves = [t[:, :, :keys].requires_grad_() if i else t.requires_grad_() for i, t in enumerate(_qkv(device))]
+    out, _ = tilegen_hf.attention_forward(types.SimpleNamespace(is_causal=True), *leaves,
+                                          torch.ones(2, 0, dtype=torch.bool, device=device))
+    assert out.grad_fn is not None and out.shape == (2, 19, 4, 16) and not out.any()
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert all(g is not None and not g.any() for g in grads)
+
+
 def test_is_causal_from_a_property_of_the_class(device):
     class Encoder(torch.nn.Module):
         @property

@@ -224,6 +224,9 @@ def attention_forward(
             key, value = key[:, :, :n_k], value[:, :, :n_k]
             shape_k = key.shape
         if n_k == 0:  # no key: every query sees none, and its row is zeros, as a padded one's
+            if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+                # The op's zeros, which have a grad_fn: new ones would leave the inputs no gradient (None, not 0).
+                return _dense(query, key, value, causal, window, softcap, scaling), None
             return query.new_zeros(batch, n_q, shape_q[1], value.shape[3]), None
         if layout.full:
             return _dense(query, key, value, causal, window, softcap, scaling), None
