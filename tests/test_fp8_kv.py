@@ -246,25 +246,6 @@ def test_append_saturates_instead_of_overflowing(fmt, device):
     assert torch.isfinite(dequantized[2]).all()
 
 
-@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
-def test_append_refuses_scales_that_require_grad_compiled_as_eagerly(name, device):
-    """A learned scale (an nn.Parameter) gets no gradient through the quantizing append: refused by name under
-    torch.compile too, where the append traced and ran, cutting the graph silently."""
-    gen = torch.Generator().manual_seed(4)
-    cache, k, v, cu = _append_batch("e4m3", True, device, gen)
-    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale, name: torch.nn.Parameter(getattr(cache, name))}
-    cache = tilegen.PagedKVCache(cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len,
-                                 **scales)
-    message = rf"^tilegen\.append_kv: cache\.{name} requires grad"
-    with pytest.raises(NotImplementedError, match=message):
-        tilegen.append_kv(cache, k, v, cu)
-    torch._dynamo.reset()
-    step = torch.compile(lambda cache, k, v, cu: tilegen.append_kv(cache, k, v, cu), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match=message[1:]):
-        step(cache, k, v, cu)
-    assert torch.isnan(cache.k_pages).all(), "refused before anything is written"
-
-
 def test_append_then_decode_round_trip(device):
     """Tokens appended in bf16 come back through decode as the dequantized pages' attention."""
     gen = torch.Generator().manual_seed(11)

@@ -67,7 +67,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     if torch.compiler.is_compiling():
         _check(cache, k, v, cu_seqlens)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or cache.k_pages.requires_grad
-                                        or cache.v_pages.requires_grad or cache._scales_require_grad()):
+                                        or cache.v_pages.requires_grad):
             _refuse_grad(cache, k, v)
         torch.ops.tilegen.append_kv(
             cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len, k, v, cu_seqlens,
