@@ -188,24 +188,6 @@ def test_gradients_are_refused_by_name(device):
         _compiled(lambda q, cache: decode.run(q, cache))(q, cache)
 
 
-@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
-def test_fp8_scales_that_require_grad_are_refused_by_name(name, device):
-    """A learned FP8 scale (an nn.Parameter) is refused compiled as eagerly, not left to fail at backward."""
-    gen = torch.Generator().manual_seed(17)
-    cache, _ = fp8_cache([9, 20], "e4m3", True, device, gen)
-    scales = {"k_scale": cache.k_scale, "v_scale": cache.v_scale, name: torch.nn.Parameter(getattr(cache, name))}
-    cache = tilegen.PagedKVCache(cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len,
-                                 **scales)
-    q = torch.randn(2, cache.kv_heads * 2, cache.k_pages.shape[3], generator=gen).to(device, torch.bfloat16)
-    decode = tilegen.PagedDecode()
-    decode.plan(cache, heads_q=q.shape[1])
-    message = rf"tilegen\.PagedDecode\.run: cache\.{name} requires grad"
-    with pytest.raises(NotImplementedError, match=message):
-        decode.run(q, cache)
-    with pytest.raises(Exception, match=message):
-        _compiled(lambda q, cache: decode.run(q, cache))(q, cache)
-
-
 def test_a_run_before_any_plan_and_a_wrong_cache_are_refused(device):
     gen = torch.Generator().manual_seed(10)
     cache = make_cache([9, 20], 8, 1, D, torch.float32, device, gen)
