@@ -17,7 +17,7 @@ import tilegen
 from tilegen import AttentionSpec, dispatch, env
 from tilegen.codegen.render import template_hash
 from tilegen.db import TuningDB, tuned_rows
-from tilegen.device import CPU_INTERPRETER
+from tilegen.device import CPU_INTERPRETER, device_info
 from tilegen.families import family_of
 from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
 from tilegen.families.attention_fwd import Config
@@ -40,9 +40,9 @@ def files(tmp_path, monkeypatch) -> tuple[Path, Path]:
     dispatch.reset()
 
 
-def store(path: Path, spec, bucket: int, config, *, version: str | None = None) -> None:
+def store(path: Path, spec, bucket: int, config, *, version: str | None = None, on=CPU_INTERPRETER) -> None:
     with TuningDB(path) as db:
-        db.record_best(spec=spec, device=CPU_INTERPRETER, template_hash=template_hash(family_of(spec)),
+        db.record_best(spec=spec, device=on, template_hash=template_hash(family_of(spec)),
                        triton_version=version or triton.__version__, bucket=bucket, config=config.to_dict(),
                        time_ms=1.0, max_error=1e-5, trials=3)
 
@@ -94,21 +94,21 @@ def test_a_config_feasible_refuses_for_the_lse_spec_is_not_taken(files, monkeypa
     assert rows == {128: (Config(16, 16, 4, 1), str(shipped))} and rows.tuned_for == {128: INFERENCE.name}
 
 
-def test_a_training_call_runs_the_row_tuned_without_the_lse(files):
+def test_a_training_call_runs_the_row_tuned_without_the_lse(files, device):
     _, shipped = files
-    store(shipped, INFERENCE, 64, Config(32, 16, 4, 1))
-    q, k, v = (torch.randn(1, 2, 37, 32, requires_grad=True) for _ in range(3))
+    store(shipped, INFERENCE, 64, Config(32, 16, 4, 1), on=device_info())
+    q, k, v = (torch.randn(1, 2, 37, 32, device=device, requires_grad=True) for _ in range(3))
     choice = tilegen.explain(q, k, v, causal=True)
     assert (choice.config, choice.source, choice.tuned_for) == (Config(32, 16, 4, 1), str(shipped), INFERENCE.name)
     out = tilegen.attention(q, k, v, causal=True)
     grad = torch.randn_like(out)
     out.backward(grad)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
     ref = attention_reference(q64, k64, v64, causal=True)[0]
-    ref.backward(grad.double())
+    ref.backward(grad.cpu().double())
     for got, want in ((out, ref), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert torch.isfinite(got).all()
-        assert float((got.detach().double() - want.detach()).norm() / want.detach().norm()) < 1e-4
+        assert float((got.detach().cpu().double() - want.detach()).norm() / want.detach().norm()) < 1e-4
     # Inference without grad runs the same row, for the spec it was tuned for.
     with torch.no_grad():
         assert tilegen.explain(q, k, v, causal=True).tuned_for is None
@@ -127,6 +127,6 @@ def test_emit_tuned_says_whose_row_it_serves(files, monkeypatch):
     from tilegen.cli.emit import standalone_entry_point
 
     _, shipped = files
-    store(shipped, INFERENCE, 64, Config(32, 16, 4, 1))
+    store(shipped, INFERENCE, 64, Config(32, 16, 4, 1), on=device_info())  # emit serves the device it runs on
     source = standalone_entry_point(TRAINING)
     assert f"{shipped} (tuned for {INFERENCE.name})" in source
