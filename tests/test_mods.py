@@ -110,6 +110,20 @@ def test_integer_floor_semantics_and_fully_masked_rows(device):
     assert torch.isneginf(lse[0, :, 1]).all() and torch.isneginf(lse[0, :, 11]).all()
 
 
+def test_integer_floor_semantics_at_the_type_minimum(device):
+    """// and % floor as torch does on int32 and int64 minimums, whose magnitudes their types do not hold."""
+    x32 = torch.tensor([-2**31, -2**31 + 1, 2**31 - 1, -7], dtype=torch.int32, device=device)
+    x64 = torch.tensor([-2**63, -2**63 + 1, 2**63 - 1, -7], device=device)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        d = q_idx % 5 + 2 - h * 9  # 2..6 in head 0, -7..-3 in head 1
+        x, y = x32[kv_idx % 4], x64[kv_idx % 4]
+        return score + ((x // d) % 7 + x % d - (y // d) % 5 + y % d).to(torch.float32) * 0.25
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device)
+    _check(q, k, v, score_mod=score_mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_varlen_applies_mods_per_sequence(dtype, device):
     lengths, k_lens = [17, 0, 5, 33], [17, 0, 8, 33]
