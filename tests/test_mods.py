@@ -265,6 +265,19 @@ def test_every_supported_operation_matches_torch(device):
     _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
 
 
+def test_clamp_keeps_nan_as_torch_does(device):
+    """torch.clamp of NaN is NaN, whichever bounds it has; a mod that tests for NaN after it sees it."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        x = torch.clamp(torch.sqrt((kv_idx - q_idx).to(torch.float32)), -1.0, 2.0)
+        y = torch.clamp(torch.log((q_idx - 4).to(torch.float32)), max=1.0)
+        z = torch.clamp(torch.log((kv_idx - 9).to(torch.float32)), min=0.5)
+        return score + torch.where(x != x, -2.0, x) + torch.where(y != y, -1.0, y) + torch.where(z != z, 0.75, z)
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device, seed=5)
+    _check(q, k, v, score_mod=score_mod)
+
+
 def _promotion_cases(device):
     gen = torch.Generator().manual_seed(11)
     u8 = torch.randint(150, 256, (33,), generator=gen, dtype=torch.uint8).to(device)

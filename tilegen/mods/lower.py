@@ -355,16 +355,16 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             return f"-{a[0]}"
         if op == "abs":
             return f"tl.abs({a[0]})"
+        # torch's minimum, maximum and clamp propagate NaN; Triton's minimum and maximum do not unless asked.
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if kind in _FLOATS else ""
         if op in ("minimum", "maximum"):
-            # torch's minimum/maximum propagate NaN; Triton's do not unless asked.
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if kind in _FLOATS else ""
             return f"tl.{op}({a[0]}, {a[1]}{nan})"
         if op == "clamp":
             expr = a[0]
             if args[1] != "None":
-                expr = f"tl.maximum({expr}, {a[1]})"
+                expr = f"tl.maximum({expr}, {a[1]}{nan})"
             if args[2] != "None":
-                expr = f"tl.minimum({expr}, {a[2]})"
+                expr = f"tl.minimum({expr}, {a[2]}{nan})"
             return expr
         if op in ("floordiv", "mod") and kind not in _FLOATS:
             # Triton's integer // and % truncate toward zero (C); torch's floor (Python).
