@@ -124,6 +124,26 @@ def test_integer_floor_semantics_at_the_type_minimum(device):
     _check(q, k, v, score_mod=score_mod)
 
 
+def test_float_floor_semantics_at_the_edges(device):
+    """Float // and % as torch's: from the exact remainder (1.0 // 0.1 is 9.0, not floor(1.0 / 0.1)), over infinite
+    divisors (-5.0 // inf is -1.0, -5.0 % inf is inf), of infinities, NaN and zero divisors, with zeros' signs."""
+    inf = math.inf
+    x = torch.tensor([1.0, -1.0, 0.3, 7.5, -5.0, 5.0, -0.0, 0.0, inf, 2.0, 1e-30], device=device)
+    y = torch.tensor([0.1, -0.1, inf, -inf, -0.5, 3.0, -0.3, 0.0, 2.0, math.nan, -3.0], device=device)
+
+    def finite(r):  # NaN, the infinities and the zeros' signs as distinct finite values
+        signed_zero = torch.where(1 / r > 0, 0.5, -0.5)
+        return torch.where(r != r, -3.0, torch.where(r == inf, 2.0, torch.where(r == -inf, -2.0, torch.where(
+            r == 0, signed_zero, r * 0.1))))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        a, d = x[kv_idx % 11], y[(q_idx + h) % 11]
+        return score + finite(a // d) + finite(a % d) + finite(a // -0.1) * finite(a % 0.1)
+
+    q, k, v = _inputs(1, 2, 1, 17, 33, torch.float32, device)
+    _check(q, k, v, score_mod=score_mod)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_varlen_applies_mods_per_sequence(dtype, device):
     lengths, k_lens = [17, 0, 5, 33], [17, 0, 8, 33]

@@ -371,9 +371,12 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             helpers.add(op)
             fn = "_mod_floordiv" if op == "floordiv" else "_mod_remainder"
             return f"{fn}({a[0]}, {a[1]})"
-        if op == "floordiv":
-            return f"tl.floor({a[0]} / {a[1]})"
-        return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
+        # torch's float // and % (templates/common/mods.py.jinja), in float32 as Triton divides: the half types hold
+        # the operands exactly, and the caller rounds the result to them once.
+        helpers.add(f"float_{op}")
+        fn = "_mod_floordiv_float" if op == "floordiv" else "_mod_remainder_float"
+        a = [f"tl.full([], {c}, tl.float32)" if _is_number(x) else f"{c}.to(tl.float32)" for c, x in zip(a, args)]
+        return f"{fn}({a[0]}, {a[1]})"
 
     def triton_type(op: str, operands: list[tuple[str, bool]]) -> tuple[str | None, str | None]:
         """The type Triton computes ``op`` in from operands ``(type, is a number)``, and the type of its result."""
