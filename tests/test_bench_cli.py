@@ -258,3 +258,26 @@ def test_bench_attention_window():
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
     result = runner.invoke(app, ["bench", "attention", "--window", "-1"])
     assert result.exit_code == 2 and "--window: expected a count of keys >= 0" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter's re-run, which only a CPU makes")
+@pytest.mark.parametrize("args, message", [
+    (["serving_kernels", "--smoke", "--parts", "append,foo"], "--parts: unknown part 'foo'; known: append, merge"),
+    (["blockwise", "--smoke", "--lengths", "x"], "--lengths: expected comma-separated ints, got 'x'"),
+    (["blockwise", "--smoke", "--runs", "0"], "--runs: expected at least 1"),
+])
+def test_a_smoke_run_checks_its_flags_before_rerunning_under_the_interpreter(args, message, monkeypatch):
+    """Without TRITON_INTERPRET a smoke run starts itself again under the interpreter; a bad flag is refused before
+    that, so the command's one-line error and status 2 name it, not the child's bare message and status 1."""
+    import tilegen.bench.blockwise
+    import tilegen.bench.serving_kernels
+
+    def rerun(*args, **kwargs):
+        raise AssertionError(f"re-ran a benchmark with a bad flag: {args}")
+
+    for module in (tilegen.bench.blockwise, tilegen.bench.serving_kernels):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+        monkeypatch.setattr(module.subprocess, "run", rerun)
+    result = runner.invoke(app, ["bench", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {message}"]

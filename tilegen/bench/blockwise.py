@@ -556,14 +556,8 @@ def main(argv=None) -> int:
                         help="one training step (forward and backward to the input and weights) instead of inference")
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.smoke:
-            raise SystemExit("tilegen.bench.blockwise measures CUDA memory and time; run it on a GPU, or pass --smoke")
-        if not interpreting():
-            # Triton picks the interpreter when it is imported, which `import tilegen` already did.
-            env = {**os.environ, "TRITON_INTERPRET": "1"}
-            argv = sys.argv[1:] if argv is None else argv
-            return subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", *argv], env=env).returncode
+    if not on_gpu and not args.smoke:
+        raise SystemExit("tilegen.bench.blockwise measures CUDA memory and time; run it on a GPU, or pass --smoke")
     if args.runs < 1:
         raise SystemExit("--runs: expected at least 1")
     if args.fit_budget_s < 0:
@@ -586,6 +580,12 @@ def main(argv=None) -> int:
     if blocks and (not args.train or min(blocks) < 1):
         raise SystemExit(f"--blocks: expected positive query blocks, with --train; got {args.blocks!r}")
     providers = TRAIN_PROVIDERS + tuple(f"{BLOCK_PROVIDER}{b}" for b in blocks)
+    if not on_gpu and not interpreting():
+        # Triton picks the interpreter when it is imported, which `import tilegen` already did. The flags are
+        # checked first: `tilegen bench` turns a refusal of this process's into its one-line error, not the child's.
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        argv = sys.argv[1:] if argv is None else argv
+        return subprocess.run([sys.executable, "-m", "tilegen.bench.blockwise", *argv], env=env).returncode
     if args.train:
         rows = train_sweep(config, lengths, args.runs, device, providers)
         fits = [] if args.no_fit else train_fit(config, 2 * max(lengths), budget, device, min(lengths))

@@ -224,12 +224,17 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", default="append,merge")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = [part for part in parts if part not in ("append", "merge")]
+    if unknown:
+        raise SystemExit(f"--parts: unknown part {unknown[0]!r}; known: append, merge")
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         if not args.smoke:
             raise SystemExit("tilegen.bench.serving_kernels times CUDA kernels; run it on a GPU, or pass --smoke")
         if not interpreting():
-            # Triton picks the interpreter when it is imported, which `import tilegen` already did.
+            # Triton picks the interpreter when it is imported, which `import tilegen` already did. The flags are
+            # checked first: `tilegen bench` turns a refusal of this process's into its one-line error, not the child's.
             env = {**os.environ, "TRITON_INTERPRET": "1"}
             argv = sys.argv[1:] if argv is None else argv
             return subprocess.run([sys.executable, "-m", "tilegen.bench.serving_kernels", *argv], env=env).returncode
@@ -237,15 +242,13 @@ def main(argv=None) -> int:
     shapes = SMOKE if args.smoke else {"kv_heads": KV_HEADS, "dim": DIM, "heads": HEADS, "append": APPEND_CASES,
                                        "merge": MERGE_TOKENS, "max_prefix": MAX_PREFIX}
     rows = []
-    for part in args.parts.split(","):
+    for part in parts:
         if part == "append":
             new = append_rows(kv_heads=shapes["kv_heads"], dim=shapes["dim"], cases=shapes["append"],
                               max_prefix=shapes["max_prefix"], device=device, on_gpu=on_gpu)
-        elif part == "merge":
+        else:
             new = merge_rows(heads=shapes["heads"], dim=shapes["dim"], tokens_list=shapes["merge"], device=device,
                              on_gpu=on_gpu)
-        else:
-            raise SystemExit(f"--parts: unknown part {part!r}; known: append, merge")
         for row in new:
             print(json.dumps(row), flush=True)
         rows += new
