@@ -7,8 +7,9 @@ and, for GQA, once head-major ([pages, kv_heads, page_size, dim], passed transpo
 reads any strides). Every config of the decode search space (BN x warps x stages) runs at the
 split counts the rule gives for 1-8 CTAs per SM, through the generated module's launcher, each
 checked against a float32 reference before it is timed. GB/s of K and V read; writes
-``$OUT/decode_explore.json``; stops starting configs after ``$BUDGET`` seconds. Without a GPU
-it runs one tiny case under the interpreter (``TRITON_INTERPRET=1``), timing nothing.
+``$OUT/decode_explore.json`` (``OUT`` default /tmp, made if missing); stops starting configs after ``$BUDGET``
+seconds (default 330). Without a GPU it runs one tiny case under the interpreter (``TRITON_INTERPRET=1``), timing
+nothing.
 """
 
 import functools
@@ -80,7 +81,12 @@ def pages_of(k, v, perm, layout, ps):
 
 def main() -> None:
     out_dir = os.environ.get("OUT", "/tmp")
-    budget = float(os.environ.get("BUDGET", "330"))
+    try:
+        budget = float(os.environ.get("BUDGET", "330"))
+    except ValueError:
+        sys.exit(f"error: BUDGET: expected a number of seconds, got {os.environ['BUDGET']!r}")
+    # Made up front: a missing folder would otherwise fail the first write, after the first case's work.
+    os.makedirs(out_dir, exist_ok=True)
     device = device_info()
     start = time.time()
     rows = []
