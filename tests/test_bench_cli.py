@@ -281,3 +281,20 @@ def test_a_smoke_run_checks_its_flags_before_rerunning_under_the_interpreter(arg
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [f"error: {message}"]
+
+
+def test_the_merge_benchmark_checks_the_lse_values_not_only_where_they_are_infinite(monkeypatch):
+    import tilegen
+    from tilegen.bench.serving_kernels import merge_rows
+
+    merge = tilegen.merge_states
+
+    def off_by_one(*args, **kwargs):  # the right output, a wrong LSE
+        o, lse = merge(*args, **kwargs)
+        return o, lse + 1
+
+    monkeypatch.setattr(tilegen, "merge_states", off_by_one)
+    rows = merge_rows(heads=2, dim=16, tokens_list=[4], device="cpu", on_gpu=False)
+    by_provider = {r["provider"]: r for r in rows}
+    assert by_provider["torch-eager"]["correct"] is True
+    assert by_provider["tilegen"]["correct"] is False and by_provider["tilegen"]["rel_err"] > 1e-2
