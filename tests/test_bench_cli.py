@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pkgutil
 
 import pytest
@@ -298,3 +299,25 @@ def test_the_merge_benchmark_checks_the_lse_values_not_only_where_they_are_infin
     by_provider = {r["provider"]: r for r in rows}
     assert by_provider["torch-eager"]["correct"] is True
     assert by_provider["tilegen"]["correct"] is False and by_provider["tilegen"]["rel_err"] > 1e-2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seqlens", "1k"], "--seqlens: expected comma-separated whole numbers of at least 1, got '1k'"),
+    (["--full-seqlens", "0"], "--full-seqlens: expected comma-separated whole numbers of at least 1, got '0'"),
+    (["--parts", "dispatch", "--tpe-seeds", "a"], "--tpe-seeds: expected comma-separated whole numbers of at least 0"),
+    (["--full-trials", "0"], "--full-trials: expected a positive number, got 0"),
+])
+def test_the_tuning_benchmark_checks_its_flags_before_any_part_runs(args, message):
+    result = runner.invoke(app, ["bench", "tuning", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's dispatch part takes seconds; a GPU's minutes")
+def test_the_tuning_benchmark_makes_its_out_folder(tmp_path, monkeypatch):
+    out = tmp_path / "new" / "tuning"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setenv("TILEGEN_DB", str(tmp_path / "db.sqlite"))  # the benchmark points it at its own grid
+    result = runner.invoke(app, ["bench", "tuning", "--parts", "dispatch", "--workdir", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    assert "dispatch" in json.loads((out / "bench_tuning.json").read_text())["results"]

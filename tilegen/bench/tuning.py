@@ -397,8 +397,14 @@ def _tables(results: dict) -> str:
     return "\n".join(out)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def _ints(parser: argparse.ArgumentParser, flag: str, text: str, least: int = 1) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or min(values) < least:
+        parser.error(f"{flag}: expected comma-separated whole numbers of at least {least}, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"--parts: unknown part {unknown[0]!r}; known: {', '.join(PARTS)}")
+    # Checked before any part runs: a part's minutes of tuning would otherwise end in a traceback.
+    seqlens, full_seqlens = _ints(parser, "--seqlens", args.seqlens), _ints(parser, "--full-seqlens", args.full_seqlens)
+    tpe_seeds = _ints(parser, "--tpe-seeds", args.tpe_seeds, least=0)
+    for flag, value in (("--tpe-trials", args.tpe_trials), ("--full-trials", args.full_trials),
+                        ("--calls", args.calls), ("--rounds", args.rounds)):
+        if value is not None and value < 1:
+            parser.error(f"{flag}: expected a positive number, got {value}")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
     if not torch.cuda.is_available() and not interpreting():
         # Triton reads it when imported, which ``python -m`` has done before this line runs.
         print("tilegen.bench.tuning needs a CUDA GPU, or TRITON_INTERPRET=1 to check the script", file=sys.stderr)
@@ -433,7 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tilegen-bench-tuning-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ["TILEGEN_DB"] = str(workdir / "grid.sqlite")  # dispatch reads the grid's rows, not the user's
-    seqlens, full_seqlens = _ints(args.seqlens), _ints(args.full_seqlens)
     if device.is_interpreter:
         print("# no GPU: interpreter lengths and wall-clock timing; these numbers only check the script")
         seqlens, full_seqlens = [16, 32], [16, 32]
@@ -442,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {}
     if "grid-vs-tpe" in parts:
-        results["grid-vs-tpe"] = grid_vs_tpe(spec, device, seqlens, _ints(args.tpe_seeds), args.tpe_trials, workdir,
+        results["grid-vs-tpe"] = grid_vs_tpe(spec, device, seqlens, tpe_seeds, args.tpe_trials, workdir,
                                              args.bucket_timeout)
     if "replay" in parts:
         grid_db = args.replay_grid or workdir / "grid.sqlite"
@@ -459,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             print("# autotune: skipped, triton.autotune times kernels on a GPU", file=sys.stderr)
         else:
             results["autotune"] = triton_autotune(spec, device, seqlens, workdir, args.bucket_timeout)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_tuning.json"), "w") as f:
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_tuning.json"), "w") as f:
             json.dump({"device": device.key, "spec": spec.to_json(), "results": results}, f, indent=1)
     print(_tables(results))
     return 0
