@@ -321,3 +321,13 @@ def test_the_tuning_benchmark_makes_its_out_folder(tmp_path, monkeypatch):
     result = runner.invoke(app, ["bench", "tuning", "--parts", "dispatch", "--workdir", str(tmp_path / "work")])
     assert result.exit_code == 0, result.output
     assert "dispatch" in json.loads((out / "bench_tuning.json").read_text())["results"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--masks", "causl"], "--masks: expected causal and/or full, got 'causl'"),
+    (["--seqlens", "1k,4096"], "--seqlens: expected comma-separated positive whole numbers, got '1k,4096'"),
+    (["--seqlens", "0"], "--seqlens: expected comma-separated positive whole numbers, got '0'"),
+])
+def test_the_prefill_benchmark_checks_its_lengths_and_masks_before_any_gpu_work(args, message):
+    result = runner.invoke(app, ["bench", "attention", *args])
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
         parser.error(f"--dtypes: expected bf16 and/or fp16, got {args.dtypes!r}")
+    if any(not n.isdigit() or int(n) < 1 for n in args.seqlens.split(",")):
+        parser.error(f"--seqlens: expected comma-separated positive whole numbers, got {args.seqlens!r}")
+    # A mask other than causal ran as full and was reported as full: a typo measured the wrong variant.
+    if not set(args.masks.split(",")) <= {"causal", "full"}:
+        parser.error(f"--masks: expected causal and/or full, got {args.masks!r}")
     configs = []
     if args.configs is not None:
         from tilegen.families import registry
@@ -398,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info()
     print(f"# {info.name}, torch {torch.__version__}, triton {triton.__version__}, tilegen {tilegen.__version__}")
     out_dir = os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)  # now, not after every case has run
     rows, sweeps = [], []
     for case in cases:
         if args.sweep or args.sweep_only:
