@@ -331,3 +331,16 @@ def test_the_tuning_benchmark_makes_its_out_folder(tmp_path, monkeypatch):
 def test_the_prefill_benchmark_checks_its_lengths_and_masks_before_any_gpu_work(args, message):
     result = runner.invoke(app, ["bench", "attention", *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("serving", ["--parts", "raged"], "--parts: expected parts among ragged, equal, paged, sweep-paged, got 'raged'"),
+    ("serving", ["--page-sizes", "16,x"], "--page-sizes: expected comma-separated sizes among 1, 8, 16, 32, 64, 128"),
+    ("serving", ["--page-sizes", "12"], "--page-sizes: expected comma-separated sizes among"),
+    ("cascade", ["--cases", "64x32768"], "--cases: expected comma-separated BATCHxPREFIX+OWN"),
+    ("cascade", ["--cases", "0x4096+1"], "--cases: expected comma-separated BATCHxPREFIX+OWN"),
+    ("cascade", ["--configs", "fast"], "--configs: expected cascade configs such as"),
+])
+def test_the_serving_benchmarks_check_their_lists_before_any_gpu_work(name, args, message):
+    result = runner.invoke(app, ["bench", name, *args])
+    assert result.exit_code == 2 and message in result.output, result.output

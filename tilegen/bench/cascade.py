@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 
 import torch
 import triton
@@ -165,13 +166,18 @@ def main(argv=None) -> None:
     parser.add_argument("--no-unshared", action="store_true", help="skip the batches that share nothing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    cases = [re.fullmatch(r"(\d+)x(\d+)\+(\d+)", text) for text in args.cases.split(",")]
+    if not all(cases) or any(int(m[1]) < 1 for m in cases):
+        parser.error(f"--cases: expected comma-separated BATCHxPREFIX+OWN (whole numbers, a batch of 1 or more, "
+                     f"e.g. 64x32768+1024), got {args.cases!r}")
+    try:
+        configs = [_parse_config(c) for c in args.configs.split(",") if c]
+    except (ValueError, TypeError) as e:
+        parser.error(f"--configs: expected cascade configs such as M64-N64-w4-s3-c3/N64-w2-s2-c3: {e}")
     require_gpu("tilegen.bench.cascade")
-    configs = [_parse_config(c) for c in args.configs.split(",") if c]
     rows = []
-    for text in args.cases.split(","):
-        batch, rest = text.split("x")
-        prefix, own = rest.split("+")
-        rows.append(case(int(batch), int(prefix), int(own), configs))
+    for m in cases:
+        rows.append(case(int(m[1]), int(m[2]), int(m[3]), configs))
         print(json.dumps(rows[-1]), flush=True)
     if not args.no_unshared:
         for batch, context in UNSHARED:

@@ -30,6 +30,7 @@ import triton
 import tilegen
 from tilegen.families import family_of, relative_error
 from tilegen.bench import parse_head_dims, require_gpu
+from tilegen.ops.kv_cache import PAGE_SIZES
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -248,16 +249,23 @@ def main(argv=None) -> None:
         _spec(dims)
     except ValueError as e:
         parser.error(f"--head-dims {args.head_dims}: {e}")
+    page_sizes = [int(p) if p.isdigit() else None for p in args.page_sizes.split(",")]
+    if not set(page_sizes) <= set(PAGE_SIZES):
+        parser.error(f"--page-sizes: expected comma-separated sizes among {', '.join(map(str, PAGE_SIZES))}, "
+                     f"got {args.page_sizes!r}")
+    chosen = args.parts.split(",")
+    known = ("ragged", "equal", "paged", "sweep-paged")
+    if not set(chosen) <= set(known):
+        parser.error(f"--parts: expected parts among {', '.join(known)}, got {args.parts!r}")
     require_gpu("tilegen.bench.serving")
     rows = []
-    page_sizes = [int(p) for p in args.page_sizes.split(",")]
     parts = {
         "ragged": lambda: ragged(dims=dims),
         "equal": lambda: equal(dims=dims),
         "paged": lambda: [r for ps in page_sizes for r in paged(page_size=ps, dims=dims)],
         "sweep-paged": lambda: [r for ps in page_sizes for r in sweep_paged(page_size=ps, dims=dims)],
     }
-    for part in args.parts.split(","):
+    for part in chosen:
         for row in parts[part]():
             print(json.dumps(row), flush=True)
             rows.append(row)
