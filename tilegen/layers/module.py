@@ -60,7 +60,8 @@ class BlockwiseLayer(torch.nn.Module):
         10000) and ``sliding_window`` (Mistral's), as ``window=(sliding_window - 1, 0)``. A RoPE of another type
         there (Llama 3.1's scaled frequencies, YaRN, ...) raises ``NotImplementedError``: tilegen's RoPE turns by
         plain ``rope_theta`` frequencies, and the layer would differ from the module's; pass ``rope_theta`` to build
-        it anyway. So does an MLP activation other than SiLU or attention dropout, and ``heads_q``/``heads_kv`` other than its config's raise ``ValueError``."""
+        it anyway. So does an MLP activation other than SiLU or attention dropout, and ``heads_q``/``heads_kv``
+        other than its config's raise ``ValueError``."""
         if isinstance(source, torch.nn.Module):
             _check_module_config(source, heads_q, heads_kv)
             options = {**_module_options(source, explicit_rope="rope_theta" in options), **options}
