@@ -21,6 +21,7 @@ runner = CliRunner()
     (["--heads", "32/0"], "--heads: expected QUERY/KV pairs"),
     (["--seqlens", "1024,x"], "--seqlens: expected comma-separated positive whole numbers"),
     (["--dims", "0"], "--dims: expected comma-separated positive whole numbers"),
+    (["--smoke", "--dims", "16,7"], "--dims: 7 is no head dim the kernels take"),
     (["--masks", "sliding"], "--masks: unknown ['sliding']"),
     (["--peers", "tilegen,fa3"], "--peers: unknown ['fa3']"),
     (["--dtype", "fp8"], "invalid choice: 'fp8'"),

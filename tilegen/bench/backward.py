@@ -44,6 +44,7 @@ import tilegen
 from tilegen.bench import pyplot
 from tilegen.bench.attention import _error, _rel_err, peers
 from tilegen.env import interpreting
+from tilegen.families.attention_fwd.spec import SUPPORTED_HEAD_DIMS
 
 __all__ = ["main", "plot"]
 
@@ -415,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"dims": "128", "heads": "32/8", "seqlens": "65536", "masks": "causal"} if args.memory else
                 {"dims": "64,128", "heads": "32/32,32/8", "seqlens": "1024,4096,16384", "masks": "causal,full"})
     dims = _ints(parser, "--dims", args.dims or defaults["dims"])
+    unsupported = [d for d in dims if d not in SUPPORTED_HEAD_DIMS]
+    if unsupported:  # else every cell would run and report FAILED for the same reason
+        parser.error(f"--dims: {unsupported[0]} is no head dim the kernels take (multiples of 8 from 16 to 256)")
     heads = _heads(parser, args.heads or defaults["heads"])
     seqlens = _ints(parser, "--seqlens", args.seqlens or defaults["seqlens"])
     masks = _choices(parser, "--masks", args.masks or defaults["masks"], ("causal", "full"))
