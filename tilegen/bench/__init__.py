@@ -13,6 +13,16 @@ def require_gpu(name: str) -> None:
         raise SystemExit(f"{name} times CUDA kernels; run it on a GPU")
 
 
+def whole_numbers(text: str, least: int = 1, *, skip_empty: bool = False) -> list[int] | None:
+    """A comma-separated list of whole numbers (digits only), each at least ``least``; ``None`` for anything else,
+    or for no number at all. ``skip_empty`` passes over empty items ("16,,32"). The caller's message names its
+    flag."""
+    items = [x for x in text.split(",") if x or not skip_empty]
+    if not items or not all(x.isdigit() and int(x) >= least for x in items):
+        return None
+    return [int(x) for x in items]
+
+
 def parse_head_dims(item: str) -> tuple[int, int | None] | None:
     """``D`` or ``D/DV`` (a V of DV columns, as DeepSeek's 192/128) as ``(D, DV or None)``; ``None`` unless both are
     positive whole numbers. The benchmarks' ``--head-dims`` say which flag it was."""

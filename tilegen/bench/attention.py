@@ -34,7 +34,7 @@ import triton
 
 import tilegen
 from tilegen import dispatch
-from tilegen.bench import parse_head_dims, pyplot, require_gpu
+from tilegen.bench import parse_head_dims, pyplot, require_gpu, whole_numbers
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.families.attention_fwd.problem import attention_flops
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds: expected a positive number of rounds, got {args.rounds}")
     if not set(args.dtypes.split(",")) <= {"bf16", "fp16"}:
         parser.error(f"--dtypes: expected bf16 and/or fp16, got {args.dtypes!r}")
-    if any(not n.isdigit() or int(n) < 1 for n in args.seqlens.split(",")):
+    if whole_numbers(args.seqlens) is None:
         parser.error(f"--seqlens: expected comma-separated positive whole numbers, got {args.seqlens!r}")
     # A mask other than causal ran as full and was reported as full: a typo measured the wrong variant.
     if not set(args.masks.split(",")) <= {"causal", "full"}:

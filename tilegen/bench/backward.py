@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import triton
 
 import tilegen
-from tilegen.bench import pyplot
+from tilegen.bench import pyplot, whole_numbers
 from tilegen.bench.attention import _error, _rel_err, peers
 from tilegen.env import interpreting
 from tilegen.families.attention_fwd.spec import SUPPORTED_HEAD_DIMS
@@ -355,11 +355,8 @@ def plot(rows: list[dict], names, path: str) -> str | None:
 
 
 def _ints(parser, flag: str, value: str) -> list[int]:
-    try:
-        values = [int(x) for x in value.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
+    values = whole_numbers(value)
+    if values is None:
         parser.error(f"{flag}: expected comma-separated positive whole numbers, got {value!r}")
     return values
 

@@ -44,6 +44,7 @@ import torch
 import triton
 
 import tilegen
+from tilegen.bench import whole_numbers
 from tilegen.cli.spec_args import presets
 from tilegen.codegen import module_for
 from tilegen.db import TuningDB
@@ -398,11 +399,8 @@ def _tables(results: dict) -> str:
 
 
 def _ints(parser: argparse.ArgumentParser, flag: str, text: str, least: int = 1) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        values = []
-    if not values or min(values) < least:
+    values = whole_numbers(text, least, skip_empty=True)
+    if values is None:
         parser.error(f"{flag}: expected comma-separated whole numbers of at least {least}, got {text!r}")
     return values
 
