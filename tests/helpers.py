@@ -48,6 +48,14 @@ LAYOUTS = (
 )
 
 
+def sizeable_weights(module: torch.nn.Module) -> None:
+    """Norm weights near 1 and projections of unit gain, in place: a decoder layer whose every weight's gradient is
+    sizeable, and whose output is not small beside bf16's rounding of its input (nn.Linear's init makes it so)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+
+
 def make_tensor(shape, dtype, device, gen: torch.Generator, layout: str = "contiguous") -> torch.Tensor:
     """Fresh standard-normal values (never zeros) in the given layout; ``shape`` is [b, h, n, d]."""
     b, h, n, d = shape

@@ -51,6 +51,8 @@ from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
 from tilegen.layers.op import explain_layer, layer_spec
 from tilegen.tuning import Tuner
 
+from helpers import sizeable_weights
+
 DEVICE = device_info()
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 D_MODEL, D_FFN, TOKENS, BLOCK = 40, 72, 45, 16
@@ -260,9 +262,7 @@ class _LlamaLayer(torch.nn.Module):
 def test_a_llama_layer_loads_into_the_module(device):
     torch.manual_seed(0)
     llama = _LlamaLayer(D_MODEL, 4, 2, 16, D_FFN)
-    with torch.no_grad():  # nn.Linear's init would make the layer's contribution small beside bf16's rounding of x
-        for name, p in llama.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    sizeable_weights(llama)
     llama = llama.to(device=device, dtype=torch.bfloat16)
     layer = BlockwiseLayer.from_llama(llama, heads_q=4, heads_kv=2, rope_theta=500000.0, eps=1e-5, block=BLOCK)
     assert layer.config == LayerConfig(D_MODEL, 4, 2, 16, D_FFN, rope_theta=500000.0, eps=1e-5)

@@ -10,6 +10,8 @@ import tilegen
 from tilegen.layers import BlockwiseLayer, LayerConfig, reference_layer
 from tilegen.layers.family.problem import random_weights
 
+from helpers import sizeable_weights
+
 TINY = LayerConfig(d_model=64, heads_q=4, heads_kv=2, head_dim=16, d_ffn=160)
 
 
@@ -222,9 +224,7 @@ def test_trains_in_place_of_a_transformers_llama_layer(device):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     llama = LlamaDecoderLayer(config, layer_idx=0)
-    with torch.no_grad():  # norms away from 1, projections of unit gain: every weight's gradient is sizeable
-        for p in llama.parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    sizeable_weights(llama)
     layer = BlockwiseLayer.from_llama(llama, heads_q=4, heads_kv=2, rope_theta=10000.0, eps=1e-5, block=16)
     tokens = 33
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(7))
@@ -312,9 +312,7 @@ def test_from_llama_reads_the_rope_base_and_eps_a_transformers_layer_holds(devic
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     llama = LlamaDecoderLayer(config, layer_idx=0)
-    with torch.no_grad():
-        for p in llama.parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    sizeable_weights(llama)
     layer = BlockwiseLayer.from_llama(llama, heads_q=4, block=16)
     assert (layer.config.rope_theta, layer.config.eps) == (500000.0, 1e-6)
     x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(7))
@@ -412,9 +410,7 @@ def test_from_llama_reads_a_mistral_layer_s_sliding_window(device):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     mistral = MistralDecoderLayer(config, layer_idx=0)
-    with torch.no_grad():
-        for p in mistral.parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if p.dim() == 1 else p.shape[1] ** -0.5) + (p.dim() == 1))
+    sizeable_weights(mistral)
     layer = BlockwiseLayer.from_llama(mistral, heads_q=4, block=8)
     assert layer.config.window == (5, 0)
     tokens = 19
