@@ -344,3 +344,19 @@ def test_the_prefill_benchmark_checks_its_lengths_and_masks_before_any_gpu_work(
 def test_the_serving_benchmarks_check_their_lists_before_any_gpu_work(name, args, message):
     result = runner.invoke(app, ["bench", name, *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mods", "alibi,alibbi"], "--mods: unknown alibbi; expected names from alibi, alibi+causal"),
+    (["--configs", "{"], "--configs: expected a JSON list of knob objects, got invalid JSON"),
+    (["--configs", "[1]"], "--configs: expected a JSON list of knob objects"),
+])
+def test_the_mods_benchmark_checks_its_names_and_configs_before_any_gpu_work(args, message):
+    result = runner.invoke(app, ["bench", "mods", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_mods_benchmarks_names_are_the_mods_it_builds():
+    from tilegen.bench import mods
+
+    assert tuple(mods._mods(torch.Generator().manual_seed(0), device="cpu")) == mods.NAMES

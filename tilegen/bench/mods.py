@@ -56,8 +56,12 @@ def _prefixes(batch: int, n: int, device) -> torch.Tensor:
                         dtype=torch.int32)
 
 
+NAMES = ("alibi", "alibi+causal", "relative-bias", "document", "prefix-lm", "window-1024", "window-1024+64-global",
+         "softcap-30", "causal")
+
+
 def _mods(gen, device="cuda"):
-    """name -> (score_mod, mask_mod, tilegen built-in kwargs or None)."""
+    """name -> (score_mod, mask_mod, tilegen built-in kwargs or None), one for each of ``NAMES``."""
     slopes = _slopes(HQ, device)
     table = torch.randn(HQ, 32, device=device, generator=gen)
     return {
@@ -277,18 +281,27 @@ def main(argv=None) -> None:
                         help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
                              "scale with it)")
     args = parser.parse_args(argv)
-    require_gpu("tilegen.bench.mods")
+    chosen = [m for m in args.mods.split(",") if m] or list(NAMES)
+    unknown = [m for m in chosen if m not in NAMES]
+    if unknown:
+        parser.error(f"--mods: unknown {', '.join(unknown)}; expected names from {', '.join(NAMES)}")
+    if args.configs is not None:
+        try:
+            configs = json.loads(args.configs)
+        except json.JSONDecodeError as e:
+            parser.error(f"--configs: expected a JSON list of knob objects, got invalid JSON ({e})")
+        if not isinstance(configs, list) or not all(isinstance(c, dict) for c in configs):
+            parser.error("--configs: expected a JSON list of knob objects ([{\"block_m\": 128, ...}, ...])")
     if args.seqlen < 1 or args.seqlen > B * N:
         parser.error(f"--seqlen: expected 1 to {B * N}, got {args.seqlen}")
+    require_gpu("tilegen.bench.mods")
     B, N = B * N // args.seqlen, args.seqlen
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     mods = _mods(gen)
-    chosen = [m for m in args.mods.split(",") if m] or list(mods)
     if args.configs is not None:
-        configs = json.loads(args.configs)
         rows = [row for name in chosen for row in sweep(name, *mods[name][:2], q, k, v, configs, args.backward)]
         if args.out:
             with open(args.out, "w") as f:
