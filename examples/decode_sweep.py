@@ -9,7 +9,7 @@ split counts the rule gives for 1-8 CTAs per SM, through the generated module's 
 checked against a float32 reference before it is timed. GB/s of K and V read; writes
 ``$OUT/decode_explore.json`` (``OUT`` default /tmp, made if missing); stops starting configs after ``$BUDGET``
 seconds (default 330). Without a GPU it runs one tiny case under the interpreter (``TRITON_INTERPRET=1``), timing
-nothing.
+nothing: its GB/s are null.
 """
 
 import functools
@@ -54,12 +54,16 @@ CONFIGS = [c for c in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
            if not (c[0] == 128 and c[2] == 4)] if ON_GPU else [(32, 4, 1)]
 
 
-def timed(fn, warmup=5, rep=25) -> float:
-    """``do_bench``'s median in ms; under the interpreter one call and 1.0."""
+def gbs_of(fn, gb, warmup=5, rep=25) -> float | None:
+    """GB/s of ``gb`` read in ``do_bench``'s median; under the interpreter one call and None (it times nothing)."""
     if not ON_GPU:
         fn()
-        return 1.0
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        return None
+    return gb / float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
+
+
+def shown(gbs: float | None) -> str:
+    return "-" if gbs is None else f"{gbs:.0f}"
 
 
 def pages_of(k, v, perm, layout, ps):
@@ -101,7 +105,7 @@ def main() -> None:
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend if ON_GPU else SDPBackend.MATH):
                 sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True)
-                peers[name] = gb / timed(sdpa, warmup=25, rep=100) * 1e3
+                peers[name] = gbs_of(sdpa, gb, warmup=25, rep=100)
         n = batch * (ctx // ps)
         perm = torch.randperm(n, device=DEV, generator=gen).to(torch.int32)
         indptr = torch.arange(0, n + 1, ctx // ps, device=DEV, dtype=torch.int32)
@@ -109,7 +113,7 @@ def main() -> None:
         module = module_for(DecodeSpec(head_dim=d, q_per_kv=hq // hkv, dtype="bf16", page_size=ps))
         out = torch.empty(batch, hq, 1, d, device=DEV, dtype=torch.bfloat16)
         case = {"hq": hq, "hkv": hkv, "batch": batch, "ctx": ctx, "page": ps, "peers": peers, "results": []}
-        print(f"== {hq}/{hkv} {batch}x{ctx} page {ps}: flash {peers['flash']:.0f} cudnn {peers['cudnn']:.0f}",
+        print(f"== {hq}/{hkv} {batch}x{ctx} page {ps}: flash {shown(peers['flash'])} cudnn {shown(peers['cudnn'])}",
               flush=True)
         for layout in layouts:
             kp, vp = pages_of(k, v, perm, layout, ps)
@@ -131,13 +135,13 @@ def main() -> None:
                         if not error < 1e-2:
                             print("wrong:", layout, bn, warps, stages, s, error, flush=True)
                             continue
-                        gbs = gb / timed(run) * 1e3
+                        gbs = gbs_of(run, gb)
                     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported
                         print("failed:", layout, bn, warps, stages, s, type(e).__name__, str(e)[:100], flush=True)
                         continue
                     case["results"].append({"layout": layout, "config": f"BN{bn}-w{warps}-s{stages}", "splits": s,
                                             "gbs": gbs})
-            top = sorted((r for r in case["results"] if r["layout"] == layout), key=lambda r: -r["gbs"])[:5]
+            top = sorted((r for r in case["results"] if r["layout"] == layout), key=lambda r: -(r["gbs"] or 0))[:5]
             print(f"   {layout}: best {top[:1]}", flush=True)
             for r in top[1:]:
                 print("     ", r, flush=True)

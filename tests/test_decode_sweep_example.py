@@ -20,6 +20,8 @@ def test_the_sweep_makes_its_out_folder_and_writes_the_json_there(tmp_path):
     assert result.returncode == 0, result.stderr
     (case,) = json.loads((out / "decode_explore.json").read_text())
     assert case["results"] and {r["layout"] for r in case["results"]} == {"NHD", "HND"}
+    # The interpreter times nothing: no bandwidth is made up from it.
+    assert all(r["gbs"] is None for r in case["results"]) and set(case["peers"].values()) == {None}
 
 
 def test_a_budget_that_is_no_number_is_one_error_line(tmp_path):
