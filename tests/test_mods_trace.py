@@ -348,3 +348,15 @@ def test_an_attribute_a_helper_reads_of_an_object_the_mod_hands_it():
     assert "mul(score,2.0)" in traced(mod, "score_mod").canonical
     config.scale = 7.0
     assert "mul(score,7.0)" in traced(mod, "score_mod").canonical
+
+
+@pytest.mark.parametrize("bounds", [{"min": "t", "max": 1.0}, {"min": -1.0, "max": "t"}])
+def test_a_clamp_with_a_tensor_bound_beside_a_number_says_how_to_write_it(bounds):
+    """torch reads such bounds as numbers (calling .item() on the tensor); the error says so and what to write."""
+    t = torch.randn(4)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return torch.clamp(score, **{key: t[kv_idx % 4] if value == "t" else value for key, value in bounds.items()})
+
+    with pytest.raises(ValueError, match=r"clamp: one bound is a tensor and the other a number.*clamp one side at"):
+        trace(mod, "score_mod")

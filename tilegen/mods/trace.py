@@ -239,6 +239,12 @@ def trace(fn: Callable, kind: str) -> TracedMod:
                                 "(score * t[0] * 2)", ValueError)
                 _fail(kind, f"captured tensor {_name_of(fn, t)!r} is used without indexing; index it with one "
                             "expression per dimension", ValueError)
+        if op == "clamp" and len(args) == 3 and any(isinstance(a, fx.Node) for a in args[1:]) and any(
+                isinstance(a, (int, float)) for a in args[1:]):
+            # torch reads both bounds as numbers then, calling .item() on the tensor: no per-score bound.
+            _fail(kind, "clamp: one bound is a tensor and the other a number; torch takes both as tensors or both as "
+                        "numbers: clamp one side at a time (torch.clamp(x, min=lo).clamp(max=1.0)) or use "
+                        "torch.minimum/torch.maximum", ValueError)
         try:
             result = _run_meta(op, [meta[a] if isinstance(a, fx.Node) else a for a in args])
         except Exception as e:
