@@ -264,7 +264,7 @@ def test_emit_tuned_bakes_a_served_row_and_says_whose_it_was(files, tmp_path):
     result = runner.invoke(app, ["emit", "--tuned", "--db", str(user), "--spec", SPEC.to_json(), "-o", str(module)])
     assert result.exit_code == 0, result.output
     line = next(line for line in module.read_text().splitlines() if line.startswith("    64: {"))
-    assert line.endswith(f"# {user} (tuned under Triton 3.0.0)"), line
+    assert line.endswith(f"# {user} (tuned under Triton 3.0.0; installed {triton.__version__})"), line
 
 
 def test_the_rows_are_read_once_per_table_not_per_call(files, monkeypatch):

@@ -75,10 +75,9 @@ class Choice:
     def note(self) -> str | None:
         """What a user should know about where the config came from: a row of another Triton or another spec
         (``Family.rows_from``) says so."""
-        notes = [] if self.tuned_for is None else [f"tuned for {self.tuned_for}"]
-        if self.tuned_under is not None:
-            notes.append(f"tuned under Triton {self.tuned_under}; installed {self.installed_triton}")
-        return "; ".join(notes) or None
+        from tilegen.db.lookup import row_note  # explain's, never a call's: the database layer loads lazily
+
+        return row_note(self.tuned_for, self.tuned_under, self.installed_triton)
 
     def __repr__(self) -> str:
         def shown(bucket: int | None) -> str:

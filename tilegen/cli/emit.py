@@ -101,10 +101,7 @@ def standalone_entry_point(spec: Spec, *, user_db: Path | None = None) -> str:
     template = template_hash(family)
     rows = tuned_rows(spec, device, template, triton.__version__, user_db=user_db)
     # A row served from another Triton's or another spec's says so in the module's comment beside it, as explain does.
-    notes = {bucket: [f"tuned for {name}"] for bucket, name in rows.tuned_for.items()}
-    for bucket, version in rows.tuned_under.items():
-        notes.setdefault(bucket, []).append(f"tuned under Triton {version}")
-    rows = {bucket: (config, source if bucket not in notes else f"{source} ({'; '.join(notes[bucket])})")
+    rows = {bucket: (config, source if rows.note(bucket) is None else f"{source} ({rows.note(bucket)})")
             for bucket, (config, source) in rows.items()}
     return family.standalone_entry_point(
         spec, rows, device, template_hash=template, triton_version=triton.__version__

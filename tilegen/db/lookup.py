@@ -52,6 +52,19 @@ class TunedRows(dict[int, tuple[Config, str]]):
         # A row tuned for another spec of the family (``Family.rows_from``): its bucket -> that spec's name.
         self.tuned_for = dict(tuned_for or {})
 
+    def note(self, bucket: int) -> str | None:
+        """``row_note`` of the row at ``bucket``."""
+        return row_note(self.tuned_for.get(bucket), self.tuned_under.get(bucket), self.triton_version)
+
+
+def row_note(tuned_for: str | None, tuned_under: str | None, installed: str | None) -> str | None:
+    """What a user should know about where a served row came from, as ``explain`` and ``emit --tuned`` both say
+    it: a row of another spec (``Family.rows_from``) or of another Triton; ``None`` for the row's own."""
+    notes = [] if tuned_for is None else [f"tuned for {tuned_for}"]
+    if tuned_under is not None:
+        notes.append(f"tuned under Triton {tuned_under}; installed {installed}")
+    return "; ".join(notes) or None
+
 
 def serving_order(version: str, installed: str) -> tuple | None:
     """Sort key of a row tuned under Triton ``version`` for a process running ``installed``: smaller serves
