@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 
+import numpy as np
 import pytest
 
 from tilegen import ir
@@ -244,3 +245,15 @@ def test_spec_from_json_needs_an_object(text):
 def test_spec_from_json_rejects_malformed_json():
     with pytest.raises(ValueError):
         spec_from_json('{"head_dim": 64')
+
+
+@pytest.mark.parametrize("value", [16.0, "16", np.int64(16)], ids=["float", "str", "numpy-int"])
+@pytest.mark.parametrize("family", ["attention_varlen", "attention_decode", "attention_cascade", "kv_append"])
+def test_a_page_size_that_is_not_an_int_is_refused_by_every_paged_spec(family, value):
+    """16.0 equals 16, but it would write "16.0" into the canonical JSON (another hash for an equal spec) and into
+    the generated module; a numpy int has no JSON spelling at all."""
+    extra = {"kv_layout": "paged"} if family == "attention_varlen" else {}
+    cls = type(spec_from_json({"family": family, "head_dim": 64, "page_size": 16, **extra}))
+    with pytest.raises(SpecError) as info:
+        cls(head_dim=64, page_size=value, **extra)
+    assert info.value.field == "page_size"

@@ -8,7 +8,7 @@ from typing import ClassVar
 from tilegen.families.attention_fwd.spec import AttentionFields
 from tilegen.families.attention_varlen.spec import PAGE_SIZES
 from tilegen.dtypes import KV_DTYPES
-from tilegen.ir import Spec, SpecError, check_choice
+from tilegen.ir import Spec, SpecError, check_choice, check_int
 
 __all__ = ["CascadeSpec"]
 
@@ -31,7 +31,8 @@ class CascadeSpec(AttentionFields):
         if self.mask == "window":
             raise SpecError("mask", "a window over the levels of a prefix tree is not built; expected 'none' or "
                                     "'causal'")
-        if isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
+        check_int("page_size", self.page_size)
+        if self.page_size not in PAGE_SIZES:
             raise SpecError("page_size", f"expected one of {PAGE_SIZES}, got {self.page_size!r}")
         if self.kv_dtype is not None:
             check_choice("kv_dtype", self.kv_dtype, tuple(KV_DTYPES))

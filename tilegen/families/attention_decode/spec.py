@@ -45,8 +45,10 @@ class DecodeSpec(AttentionFields):
         if self.kv_layout == "dense":
             if self.page_size is not None:
                 raise SpecError("page_size", f"dense KV has no pages; got {self.page_size!r}")
-        elif isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
-            raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
+        else:
+            check_int("page_size", self.page_size)
+            if self.page_size not in PAGE_SIZES:
+                raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
         check_kv_dtype(self)
         if self.kv_layout == "dense" and (self.score_mod is not None or self.mask_mod is not None):
             # Dense decode serves tilegen.attention's short queries, whose mods see top-left positions; calls

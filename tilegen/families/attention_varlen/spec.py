@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from tilegen.dtypes import KV_DTYPES
 from tilegen.families.attention_fwd.spec import AttentionFields, check_mods, mod_name_parts
-from tilegen.ir import Spec, SpecError, check_choice
+from tilegen.ir import Spec, SpecError, check_choice, check_int
 
 __all__ = ["VarlenAttentionSpec", "LAYOUTS", "check_kv_dtype"]
 
@@ -45,7 +45,8 @@ class VarlenAttentionSpec(AttentionFields):
         check_mods(self)
         check_choice("kv_layout", self.kv_layout, LAYOUTS)
         if self.kv_layout == "paged":
-            if self.page_size not in PAGE_SIZES or isinstance(self.page_size, bool):
+            check_int("page_size", self.page_size)
+            if self.page_size not in PAGE_SIZES:
                 raise SpecError("page_size", f"expected one of {PAGE_SIZES} for paged KV, got {self.page_size!r}")
         elif self.page_size is not None:
             raise SpecError("page_size", f"only paged KV has pages; got {self.page_size!r} for {self.kv_layout!r}")
