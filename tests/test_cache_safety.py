@@ -153,6 +153,15 @@ def test_a_cache_folder_that_cannot_be_made_renders_into_the_scratch_folder(tmp_
     assert Path(module.__file__).parent.parent == cache._scratch() and callable(module.launch)
 
 
+def test_a_cache_folder_in_the_home_of_no_such_user_renders_into_the_scratch_folder(monkeypatch):
+    """pathlib cannot expand "~name" for a user the system does not know: that is a folder that cannot be made, not
+    an error of every op."""
+    monkeypatch.setenv("TILEGEN_CACHE_DIR", "~tilegen-no-such-user/cache")
+    with pytest.warns(RuntimeWarning, match=r"from the cache \(TILEGEN_CACHE_DIR: ~tilegen-no-such-user/cache: "):
+        module = module_for.__wrapped__(_spec(56))
+    assert Path(module.__file__).parent.parent == cache._scratch() and callable(module.launch)
+
+
 def test_a_folder_where_the_module_goes_renders_into_the_scratch_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = _spec(72)

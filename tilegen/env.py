@@ -36,7 +36,10 @@ def db_path() -> Path:
 def _absolute(value: str) -> Path:
     """A variable's path made absolute the first time this process reads that value: a relative one keeps naming
     the same place when the process changes its working directory later."""
-    return Path(value).expanduser().absolute()
+    try:
+        return Path(value).expanduser().absolute()
+    except RuntimeError:  # pathlib's answer to "~name" of no user known here: an OSError, as of a path not there
+        raise FileNotFoundError(f"{value}: no user's home folder to expand its '~' into") from None
 
 
 def db_target() -> str | Path:
