@@ -225,6 +225,22 @@ def test_a_scale_that_overflows_in_base_2_is_refused(device, scale):
 
 
 @pytest.mark.parametrize(
+    "arg, value, prefix",
+    [
+        pytest.param("scale", 10**400, "scale: ", id="scale"),
+        pytest.param("scale", -(10**400), "scale: ", id="negative-scale"),
+        pytest.param("softcap", 10**400, "softcap: expected None or a finite positive number", id="softcap"),
+    ],
+)
+def test_an_int_past_the_largest_float_is_refused_by_name(device, arg, value, prefix):
+    """Python's ints have no bound: one that no float holds is refused naming its argument, not by the
+    OverflowError of its conversion."""
+    q, k, v = qkv(device)
+    with raises(ValueError, prefix):
+        tilegen.attention(q, k, v, **{arg: value})
+
+
+@pytest.mark.parametrize(
     "softcap",
     [0.0, -1.0, 0, math.nan, math.inf, "30", True],
     ids=["zero", "negative", "int-zero", "nan", "inf", "str", "bool"],

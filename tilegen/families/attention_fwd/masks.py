@@ -9,6 +9,7 @@ has no imports because ``tilegen emit --tuned`` copies its source into standalon
 from __future__ import annotations
 
 import math
+import sys
 from numbers import Integral, Real
 
 __all__ = ["window_bounds", "mask_kind", "launch_window", "mask_band", "score_scalars"]
@@ -30,10 +31,11 @@ def score_scalars(scale, softcap, head_dim: int) -> tuple[float, float]:
     # (q.shape[-1] ** -0.5) is a symbolic float, which Dynamo compares (NaN compares false) but cannot pass to math.
     elif isinstance(scale, bool) or not isinstance(scale, Real) or not -math.inf < scale < math.inf:
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
-    elif abs(scale) * 1.4426950408889634 > 3.4028234663852886e38:  # the kernels' base-2 scale, in fp32
+    # The kernels' base-2 scale (times log2(e)), in fp32; compared, not multiplied: an int no float holds overflows.
+    elif abs(scale) > 3.4028234663852886e38 / 1.4426950408889634:
         raise ValueError(f"scale: {scale!r} overflows fp32 once the kernels take it to base 2 (times log2(e))")
     if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, Real) or not (0 < softcap < math.inf)
+        isinstance(softcap, bool) or not isinstance(softcap, Real) or not (0 < softcap <= sys.float_info.max)
     ):
         raise ValueError(f"softcap: expected None or a finite positive number, got {softcap!r}")
     if softcap is not None and softcap < _FP32_TINY:
