@@ -565,6 +565,9 @@ ENTRY_POINT_CASES = [
     *(pytest.param(lambda d, field=field, value=value: _layer_config(**{field: value}), ValueError,
                    f"{field}: expected a finite positive number", id=f"layer-config-{field}-{value}")
       for field in ("eps", "rope_theta") for value in (math.inf, True)),
+    *(pytest.param(lambda d, field=field: _layer_config(**{field: 10**400}), ValueError,
+                   f"{field}: expected a finite positive number", id=f"layer-config-{field}-int-past-the-largest-float")
+      for field in ("eps", "rope_theta")),
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+import sys
 from dataclasses import dataclass
 
 from tilegen.families.attention_fwd.masks import score_scalars, window_bounds
@@ -103,5 +103,5 @@ class LayerConfig:
 
 def _positive(value) -> bool:
     # Not a bool (True would pass as 1), nor inf: an infinite eps zeroes the norms' output, and an infinite theta
-    # leaves every rotary pair but the first unrotated.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    # leaves every rotary pair but the first unrotated; nor an int no float holds, which the kernels take as floats.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= sys.float_info.max
