@@ -547,6 +547,10 @@ ENTRY_POINT_CASES = [
     pytest.param(lambda d: tilegen.PagedKVCache.empty(-1, 8, 2, 32, torch.zeros(1, 1, dtype=torch.int32, device=d),
                                                       torch.ones(1, dtype=torch.int32, device=d)),
                  ValueError, "num_pages: expected an int >= 0, got -1", id="empty-cache-negative-pages"),
+    pytest.param(lambda d: tilegen.PagedKVCache.empty(
+        2, 8, 1, 16, torch.zeros(1, 1, dtype=torch.int32, device=d), torch.ones(1, dtype=torch.int32, device=d),
+        dtype=torch.float8_e4m3fn, k_scale=10**400, v_scale=1.0),
+        ValueError, "k_scale: expected finite positive scales", id="empty-cache-int-scale-past-the-largest-float"),
     pytest.param(lambda d: tilegen.PagedKVCache.empty(4, 8, 2, 32, [[0]], torch.ones(1, dtype=torch.int32)),
                  ValueError, "block_table: expected a [batch, max_pages] tensor, got list",
                  id="empty-cache-list-table"),

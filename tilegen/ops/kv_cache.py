@@ -241,8 +241,14 @@ class PagedKVCache:
         shape = (num_pages, page_size, kv_heads)
         k_pages = torch.empty((*shape, head_dim), dtype=dtype, device=device)
         v_pages = torch.empty((*shape, head_dim if head_dim_v is None else head_dim_v), dtype=dtype, device=device)
-        scales = [torch.tensor([float(s)], dtype=torch.float32, device=device) if isinstance(s, Real)
-                  and not isinstance(s, bool) else s for s in (k_scale, v_scale)]
+        scales = []
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if isinstance(s, Real) and not isinstance(s, bool):
+                try:
+                    s = torch.tensor([float(s)], dtype=torch.float32, device=device)
+                except OverflowError:  # an int no float holds: as out of range as the inf a float would become
+                    raise ValueError(f"{name}: expected finite positive scales, got {s!r}") from None
+            scales.append(s)
         return cls.from_block_table(k_pages, v_pages, block_table, seq_lens, k_scale=scales[0], v_scale=scales[1])
 
     @classmethod
