@@ -677,7 +677,9 @@ def _check_tensors(q, k, v) -> None:
     heads_kv = k.shape[1]
     if heads_q == 0 and heads_kv:
         raise ValueError(f"q: no query head; expected a positive multiple of k's {heads_kv} KV heads")
-    if heads_kv == 0 or heads_q % heads_kv:
+    if heads_kv == 0:
+        raise ValueError(f"k: no KV head (shape {tuple(k.shape)}); expected at least one")
+    if heads_q % heads_kv:
         raise ValueError(f"q: {heads_q} query heads is not a multiple of k's {heads_kv} KV heads")
     n_k = k.shape[2]
     if max(n_q, n_k) >= _MAX_SEQLEN:

@@ -672,6 +672,8 @@ def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: expected [total_tokens, heads, head_dim], got {_shape(t)}")
+    if q.dtype not in SPEC_DTYPES:
+        raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: {t.dtype} on {t.device} differs from q's {q.dtype} on {q.device}")
@@ -681,7 +683,9 @@ def _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
         raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
     if q.shape[1] == 0 and k.shape[1]:
         raise ValueError(f"q: no query head; expected a positive multiple of k's {k.shape[1]} KV heads")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0:
+        raise ValueError(f"k: no KV head (shape {tuple(k.shape)}); expected at least one")
+    if q.shape[1] % k.shape[1]:
         raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of k's {k.shape[1]} KV heads")
     _check_lengths("cu_seqlens_q", cu_q, q.device)
     _check_lengths("cu_seqlens_k", cu_k, q.device)
