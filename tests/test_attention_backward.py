@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 
 import pytest
@@ -377,6 +378,40 @@ def test_explain_backward_of_a_deterministic_call_names_the_config_it_runs(devic
     assert choice.config == ran[-1] and (choice.source, choice.tuned_bucket) == ("tuned.sqlite", 64)
     with pytest.raises(TypeError, match="deterministic"):
         tilegen.explain(q, k, v, backward=True, deterministic=1)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_a_failed_row_falls_back_to_an_atomic_row_with_its_own_fp32_sum(dtype, device, caplog):
+    """A tuned row that fails is skipped and the next one runs in the same call; when that one adds dQ by atomics,
+    it must sum into an fp32 buffer of its own, not into dQ itself (allocated for the failed row's dQ kernel): bf16
+    atomics are refused, so a good row was skipped as failed, and fp16 ones summed dQ in fp16."""
+    import tilegen.ops.attention_grad as grad_module
+    from tilegen import dispatch
+
+    case = Case(40, dtype=dtype, head_dim=16, causal=True)
+    q, k, v = leaf_inputs(case, device)
+    spec = grad_module.backward_spec(q.dtype, 16, 16, 1, "causal", False, "dense")
+    info = device_info(torch.device(device))
+    bad = Config(48, 16, 4, 1, 48, 16, 4, 1)  # no power of two: tl.arange refuses it
+    atomic = CONFIGS["atomic-dq"]
+    dispatch._tables[(spec, info)] = dispatch.Table(spec, info, {64: (bad, "tuned.sqlite"),
+                                                                 128: (atomic, "tuned.sqlite")})
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=q.dtype)
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="tilegen.dispatch"):
+        for _ in range(2):  # the first call falls back; the second runs the atomic row's plan directly
+            for t in (q, k, v):
+                t.grad = None
+            tilegen.attention(q, k, v, causal=True).backward(dout)
+            runs.append((q.grad, k.grad, v.grad))
+    skipped = [r.getMessage() for r in caplog.records if "skipping the tuned config" in r.getMessage()]
+    assert len(skipped) == 1 and str(bad) in skipped[0], skipped
+    assert tilegen.explain(q, k, v, causal=True, backward=True).config == atomic
+    refs = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, causal=True)
+    check_grads(runs[0], refs, q.dtype)
+    if device == "cpu":  # the interpreter adds in program order: both calls' atomic sums are the same bits
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------- opcheck and torch.compile

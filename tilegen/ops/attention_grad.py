@@ -99,10 +99,9 @@ def check_training_args(out, deterministic) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """A backward call's checked decisions: its launch, and whether dQ sums in an fp32 buffer by atomics."""
+    """A backward call's checked decisions: its launch, which brings the fp32 dQ sum its config's atomics need."""
 
     launch: Callable[..., Any]
-    atomic: bool
     choice: dispatch.Choice
     launch_args: dict[str, Any]
 
@@ -122,8 +121,17 @@ def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[s
     def make(choice: dispatch.Choice) -> _Plan:
         config = deterministic_config(choice.config) if deterministic else choice.config
         launch_args = {**fixed, **config.to_dict()}
-        return _Plan(launch=launcher.replay(launch_args), atomic=bool(config.atomic_dq), choice=choice,
-                     launch_args=launch_args)
+        replay = launcher.replay(launch_args)
+        atomic = bool(config.atomic_dq)
+
+        # The sum is allocated here, per config: a failed tuned row's fallback relaunches with the call's arguments,
+        # and a buffer chosen for the failed row (dQ itself, without atomics) would take the next row's atomics.
+        def launch(key, q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, cu_q, cu_k, max_q, max_k):
+            acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+            replay((*key, acc.stride()), q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, acc, cu_q, cu_k,
+                   max_q, max_k)
+
+        return _Plan(launch=launch, choice=choice, launch_args=launch_args)
 
     return dispatch.planned(table, size, make)
 
@@ -149,9 +157,8 @@ def _run(spec, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, s
     if dlse is not None and dlse.stride() != lse.stride():
         dlse = dlse.contiguous()  # the kernels read it with the LSE's strides
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if plan.atomic else dq
-    strides = tuple(None if t is None else t.stride() for t in (q, k, v, out, dout, lse, dlse, dq, dk, dv, acc))
-    plan.launch(strides, q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, acc, cu_q, cu_k, max_q, max_k)
+    strides = tuple(None if t is None else t.stride() for t in (q, k, v, out, dout, lse, dlse, dq, dk, dv))
+    plan.launch(strides, q, k, v, out, dout, lse, dlse, dq, dk, dv, delta, lse2, cu_q, cu_k, max_q, max_k)
     return dq, dk, dv
 
 
