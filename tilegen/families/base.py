@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,11 +287,36 @@ class Family:
         return [c for c in configs if self.feasible(spec, c, device) is None]
 
     def default_config(self, spec: Spec, device: DeviceInfo, bucket: int) -> Config:
-        """The heuristic config for a bucket with no tuned entry (see ``default_rule``)."""
-        for largest, config in self.default_rule(spec, device):
+        """The heuristic config for a bucket with no tuned entry (see ``fitted_default_rule``)."""
+        for largest, config in self.fitted_default_rule(spec, device):
             if largest is None or bucket <= largest:
                 return config
         raise AssertionError(f"{self.name}: default_rule must end with a None bound")
+
+    def fitted_default_rule(self, spec: Spec, device: DeviceInfo) -> list[tuple[int | None, Config]]:
+        """``default_rule`` with each config the device cannot run (``feasible`` says why) replaced by the
+        feasible config of the search space nearest to it (``nearest_feasible``). The rules were fitted on
+        Hopper; a GPU with less shared memory (an A100's 163 KiB, an sm86/sm89 card's 99 KiB) would otherwise
+        fail to compile the untuned calls Hopper's tiles fill."""
+        return [(largest, config if self.feasible(spec, config, device) is None
+                 else self.nearest_feasible(spec, config, device))
+                for largest, config in self.default_rule(spec, device)]
+
+    def nearest_feasible(self, spec: Spec, config: Config, device: DeviceInfo) -> Config:
+        """The feasible config nearest to ``config``: the fewest halvings or doublings over its sizes (a stage
+        of three to two counts log2(3/2)), one for each other knob changed; on a tie the smaller, then the
+        first in the search space's order. ``config`` itself where nothing is feasible (the launch says why)."""
+        def distance(other: Config) -> tuple[float, float]:
+            far = smaller = 0.0
+            for name in self.config_type.knobs():
+                a, b = getattr(config, name), getattr(other, name)
+                if a != b:
+                    step = abs(math.log2(b / a)) if a > 0 and b > 0 else 1.0
+                    far += step
+                    smaller += step if b > a else -step
+            return far, smaller
+
+        return min(self.candidates(spec, device), key=distance, default=config)
 
     def standalone_entry_point(
         self, spec: Spec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,

@@ -29,7 +29,7 @@ def entry_point(
     if spec.score_mod is not None or spec.mask_mod is not None:
         raise NotImplementedError("score_mod/mask_mod: emit --tuned writes an entry point without the mods' "
                                   "captured tensors; emit the module alone (its launch takes mod_tensors)")
-    defaults, buckets = family.default_rule(spec, device), family.buckets
+    defaults, buckets = family.fitted_default_rule(spec, device), family.buckets
     # Everything below that comes from a database or the machine is rendered from a checked Python value:
     # ints through int(), configs through the family's type, text as a repr or a comment with no line break.
     table = "".join(f"\n    {int(b)}: {_knobs(config)!r},  # {_comment(source)}"

@@ -1,0 +1,79 @@
+"""The heuristic defaults on GPUs with less shared memory than Hopper: a rule's config the device cannot run (its
+family's ``feasible`` says why) gives way to the nearest feasible config of the search space, so an untuned call
+on an A100 or an sm86/sm89 card compiles. No kernel runs here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tilegen.device import DeviceInfo
+from tilegen.families import registry
+
+A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 80 << 30, 166912)
+RTX_4090 = DeviceInfo("NVIDIA GeForce RTX 4090", (8, 9), 128, 24 << 30, 101376)
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 80 << 30, 232448)
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+
+FAMILIES = {family.name: family for family in registry.families()}
+
+
+def _specs():
+    """Each family's presets at the head dims and dtypes a model uses, where the spec has those fields."""
+    for family in FAMILIES.values():
+        for preset in family.presets.values():
+            for head_dim in (64, 96, 128, 256):
+                for dtype in ("bf16", "fp32"):
+                    changes = {name: value for name, value in (("head_dim", head_dim), ("dtype", dtype))
+                               if hasattr(preset, name)}
+                    try:
+                        yield family, dataclasses.replace(preset, **changes)
+                    except (TypeError, ValueError):  # a preset of fixed dims (a V dim of its own, a page size)
+                        continue
+
+
+@pytest.mark.parametrize("device", [A100, RTX_4090], ids=lambda d: d.name)
+def test_every_default_is_feasible_where_any_config_is(device):
+    unfit = []
+    for family, spec in _specs():
+        for largest, config in family.fitted_default_rule(spec, device):
+            reason = family.feasible(spec, config, device)
+            if reason is not None and family.candidates(spec, device):
+                unfit.append(f"{spec.name} up to {largest}: {config} ({reason})")
+    assert not unfit, "\n".join(unfit[:10])
+
+
+@pytest.mark.parametrize("device", [H100, H200], ids=lambda d: d.name)
+def test_hoppers_defaults_are_the_rules_own(device):
+    for family, spec in _specs():
+        assert family.fitted_default_rule(spec, device) == family.default_rule(spec, device), spec.name
+
+
+def test_a_rule_the_device_cannot_hold_loses_only_what_it_must():
+    """At d128 the forward's long-sequence tiles (BM128-BN128, 3 stages: ~224 KiB) keep their tiles on an A100
+    with one stage fewer; the backward's on a 99 KiB card too, in both kernels."""
+    forward_family, backward_family = FAMILIES["attention_fwd"], FAMILIES["attention_bwd"]
+    forward = forward_family.presets["llama-prefill"]
+    (*_, (_, rule)), (*_, (_, fitted)) = (forward_family.default_rule(forward, A100),
+                                          forward_family.fitted_default_rule(forward, A100))
+    assert forward_family.feasible(forward, rule, A100) is not None
+    assert fitted == dataclasses.replace(rule, num_stages=rule.num_stages - 1)
+    assert forward_family.default_config(forward, A100, 1 << 14) == fitted
+    backward = backward_family.presets["train-llama"]
+    ((_, rule),), ((_, fitted),) = (backward_family.default_rule(backward, RTX_4090),
+                                    backward_family.fitted_default_rule(backward, RTX_4090))
+    assert backward_family.feasible(backward, rule, RTX_4090) is not None
+    assert fitted == dataclasses.replace(rule, num_stages1=2, num_stages2=2)
+    assert backward_family.default_config(backward, RTX_4090, 4096) == fitted
+
+
+def test_the_emitted_module_bakes_the_fitted_defaults():
+    from tilegen.families.attention_fwd.standalone import _knobs, entry_point
+
+    family = FAMILIES["attention_fwd"]
+    spec = family.presets["llama-prefill"]
+    source = entry_point(family, spec, {}, A100, template_hash="0" * 16, triton_version="3.6.0")
+    fitted = [(largest, _knobs(config)) for largest, config in family.fitted_default_rule(spec, A100)]
+    assert fitted != [(largest, _knobs(config)) for largest, config in family.default_rule(spec, A100)]
+    assert f"DEFAULTS = {fitted!r}" in source
