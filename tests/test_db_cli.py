@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sqlite3
@@ -142,6 +143,16 @@ def test_export_then_import_into_a_fresh_database(populated, tmp_path):
         want["trials"] = [{**row, "study_name": imported_study(row["study_name"])} for row in want["trials"]]
         assert _without_provenance(want) == _without_provenance(b.export_json())
         assert {r.provenance for r in b.list_tuned()} == {"imported"}
+
+
+def test_export_to_a_dash_writes_the_json_to_stdout(populated, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("db", "--db", populated, "export", "-")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "-").exists()
+    with TuningDB(populated) as db:
+        assert json.loads(result.stdout) == json.loads(json.dumps(db.export_json()))
+    assert "exported 4 tuned configs and 3 trials to stdout" in result.stderr
 
 
 def test_export_refuses_to_write_over_the_database_it_exports(populated, tmp_path):

@@ -207,9 +207,16 @@ def show(
 def export(
     ctx: typer.Context, file: Path = typer.Argument(..., metavar="FILE.json"), db: Optional[str] = _DbOption,
 ) -> None:
-    """Write the whole database as JSON (`tilegen db import` reads it back, on any machine)."""
+    """Write the whole database as JSON (`tilegen db import` reads it back, on any machine); FILE.json `-` writes
+    it to stdout."""
     path = _path(ctx, db)
     _need(path)
+    if str(file) == "-":
+        with _open(path) as database:
+            data = database.export_json()
+        typer.echo(json.dumps(data, indent=1))
+        typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to stdout", err=True)
+        return
     if not isinstance(path, _Server) and file.exists():
         # Written over, the database (or the studies beside it) would be JSON, and every later command refuse it.
         for kept in (path, studies_path(path)):
