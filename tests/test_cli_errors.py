@@ -44,6 +44,7 @@ CASES = {
     "tune-size-past-the-largest-bucket": (["tune", "--sizes", "1073741825", "--trials", "1", "--db", "{tmp}/t.sqlite"],
                                           "--sizes: attention_fwd files these sizes in bucket 2147483648"),
     "tune-size-not-a-number": (["tune", "--seqlens", "abc"], "--seqlens"),
+    "tune-size-zero": (["tune", "--sizes", "0"], "--sizes/--seqlens: expected comma-separated positive integers"),
     "tune-trials-zero": (["tune", "--trials", "0"], "--trials: expected a positive integer"),
     "tune-trials-not-a-number": (["tune", "--trials", "abc"], "'--trials'"),
     "tune-timeout-negative": (["tune", "--timeout", "-1"], "--timeout: expected a positive number"),

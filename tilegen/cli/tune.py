@@ -413,7 +413,8 @@ def _storable(family, buckets: list[int], options: str) -> list[int]:
 
 
 def _parse_seqlens(text: str | None) -> list[int]:
-    return _parse_sizes("--seqlens", text, "1024,4096", "sizes")
+    # Both of the option's names: the documented one, --sizes, and the alias the user may have typed.
+    return _parse_sizes("--sizes/--seqlens", text, "1024,4096", "sizes")
 
 
 def _parse_batches(text: str | None, tuned: list) -> list[int]:
