@@ -102,7 +102,7 @@ def resolve_spec(spec: str | None, preset: str | None, head_dim: int | None = No
         if head_dim is not None:
             fields = {"family": known["default"].family, "head_dim": head_dim}
             return spec_from_json({**fields, **{k: v for k, v in flags.items() if v is not None}})
-        name = preset or "default"
+        name = "default" if preset is None else preset  # an empty --preset names no preset, not the default
         if name not in known:
             raise typer.BadParameter(f"unknown preset {name!r}; known: {', '.join(known)}", param_hint="--preset")
         return known[name]
