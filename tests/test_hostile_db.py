@@ -239,6 +239,16 @@ def test_import_of_an_oversized_or_hostile_value_ends_in_one_line_and_changes_no
     assert dump(db) == before
 
 
+def test_a_refused_import_creates_no_database(tmp_path):
+    data = _export(tmp_path)
+    IMPORTS["tiny-time"][0](data)
+    file = tmp_path / "export.json"
+    file.write_text(json.dumps(data))
+    db = tmp_path / "new" / "target.sqlite"
+    one_line_error(invoke("db", "import", file, "--db", db), "time_ms")
+    assert not db.parent.exists()
+
+
 @pytest.mark.parametrize("text", [_nested(100_000), "[" + "9" * 10_000 + "]"], ids=["nested", "huge-int"])
 def test_import_of_a_file_json_cannot_read_ends_in_one_line(tmp_path, text):
     file = tmp_path / "export.json"

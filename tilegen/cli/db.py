@@ -30,6 +30,7 @@ from tilegen import env
 from tilegen.version import __version__
 from tilegen.cli.app import app, fail, check_db_path
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB, studies_path
+from tilegen.db.exchange import check
 from tilegen.db.location import is_url
 from tilegen.db.validate import safe_text
 from tilegen.families import ConfigError, get
@@ -258,6 +259,10 @@ def import_(
         fail(f"FILE.json: {file} is nested too deeply to be a tilegen export")
     except ValueError as e:  # not JSON, not UTF-8, or an integer of thousands of digits
         fail(f"FILE.json: {file} is not JSON ({safe_text(e)}); give a file written by `tilegen db export`")
+    # Checked before the database opens, which creates a missing one and upgrades an older one: a refused file
+    # leaves neither behind.
+    with _errors():
+        check(data, skip_bad=skip_bad)
     with _open(path, write=True) as database, _errors():
         count = database.import_json(data, skip_bad=skip_bad, replace=replace)
         skipped = database.skipped
