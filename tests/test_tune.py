@@ -377,11 +377,14 @@ def test_concurrent_tunes_on_one_database_both_complete(tmp_path):
         pytest.param(["--db", "{tmp}/corrupt.sqlite"], "corrupt", id="corrupt-db"),
         pytest.param(["--db", "{tmp}/ok.sqlite"], "Optuna studies file", id="corrupt-studies-file"),
         pytest.param(["--db", "{tmp}/ok.sqlite"], "ok.optuna.sqlite: file is not a database", id="corrupt-studies-cause"),
+        pytest.param(["--db", "{tmp}/locked.sqlite", "--seqlens", "16", "--trials", "1"],
+                     "locked.optuna.sqlite.lock: Is a directory", id="studies-lock-unusable"),
     ],
 )
 def test_bad_input_exits_with_one_line_and_no_traceback(tmp_path, args, message):
     (tmp_path / "corrupt.sqlite").write_bytes(b"this is not an SQLite database" * 100)
     (tmp_path / "ok.optuna.sqlite").write_bytes(b"this is not an SQLite database" * 100)
+    (tmp_path / "locked.optuna.sqlite.lock").mkdir()
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     result = CliRunner().invoke(app, ["tune", "--db", str(tmp_path / "fresh.sqlite"), *args])
     assert result.exit_code != 0

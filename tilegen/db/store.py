@@ -184,8 +184,12 @@ class TuningDB:
         """
         if not self.is_server:
             lock = Path(f"{studies_path(self.path)}.lock")
-            lock.parent.mkdir(parents=True, exist_ok=True)
-            with open(lock, "a") as f:
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                f = open(lock, "a")
+            except OSError as e:  # another user's lock file, say: the tune cannot share the studies
+                raise DatabaseError(f"cannot open the lock of the Optuna studies {lock}: {e.strerror or e}") from e
+            with f:
                 fcntl.flock(f, fcntl.LOCK_EX)
                 yield
             return
