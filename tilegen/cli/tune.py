@@ -27,7 +27,7 @@ from tilegen.families import BUILTIN, families, family_of
 from tilegen.ir import Spec
 from tilegen.key import TuningKey
 from tilegen.layers import LAYER_FAMILY
-from tilegen.tuning.interrupt import interrupt
+from tilegen.tuning.interrupt import cancel as cancel_interrupt, interrupt
 
 _GPU_TRIALS = 30
 _INTERPRETER_TRIALS = 6
@@ -162,6 +162,9 @@ def _interrupts():
     try:
         yield received
     finally:
+        # A second signal met in the database code while the first unwound the tune is deferred: the tune has
+        # ended in its one line all the same.
+        cancel_interrupt()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

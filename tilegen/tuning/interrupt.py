@@ -15,7 +15,7 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["interrupt"]
+__all__ = ["cancel", "interrupt"]
 
 #: How soon a deferred interrupt looks again.
 _RETRY_S = 0.005
@@ -53,8 +53,15 @@ def interrupt(frame: FrameType | None) -> None:
             _previous_alarm = signal.signal(signal.SIGALRM, lambda _signum, later: interrupt(later))
         signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
         return
+    cancel()
+    raise KeyboardInterrupt
+
+
+def cancel() -> None:
+    """Drop an interrupt still deferred, once what it was to stop has ended: raised later, it would land in
+    whatever runs next (the interpreter's exit handlers, which print it as a traceback)."""
+    global _previous_alarm
     if _previous_alarm is not None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, _previous_alarm)
         _previous_alarm = None
-    raise KeyboardInterrupt
