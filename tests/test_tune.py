@@ -920,3 +920,30 @@ def test_a_worker_whose_start_is_interrupted_closes_and_passes_the_interrupt_on(
     with pytest.raises(KeyboardInterrupt):
         worker.start()
     worker.close()
+
+
+def test_a_second_interrupt_while_the_worker_is_reaped_leaves_it_closable():
+    """A second Ctrl-C soon after the first lands while the killed child is reaped; once os.waitpid has reaped it,
+    multiprocessing never records its exit and takes it for running, so closing the worker must not close that
+    process again, or a ValueError ends the tune in a traceback in place of its one line."""
+    import multiprocessing
+
+    from tilegen.tuning.worker import Worker
+
+    worker = Worker()
+    worker._conn, _ = multiprocessing.get_context("fork").Pipe()
+    worker._proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    worker._proc.start()
+    worker._ready = True
+    proc = worker._proc
+    join = proc.join
+
+    def interrupted_after_the_reap(timeout=None):
+        proc.join = join  # once: the interrupt lands in the kill's join
+        os.waitpid(proc.pid, 0)
+        raise KeyboardInterrupt
+
+    proc.join = interrupted_after_the_reap
+    with pytest.raises(KeyboardInterrupt):
+        worker._kill()
+    worker.close()

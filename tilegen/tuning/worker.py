@@ -179,16 +179,21 @@ class Worker:
         log.debug("worker %d ready", self._proc.pid)
 
     def _kill(self) -> None:
-        if self._proc is not None:
-            # A start interrupted (Ctrl-C) or failed (EAGAIN) left a process that never started: nothing to join.
-            if self._proc.pid is not None:
-                if self._proc.is_alive():
-                    self._proc.kill()
-                self._proc.join()
-            self._proc.close()
-            self._conn.close()
+        # Forgotten first: a second Ctrl-C inside the join below may land after os.waitpid reaped the child and
+        # before multiprocessing recorded it, which then takes the child for running forever and refuses to close it.
+        proc, conn = self._proc, self._conn
         self._proc = self._conn = None
         self._ready = False
+        if proc is not None:
+            try:
+                # A start interrupted (Ctrl-C) or failed (EAGAIN) left a process that never started: nothing to join.
+                if proc.pid is not None:
+                    if proc.is_alive():
+                        proc.kill()
+                    proc.join()
+                proc.close()
+            finally:
+                conn.close()
 
 
 def _describe_exit(code: int | None) -> str:
