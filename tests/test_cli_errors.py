@@ -132,6 +132,19 @@ def test_a_folder_in_tilegen_db_is_named_as_the_variable(args, tmp_path, monkeyp
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: TILEGEN_DB: {tmp_path} is a folder")
 
 
+@pytest.mark.parametrize("args", [["db", "list"], ["db", "export", "-"], ["tune", "--trials", "1", "--sizes", "16"],
+                                  ["emit", "--tuned"]], ids=["db-list", "db-export", "tune", "emit"])
+def test_a_tilegen_db_in_the_home_of_no_such_user_is_named_as_the_variable(args, monkeypatch, capsys):
+    """``~name/...`` of a user unknown here names no path: one line naming the variable, not a traceback."""
+    monkeypatch.setenv("TILEGEN_DB", "~no-such-user-here/tuning.sqlite")
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    captured = capsys.readouterr()
+    assert exit.value.code == 2, captured.err
+    assert captured.err.splitlines()[-1] == ("error: TILEGEN_DB: ~no-such-user-here/tuning.sqlite: no user's home "
+                                            "folder to expand its '~' into"), captured.err
+
+
 @pytest.mark.parametrize("which", ["corrupt", "tmp"], ids=["corrupt-file", "folder"])
 def test_emit_tuned_reads_tilegen_db_as_it_reads_db(which, paths, monkeypatch, capsys):
     """The module is baked from the user's rows: a TILEGEN_DB that cannot be read ends the command, as --db does,

@@ -34,6 +34,17 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(USAGE_ERROR)
 
 
+def user_db(*, target: bool = False) -> Path | str:
+    """``env.db_path()``, or ``env.db_target()`` (a server's URL too) with ``target``; a TILEGEN_DB that names no
+    path (``~name/...`` of no user known here) ends the command in one line naming the variable."""
+    from tilegen import env
+
+    try:
+        return env.db_target() if target else env.db_path()
+    except FileNotFoundError as e:
+        fail(f"TILEGEN_DB: {e}")
+
+
 def check_db_path(source: str, path: Path) -> None:
     """End the command, naming ``source`` (an option, or TILEGEN_DB), when ``path``, where a database file is
     wanted, is a folder or a SQLite ``file:`` URI (SQLite would open the file it names, while the studies file

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from tilegen import env
 from tilegen.version import __version__
-from tilegen.cli.app import app, fail, check_db_path
+from tilegen.cli.app import app, fail, check_db_path, user_db
 from tilegen.db import DatabaseError, TrialRow, TunedRow, TuningDB, studies_path
 from tilegen.db.exchange import check
 from tilegen.db.location import is_url
@@ -83,7 +83,7 @@ def _db(ctx: typer.Context, db: Optional[str] = _DbOption) -> None:
 
 def _path(ctx: typer.Context, db: str | None) -> Path | _Server:
     """The command's --db, else the group's, else $TILEGEN_DB or the user data folder."""
-    chosen = db if db is not None else ctx.obj if ctx.obj is not None else env.db_target()
+    chosen = db if db is not None else ctx.obj if ctx.obj is not None else user_db(target=True)
     if is_url(chosen):
         return _Server(chosen)
     chosen = Path(chosen)

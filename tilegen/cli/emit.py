@@ -15,7 +15,7 @@ import triton
 import typer
 
 from tilegen import env
-from tilegen.cli.app import app, fail, check_db_path
+from tilegen.cli.app import app, fail, check_db_path, user_db
 from tilegen.cli.spec_args import MOD_HELP, takes_spec, with_mods
 from tilegen.codegen import source_for
 from tilegen.codegen.render import template_hash
@@ -67,7 +67,7 @@ def emit(
     elif tuned:
         # The user's file is read as --db would be: a module is baked from it, so one that cannot be read is an
         # error naming the variable, not a warning over a table without its rows (dispatch's way, call by call).
-        db = env.db_path()
+        db = user_db()
         check_db_path("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", db)
         if not db.exists():
             db = None

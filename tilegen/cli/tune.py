@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from tilegen import env
-from tilegen.cli.app import app, fail, check_db_path
+from tilegen.cli.app import app, fail, check_db_path, user_db
 from tilegen.cli.spec_args import MOD_HELP, takes_specs, with_mods
 from tilegen.device import device_info, host_gpu_models
 from tilegen.families import BUILTIN, families, family_of
@@ -177,7 +177,7 @@ def check_db_option(db: str | None) -> str | Path | None:
     if db is None:
         # The user database the tune writes: a folder there is named as the variable that put it there, as db and
         # emit name it, not left to SQLite's "unable to open database file".
-        check_db_path("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", env.db_path())
+        check_db_path("TILEGEN_DB" if os.environ.get("TILEGEN_DB") else "the user database", user_db())
         return None
     if is_url(db):
         try:
@@ -266,7 +266,7 @@ def _import_tune_modules(db) -> None:
     import tilegen.tuning.tuner  # noqa: F401
     from tilegen.db.location import is_url, server_url
 
-    target = str(db if db is not None else env.db_target())
+    target = str(db if db is not None else user_db(target=True))
     if is_url(target):
         # The server's driver (psycopg for PostgreSQL), which each process's engine would load.
         with contextlib.suppress(Exception):  # a bad URL is reported where the database opens
@@ -315,7 +315,7 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
         database = TuningDB(db)
         database.check_writable()  # a read-only file fails here, before anything is measured
     except DatabaseError as e:
-        fail(f"--db: {e}" if is_url(db if db is not None else env.db_target()) else str(e))
+        fail(f"--db: {e}" if is_url(db if db is not None else user_db(target=True)) else str(e))
     if worker is not None:
         # The checks passed: the measuring worker and the compile processes start now, forked
         # while this process has not touched CUDA (device_info() does), so they import nothing
@@ -324,7 +324,7 @@ def _tune_in(specs, lengths, batch_sizes, *, trials, timeout, sampler, db, seed,
         compile_ahead.start(fork=True)
     if pool is not None:
         # The checks passed: the tune processes open the database and the studies meanwhile.
-        pool.prepare(Setup(db=str(db) if db is not None else str(env.db_target()), sampler=sampler, seed=seed,
+        pool.prepare(Setup(db=str(db) if db is not None else str(user_db(target=True)), sampler=sampler, seed=seed,
                            timeout=timeout, trial_timeout=120.0, heartbeat=heartbeat, confirm=confirm))
     device = device_info()
     if device.is_interpreter:
