@@ -155,6 +155,18 @@ def test_export_to_a_dash_writes_the_json_to_stdout(populated, tmp_path, monkeyp
     assert "exported 4 tuned configs and 3 trials to stdout" in result.stderr
 
 
+def test_import_from_a_dash_reads_stdin_as_export_writes_stdout(populated, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exported = invoke("db", "--db", populated, "export", "-")
+    copy = tmp_path / "copy.sqlite"
+    result = runner.invoke(app, ["db", "--db", str(copy), "import", "-"], input=exported.stdout)
+    assert result.exit_code == 0, result.output
+    assert f"imported 7 rows from stdin into {copy}" in result.stderr
+    with TuningDB(populated) as a, TuningDB(copy) as b:
+        assert sorted((r.bucket, json.dumps(r.config)) for r in a.list_tuned()) == sorted(
+            (r.bucket, json.dumps(r.config)) for r in b.list_tuned())
+
+
 def test_export_refuses_to_write_over_the_database_it_exports(populated, tmp_path):
     """`tilegen db export $TILEGEN_DB` would leave the database a JSON file every later command refuses; so would
     writing over the studies file beside it."""

@@ -243,8 +243,8 @@ def import_(
         "replaces the stored one: for a re-tune measured another way, whose times do not compare with those here.",
     ),
 ) -> None:
-    """Merge an export in: per bucket the faster config wins; trials already here are kept (both
-    unless --replace).
+    """Merge an export in (FILE.json `-` reads stdin): per bucket the faster config wins; trials already here
+    are kept (both unless --replace).
 
     Every row is checked first and marked as imported (`tilegen db verify` re-runs it here). Trials are filed
     under their study's name followed by "-imported", which no tune writes to: an import made while a tune of
@@ -252,7 +252,8 @@ def import_(
     """
     path = _path(ctx, db)
     with _errors(f"FILE.json: cannot read {file}"):
-        raw = file.read_bytes()
+        # `-` reads stdin, as export writes stdout: `tilegen db export - --db a | tilegen db import - --db b`.
+        raw = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -268,7 +269,7 @@ def import_(
         skipped = database.skipped
     for line in skipped:
         typer.echo(f"skipped {safe_text(line, 400)}", err=True)
-    typer.echo(f"imported {count} rows from {file} into {path}", err=True)
+    typer.echo(f"imported {count} rows from {'stdin' if str(file) == '-' else file} into {path}", err=True)
 
 
 @db_app.command()
