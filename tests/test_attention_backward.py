@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import tilegen
 from tilegen.codegen import module_for
-from tilegen.device import CPU_INTERPRETER, device_info
+from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
+from tilegen.families import family_of
 from tilegen.families.attention_bwd import AttentionBwdSpec, Config
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
 from tilegen.families.attention_bwd.config import feasible
@@ -225,13 +226,28 @@ def test_direct_launch_both_dq_modes(case, mask, config, device):
 
 def test_deterministic_config_drops_atomics():
     atomic = CONFIGS["atomic-dq"]
-    det = deterministic_config(atomic)
+    spec = AttentionBwdSpec(head_dim=16)
+    det = deterministic_config(atomic, spec, CPU_INTERPRETER)
     assert det.atomic_dq == 0
     # The dK/dV kernel keeps its tiles; a dQ kernel of its own takes the atomics' place.
     assert (det.block_m1, det.block_n1, det.num_warps1, det.num_stages1) == (
         atomic.block_m1, atomic.block_n1, atomic.num_warps1, atomic.num_stages1)
-    assert feasible(AttentionBwdSpec(head_dim=16), det, CPU_INTERPRETER) is None
-    assert deterministic_config(CONFIGS["separate-dq"]) == CONFIGS["separate-dq"]
+    assert feasible(spec, det, CPU_INTERPRETER) is None
+    assert deterministic_config(CONFIGS["separate-dq"], spec, CPU_INTERPRETER) == CONFIGS["separate-dq"]
+
+
+def test_a_deterministic_dq_kernel_is_one_the_device_runs():
+    """Every atomic config of the H200's search space, deterministic: the dK/dV kernel as it was and a dQ kernel that
+    ``feasible`` takes (4 warps over the transposed tile of a d256 M64-N64 row spill: ~320 registers a thread)."""
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+    family = family_of(AttentionBwdSpec(head_dim=64))
+    for head_dim in (64, 128, 256):
+        spec = AttentionBwdSpec(head_dim=head_dim, dtype="bf16", mask="causal")
+        for config in (c for c in family.candidates(spec, h200) if c.atomic_dq):
+            det = deterministic_config(config, spec, h200)
+            assert det.atomic_dq == 0 and feasible(spec, det, h200) is None, (head_dim, str(config), str(det))
+            assert (det.block_m1, det.block_n1, det.num_warps1, det.num_stages1, det.tma, det.wgmma) == (
+                config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, config.tma, config.wgmma)
 
 
 def test_deterministic_gives_identical_bits(device, monkeypatch):
@@ -241,10 +257,10 @@ def test_deterministic_gives_identical_bits(device, monkeypatch):
     seen = []
     real = grad_module.deterministic_config
 
-    def spy(config):
+    def spy(config, spec, device):
         atomic = dataclasses.replace(config, block_m2=config.block_m1, block_n2=config.block_n1,
                                      num_warps2=config.num_warps1, num_stages2=config.num_stages1, atomic_dq=1)
-        result = real(atomic)
+        result = real(atomic, spec, device)
         seen.append(result)
         return result
 
@@ -370,7 +386,7 @@ def test_explain_backward_of_a_deterministic_call_names_the_config_it_runs(devic
     dispatch._tables[(spec, info)] = dispatch.Table(spec, info, {64: (atomic, "tuned.sqlite")})
     ran = []
     real = grad_module.deterministic_config
-    monkeypatch.setattr(grad_module, "deterministic_config", lambda config: ran.append(real(config)) or ran[-1])
+    monkeypatch.setattr(grad_module, "deterministic_config", lambda *args: ran.append(real(*args)) or ran[-1])
     tilegen.attention(q, k, v, causal=True, deterministic=True).sum().backward()
     assert ran and ran[-1].atomic_dq == 0
     assert tilegen.explain(q, k, v, causal=True, backward=True).config == atomic

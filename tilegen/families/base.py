@@ -200,6 +200,19 @@ class RowsProblem(Problem):
         return self.tokens * self.heads
 
 
+def config_distance(config: Config, other: Config) -> tuple[float, float]:
+    """How far ``other`` is from ``config``, smaller first: the halvings or doublings over their sizes (a stage of
+    three to two counts log2(3/2)) and one for each other knob changed; then, on a tie, the one that asks less."""
+    far = larger = 0.0
+    for name in config.knobs():
+        a, b = getattr(config, name), getattr(other, name)
+        if a != b:
+            step = abs(math.log2(b / a)) if a > 0 and b > 0 else 1.0
+            far += step
+            larger += step if b > a else -step
+    return far, larger
+
+
 @dataclass(frozen=True, eq=True, repr=False)
 class Family:
     """One kernel family, declared as values: ``FAMILY = Family(name=..., spec_type=..., ...)``.
@@ -303,20 +316,9 @@ class Family:
                 for largest, config in self.default_rule(spec, device)]
 
     def nearest_feasible(self, spec: Spec, config: Config, device: DeviceInfo) -> Config:
-        """The feasible config nearest to ``config``: the fewest halvings or doublings over its sizes (a stage
-        of three to two counts log2(3/2)), one for each other knob changed; on a tie the smaller, then the
-        first in the search space's order. ``config`` itself where nothing is feasible (the launch says why)."""
-        def distance(other: Config) -> tuple[float, float]:
-            far = smaller = 0.0
-            for name in self.config_type.knobs():
-                a, b = getattr(config, name), getattr(other, name)
-                if a != b:
-                    step = abs(math.log2(b / a)) if a > 0 and b > 0 else 1.0
-                    far += step
-                    smaller += step if b > a else -step
-            return far, smaller
-
-        return min(self.candidates(spec, device), key=distance, default=config)
+        """The feasible config nearest to ``config`` (``config_distance``), the first in the search space's order
+        on a tie; ``config`` itself where nothing is feasible (the launch says why)."""
+        return min(self.candidates(spec, device), key=lambda other: config_distance(config, other), default=config)
 
     def standalone_entry_point(
         self, spec: Spec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,

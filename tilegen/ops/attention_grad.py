@@ -119,7 +119,7 @@ def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[s
     table = _table(spec, device)
 
     def make(choice: dispatch.Choice) -> _Plan:
-        config = deterministic_config(choice.config) if deterministic else choice.config
+        config = deterministic_config(choice.config, table.spec, table.device) if deterministic else choice.config
         launch_args = {**fixed, **config.to_dict()}
         replay = launcher.replay(launch_args)
         atomic = bool(config.atomic_dq)
@@ -176,8 +176,9 @@ def run_with_mods(spec, mods: ModCall, wants, dout, q, k, v, out, lse, dlse, cu_
     if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
     else:
-        config = _table(spec, q.device).choose(max(max_q, max_k)).config
-        config = deterministic_config(config) if deterministic else config
+        table = _table(spec, q.device)
+        config = table.choose(max(max_q, max_k)).config
+        config = deterministic_config(config, table.spec, table.device) if deterministic else config
         lse = lse.contiguous()
         if dlse is not None and dlse.stride() != lse.stride():
             dlse = dlse.contiguous()
@@ -246,8 +247,11 @@ def explain_backward(spec: AttentionBwdSpec, device: torch.device, size: int,
                      deterministic: bool = False) -> dispatch.Choice:
     """The backward's choice for a call of ``size`` (the longer sequence); ``deterministic``: with the config
     such a call runs in the row's place."""
-    choice = _table(spec, device).choose(size)
-    return dataclasses.replace(choice, config=deterministic_config(choice.config)) if deterministic else choice
+    table = _table(spec, device)
+    choice = table.choose(size)
+    if not deterministic:
+        return choice
+    return dataclasses.replace(choice, config=deterministic_config(choice.config, table.spec, table.device))
 
 
 @torch.library.custom_op("tilegen::attention_bwd", mutates_args=())

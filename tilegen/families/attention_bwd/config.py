@@ -7,6 +7,8 @@ and ``_dq`` (BLOCK_M2 query rows on chip, BLOCK_N2 keys streamed), or, with ``at
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -58,13 +60,23 @@ class Config(base.Config):
         return dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}" + suffix
 
 
-def deterministic(config: Config) -> Config:
-    """``config`` with a separate dQ kernel (no atomics): the same bits on every run."""
+def deterministic(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) -> Config:
+    """``config`` with a separate dQ kernel (no atomics): the same bits on every run. Its dQ tiles are the
+    transpose of the dK/dV kernel's, else, where ``feasible`` refuses them for ``spec`` (4 warps over a d256
+    M64-N64 tile spill), the nearest dQ knobs of the search space that it takes."""
     if not config.atomic_dq:
         return config
     dq = _DQ_FOR_ATOMIC.get((config.block_m1, config.block_n1), (64, 32, 4, 2))
-    return Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0,
-                  tma=config.tma, wgmma=config.wgmma)
+    mapped = Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0,
+                    tma=config.tma, wgmma=config.wgmma)
+    if feasible(spec, mapped, device) is None:
+        return mapped
+    space = search_space(spec, device)
+    options = (dataclasses.replace(mapped, block_m2=m, block_n2=n, num_warps2=w, num_stages2=st)
+               for m, n, w, st in itertools.product(space["block_m2"], space["block_n2"], space["num_warps2"],
+                                                     space["num_stages2"]))
+    return min((c for c in options if feasible(spec, c, device) is None),
+               key=lambda c: base.config_distance(mapped, c), default=mapped)
 
 
 # The dQ kernel's tiles a deterministic call takes in place of atomics: its query tile as the dK/dV
