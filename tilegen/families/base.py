@@ -200,6 +200,9 @@ class RowsProblem(Problem):
         return self.tokens * self.heads
 
 
+_NEAREST: dict[tuple[str, Spec, Config, DeviceInfo], Config] = {}
+
+
 def config_distance(config: Config, other: Config) -> tuple[float, float]:
     """How far ``other`` is from ``config``, smaller first: the halvings or doublings over their sizes (a stage of
     three to two counts log2(3/2)) and one for each other knob changed; then, on a tie, the one that asks less."""
@@ -317,8 +320,14 @@ class Family:
 
     def nearest_feasible(self, spec: Spec, config: Config, device: DeviceInfo) -> Config:
         """The feasible config nearest to ``config`` (``config_distance``), the first in the search space's order
-        on a tie; ``config`` itself where nothing is feasible (the launch says why)."""
-        return min(self.candidates(spec, device), key=lambda other: config_distance(config, other), default=config)
+        on a tie; ``config`` itself where nothing is feasible (the launch says why). Remembered: a search space
+        of thousands (the cascade's) takes a good part of a second to walk, once per bucket of every table."""
+        key = (self.name, spec, config, device)
+        nearest = _NEAREST.get(key)
+        if nearest is None:
+            nearest = _NEAREST[key] = min(self.candidates(spec, device),
+                                          key=lambda other: config_distance(config, other), default=config)
+        return nearest
 
     def standalone_entry_point(
         self, spec: Spec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,
