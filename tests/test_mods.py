@@ -215,6 +215,27 @@ def test_traces_are_cached_per_function_until_a_captured_tensor_changes_shape():
     assert second is not first and "float16" in second.canonical
 
 
+def test_a_captured_tensor_whose_values_the_trace_read_is_traced_again_when_written(device):
+    """A tensor the kernel is handed may also be read while the mod is traced (an element taken as a number, a
+    tensor computed from it, which the kernel is handed instead): writing into it in place traces again, so that
+    the number in the text and the computed tensor follow its new values."""
+    docs = torch.tensor([0] * 10 + [1] * 15 + [2] * 8, device=device)
+    slopes = torch.rand(2, device=device)
+
+    def shifted_docs(b, h, q_idx, kv_idx):  # docs + 1 is computed by the trace, outside the kernel
+        return (docs + 1)[q_idx] == docs[kv_idx] + 1
+
+    def scaled_alibi(score, b, h, q_idx, kv_idx):  # the trace writes slopes[0]'s value into the text
+        return score * slopes[0].item() + slopes[h] * (kv_idx - q_idx)
+
+    q, k, v = _inputs(1, 2, 1, 33, 33, torch.float32, device)
+    _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
+    docs[4:20] = 3
+    _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
+    slopes[0] = 4.0
+    _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
+
+
 @pytest.mark.parametrize("fn, kind, error, needle", [
     (lambda s, b, h, q, k: torch.sin(s), "score_mod", TypeError, "sin"),
     (lambda s, b, h, q, k: s ** 2, "score_mod", TypeError, "pow"),

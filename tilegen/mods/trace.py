@@ -25,6 +25,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tilegen.mods.lower import ModTypeError, check_types
 
@@ -826,12 +828,12 @@ class _Walk:
 
 def _signature(fn, walk: _Walk) -> tuple | None:
     """What a trace depends on, read at every call: every tensor ``fn`` reaches (the object, its shape and dtype,
-    and for one the kernel is not handed, ``walk.kernel`` holding the ids of those it is, its version: the trace
-    may have read its values, as ``t.item()`` does), the value of every Python number, string or dtype (the
-    trace writes numbers into the text), and every function it calls, through closure cells, the globals each
-    function's code names (nested code included), the attributes of modules it names, defaults, the attributes
-    of objects and ``nn.Module``s and of their classes (``self.bias``, a class constant, a property), and
-    containers. None when ``fn`` reaches something this does not follow (or too much): such a mod is traced
+    and its version but for one the kernel is handed whose values the trace did not read, ``walk.kernel`` holding
+    their ids: the trace may have read its values, as ``t.item()`` does), the value of every Python number, string
+    or dtype (the trace writes numbers into the text), and every function it calls, through closure cells, the
+    globals each function's code names (nested code included), the attributes of modules it names, defaults, the
+    attributes of objects and ``nn.Module``s and of their classes (``self.bias``, a class constant, a property),
+    and containers. None when ``fn`` reaches something this does not follow (or too much): such a mod is traced
     at every call."""
     try:
         return _state(fn, 0, walk)
@@ -1000,6 +1002,28 @@ def _class_state(cls: type, depth: int, walk: _Walk, names: tuple[str, ...] = ()
     return _Same(cls), tuple(found)
 
 
+def _storage(t: torch.Tensor):
+    """The memory ``t`` views (shared with its base and the other views of it, as the version counter is)."""
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage: taken as read
+        return None
+
+
+class _ValuesRead(TorchDispatchMode):
+    """The storages whose values torch operations read while a mod is traced: Python runs an operation that involves
+    no traced argument (``docs + 1``, ``slopes[0].item()``) on the tensor itself. A view reads no value."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: set = {None}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.storages.update(_storage(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
 _traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _untraceable: weakref.WeakSet = weakref.WeakSet()  # functions warned of
 
@@ -1017,8 +1041,11 @@ def traced(fn: Callable, kind: str) -> TracedMod:
         signature, result, kernel = cached
         if signature == _signature(fn, _Walk(kernel)):
             return result
-    result = trace(fn, kind)
-    kernel = frozenset(map(id, result.tensors))
+    with _ValuesRead() as read:
+        result = trace(fn, kind)
+    # A tensor the trace read values of (slopes[0].item(), docs + 1) as well as handing it to the kernel keeps its
+    # version in the signature: the text's numbers and the tensors computed from it hold its values of that trace.
+    kernel = frozenset(id(t) for t in result.tensors if _storage(t) not in read.storages)
     walk = _Walk(kernel)
     signature = _signature(fn, walk)
     if signature is None:
