@@ -55,12 +55,16 @@ def forced_config(family_name: str, config):
 
     family = registry.get(family_name)
     rule = family.default_rule
-    # A family is a frozen dataclass: its rule is swapped under it for the sweep, and put back.
-    object.__setattr__(family, "default_rule", lambda spec, device: [(None, config)])
+    # A family is a frozen dataclass: its rule is swapped under it for the sweep, and put back. The fitted rule too,
+    # which would put the nearest feasible config in the place of one the kernel refuses: the sweep reports those.
+    forced = lambda spec, device: [(None, config)]  # noqa: E731
+    object.__setattr__(family, "default_rule", forced)
+    object.__setattr__(family, "fitted_default_rule", forced)
     try:
         with mock.patch.object(tilegen.db.lookup, "tuned_rows", lambda **key: {}):
             dispatch.reset()
             yield
     finally:
         object.__setattr__(family, "default_rule", rule)
+        object.__delattr__(family, "fitted_default_rule")
         dispatch.reset()
