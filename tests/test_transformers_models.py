@@ -339,6 +339,28 @@ def test_the_eager_fallback_keeps_the_causal_pattern():
     assert all(not torch.triu(w, diagonal=1).any() for w in got.attentions)
 
 
+def test_the_eager_fallback_over_a_static_cache_weighs_every_slot():
+    """output_attentions over a static cache: the weights span every slot of the cache, as eager attention's do (zeros
+    on the slots not written yet), so each step's weights have the same width whatever tilegen's mask cut."""
+    from transformers import StaticCache
+    ref, model = _llama()
+    ref.set_attn_implementation("eager")
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    outs = []
+    for m in (ref, model):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs.append(m(input_ids=ids, attention_mask=mask, cache=StaticCache(config=m.config, max_cache_len=12),
+                          output_attentions=True))
+    want, got = outs
+    assert _rel(got.logits[mask.bool()], want.logits[mask.bool()]) < REL
+    for g, w in zip(got.attentions, want.attentions):
+        assert g.shape == w.shape == (2, 4, 7, 12)
+        assert _rel(g[0], w[0]) < REL and _rel(g[1, :, 2:], w[1, :, 2:]) < REL  # the real queries' rows
+
+
 @pytest.mark.parametrize("head_dim", [4, 20])
 def test_a_head_dim_the_kernels_do_not_take_falls_back_with_one_warning(head_dim):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -651,6 +651,7 @@ def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal,
                                       "module has no eager_attention_forward to fall back to")
     _warn_once(reason, "eager attention" if eager is not None else "SDPA")
     n_q, n_k = query.shape[2], key.shape[2]
+    keys = n_k
     built = mask is None or mask.dim() != 4
     if not built and mask.shape[3] > n_k:
         mask = mask[:, :, :, :n_k]
@@ -678,6 +679,10 @@ def _fallback(reason, module, query, key, value, mask, dropout, scaling, causal,
         out, weights = out.transpose(1, 2).contiguous(), None
     if unattended is not None:
         out = out.masked_fill(unattended[:, 0, :, :, None], 0.0)  # [batch, n_q, 1, 1] over [batch, n_q, heads, dim]
+    if weights is not None and n_k < keys:
+        # The keys past the mask (a static cache's slots not written yet) have weight zero in eager attention, and
+        # the caller's weights span them, as they would there.
+        weights = torch.nn.functional.pad(weights, (0, keys - n_k))
     return out, weights
 
 
