@@ -217,6 +217,25 @@ def test_mistral_sliding_window_decode_of_a_left_padded_batch(cache):
     assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
 
 
+def test_mistral_static_cache_decode_past_a_window_longer_than_the_prompt():
+    """With a static cache, generate builds each step's mask ahead of the forward and hands the builder's 2-d mask,
+    cut to the window's keys (columns from kv_offset on), back to the model, which builds its mask from it again: the
+    builder must place that cut mask's columns as it cut them. A window longer than the prompt keeps padding in the
+    cut mask once decoding passes it."""
+    from transformers import MistralConfig, MistralForCausalLM
+    ref, model = _pair(MistralConfig, MistralForCausalLM, sliding_window=8)
+    ids = _ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True, cache_implementation="static")
+    with torch.no_grad():
+        want = ref.generate(**kwargs)
+        got = model.generate(**kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _rel(torch.stack(got.logits), torch.stack(want.logits)) < REL
+
+
 @pytest.mark.parametrize("model", ["llama", "qwen2-sliding"])
 def test_static_cache_greedy_decode_without_padding(model):
     """A static cache holds more slots than it has written; with no padding transformers hands the mask builder no

@@ -735,7 +735,8 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     for packed sequences, their ids ``[batch, n]``. The window itself reaches the attention function as its
     ``sliding_window`` argument, as it does FlashAttention-2's. Any other pattern gets SDPA's 4-d mask, which
     ``attention_forward`` hands to the fallback. A causal mask that ends before the last query is refused: its
-    queries cannot be placed on its columns.
+    queries cannot be placed on its columns; but one of exactly the call's keys' columns is taken as this builder's own
+    cut (generate hands a static cache's prebuilt mask back to the model).
     """
     from transformers import masking_utils
 
@@ -761,11 +762,15 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset: int =
             if written < kv_length:
                 return torch.ones(batch_size, max(written, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
             return None
-        if end > attention_mask.shape[1] or written > kv_length:
+        # A mask of exactly the keys' columns is one this builder cut already: generate builds a static cache's mask
+        # ahead of the forward and hands it to the model as its 2-d mask, whose columns then start at kv_offset.
+        cut = kv_offset and attention_mask.shape[1] == written
+        if (end > attention_mask.shape[1] and not cut) or written > kv_length:
             raise ValueError(f"tilegen attention: a 2-d attention_mask of {attention_mask.shape[1]} positions for "
                              f"queries at positions {int(q_offset)} to {end - 1} over {kv_length} keys from position "
                              f"{kv_offset}: the mask must cover every query's position")
-        attention_mask = attention_mask[:, kv_offset:end]
+        if not cut:
+            attention_mask = attention_mask[:, kv_offset:end]
     elif attention_mask is not None:
         # Keys past the mask are padding to transformers, and attention_forward reads none of them.
         attention_mask = attention_mask[:, kv_offset:kv_offset + kv_length]
