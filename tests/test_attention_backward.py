@@ -105,6 +105,21 @@ def test_reference_matches_autograd_of_forward_reference(case):
         torch.testing.assert_close(g, torch.zeros_like(t) if e is None else e, rtol=1e-10, atol=1e-10)
 
 
+def test_the_references_keep_a_nan_of_the_inputs_and_give_rows_with_no_key_zeros():
+    """An oracle that turned NaN into 0 would pass a kernel that does the same: a NaN in a query row makes that row's
+    output and gradients NaN, while a row that sees no key (causal, more queries than keys) has zeros, never NaN."""
+    case = Case(6, 3, dtype="fp32", head_dim=8, causal=True)
+    q, k, v = (t.double() for t in case.inputs("cpu"))
+    q[0, 0, 4, 3] = math.nan
+    out, lse = attention_reference(q, k, v, causal=True)  # bottom-right: rows 0-2 sit before every key
+    assert torch.isnan(out[0, 0, 4]).all() and torch.isnan(lse[0, 0, 4])
+    assert torch.equal(out[0, 0, :3], torch.zeros_like(out[0, 0, :3])) and (lse[0, 0, :3] == -math.inf).all()
+    assert torch.isfinite(out[0, 0, 5]).all() and torch.isfinite(out[0, 0, 3]).all()
+    dq, dk, dv = attention_backward_reference(q, k, v, torch.ones_like(out), causal=True)
+    assert torch.isnan(dq[0, 0, 4]).all() and torch.equal(dq[0, 0, :3], torch.zeros_like(dq[0, 0, :3]))
+    assert torch.isfinite(dq[0, 0, 5]).all()
+
+
 # --------------------------------------------------------------------------- the public op's gradients
 
 GRAD_CASES = [

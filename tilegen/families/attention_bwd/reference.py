@@ -35,7 +35,8 @@ def attention_backward_reference(
     keep = allowed_keys(n_q, n_k, causal=causal, window=window, device=q.device)
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.nan_to_num(torch.exp(s - lse.clamp_min(torch.finfo(compute_dtype).min)), nan=0.0)
+    # Clamped so that a row with no key has p = 0; a NaN of the inputs stays NaN.
+    p = torch.exp(s - lse.clamp_min(torch.finfo(compute_dtype).min))
     out = p @ vf
     dv = p.transpose(-1, -2) @ dof
     delta = (dof * out).sum(-1, keepdim=True)

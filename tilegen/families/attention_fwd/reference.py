@@ -74,7 +74,8 @@ def attention_reference(
             keep = keep & mask_mod(*idx)
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
+    # A row with no key has lse -inf, clamped so that its p is exp(-inf) = 0, not exp(-inf - -inf) = NaN; a NaN of
+    # the inputs stays NaN, as the kernels must give it.
     p = torch.exp(s - lse.unsqueeze(-1).clamp_min(torch.finfo(compute_dtype).min))
-    p = torch.nan_to_num(p, nan=0.0)  # rows with no key: exp(-inf - -inf)
     out = torch.einsum("bhmn,bhnd->bhmd", p, vf)
     return out, lse
