@@ -265,6 +265,22 @@ def test_a_deterministic_dq_kernel_is_one_the_device_runs():
                 config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, config.tma, config.wgmma)
 
 
+def test_a_deterministic_config_is_worked_out_once(monkeypatch):
+    """A call with mods maps its row's config at every backward: the search for a dQ kernel that fits (~0.5 ms for
+    a d256 M64-N64 atomic row) is made once per config, spec and device, not per call."""
+    import tilegen.families.attention_bwd.config as bwd_config
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 141 << 30, 232448)
+    spec = AttentionBwdSpec(head_dim=256, dtype="bf16", mask="causal")
+    config = next(c for c in family_of(spec).candidates(spec, h200)
+                  if c.atomic_dq and (c.block_m1, c.block_n1) == (64, 64))
+    first = deterministic_config(config, spec, h200)
+    calls = []
+    real = bwd_config.feasible
+    monkeypatch.setattr(bwd_config, "feasible", lambda *args: calls.append(args) or real(*args))
+    assert deterministic_config(config, spec, h200) == first and not calls
+
+
 def test_deterministic_gives_identical_bits(device, monkeypatch):
     # Hand deterministic() an atomic config, as a tuned row may be, so that it has atomics to remove.
     import tilegen.ops.attention_grad as grad_module

@@ -66,6 +66,15 @@ def deterministic(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) ->
     M64-N64 tile spill), the nearest dQ knobs of the search space that it takes."""
     if not config.atomic_dq:
         return config
+    # Remembered: a call with mods maps its row's config at every backward, and the search takes ~0.5 ms.
+    key = (config, spec, device)
+    found = _DETERMINISTIC.get(key)
+    if found is None:
+        found = _DETERMINISTIC[key] = _separate_dq(config, spec, device)
+    return found
+
+
+def _separate_dq(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) -> Config:
     dq = _DQ_FOR_ATOMIC.get((config.block_m1, config.block_n1), (64, 32, 4, 2))
     mapped = Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0,
                     tma=config.tma, wgmma=config.wgmma)
@@ -78,6 +87,8 @@ def deterministic(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) ->
     return min((c for c in options if feasible(spec, c, device) is None),
                key=lambda c: base.config_distance(mapped, c), default=mapped)
 
+
+_DETERMINISTIC: dict[tuple[Config, AttentionBwdSpec, DeviceInfo], Config] = {}
 
 # The dQ kernel's tiles a deterministic call takes in place of atomics: its query tile as the dK/dV
 # kernel's key tile, the keys it streams as that kernel's query blocks.
