@@ -77,3 +77,14 @@ def test_the_emitted_module_bakes_the_fitted_defaults():
     fitted = [(largest, _knobs(config)) for largest, config in family.fitted_default_rule(spec, A100)]
     assert fitted != [(largest, _knobs(config)) for largest, config in family.default_rule(spec, A100)]
     assert f"DEFAULTS = {fitted!r}" in source
+
+
+def test_a_choice_knob_counts_one_whatever_values_it_changes_between():
+    """wgmma picks a kernel, not a size: 3 to 2 or 3 to 1 is one knob changed, as 3 to 0 is, not log2(3/2) or
+    log2(3)."""
+    from tilegen.families.attention_fwd.config import Config
+    from tilegen.families.base import config_distance
+
+    config = Config(128, 128, 8, 2, tma=1, wgmma=3)
+    assert {config_distance(config, dataclasses.replace(config, wgmma=w))[0] for w in (0, 1, 2)} == {1.0}
+    assert config_distance(config, dataclasses.replace(config, num_stages=3))[0] == pytest.approx(0.5849625)

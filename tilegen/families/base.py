@@ -210,7 +210,8 @@ def config_distance(config: Config, other: Config) -> tuple[float, float]:
     for name in config.knobs():
         a, b = getattr(config, name), getattr(other, name)
         if a != b:
-            step = abs(math.log2(b / a)) if a > 0 and b > 0 else 1.0
+            # A choice names a kernel (wgmma 1, 2, 3), not a size.
+            step = abs(math.log2(b / a)) if a > 0 and b > 0 and name not in config.choices else 1.0
             far += step
             larger += step if b > a else -step
     return far, larger
