@@ -144,6 +144,20 @@ def test_tuned_rows_never_create_a_missing_user_database(tmp_path, monkeypatch):
     assert not (tmp_path / "missing").exists()
 
 
+def test_tuned_rows_serve_the_shipped_ones_under_a_tilegen_db_in_no_users_home(tmp_path, monkeypatch, caplog):
+    """A TILEGEN_DB of "~name/..." for a user unknown here names no file, as a missing one: the shipped rows serve,
+    with one warning naming the variable, not an error from every op."""
+    shipped = tmp_path / "shipped.sqlite"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    monkeypatch.setenv("TILEGEN_DB", "~tilegen-no-such-user/tuning.sqlite")
+    with caplog.at_level(logging.WARNING, logger="tilegen.db"):
+        rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+    assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped)}
+    assert "TILEGEN_DB: ~tilegen-no-such-user/tuning.sqlite" in caplog.text
+
+
 def test_a_sqlite_file_uri_is_refused_by_the_api_too(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DatabaseError, match="not a file: URI"):

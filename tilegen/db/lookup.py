@@ -113,9 +113,14 @@ def tuned_rows(
     """
     # Per bucket, each row that may serve it: (its order, file preference, config, source, Triton).
     candidates: dict[int, list[tuple]] = {}
-    files = (user_db if user_db is not None else env.db_path(), env.shipped_db_path())
+    if user_db is None:
+        try:
+            user_db = env.db_path()
+        except FileNotFoundError as e:  # "~name/..." of no user known here: no file, as a missing one is none
+            _warn_once(f"tilegen: ignoring the tuning database: TILEGEN_DB: {e}")
+    files = (user_db, env.shipped_db_path())
     for preference, path in enumerate(files):  # the user's file first: it wins a tie
-        if not path.exists():
+        if path is None or not path.exists():
             continue
         try:
             found = read_tuned(path, spec.hash, template_hash, device.key)
