@@ -212,22 +212,21 @@ def export(
     it to stdout."""
     path = _path(ctx, db)
     _need(path)
-    if str(file) == "-":
-        with _open(path) as database:
-            data = database.export_json()
-        typer.echo(json.dumps(data, indent=1))
-        typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to stdout", err=True)
-        return
-    if not isinstance(path, _Server) and file.exists():
+    to_stdout = str(file) == "-"
+    if not to_stdout and not isinstance(path, _Server) and file.exists():
         # Written over, the database (or the studies beside it) would be JSON, and every later command refuse it.
         for kept in (path, studies_path(path)):
             if kept.exists() and file.resolve() == kept.resolve():
                 fail(f"FILE.json: {file} is the database's own file ({kept}); export to another path")
     with _open(path) as database:
         data = database.export_json()
-    with _errors(f"FILE.json: cannot write {file}"):
-        file.write_text(json.dumps(data, indent=1) + "\n")
-    typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to {file}", err=True)
+    if to_stdout:
+        typer.echo(json.dumps(data, indent=1))
+    else:
+        with _errors(f"FILE.json: cannot write {file}"):
+            file.write_text(json.dumps(data, indent=1) + "\n")
+    typer.echo(f"exported {len(data['tuned'])} tuned configs and {len(data['trials'])} trials to "
+               f"{'stdout' if to_stdout else file}", err=True)
 
 
 @db_app.command("import")
