@@ -540,6 +540,17 @@ def test_the_reference_at_chosen_rows_is_the_whole_reference_there(device):
                                    whole[rows], rtol=1e-12, atol=1e-12)
 
 
+def test_the_reference_takes_a_batch_of_no_sequence_as_the_layer_does(device):
+    for rope_theta in (10000.0, None):
+        config = LayerConfig(d_model=D_MODEL, heads_q=4, heads_kv=2, head_dim=16, d_ffn=D_FFN, rope_theta=rope_theta)
+        weights = layer_weights(config, torch.float32, device)
+        x = _x((0, 5, D_MODEL), torch.float32, device)
+        assert tilegen.blockwise_layer(x, weights, config, block=BLOCK).shape == x.shape
+        for rows in (None, torch.tensor([0, 4])):
+            ref = reference_layer(x, weights, config, compute_dtype=torch.float64, rows=rows)
+            assert ref.shape == (0, 5 if rows is None else 2, D_MODEL) and ref.dtype == torch.float64
+
+
 def test_the_reference_takes_a_scale_of_zero_or_below(device):
     """A config's scale need only be finite: the reference layer at scale 0 or below is the layer's function there
     (its attention at chosen rows, which computes the scores as they are), not NaN, and so is the layer."""

@@ -37,7 +37,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
 
 
 def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``t`` ``[tokens, heads, head_dim]`` with tables ``[tokens, head_dim]``."""
+    """Rotate-half RoPE on ``t`` ``[..., tokens, heads, head_dim]`` with tables ``[tokens, head_dim]``."""
     half = t.shape[-1] // 2
     rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
     return t * cos[:, None, :] + rotated * sin[:, None, :]
@@ -88,8 +88,9 @@ def reference_layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor], config
     del xn
     if config.rope_theta is not None:
         cos, sin = rope_tables(torch.arange(n, device=x.device), hd, config.rope_theta, dtype)
-        q = torch.stack([apply_rope(q[b], cos[at], sin[at]) for b in range(batch)])
-        k = torch.stack([apply_rope(k[b], cos, sin) for b in range(batch)])
+        # The tables broadcast over the batch (a batch of no sequence included: nothing to stack).
+        q = apply_rope(q, cos[at], sin[at])
+        k = apply_rope(k, cos, sin)
     scale = config.scale if config.scale is not None else 1.0 / math.sqrt(hd)
     if rows is not None:
         attn = _attention_at(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at, config, scale)
