@@ -170,8 +170,11 @@ def main(argv=None) -> int:
         parser.error(f"--heads: expected Q/KV, e.g. 4/2; got {args.heads!r}")
     if min(args.layers, args.steps, args.seq, args.batch, args.vocab) < 1:
         parser.error("--layers, --steps, --seq, --batch and --vocab must be positive")
-    config = LayerConfig(d_model=args.d_model, heads_q=heads_q, heads_kv=heads_kv, head_dim=args.head_dim,
-                         d_ffn=args.d_ffn, rope_theta=10000.0)
+    try:
+        config = LayerConfig(d_model=args.d_model, heads_q=heads_q, heads_kv=heads_kv, head_dim=args.head_dim,
+                             d_ffn=args.d_ffn, rope_theta=10000.0)
+    except ValueError as e:
+        parser.error(f"the layer: {e}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype]
     data = markov_batches(args.vocab, args.steps, args.batch, args.seq, args.seed + 1)

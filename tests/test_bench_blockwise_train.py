@@ -69,3 +69,16 @@ def test_the_training_example_runs_a_few_steps_and_matches_the_reference(tmp_pat
     losses = data["losses"]
     assert len(losses["tilegen BlockwiseLayer"]) == 3
     assert data["max_abs_loss_difference"]["tilegen BlockwiseLayer"] < 1e-4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "3/2"], "heads_q"),
+    (["--head-dim", "0"], "head_dim"),
+])
+def test_the_training_example_refuses_a_bad_layer_in_one_line(argv, message, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_blockwise.py"), "--steps", "1",
+                             *argv, "--out", str(tmp_path / "curves.json")],
+                            env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr.strip().splitlines()[-1]
