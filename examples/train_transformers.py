@@ -90,6 +90,11 @@ def main(argv=None) -> int:
         parser.error(f"--heads: expected Q/KV, e.g. 4/2; got {args.heads!r}")
     if min(args.layers, args.steps, args.seq, args.batch, args.vocab, args.hidden) < 1:
         parser.error("--layers, --hidden, --steps, --seq, --batch and --vocab must be positive")
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
+        parser.error(f"--heads: expected positive Q/KV with Q a multiple of KV; got {args.heads!r}")
+    if args.hidden % heads_q:
+        parser.error(f"--heads/--hidden: transformers' Llama takes a hidden size ({args.hidden}) that is a multiple "
+                     f"of the query heads ({heads_q})")
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:

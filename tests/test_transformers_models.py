@@ -563,3 +563,19 @@ def test_the_training_example_trains_padded_batches_as_sdpa_does(tmp_path):
     assert data["padding_tokens"] > 0
     assert len(data["losses"]["transformers + tilegen attention"]) == 3
     assert data["max_abs_loss_difference"] < 1e-4
+
+
+@pytest.mark.parametrize("argv", [["--heads", "3/2"], ["--heads", "5/5"]])
+def test_the_training_example_refuses_a_bad_model_in_one_line(argv, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "train_transformers.py"), "--steps", "1",
+                           *argv, "--out", str(tmp_path / "curves.json")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "--heads" in done.stderr.strip().splitlines()[-1]
