@@ -158,6 +158,26 @@ def test_an_unwritten_element_outside_the_checked_rows_fails_the_trial(where):
     assert problem.check(inputs, outputs) == (math.inf, math.inf)
 
 
+@pytest.mark.parametrize("which", ["dq", "dk", "dv"])
+def test_a_backward_wrong_in_the_last_batch_and_kv_group_fails_the_trial(which):
+    """A kernel that offsets a batch or a KV head wrongly writes finite values: the check compares the last batch's
+    last KV group with the reference too, not batch 0's first group alone."""
+    from tilegen.families import registry
+    from tilegen.families.attention_bwd import AttentionBwdSpec
+    from tilegen.families.attention_bwd.reference import attention_backward_reference
+
+    family = registry.get("attention_bwd")
+    spec = AttentionBwdSpec(head_dim=16, q_per_kv=2, mask="causal", dtype="fp32")
+    problem = family.problem(spec, 16, on_gpu=False, batch=2, heads_q=4)
+    assert (problem.batch, problem.heads_kv) == (2, 2)
+    inputs = problem.inputs(seed=0)
+    q, k, v, _, dout, _ = inputs
+    outputs = [t.float() for t in attention_backward_reference(q, k, v, dout, causal=True)]
+    assert problem.check(inputs, outputs)[0] < problem.tolerance
+    outputs["dq dk dv".split().index(which)][-1, -1, 3] += 100.0
+    assert not problem.check(inputs, outputs)[0] < problem.tolerance
+
+
 def test_grid_measures_every_feasible_config_once(tmp_path):
     with TuningDB(tmp_path / "tuning.sqlite") as tdb, Tuner(tdb, CPU_INTERPRETER, sampler="grid") as tuner:
         tuner.tune(SPEC, 32)

@@ -109,23 +109,28 @@ class Problem(forward.Problem):
                         **extra, **config.to_dict())
 
     def check(self, inputs, outputs) -> tuple[float, float]:
-        """Every gradient element must be written (no NaN anywhere); the values of batch 0's first KV group
-        against the reference."""
+        """Every gradient element must be written (no NaN anywhere); the values of batch 0's first KV group and
+        of the last batch's last KV group against the reference: a kernel that offsets a batch or a head wrongly
+        writes finite values there."""
         q, k, v, _, dout, _, *mods = inputs
         got = outputs[:3]
         if any(torch.isnan(t).any() for t in got):
             return math.inf, math.inf
         g = self.spec.q_per_kv
         compute = torch.float32 if q.is_cuda else torch.float64
-        if mods:
-            # The derivation written out knows no mods: autograd of the forward reference through them.
-            leaves = [t[:1, :n].to(compute).requires_grad_() for t, n in ((q, g), (k, 1), (v, 1))]
-            o, _ = attention_reference(*leaves, compute_dtype=compute, **self._mask_args(), **_shifted(mods[0], 0, 0))
-            refs = torch.autograd.grad(o, leaves, dout[:1, :g].to(compute))
-        else:
-            refs = attention_backward_reference(q[:1, :g], k[:1, :1], v[:1, :1], dout[:1, :g], compute_dtype=compute,
-                                                **self._mask_args())
-        errors = [base.relative_error(t[:1, : r.shape[1]], r) for t, r in zip(got, refs)]
+        errors = []
+        for b, h in dict.fromkeys(((0, 0), (q.shape[0] - 1, k.shape[1] - 1))):
+            heads = (slice(h * g, (h + 1) * g), slice(h, h + 1), slice(h, h + 1))
+            if mods:
+                # The derivation written out knows no mods: autograd of the forward reference through them.
+                leaves = [t[b:b + 1, s].to(compute).requires_grad_() for t, s in zip((q, k, v), heads)]
+                o, _ = attention_reference(*leaves, compute_dtype=compute, **self._mask_args(),
+                                           **_shifted(mods[0], b, h * g))
+                refs = torch.autograd.grad(o, leaves, dout[b:b + 1, heads[0]].to(compute))
+            else:
+                refs = attention_backward_reference(*(t[b:b + 1, s] for t, s in zip((q, k, v), heads)),
+                                                    dout[b:b + 1, heads[0]], compute_dtype=compute, **self._mask_args())
+            errors += [base.relative_error(t[b:b + 1, s], r) for t, s, r in zip(got, heads, refs)]
         return max(e[0] for e in errors), max(e[1] for e in errors)
 
     def flops(self) -> float:
