@@ -217,6 +217,12 @@ def config_distance(config: Config, other: Config) -> tuple[float, float]:
     return far, larger
 
 
+def nearest(config: Config, options) -> Config:
+    """Of ``options``, the one nearest to ``config`` (``config_distance``), the first on a tie; ``config`` itself
+    where there is none."""
+    return min(options, key=lambda other: config_distance(config, other), default=config)
+
+
 @dataclass(frozen=True, eq=True, repr=False)
 class Family:
     """One kernel family, declared as values: ``FAMILY = Family(name=..., spec_type=..., ...)``.
@@ -324,11 +330,10 @@ class Family:
         on a tie; ``config`` itself where nothing is feasible (the launch says why). Remembered: a search space
         of thousands (the cascade's) takes a good part of a second to walk, once per bucket of every table."""
         key = (self.name, spec, config, device)
-        nearest = _NEAREST.get(key)
-        if nearest is None:
-            nearest = _NEAREST[key] = min(self.candidates(spec, device),
-                                          key=lambda other: config_distance(config, other), default=config)
-        return nearest
+        found = _NEAREST.get(key)
+        if found is None:
+            found = _NEAREST[key] = nearest(config, self.candidates(spec, device))
+        return found
 
     def standalone_entry_point(
         self, spec: Spec, tuned: dict[int, tuple[Config, str]], device: DeviceInfo, *,

@@ -8,6 +8,7 @@ and ``_dq`` (BLOCK_M2 query rows on chip, BLOCK_N2 keys streamed), or, with ``at
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,21 +61,14 @@ class Config(base.Config):
         return dkdv + f"/M{self.block_m2}-N{self.block_n2}-w{self.num_warps2}-s{self.num_stages2}" + suffix
 
 
+# Remembered: a call with mods maps its row's config at every backward, and the search takes ~0.5 ms.
+@functools.cache
 def deterministic(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) -> Config:
     """``config`` with a separate dQ kernel (no atomics): the same bits on every run. Its dQ tiles are the
     transpose of the dK/dV kernel's, else, where ``feasible`` refuses them for ``spec`` (4 warps over a d256
     M64-N64 tile spill), the nearest dQ knobs of the search space that it takes."""
     if not config.atomic_dq:
         return config
-    # Remembered: a call with mods maps its row's config at every backward, and the search takes ~0.5 ms.
-    key = (config, spec, device)
-    found = _DETERMINISTIC.get(key)
-    if found is None:
-        found = _DETERMINISTIC[key] = _separate_dq(config, spec, device)
-    return found
-
-
-def _separate_dq(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) -> Config:
     dq = _DQ_FOR_ATOMIC.get((config.block_m1, config.block_n1), (64, 32, 4, 2))
     mapped = Config(config.block_m1, config.block_n1, config.num_warps1, config.num_stages1, *dq, atomic_dq=0,
                     tma=config.tma, wgmma=config.wgmma)
@@ -84,11 +78,8 @@ def _separate_dq(config: Config, spec: AttentionBwdSpec, device: DeviceInfo) -> 
     options = (dataclasses.replace(mapped, block_m2=m, block_n2=n, num_warps2=w, num_stages2=st)
                for m, n, w, st in itertools.product(space["block_m2"], space["block_n2"], space["num_warps2"],
                                                      space["num_stages2"]))
-    return min((c for c in options if feasible(spec, c, device) is None),
-               key=lambda c: base.config_distance(mapped, c), default=mapped)
+    return base.nearest(mapped, (c for c in options if feasible(spec, c, device) is None))
 
-
-_DETERMINISTIC: dict[tuple[Config, AttentionBwdSpec, DeviceInfo], Config] = {}
 
 # The dQ kernel's tiles a deterministic call takes in place of atomics: its query tile as the dK/dV
 # kernel's key tile, the keys it streams as that kernel's query blocks.
