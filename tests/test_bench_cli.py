@@ -323,36 +323,23 @@ def test_the_tuning_benchmark_makes_its_out_folder(tmp_path, monkeypatch):
     assert "dispatch" in json.loads((out / "bench_tuning.json").read_text())["results"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--masks", "causl"], "--masks: expected causal and/or full, got 'causl'"),
-    (["--seqlens", "1k,4096"], "--seqlens: expected comma-separated positive whole numbers, got '1k,4096'"),
-    (["--seqlens", "0"], "--seqlens: expected comma-separated positive whole numbers, got '0'"),
-])
-def test_the_prefill_benchmark_checks_its_lengths_and_masks_before_any_gpu_work(args, message):
-    result = runner.invoke(app, ["bench", "attention", *args])
-    assert result.exit_code == 2 and message in result.output, result.output
-
-
 @pytest.mark.parametrize("name, args, message", [
+    ("attention", ["--masks", "causl"], "--masks: expected causal and/or full, got 'causl'"),
+    ("attention", ["--seqlens", "1k,4096"],
+     "--seqlens: expected comma-separated positive whole numbers, got '1k,4096'"),
+    ("attention", ["--seqlens", "0"], "--seqlens: expected comma-separated positive whole numbers, got '0'"),
     ("serving", ["--parts", "raged"], "--parts: expected parts among ragged, equal, paged, sweep-paged, got 'raged'"),
     ("serving", ["--page-sizes", "16,x"], "--page-sizes: expected comma-separated sizes among 1, 8, 16, 32, 64, 128"),
     ("serving", ["--page-sizes", "12"], "--page-sizes: expected comma-separated sizes among"),
     ("cascade", ["--cases", "64x32768"], "--cases: expected comma-separated BATCHxPREFIX+OWN"),
     ("cascade", ["--cases", "0x4096+1"], "--cases: expected comma-separated BATCHxPREFIX+OWN"),
     ("cascade", ["--configs", "fast"], "--configs: expected cascade configs such as"),
+    ("mods", ["--mods", "alibi,alibbi"], "--mods: unknown alibbi; expected names from alibi, alibi+causal"),
+    ("mods", ["--configs", "{"], "--configs: expected a JSON list of knob objects, got invalid JSON"),
+    ("mods", ["--configs", "[1]"], "--configs: expected a JSON list of knob objects"),
 ])
-def test_the_serving_benchmarks_check_their_lists_before_any_gpu_work(name, args, message):
+def test_a_gpu_benchmark_checks_its_flags_before_any_gpu_work(name, args, message):
     result = runner.invoke(app, ["bench", name, *args])
-    assert result.exit_code == 2 and message in result.output, result.output
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--mods", "alibi,alibbi"], "--mods: unknown alibbi; expected names from alibi, alibi+causal"),
-    (["--configs", "{"], "--configs: expected a JSON list of knob objects, got invalid JSON"),
-    (["--configs", "[1]"], "--configs: expected a JSON list of knob objects"),
-])
-def test_the_mods_benchmark_checks_its_names_and_configs_before_any_gpu_work(args, message):
-    result = runner.invoke(app, ["bench", "mods", *args])
     assert result.exit_code == 2 and message in result.output, result.output
 
 
