@@ -423,6 +423,29 @@ def test_tuning_problem_checks_fp8_and_causal(device):
         assert measure(problem, config, 0, perturb=True)["status"] == "wrong"
 
 
+@pytest.mark.parametrize("row, value", [(0, 0.0), (0, math.inf), (0, math.nan), (1, -math.inf), (1, math.nan)],
+                         ids=["finite-for-no-key", "inf-for-no-key", "nan-for-no-key", "minus-inf-for-keys", "nan"])
+def test_tuning_check_holds_a_row_without_keys_to_minus_inf(row, value):
+    """Request 0 holds no token at all, so its LSE is -inf: only exactly -inf passes there, only a finite value
+    elsewhere, and NaN nowhere (a -inf row compared by relative error is NaN, which no tolerance catches)."""
+    from tilegen.families import get
+    from tilegen.families.attention_cascade import CascadeSpec
+    from tilegen.families.attention_cascade.reference import cascade_reference
+
+    family = get("attention_cascade")
+    spec = CascadeSpec(head_dim=DIM, q_per_kv=2, dtype="fp32", page_size=8, return_lse=True)
+    problem = dataclasses.replace(family.problem(spec, family.buckets.of((40, 3)), on_gpu=False), prefix=0,
+                                  own=(0, 3, 9))
+    inputs = problem.inputs(seed=0)
+    ref, ref_lse = cascade_reference(inputs["q"], inputs["k"], inputs["v"], inputs["levels"], causal=False,
+                                     scale=1.0 / math.sqrt(DIM))
+    assert torch.isneginf(ref_lse[0]).all() and torch.isfinite(ref_lse[1:]).all()
+    lse = ref_lse.float()
+    assert problem.check(inputs, (ref.float(), lse))[0] < problem.tolerance
+    lse[row, 1] = value
+    assert problem.check(inputs, (ref.float(), lse))[0] == math.inf
+
+
 @st.composite
 def _shared_batches(draw):
     """A batch of sequences that share runs of pages with their neighbours: each sequence starts by
