@@ -704,11 +704,12 @@ def test_an_empty_cache_of_an_unsupported_page_size_names_page_size(device):
 
 def test_a_prefill_run_over_a_cache_of_no_pages_is_refused(device):
     """A run may take another layer's cache of the planned layout; one of no pages at all would have the kernel
-    clamp the planned page ids into an empty range and read before the pages, so it is refused by name."""
+    clamp the planned page ids into an empty range and read before the pages, so it is refused by name. Its batch
+    is the planned one, which run checks first."""
     cache = tilegen.PagedKVCache(*_cache(device))
     prefill = tilegen.PagedAttention()
     prefill.plan(_offsets([1, 1], device), cache, heads_q=4)
-    empty = tilegen.PagedKVCache(*_cache(device, pages=0, indptr=(0,), indices=(), last=()))
+    empty = tilegen.PagedKVCache(*_cache(device, pages=0, indptr=(0, 0, 0), indices=(), last=(0, 0)))
     with raises(ValueError, "cache: has no pages, but the plan's page table lists some"):
         prefill.run(torch.randn(2, 4, 32, device=device), empty)
 

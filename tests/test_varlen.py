@@ -455,6 +455,22 @@ def test_paged_run_checks_q_and_cache_against_the_plan(device):
         attn.run(torch.randn(3, 4, 32, device=device), other)
 
 
+def test_paged_run_refuses_a_cache_of_another_batch_without_debug(device, monkeypatch):
+    """A stale plan: the cache's page table has another number of sequences than the planned one, which run
+    reads. Its length is on the host, so run says so whatever TILEGEN_DEBUG is, not by a wrong answer."""
+    monkeypatch.delenv("TILEGEN_DEBUG", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache([20, 3], 16, 2, 32, torch.float32, device, gen)
+    attn = tilegen.PagedAttention()
+    attn.plan(_cu([2, 1], device), cache, heads_q=4)
+    q = torch.randn(3, 4, 32, device=device)
+    attn.run(q, cache)
+    for lens in ([20, 3, 5], [20]):
+        other = make_cache(lens, 16, 2, 32, torch.float32, device, gen)
+        with pytest.raises(ValueError, match=rf"cache: a page table of {len(lens)} sequences, but the plan's has 2"):
+            attn.run(q, other)
+
+
 def test_debug_plan_refuses_more_queries_than_cached_tokens(device, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     cache = make_cache([4, 3], 16, 2, 32, torch.float32, device, gen)

@@ -104,13 +104,13 @@ class PagedKVCache:
         # head), which choose how the kernels index them and so key a plan.
         object.__setattr__(self, "_scales", () if self.k_scale is None else (self.k_scale, self.v_scale))
         object.__setattr__(self, "_scale_kinds", tuple(t.numel() for t in self._scales))
-        # What a decode plan fixes, read once here: a run per layer compares this tuple instead of
+        # What a decode or prefill plan fixes, read once here: a run per layer compares this tuple instead of
         # building it from four tensors' shapes (half a microsecond of a short call's host time).
         object.__setattr__(self, "_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3],
                                              self.indptr.shape[0], k.dtype, self._scale_kinds))
-        # Likewise what a prefill or cascade plan fixes (the batch aside: their page tables are their own), and the
-        # pages' extents and strides, which key a prefill's replayed launches: a run compares one tuple and reads
-        # these where it read six values.
+        # Likewise what a cascade plan fixes (the batch aside: its levels are its own), and the pages' extents and
+        # strides, which key a prefill's replayed launches: a run compares one tuple and reads these where it read
+        # six values.
         object.__setattr__(self, "_pages_layout", (k.shape[1], k.shape[2], k.shape[3], v.shape[3], k.dtype,
                                                    self._scale_kinds))
         object.__setattr__(self, "_pages_key", (k.shape[0], k.stride(), v.stride()))

@@ -543,7 +543,7 @@ class PagedAttention(Planner):
             extra=(cu_seqlens_q, cache.indptr, cache.indices, cache.last_page_len, max_seqlen_q, seq_lens,
                    max_seqlen_k),
             q_dtype=q_dtype, scale_kinds=cache._scale_kinds, mod_tensors=mod_tensors,
-            pages_layout=cache._pages_layout,
+            cache_layout=cache._layout,
         )
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
@@ -554,8 +554,9 @@ class PagedAttention(Planner):
         if plan is None:
             raise RuntimeError("PagedAttention.run: call plan(...) first, once per batch")
         spec = plan.spec
-        # A cache laid out as the planned one's passes in one comparison; any other is checked field by field.
-        if cache.__class__ is not PagedKVCache or cache._pages_layout != plan.pages_layout:
+        # A cache laid out as the planned one's, batch included, passes in one comparison; any other is checked
+        # field by field.
+        if cache.__class__ is not PagedKVCache or cache._layout != plan.cache_layout:
             if not isinstance(cache, PagedKVCache):
                 raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
             pages = cache.k_pages
@@ -565,6 +566,12 @@ class PagedAttention(Planner):
                     or plan.heads_q // spec.q_per_kv != cache.kv_heads:
                 raise ValueError(f"cache: page size, heads, dims, dtype or scales differ from the plan's "
                                  f"({spec.name})")
+            # run reads the planned page table, so a cache of another batch is a stale plan; its length is on the
+            # host, unlike the table's values (TILEGEN_DEBUG compares those).
+            planned_batch = plan.extra[1].shape[0] - 1
+            if cache.batch != planned_batch:
+                raise ValueError(f"cache: a page table of {cache.batch} sequences, but the plan's has {planned_batch}; "
+                                 "plan again on this cache")
         pages = cache.k_pages
         cu_q, indptr, indices, last, max_q, _, _ = plan.extra
         if not pages.shape[0] and indices.numel():
@@ -630,7 +637,7 @@ class _Plan:
     q_dtype: torch.dtype | None = None
     scale_kinds: tuple = ()  # the paged cache's scale sizes (one or per head), which the launch is keyed by
     mod_tensors: tuple = ()  # the mods' captured tensors, bound at plan time (PagedAttention.plan)
-    pages_layout: tuple = ()  # the planned cache's PagedKVCache._pages_layout (PagedAttention.plan)
+    cache_layout: tuple = ()  # the planned cache's PagedKVCache._layout, its batch included (PagedAttention.plan)
     # varlen_attention's plans, whose key fixes q's shape: the fp32 LSE's template ([total_q, heads_q], one element
     # expanded), or None.
     lse_like: torch.Tensor | None = None
