@@ -505,6 +505,13 @@ ENTRY_POINT_CASES = [
                  ValueError, "k: no KV head (shape (12, 0, 32)); expected at least one", id="varlen-no-head-at-all"),
     pytest.param(lambda d: _ragged_with(d, q=torch.ones(10, 4, 32, device=d, dtype=torch.int32)), TypeError,
                  "q: expected dtype float16, bfloat16 or float32, got torch.int32", id="varlen-int-q"),
+    # q, k and v of one unsupported dtype, so no mismatch is named first, through each of the op's paths.
+    *(pytest.param(lambda d, grad=grad, mods=mods: _ragged_with(
+        d, **{n: torch.randn(*shape, device=d, dtype=torch.float64, requires_grad=grad)
+              for n, shape in (("q", (10, 4, 32)), ("k", (12, 2, 32)), ("v", (12, 2, 32)))},
+        **({"score_mod": lambda score, b, h, q_idx, kv_idx: score} if mods else {})),
+        TypeError, "q: expected dtype float16, bfloat16 or float32, got torch.float64", id=f"varlen-float64-{path}")
+      for path, grad, mods in (("qkv", False, False), ("training", True, False), ("mods", False, True))),
     pytest.param(lambda d: _ragged_with(d, q=torch.randn(10, 4, 0, device=d), k=torch.randn(12, 2, 0, device=d),
                                         v=torch.randn(12, 2, 0, device=d)),
                  ValueError, "q: head_dim: expected", id="varlen-head-dim-0"),

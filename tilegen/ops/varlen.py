@@ -724,9 +724,8 @@ def _planned(spec: VarlenAttentionSpec, device: torch.device, size: int, fixed: 
 
 def _prepare(dtype, dim, dim_v, q_per_kv, causal, window, softcap, scale, return_lse, max_q, max_k, *, layout,
              page_size, kv_dtype=None):
-    """The spec and launch values of a call; errors name the argument."""
-    if dtype not in SPEC_DTYPES:
-        raise TypeError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
+    """The spec and launch values of a call; errors name the argument. ``dtype`` was checked by the caller
+    (``_checked_ragged``, ``page_dtypes``), before any mismatch with it is named."""
     scale_value, softcap_value = score_scalars(scale, softcap, dim)
     left, right = window_bounds(window, causal)
     check_bool("return_lse", return_lse)
