@@ -188,6 +188,29 @@ def test_gradients_are_refused_by_name(device):
         _compiled(lambda q, cache: decode.run(q, cache))(q, cache)
 
 
+@pytest.mark.parametrize("scale", ["cache.k_scale", "cache.v_scale"])
+@pytest.mark.parametrize("op", [tilegen.PagedDecode, tilegen.PagedAttention, tilegen.CascadeAttention],
+                         ids=lambda op: op.__name__)
+def test_an_fp8_scale_that_requires_grad_is_refused_by_its_name(op, scale, device):
+    """A learned scale of FP8 pages has no gradient either: the compiled run names it as the eager run does."""
+    gen = torch.Generator().manual_seed(17)
+    cache, _ = fp8_cache([33, 5], "e4m3", True, device, gen)
+    q = torch.randn(2, cache.kv_heads * 2, cache.k_pages.shape[3], generator=gen).to(device, torch.bfloat16)
+    planner = op()
+    if op is tilegen.PagedAttention:
+        planner.plan(_cu([1, 1], device), cache, heads_q=q.shape[1], q_dtype=torch.bfloat16)
+    elif op is tilegen.CascadeAttention:
+        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=q.shape[1], q_dtype=torch.bfloat16)
+    else:
+        planner.plan(cache, heads_q=q.shape[1], q_dtype=torch.bfloat16)
+    {"cache.k_scale": cache.k_scale, "cache.v_scale": cache.v_scale}[scale].requires_grad_()
+    message = rf"{planner.op}: {scale} requires grad".replace(".", r"\.")
+    with pytest.raises(NotImplementedError, match=message):
+        planner.run(q, cache)
+    with pytest.raises(Exception, match=message):
+        _compiled(lambda q, cache: planner.run(q, cache))(q, cache)
+
+
 def test_a_run_before_any_plan_and_a_wrong_cache_are_refused(device):
     gen = torch.Generator().manual_seed(10)
     cache = make_cache([9, 20], 8, 1, D, torch.float32, device, gen)

@@ -84,11 +84,11 @@ class Planner:
             raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
         mod_tensors = plan.mod_tensors
+        # The eager run's test and names: an FP8 cache's scales go through the op too, with no backward either.
         if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad
-                                        or (out is not None and out.requires_grad)
+                                        or cache._scales_require_grad() or (out is not None and out.requires_grad)
                                         or any(t.requires_grad for t in mod_tensors)):
-            refuse_grad(self.op, q=q, out=out, **{"cache.k_pages": pages, "cache.v_pages": v_pages},
-                        **mod_tensor_names(mod_tensors))
+            refuse_grad(self.op, q=q, out=out, **cache._named_tensors(), **mod_tensor_names(mod_tensors))
         return_lse = plan.spec.return_lse
         # The mods' captured tensors are inputs of the op, so a write to one earlier in the compiled function is
         # ordered before it (and, functionalized, the op reads the written value).
