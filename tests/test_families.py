@@ -34,6 +34,7 @@ from tilegen.cli.spec_args import presets
 from tilegen.codegen import module_for, render, source_for
 from tilegen.db import TuningDB, tuned_rows
 from tilegen.device import CPU_INTERPRETER, DeviceInfo, device_info
+from tilegen.families import base
 from tilegen.families import (
     families,
     family_of,
@@ -314,3 +315,18 @@ def test_an_installed_family_tunes_lists_shows_verifies_emits_and_dispatches_wit
         "print('ok')\n"
     )
     assert _run("-c", script, env=env).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("row, value", [(0, math.inf), (0, 3.0), (1, -math.inf), (1, math.nan), (2, math.inf)])
+def test_lse_error_holds_rows_without_keys_to_minus_inf(row, value):
+    """Every family's tuning check reads an LSE through base.lse_error: a row that sees no key is -inf in the
+    reference, and only -inf there passes (+inf, or a finite value, would once have slipped through a check of
+    isfinite); NaN or +inf anywhere fails."""
+    ref = torch.tensor([[-math.inf, -math.inf], [1.5, -0.25], [2.0, 4.0]], dtype=torch.float64)
+    assert base.lse_error(ref.float(), ref) == (0.0, 0.0)
+    got = ref.float().clone()
+    got[row, 0] = value
+    assert base.lse_error(got, ref)[0] == math.inf
+    near = ref.float().clone()
+    near[2, 1] = 4.0 + 1e-3
+    assert 0 < base.lse_error(near, ref)[0] < 1e-3

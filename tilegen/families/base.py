@@ -103,6 +103,17 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(diff.norm() / ref.norm().clamp_min(1e-30)), float(diff.abs().max())
 
 
+def lse_error(lse: torch.Tensor, ref_lse: torch.Tensor) -> tuple[float, float]:
+    """``relative_error`` of an LSE output: a row that sees no key has ``-inf``, and only ``-inf`` says so. Those
+    rows must match the reference's exactly (not ``+inf``, not a finite value) and are left out of the relative
+    error, which a ``-inf`` would make NaN; NaN anywhere, or ``+inf``, is ``inf``."""
+    got = lse.to(ref_lse.dtype)
+    empty = torch.isneginf(ref_lse)
+    if torch.isnan(got).any() or torch.isposinf(got).any() or not torch.equal(torch.isneginf(got), empty):
+        return float("inf"), float("inf")
+    return relative_error(got[~empty], ref_lse[~empty])
+
+
 class Problem(abc.ABC):
     """One bucket's measurement problem on one kind of device: inputs, launch, check, cost.
 
