@@ -385,6 +385,27 @@ def test_an_unusable_location_is_refused_naming_the_path(tmp_path, where):
         TuningDB(path)
 
 
+def test_a_path_the_system_cannot_look_up_costs_dispatch_its_rows_and_an_open_one_line(tmp_path, monkeypatch, caplog):
+    """A database path whose lookup itself fails (a folder this user may not enter; here a name past the file
+    system's limit, which fails the same way for root too): dispatch serves the shipped rows with one warning
+    instead of raising from every op, and an open raises ``DatabaseError`` naming the file."""
+    shipped = tmp_path / "shipped.sqlite"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+    unreachable = tmp_path / ("x" * 300 + ".sqlite")
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    monkeypatch.setenv("TILEGEN_DB", str(unreachable))
+    with caplog.at_level(logging.WARNING, logger="tilegen.db"):
+        rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+    assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped)}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(unreachable) in warning and "File name too long" in warning
+    for readonly in (False, True):
+        with pytest.raises(DatabaseError, match=f"cannot reach the tilegen database {re.escape(str(unreachable))}: "
+                                                "File name too long"):
+            TuningDB(unreachable, readonly=readonly)
+
+
 def test_readonly_open_never_writes(db, tmp_path):
     record(db, 64, 1.0)
     db.close()

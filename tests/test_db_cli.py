@@ -194,6 +194,17 @@ def test_a_sqlite_file_uri_is_refused_before_anything_is_created(tmp_path, monke
     assert sorted(tmp_path.iterdir()) == before  # no "file:" folder beside it
 
 
+def test_a_database_path_the_system_cannot_look_up_ends_in_one_line(tmp_path, monkeypatch):
+    # A name past the file system's limit fails its lookup as a folder this user may not enter does.
+    unreachable = tmp_path / ("x" * 300 + ".sqlite")
+    message = f"cannot reach {unreachable}: File name too long"
+    for command in (("db", "--db", unreachable, "list"), ("emit", "--tuned", "--db", unreachable, "--head-dim", "64"),
+                    ("tune", "--db", unreachable, "--seqlens", "16", "--trials", "1")):
+        assert_one_line_error(invoke(*command), f"--db: {message}")
+    monkeypatch.setenv("TILEGEN_DB", str(unreachable))
+    assert_one_line_error(invoke("db", "list"), f"TILEGEN_DB: {message}")
+
+
 def test_import_replace_takes_a_slower_retune(populated, tmp_path):
     retune, exported = tmp_path / "retune.sqlite", tmp_path / "retune.json"
     with TuningDB(retune) as db:

@@ -56,7 +56,15 @@ def check_db_path(source: str, path: Path) -> None:
         refuse_file_uri(path)
     except DatabaseError as e:
         fail(f"{source}: {e}")
-    if path.is_dir():
+    from tilegen.db.sqlite import lookup_error
+
+    try:
+        folder = path.is_dir()
+    except OSError as e:  # is_dir answers False only when nothing is there
+        if lookup_error(e):
+            fail(f"{source}: cannot reach {path}: {e.strerror or e}")
+        folder = False
+    if folder:
         fail(f"{source}: {path} is a folder; give the database file, e.g. {path / 'tuning.sqlite'}")
 
 

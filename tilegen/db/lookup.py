@@ -120,10 +120,15 @@ def tuned_rows(
             _warn_once(f"tilegen: ignoring the tuning database: TILEGEN_DB: {e}")
     files = (user_db, env.shipped_db_path())
     for preference, path in enumerate(files):  # the user's file first: it wins a tie
-        if path is None or not path.exists():
+        if path is None:
             continue
         try:
+            if not path.exists():
+                continue
             found = read_tuned(path, spec.hash, template_hash, device.key)
+        except OSError as e:  # from exists: a folder on the way this user may not enter, a name too long
+            _warn_once(f"tilegen: ignoring the tuning database {safe_text(path, 4096)}: {e.strerror or e}")
+            continue
         except DatabaseError as e:
             _warn_once(f"tilegen: ignoring the tuning database: {e}")
             continue

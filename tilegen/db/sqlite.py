@@ -8,15 +8,17 @@ SQLAlchemy layer (``tilegen.db.store``), which shares these definitions.
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
+import stat
 from pathlib import Path
 from urllib.parse import quote
 
 from tilegen.db.errors import DatabaseError
 
 __all__ = ["BUSY_TIMEOUT_MS", "FORGED_VIEWS", "REVISIONS", "SCHEMA_REVISION", "VERSION_TABLE", "explain_error",
-           "readonly_uri", "refuse_special"]
+           "lookup_error", "readonly_uri", "refuse_special"]
 
 #: Every revision in ``migrations/versions``, oldest first (a test checks them against Alembic's).
 REVISIONS = ("0001", "0002", "0003")
@@ -64,9 +66,21 @@ FORGED_VIEWS = "SELECT name FROM sqlite_master WHERE type = 'view' AND name LIKE
 
 def refuse_special(path: Path) -> None:
     """``DatabaseError`` for a path that exists but is no regular file (a pipe, a device, a socket): opening one
-    would block or read without end."""
-    if path.exists() and not path.is_file() and not path.is_dir():
+    would block or read without end; and for one whose lookup fails (see ``lookup_error``)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if lookup_error(e):
+            raise DatabaseError(f"cannot reach the tilegen database {path}: {e.strerror or e}") from None
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
         raise DatabaseError(f"not a tilegen database: {path} is not a regular file")
+
+
+def lookup_error(error: OSError) -> bool:
+    """Whether ``error``, from looking a path up, says more than that nothing is there: a folder on the way that
+    this user may not enter, a name too long. ``Path.exists`` raises those instead of answering False."""
+    return error.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 def stored_revisions(conn: sqlite3.Connection, path: Path) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
 from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check, imported_study, measured_study
 from tilegen.db.location import is_url, refuse_file_uri, server_url, shown
+from tilegen.db.sqlite import refuse_special
 from tilegen.db.validate import (
     RowError, check_best, check_gpu, check_stored_trial, check_stored_tuned, check_trial, check_variant,
     config_from_json,
@@ -130,6 +131,7 @@ class TuningDB:
         self.path = Path(target).expanduser()
         self.url = None
         self.location = str(self.path)
+        refuse_special(self.path)  # before is_file, which raises OSError for a path it cannot look up
         if readonly and not self.path.is_file():
             raise DatabaseError(f"no tilegen database at {self.path}")
         if not readonly:
