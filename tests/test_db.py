@@ -406,6 +406,20 @@ def test_a_path_the_system_cannot_look_up_costs_dispatch_its_rows_and_an_open_on
             TuningDB(unreachable, readonly=readonly)
 
 
+def test_dispatch_says_a_tilegen_db_naming_a_folder_is_one(tmp_path, monkeypatch, caplog):
+    shipped, folder = tmp_path / "shipped.sqlite", tmp_path / "databases"
+    with TuningDB(shipped) as db:
+        record(db, 64, 1.0)
+    folder.mkdir()
+    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
+    monkeypatch.setenv("TILEGEN_DB", str(folder))
+    with caplog.at_level(logging.WARNING, logger="tilegen.db"):
+        rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
+    assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped)}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"{folder} is a folder" in warning, warning  # not SQLite's "disk I/O error"
+
+
 def test_readonly_open_never_writes(db, tmp_path):
     record(db, 64, 1.0)
     db.close()

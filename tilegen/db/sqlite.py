@@ -120,6 +120,8 @@ def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str) -> 
     """The tuned rows of one variant on one GPU, every Triton's (the reader chooses among them), read-only,
     any known revision: ``TUNED_FIELDS`` of each as stored, unchecked (SQLite lets a column hold any type)."""
     refuse_special(path)
+    if path.is_dir():  # SQLite's own word for one is "disk I/O error"
+        raise DatabaseError(f"not a tilegen database: {path} is a folder; give the database file")
     try:
         if path.stat().st_size == 0:  # an empty file is a database with no rows yet, as tune and db take it
             return []
