@@ -546,3 +546,17 @@ def test_two_databases_of_one_stem_do_not_share_their_studies(tmp_path):
         path.rename(tmp_path / ("t" + path.name[1:]))
     result = invoke(*tune[:-1], "3", "--db", tmp_path / "t.sqlite")
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_studies_file_of_another_optuna_schema_ends_a_tune_in_one_line(tmp_path):
+    """The Optuna studies beside the database set up by an Optuna release whose schema this one refuses (a newer
+    one, on a disk machines share): the tune ends in one line naming the studies file, not in Optuna's traceback."""
+    db, studies = tmp_path / "s.sqlite", tmp_path / "s.optuna.sqlite"
+    TuningDB(db).close()
+    optuna.create_study(storage=f"sqlite:///{studies}", study_name="elsewhere")
+    with contextlib.closing(sqlite3.connect(studies)) as conn, conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'v99.0.0.a'")
+    result = invoke("tune", "--head-dim", "16", "--sizes", "16", "--trials", "1", "--db", db)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    last = result.stderr.strip().splitlines()[-1]  # after the tune's note that it runs under the interpreter
+    assert last.startswith(f"error: Optuna studies file {studies}: "), last

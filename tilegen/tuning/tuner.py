@@ -211,7 +211,14 @@ class Tuner:
     def _open_studies(self) -> tuple[optuna.storages.RDBStorage, object]:
         if self._studies is None:
             with self._studies_errors(), self.db.studies_lock():
-                self._studies = _storage(self.db, self.heartbeat)
+                try:
+                    self._studies = _storage(self.db, self.heartbeat)
+                except DatabaseError:
+                    raise
+                except RuntimeError as e:
+                    # Optuna's refusal of a studies schema another Optuna release set up (a newer one, on a disk
+                    # machines share), which says which release to install or how to upgrade the file.
+                    raise self._studies_error(e) from e
             log.debug("studies storage open")
         return self._studies
 
