@@ -228,12 +228,22 @@ def test_a_captured_tensor_whose_values_the_trace_read_is_traced_again_when_writ
     def scaled_alibi(score, b, h, q_idx, kv_idx):  # the trace writes slopes[0]'s value into the text
         return score * slopes[0].item() + slopes[h] * (kv_idx - q_idx)
 
+    def listed_alibi(score, b, h, q_idx, kv_idx):  # read by tolist(), which runs no torch operation on a CPU tensor
+        return score * slopes.tolist()[0] + slopes[h] * (kv_idx - q_idx)
+
+    def numpy_alibi(score, b, h, q_idx, kv_idx):  # likewise numpy()
+        return score * float(slopes.cpu().numpy()[0]) + slopes[h] * (kv_idx - q_idx)
+
     q, k, v = _inputs(1, 2, 1, 33, 33, torch.float32, device)
     _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
     docs[4:20] = 3
     _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
     slopes[0] = 4.0
     _check(q, k, v, score_mod=scaled_alibi, mask_mod=shifted_docs)
+    for score_mod in (listed_alibi, numpy_alibi):
+        _check(q, k, v, score_mod=score_mod)
+        slopes.mul_(2)
+        _check(q, k, v, score_mod=score_mod)
 
 
 @pytest.mark.parametrize("fn, kind, error, needle", [

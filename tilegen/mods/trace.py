@@ -1014,14 +1014,43 @@ class _ValuesRead(TorchDispatchMode):
     """The storages whose values torch operations read while a mod is traced: Python runs an operation that involves
     no traced argument (``docs + 1``, ``slopes[0].item()``) on the tensor itself. A view reads no value."""
 
+    # A CPU tensor's values are read by these with no torch operation (a GPU tensor's through a copy to the host, which
+    # is one): they are watched while the mod is traced.
+    _READERS = ("tolist", "numpy", "__array__", "__dlpack__")
+
     def __init__(self):
         super().__init__()
         self.storages: set = {None}
+        self._readers: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             self.storages.update(_storage(a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
         return func(*args, **(kwargs or {}))
+
+    def _watched(self, read):
+        def reader(t, *args, **kwargs):
+            self.storages.add(_storage(t))
+            return read(t, *args, **kwargs)
+        return reader
+
+    def __enter__(self):
+        for name in self._READERS:
+            # Restored as found: most are torch._C.TensorBase's, inherited, not torch.Tensor's own.
+            self._readers[name] = vars(torch.Tensor).get(name)
+            setattr(torch.Tensor, name, self._watched(getattr(torch.Tensor, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, read in self._readers.items():
+                if read is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, read)
+            self._readers.clear()
 
 
 _traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
