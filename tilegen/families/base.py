@@ -213,6 +213,18 @@ class RowsProblem(Problem):
 
 _NEAREST: dict[tuple[str, Spec, Config, DeviceInfo], Config] = {}
 
+#: Shared memory a block may use on Hopper (227 KiB), the GPU the attention families' search spaces were sized on.
+HOPPER_SMEM = 232448
+
+
+def with_smaller(space: dict[str, list[int]], device: DeviceInfo, **smaller: tuple[int, ...]) -> dict[str, list[int]]:
+    """``space`` with each ``smaller`` knob's values added, on a GPU with less shared memory than Hopper's (an A100's
+    163 KiB, sm86/sm89's 99 KiB): there the spaces sized on the H200 hold no config at all for the widest fp32
+    specs (head dims past 128), whose default then could not compile."""
+    if device.is_interpreter or device.smem_bytes >= HOPPER_SMEM:
+        return space
+    return {name: sorted({*values, *smaller.get(name, ())}) for name, values in space.items()}
+
 
 def config_distance(config: Config, other: Config) -> tuple[float, float]:
     """How far ``other`` is from ``config``, smaller first: the halvings or doublings over their sizes (a stage of

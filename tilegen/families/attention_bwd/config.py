@@ -95,10 +95,12 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
         return {**tiles, "atomic_dq": [0, 1], "tma": [0], "wgmma": [0]}
     # Narrowed by a sweep on the H200 (bf16, 16k tokens, d64/d128, causal and full, BENCHMARKS.md): a key tile of
     # 128 rows for dK/dV or query blocks of 128 rows for it lost by 1.3-3x, as did one stage.
-    return {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
-            "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3, 4],
-            "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0],
-            "wgmma": _wgmma_choices(spec) if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+    space = {"block_m1": [32, 64], "block_n1": [64, 128], "num_warps1": [4, 8], "num_stages1": [2, 3, 4],
+             "block_m2": [64, 128], "block_n2": [32, 64, 128], "num_warps2": [4, 8], "num_stages2": [2, 3, 4],
+             "atomic_dq": [0, 1], "tma": [0, 1] if has_tma(device) else [0],
+             "wgmma": _wgmma_choices(spec) if has_wgmma(device) and wgmma_unsupported(spec) is None else [0]}
+    return base.with_smaller(space, device, block_m1=(16,), block_n1=(16, 32), block_m2=(16, 32),
+                             block_n2=(16,), num_stages1=(1,), num_stages2=(1,))
 
 
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:

@@ -43,9 +43,11 @@ def search_space(spec: CascadeSpec, device: DeviceInfo) -> dict[str, list[int]]:
     if device.is_interpreter:
         return {"block_m": [16, 32], "block_n": [16, 32], "num_warps": [4], "num_stages": [1], "ctas_per_sm": [1, 2],
                 "own_block_n": [16], "own_warps": [4], "own_stages": [1], "own_ctas_per_sm": [1, 2]}
-    return {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
-            "ctas_per_sm": [1, 2, 3, 4], "own_block_n": [32, 64, 128], "own_warps": [2, 4], "own_stages": [2, 3, 4],
-            "own_ctas_per_sm": [1, 2, 3, 4]}
+    space = {"block_m": [64, 128], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3],
+             "ctas_per_sm": [1, 2, 3, 4], "own_block_n": [32, 64, 128], "own_warps": [2, 4], "own_stages": [2, 3, 4],
+             "own_ctas_per_sm": [1, 2, 3, 4]}
+    return base.with_smaller(space, device, block_m=(32,), block_n=(16,), num_stages=(1,), own_block_n=(16,),
+                             own_stages=(1,))
 
 
 def own_block_m(q_per_kv: int, max_tokens: int) -> int:

@@ -33,7 +33,8 @@ class DecodeConfig(base.Config):
 def search_space(spec: DecodeSpec, device: DeviceInfo) -> dict[str, list[int]]:
     if device.is_interpreter:
         return {"block_n": [16, 32], "num_warps": [4], "num_stages": [1], "ctas_per_sm": [1, 2]}
-    return {"block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4], "ctas_per_sm": [1, 2, 3, 4, 6, 8]}
+    return base.with_smaller({"block_n": [32, 64, 128], "num_warps": [2, 4, 8], "num_stages": [2, 3, 4],
+                              "ctas_per_sm": [1, 2, 3, 4, 6, 8]}, device, block_n=(16,), num_stages=(1,))
 
 
 def query_rows_pad(spec: DecodeSpec) -> int:

@@ -76,7 +76,8 @@ def tile_space(device: DeviceInfo) -> dict[str, list[int]]:
     if device.is_interpreter:
         # The interpreter ignores warps and stages; keep the space small so a CPU tune is quick.
         return {"block_m": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4], "num_stages": [1]}
-    return {"block_m": [64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+    return base.with_smaller({"block_m": [64, 128, 256], "block_n": [32, 64, 128], "num_warps": [4, 8],
+                              "num_stages": [2, 3, 4]}, device, block_m=(32,), num_stages=(1,))
 
 
 def search_space(spec: AttentionSpec, device: DeviceInfo) -> dict[str, list[int]]:
