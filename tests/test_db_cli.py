@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import sqlite3
@@ -570,3 +571,27 @@ def test_verify_reports_a_decode_row_of_a_context_only_bucket_as_failed(tmp_path
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert re.search(r"\b32\b.*infeasible: bucket: 32 is not a", " ".join(result.stdout.split()))
+
+
+def test_an_infinite_error_is_exported_as_standard_json_and_read_back(populated, tmp_path):
+    """A trial that measured an infinite error (a NaN output) is exported as the string "Infinity": JSON has no number
+    for it, and jq or a browser refuse Python's bare Infinity. Import reads both forms back as infinity."""
+    with TuningDB(populated) as db:
+        db.record_trial(spec=SPEC, device=CPU_INTERPRETER, **CURRENT, bucket=64, study_name="s", trial_number=3,
+                        config=Config(64, 16, 4, 1).to_dict(), status="wrong", time_ms=2.0, max_error=math.inf,
+                        reason="NaN in the output")
+    exported = invoke("db", "--db", populated, "export", "-")
+    assert exported.exit_code == 0, exported.output
+
+    def refuse(constant):
+        raise AssertionError(f"not standard JSON: {constant}")
+
+    data = json.loads(exported.stdout, parse_constant=refuse)
+    assert [t["max_error"] for t in data["trials"] if t["trial_number"] == 3] == ["Infinity"]
+    bare = tmp_path / "bare.json"  # an export of an earlier tilegen, with Python's bare Infinity
+    bare.write_text(exported.stdout.replace('"Infinity"', "Infinity"))
+    for source, copy in ((exported.stdout, tmp_path / "a.sqlite"), (bare.read_text(), tmp_path / "b.sqlite")):
+        result = runner.invoke(app, ["db", "--db", str(copy), "import", "-"], input=source)
+        assert result.exit_code == 0, result.output
+        with TuningDB(copy) as db:
+            assert [t.max_error for t in db.trials_for(SPEC.hash) if t.trial_number == 3] == [math.inf]

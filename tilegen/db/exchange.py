@@ -21,7 +21,8 @@ from typing import Any, Callable
 from tilegen.db.models import TRIAL_STATUSES
 from tilegen.db.validate import INT32_MAX, INT64_MAX, RowError, check_best, check_gpu, check_trial, check_variant, safe_text
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "IMPORTED", "SECTIONS", "check", "imported_study", "measured_study"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "IMPORTED", "SECTIONS", "check", "imported_study", "jsonable_number",
+           "measured_study"]
 
 FORMAT = "tilegen-tuning-db"
 FORMAT_VERSION = 1
@@ -40,14 +41,27 @@ def measured_study(name: str) -> str:
     return name.removesuffix(IMPORTED)
 
 
+#: How an export writes an infinite number: standard JSON has none, and jq or a browser refuse a bare Infinity.
+_INFINITIES = {"Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def jsonable_number(value: Any) -> Any:
+    """``value`` as an export writes it: an infinite float as ``_INFINITIES``' string."""
+    if isinstance(value, float) and math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
 _KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),
     # Integer columns are 32 bits on a server, memory_bytes 64 (the "int64" kind): a larger value is refused
     # here, not by the database mid-import.
     "int": ("an integer of 32 bits", lambda v: isinstance(v, int) and not isinstance(v, bool) and -INT32_MAX <= v <= INT32_MAX),
     "int64": ("an integer of 64 bits", lambda v: isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX <= v <= INT64_MAX),
-    # Infinity passes (a trial may record an infinite error); NaN cannot be stored in SQLite.
-    "num": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)),
+    # Infinity passes (a trial may record an infinite error), as the string export writes (JSON has no number for it)
+    # or as Python's json reads a bare Infinity; NaN cannot be stored in SQLite.
+    "num": ("a number", lambda v: (isinstance(v, str) and v in _INFINITIES)
+            or (isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v))),
     "dict": ("an object", lambda v: isinstance(v, dict)),
 }
 
@@ -163,7 +177,7 @@ def _entry(data: dict[str, Any], name: str, index: int, fields: dict[str, str]) 
         value = entry[field]
         if not (accepts(value) or (optional and value is None)):
             raise _malformed(f"{where}.{field}", f"expected {what}{' or null' if optional else ''}, got {safe_text(repr(value), 80)}")
-        out[field] = value
+        out[field] = _INFINITIES.get(value, value) if isinstance(value, str) and kind.startswith("num") else value
     if "created_at" in out:
         try:
             created = datetime.fromisoformat(out["created_at"])

@@ -39,7 +39,9 @@ from tilegen import env
 from tilegen.version import __version__
 from tilegen.codegen.render import template_hash as current_template_hash
 from tilegen.db.errors import DatabaseError
-from tilegen.db.exchange import FORMAT, FORMAT_VERSION, SECTIONS, check, imported_study, measured_study
+from tilegen.db.exchange import (
+    FORMAT, FORMAT_VERSION, SECTIONS, check, imported_study, jsonable_number, measured_study,
+)
 from tilegen.db.location import is_url, refuse_file_uri, server_url, shown
 from tilegen.db.sqlite import refuse_special
 from tilegen.db.validate import (
@@ -788,7 +790,8 @@ def _trial_row(raw: Any) -> TrialRow:
 
 
 def _jsonable(row: TunedRow | TrialRow) -> dict[str, Any]:
-    return dict(dataclasses.asdict(row), created_at=row.created_at.isoformat())
+    entry = {name: jsonable_number(value) for name, value in dataclasses.asdict(row).items()}
+    return dict(entry, created_at=row.created_at.isoformat())
 
 
 def _canonical(config: dict[str, Any]) -> str:
