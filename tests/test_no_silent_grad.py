@@ -214,3 +214,35 @@ def test_blockwise_layer_module(device):
     with torch.inference_mode():
         assert torch.equal(layer(x), expected)
     assert layer.requires_grad_(False)(x).grad_fn is None
+
+
+# ------------------------------------------------------------------ forward-mode AD of attention
+
+def _attention_calls(device):
+    """tilegen.attention and tilegen.varlen_attention, each as a function of (q, k, v), with its inputs."""
+    q, k, v = (_randn(1, 2, 9, 16, device=device, seed=s) for s in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    return [("tilegen.attention", lambda q, k, v: tilegen.attention(q, k, v, causal=True), (q, k, v)),
+            ("tilegen.varlen_attention", lambda q, k, v: tilegen.varlen_attention(q, k, v, cu, cu, 5, 5, causal=True),
+             tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v)))]
+
+
+@pytest.mark.parametrize("trains", [False, True], ids=["plain", "requires-grad"])
+@pytest.mark.parametrize("arg", [0, 2], ids=["q", "v"])
+def test_forward_mode_tangents_are_refused_by_name(arg, trains, device):
+    """The kernels have no forward-mode derivative: a dual input (torch.autograd.forward_ad, torch.func.jvp or jacfwd)
+    is refused by name, where its tangent was dropped (None) or taken as zero, with the primal looking right."""
+    import torch.autograd.forward_ad as fwAD
+
+    name = "qkv"[arg]
+    message = rf"^{{}}: {name} has a forward-mode tangent"
+    for op, call, inputs in _attention_calls(device):
+        inputs = [t.requires_grad_(trains) for t in inputs]
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match=message.format(re.escape(op))):
+            dual = [fwAD.make_dual(t, torch.ones_like(t)) if i == arg else t for i, t in enumerate(inputs)]
+            call(*dual)
+        with pytest.raises(NotImplementedError, match=message.format(re.escape(op))):
+            torch.func.jvp(lambda x: call(*inputs[:arg], x, *inputs[arg + 1:]), (inputs[arg],),
+                           (torch.ones_like(inputs[arg]),))
+        with fwAD.dual_level():  # a level without a tangent on any input runs as before
+            assert torch.equal(call(*inputs).detach(), call(*inputs).detach())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from tilegen import dispatch
 from tilegen.codegen import module_for
@@ -45,7 +46,7 @@ from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad)
+                                  empty_like_template, refuse_grad, refuse_tangents)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -110,6 +111,8 @@ def attention(
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
         trains = False
+    if _fwad._current_level >= 0:  # a dual level is open: a tangent would be dropped silently on every route
+        refuse_tangents("tilegen.attention", q=q, k=k, v=v)
     if score_mod is not None or mask_mod is not None:
         return _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic, score_mod, mask_mod)
     if trains:

@@ -5,11 +5,12 @@ through a view of them."""
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "first_overlap", "refuse_grad", "writable"]
+           "empty_like_template", "first_overlap", "refuse_grad", "refuse_tangents", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -62,6 +63,20 @@ def refuse_grad(op: str, /, *, missing: str | None = None, fix: str = "call it u
         if isinstance(t, torch.Tensor) and t.requires_grad:
             why = missing or f"{op.removeprefix('tilegen.')} has no backward"
             raise NotImplementedError(f"{op}: {name} requires grad, but {why}; {fix}")
+
+
+def refuse_tangents(op: str, /, **tensors: object) -> None:
+    """Raise ``NotImplementedError`` naming ``op`` and the first of ``tensors`` that carries a forward-mode tangent
+    (``torch.autograd.forward_ad``, ``torch.func.jvp``, ``jacfwd``); else return. No op has a forward-mode derivative,
+    and a custom op, or a kernel launched on the primal, drops the tangent silently (None, or zeros under jvp).
+    Reads one module global unless a dual level is open, so hot paths call it every time."""
+    if _fwad._current_level < 0:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(f"{op}: {name} has a forward-mode tangent (torch.func.jvp, jacfwd or "
+                                      "torch.autograd.forward_ad), but forward-mode AD is not implemented; "
+                                      "differentiate in reverse mode (backward, torch.func.vjp)")
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from tilegen import dispatch, env
 from tilegen.dtypes import SPEC_DTYPES, SPEC_KV_DTYPES
@@ -48,7 +49,7 @@ from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad)
+                                  empty_like_template, refuse_grad, refuse_tangents)
 
 __all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
@@ -84,6 +85,8 @@ def varlen_attention(
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
         trains = False
+    if _fwad._current_level >= 0:  # a dual level is open: a tangent would be dropped silently on every route
+        refuse_tangents("tilegen.varlen_attention", q=q, k=k, v=v)
     if score_mod is not None or mask_mod is not None:
         return _with_mods(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                           scale, return_lse, out, deterministic, score_mod, mask_mod)
