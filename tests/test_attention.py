@@ -427,6 +427,53 @@ def test_fake_impl_gives_real_shapes(device, return_lse):
     assert real_lse.shape == ((1, 4, 33) if return_lse else (0,))
 
 
+def _varlen_of(q, k, v, **kwargs):
+    """``tilegen.varlen_attention`` over [batch, heads, n, dim] inputs as one packed sequence a batch element."""
+    rows = [t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    batch, n_q, n_k = q.shape[0], q.shape[2], k.shape[2]
+    cu_q = torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, batch * n_k + 1, n_k, dtype=torch.int32, device=q.device)
+    return tilegen.varlen_attention(*rows, cu_q, cu_k, n_q, n_k, **kwargs)
+
+
+@pytest.mark.parametrize("api", ["dense", "varlen"])
+def test_fake_tensor_mode_gives_the_eager_shapes_without_grad_too(api, device):
+    """Under a FakeTensorMode (shape propagation, memory estimates) a call that does not train takes the custom op's
+    fake implementation, as a call that trains does: it launched on the fakes, which have no storage."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    q, k, v, _, _ = _compile_args(device, True)
+    call = tilegen.attention if api == "dense" else _varlen_of
+    want = call(q, k, v, causal=True, return_lse=True)
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v)]
+        got = call(*fakes, causal=True, return_lse=True)
+        with torch.no_grad():
+            assert [t.shape for t in call(*fakes, causal=True, return_lse=True)] == [t.shape for t in got]
+    for g, w in zip(got, want):
+        assert isinstance(g, FakeTensor) and (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device)
+
+
+@pytest.mark.parametrize("api", ["dense", "varlen"])
+def test_vmap_runs_each_sample_as_a_call_of_its_own(api, device):
+    """torch.func.vmap over a call: the custom op, which torch runs sample by sample (the kernels had been launched
+    on the batched wrappers, which have no storage). Mods cannot take that route: refused by name."""
+    q, k, v, _, _ = _compile_args(device, True)
+    call = tilegen.attention if api == "dense" else _varlen_of
+    stacked = [torch.stack([t, t.flip(2)]) for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "no batching rule, performance drop"
+        out, lse = torch.func.vmap(lambda q, k, v: call(q, k, v, causal=True, return_lse=True))(*stacked)
+    for i in range(2):
+        want = call(*(t[i] for t in stacked), causal=True, return_lse=True)
+        assert torch.equal(out[i], want[0]) and torch.equal(lse[i], want[1])
+    from tilegen.mods import library
+
+    alibi = library.alibi(torch.ones(q.shape[1], device=device))
+    with pytest.raises(NotImplementedError, match=r"score_mod/mask_mod under a torch\.func transform"):
+        torch.func.vmap(lambda q, k, v: call(q, k, v, score_mod=alibi))(*stacked)
+
+
 def test_custom_op_passes_opcheck(device):
     q, k, v, _, rest = _compile_args(device, True)
     torch.library.opcheck(torch.ops.tilegen.attention_fwd.default, (q, k, v, *rest))

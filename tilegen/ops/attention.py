@@ -46,7 +46,7 @@ from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad, refuse_tangents)
+                                  empty_like_template, refuse_grad, refuse_tangents, transformed)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -119,7 +119,8 @@ def attention(
         return _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, deterministic)
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
-    if torch.compiler.is_compiling():
+    # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
+    if torch.compiler.is_compiling() or transformed():
         spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
         # The spec travels as plain fields: Dynamo traces these, not JSON encoding.
         result, lse = torch.ops.tilegen.attention_fwd(
@@ -187,6 +188,9 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
     # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
     found = _compiled_mods().entries(score_mod, mask_mod) if torch.compiler.is_compiling() else None
+    if found is None and transformed():  # the mods' op is made at trace time: none to run outside torch.compile
+        raise NotImplementedError("tilegen.attention: score_mod/mask_mod under a torch.func transform (vmap, grad) "
+                                  "or a FakeTensorMode are not supported; call it outside, or under torch.compile")
     absorbed = absorb(score_mod, mask_mod, causal, window, given[1], k.shape[2] - q.shape[2],
                       known=None if found is None else tuple(e and e.builtin for e in found))
     if absorbed[3:] != (score_mod, mask_mod):

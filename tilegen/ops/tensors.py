@@ -10,7 +10,7 @@ import torch.autograd.forward_ad as _fwad
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "first_overlap", "refuse_grad", "refuse_tangents", "writable"]
+           "empty_like_template", "first_overlap", "refuse_grad", "refuse_tangents", "transformed", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -77,6 +77,15 @@ def refuse_tangents(op: str, /, **tensors: object) -> None:
             raise NotImplementedError(f"{op}: {name} has a forward-mode tangent (torch.func.jvp, jacfwd or "
                                       "torch.autograd.forward_ad), but forward-mode AD is not implemented; "
                                       "differentiate in reverse mode (backward, torch.func.vjp)")
+
+
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jvp) or a ``FakeTensorMode`` is active: the tensors are then
+    wrappers or fakes without storage that a kernel could be launched on, so calls take their custom op (a vmap by
+    torch's per-sample fallback, fakes by its fake implementation). Not for traced code: Dynamo need not know
+    these functions, and its calls take the custom ops anyway."""
+    return torch._C._are_functorch_transforms_active() or (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -49,7 +49,7 @@ from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad, refuse_tangents)
+                                  empty_like_template, refuse_grad, refuse_tangents, transformed)
 
 __all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
@@ -93,7 +93,8 @@ def varlen_attention(
     if trains:
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
-    if torch.compiler.is_compiling():
+    # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
+    if torch.compiler.is_compiling() or transformed():
         return _compiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                          scale, return_lse, out, deterministic)
     if type(deterministic) is not bool:
@@ -161,8 +162,8 @@ def padded_call(call: tuple | None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         strides = (q.stride(), k.stride(), v.stride())
         key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, call)
-        planned = _padded_plans.get(key, False) if (call is not None and plain
-                                                    and not torch.compiler.is_compiling()) else None
+        planned = _padded_plans.get(key, False) if (call is not None and plain and not torch.compiler.is_compiling()
+                                                    and not transformed()) else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: varlen_attention says which
         key, planned = None, None
     if planned is False:
@@ -248,6 +249,10 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     # Under torch.compile the mods are read at trace time (tilegen.mods.compiled), their tensors being graph inputs.
     found = (_compiled_mods().entries(score_mod, mask_mod, "tilegen.varlen_attention")
              if torch.compiler.is_compiling() else None)
+    if found is None and transformed():  # the mods' op is made at trace time: none to run outside torch.compile
+        raise NotImplementedError("tilegen.varlen_attention: score_mod/mask_mod under a torch.func transform (vmap, "
+                                  "grad) or a FakeTensorMode are not supported; call it outside, or under "
+                                  "torch.compile")
     checked = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale, return_lse)
     absorbed = absorb(score_mod, mask_mod, causal, window, softcap, 0 if cu_q is cu_k else None,
                       known=None if found is None else tuple(e and e.builtin for e in found))
