@@ -474,6 +474,30 @@ def test_vmap_runs_each_sample_as_a_call_of_its_own(api, device):
         torch.func.vmap(lambda q, k, v: call(q, k, v, score_mod=alibi))(*stacked)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_autocast_runs_in_its_dtype_as_sdpa_does(compiled, device):
+    """A drop-in for SDPA in an autocast region: fp32 (or mixed) inputs run in the region's dtype and the result comes
+    out in it, as SDPA's does; an fp32 leaf gets an fp32 gradient through the cast. It ignored autocast (an fp32
+    result) and refused the mixed dtypes an autocast projection hands it (a bf16 q beside fp32 k and v)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=gen).to(device).requires_grad_() for _ in range(3))
+    call = tilegen.attention
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(tilegen.attention, fullgraph=True, backend="aot_eager")
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            for inputs in ((q, k, v), (q.to(dtype), k, v)):
+                want = F.scaled_dot_product_attention(*inputs, is_causal=True)
+                got = call(*inputs, causal=True)
+                assert got.dtype == want.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    (grad,) = torch.autograd.grad(got.float().sum(), v)
+    assert grad.dtype == torch.float32 and grad.abs().max() > 0
+
+
 def test_custom_op_passes_opcheck(device):
     q, k, v, _, rest = _compile_args(device, True)
     torch.library.opcheck(torch.ops.tilegen.attention_fwd.default, (q, k, v, *rest))

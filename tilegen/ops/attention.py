@@ -102,11 +102,14 @@ def attention(
     Returns:
         ``out`` of shape ``[batch, heads_q, n_q, head_dim_v]`` in the input dtype (laid out as
         ``q`` when it has ``q``'s shape, as ``torch.empty_like(q)`` lays it out), and ``lse``
-        when asked for.
+        when asked for. In an autocast region for the inputs' device, the inputs are cast to its dtype
+        as SDPA casts them, and ``out`` comes out in it.
 
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
+    if torch._C._is_any_autocast_enabled():  # as SDPA: the region's dtype, before anything reads q, k and v
+        q, k, v = _autocast(q, k, v)
     try:
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
@@ -166,6 +169,21 @@ def attention(
         # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
     return (out, lse) if return_lse else out
+
+
+def _autocast(q, k, v):
+    """``q, k, v`` as SDPA takes them in an autocast region for their device: each floating tensor of another
+    dtype cast to the region's (so fp32 or mixed inputs run in bf16 or fp16, the result coming out in it, and an
+    fp32 leaf's gradient flows back through the cast); as given outside one, or when they are not tensors."""
+    try:
+        device = q.device.type
+    except AttributeError:  # not a tensor: the checks say which
+        return q, k, v
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+                 and t.dtype != torch.float64 else t for t in (q, k, v))
 
 
 def _compiled_mods():
