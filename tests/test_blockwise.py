@@ -669,3 +669,26 @@ def test_the_ffn_kernels_on_gpu_with_the_default_and_sampled_configs():
         outputs = problem.outputs(inputs)
         problem.launch(module_for(spec), config, inputs, outputs)
         assert problem.check(inputs, outputs)[0] < problem.tolerance, config
+
+
+def test_under_vmap_or_fake_tensors_the_op_runs(device):
+    """blockwise_ffn launched on the tensors as given: under torch.func.vmap torch's "Cannot access storage of
+    BatchedTensorImpl". Now each sample runs through tilegen::blockwise_ffn, and fakes get its fake shapes."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    spec = BlockwiseFFNSpec(d_model=16, d_ffn=24, norm="rmsnorm", ffn="swiglu", dtype="fp32")
+    w = random_weights(spec, torch.Generator().manual_seed(0), device, torch.float32)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def ffn(x):
+        return tilegen.blockwise_ffn(x, w_norm=w.w_norm, w_up=w.w_up, w_down=w.w_down, w_gate=w.w_gate)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "no batching rule, performance drop"
+        got = torch.func.vmap(ffn)(torch.stack([x, x.flip(0)]))
+    assert torch.equal(got[0], ffn(x)) and torch.equal(got[1], ffn(x.flip(0)))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ffn(mode.from_tensor(x))
+    assert isinstance(fake, FakeTensor) and fake.shape == x.shape

@@ -9,6 +9,7 @@ mods bound at plan time run, and what cannot be compiled (``plan`` inside, a gra
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -363,3 +364,56 @@ def test_a_captured_tensor_that_requires_grad_is_refused_by_name(device):
         _compiled(lambda q, cache: decode.run(q, cache))(q, cache)
     with torch.no_grad():
         assert torch.equal(_compiled(lambda q, cache: decode.run(q, cache))(q, cache), decode.run(q, cache))
+
+
+def _under_vmap_and_fake(run, q, cache, refused=None):
+    """``run(q, cache)`` under torch.func.vmap (two samples, each equal to its own run; or refused, matching
+    ``refused``) and under a FakeTensorMode (the eager run's shapes and dtypes)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    want = run(q, cache)
+    stacked = torch.stack([q, q.flip(0)])
+    if refused is not None:
+        with pytest.raises(NotImplementedError, match=refused):
+            torch.func.vmap(lambda q: run(q, cache))(stacked)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "no batching rule, performance drop"
+            got = torch.func.vmap(lambda q: run(q, cache))(stacked)
+        assert torch.equal(got[0].nan_to_num(), want.nan_to_num())
+        assert torch.equal(got[1].nan_to_num(), run(q.flip(0), cache).nan_to_num())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = run(mode.from_tensor(q), cache)
+    assert isinstance(fake, FakeTensor) and (fake.shape, fake.dtype) == (want.shape, want.dtype)
+
+
+@pytest.mark.parametrize("op", [tilegen.PagedDecode, tilegen.PagedAttention, tilegen.CascadeAttention],
+                         ids=lambda op: op.__name__)
+def test_a_run_under_vmap_or_fake_tensors_takes_the_op(op, device):
+    """A run launched its plan on the tensors as given: under vmap torch's "Cannot access storage of
+    BatchedTensorImpl", under a FakeTensorMode a failed storage assignment. Fakes now take tilegen::planned_run's fake
+    implementation; vmap, for whose op torch makes no per-sample fallback, is refused by name."""
+    gen = torch.Generator().manual_seed(18)
+    if op is tilegen.CascadeAttention:
+        cache = tree_cache(8, 2, torch.float32, device, gen)
+        planner = op()
+        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
+        q = torch.randn(cache.batch, 4, 32, generator=gen).to(device)
+    else:
+        cache = make_cache([9, 20], 8, 1, D, torch.float32, device, gen)
+        planner = op()
+        if op is tilegen.PagedAttention:
+            planner.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
+        else:
+            planner.plan(cache, heads_q=2)
+        q = torch.randn(3 if op is tilegen.PagedAttention else 2, 2, D, generator=gen).to(device)
+    message = rf"^{re.escape(planner.op)}: not supported under a torch\.func transform"
+    _under_vmap_and_fake(lambda q, cache: planner.run(q, cache), q, cache, refused=message)
+
+
+def test_rope_and_merge_states_under_vmap_or_fake_tensors_take_their_ops(device):
+    gen = torch.Generator().manual_seed(19)
+    x, o_b = (torch.randn(5, 2, D, generator=gen).to(device) for _ in range(2))
+    cos, sin, lse_a, lse_b = (torch.randn(5, n, generator=gen).to(device) for n in (D, D, 2, 2))
+    _under_vmap_and_fake(lambda x, _: tilegen.apply_rope(x, cos, sin), x, None)
+    _under_vmap_and_fake(lambda o, _: tilegen.merge_states(o, lse_a, o_b, lse_b)[0], x, None)

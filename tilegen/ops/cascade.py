@@ -42,7 +42,7 @@ from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.planned import Planner
-from tilegen.ops.tensors import check_bool, check_device, check_out, refuse_grad
+from tilegen.ops.tensors import check_bool, check_device, check_out, refuse_grad, transformed
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
 
@@ -168,7 +168,8 @@ class CascadeAttention(Planner):
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attend ``q`` ``[tokens, heads_q, head_dim]`` over the planned levels of ``cache``'s pages;
         ``(out, lse)`` when planned with ``return_lse`` (LSE fp32 ``[tokens, heads_q]``, natural log)."""
-        if torch.compiler.is_compiling():
+        # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
+        if torch.compiler.is_compiling() or transformed():
             return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:

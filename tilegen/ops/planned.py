@@ -78,6 +78,10 @@ class Planner:
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"{self.op}: call plan(...) first")
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            # torch generates no per-sample fallback for the op (it failed with "Batching rule not implemented").
+            raise NotImplementedError(f"{self.op}: not supported under a torch.func transform (vmap, grad); run it "
+                                      "outside, on the batch it was planned for")
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a tilegen.PagedKVCache, got {type(cache).__name__}")
         if not isinstance(q, torch.Tensor):

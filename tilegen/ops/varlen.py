@@ -556,7 +556,8 @@ class PagedAttention(Planner):
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
-        if torch.compiler.is_compiling():
+        # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
+        if torch.compiler.is_compiling() or transformed():
             return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:
