@@ -84,8 +84,9 @@ def transformed() -> bool:
     wrappers or fakes without storage that a kernel could be launched on, so calls take their custom op (a vmap by
     torch's per-sample fallback, fakes by its fake implementation). Not for traced code: Dynamo need not know
     these functions, and its calls take the custom ops anyway."""
-    return torch._C._are_functorch_transforms_active() or (
-        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+    # The stack's length first: without any dispatch mode (the hot paths' case) it costs half the FAKE lookup.
+    return torch._C._are_functorch_transforms_active() or (torch._C._len_torch_dispatch_stack() > 0 and (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None))
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
