@@ -498,6 +498,39 @@ def test_autocast_runs_in_its_dtype_as_sdpa_does(compiled, device):
     assert grad.dtype == torch.float32 and grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mod"])
+@pytest.mark.parametrize("dim_v", [16, 24])
+def test_the_output_is_laid_out_as_q_on_every_route(dim_v, mods, device):
+    """The output takes q's memory layout when it has q's shape (empty_like(q)), contiguous otherwise, in eager calls
+    with and without grad and compiled: the op's output was always contiguous, so `out.transpose(1, 2).view(b, n, -1)`
+    on a [batch, seq, heads, dim] q worked in eager inference and failed in training and under torch.compile."""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 9, 4, 16, generator=gen).to(device).transpose(1, 2)  # a projection's heads: [b, h, n, d]
+    k = torch.randn(2, 9, 2, 16, generator=gen).to(device).transpose(1, 2)
+    v = torch.randn(2, 9, 2, dim_v, generator=gen).to(device).transpose(1, 2)
+    want = torch.empty_like(q).stride() if dim_v == 16 else (4 * 9 * dim_v, 9 * dim_v, dim_v, 1)
+    score_mod = None
+    if mods:
+        from tilegen.mods import library
+
+        score_mod = library.alibi(torch.tensor([0.5, 0.25, 0.125, 1.0], device=device))
+
+    def merged(q, k, v):
+        out, lse = tilegen.attention(q, k, v, causal=True, return_lse=True, score_mod=score_mod)
+        assert out.stride() == want and lse.is_contiguous()
+        return out.transpose(1, 2).reshape(2, 9, -1) if dim_v != 16 else out.transpose(1, 2).view(2, 9, -1)
+
+    expected = merged(q, k, v)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.testing.assert_close(merged(*leaves), expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+    for inputs in ((q, k, v), leaves):
+        got = torch.compile(merged, fullgraph=True, backend="aot_eager")(*inputs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got.sum().backward()
+    assert all(t.grad is not None and t.grad.stride() == t.stride() for t in leaves)
+
+
 def test_custom_op_passes_opcheck(device):
     q, k, v, _, rest = _compile_args(device, True)
     torch.library.opcheck(torch.ops.tilegen.attention_fwd.default, (q, k, v, *rest))

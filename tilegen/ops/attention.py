@@ -288,8 +288,8 @@ def _launch_with_mods(spec, mods, q, k, v, out, launch):
     batch, heads, n_q, _ = q.shape
     n_k = k.shape[2]
     out_shape = (batch, heads, n_q, spec.dv)
-    if out is None:
-        out = q.new_empty(out_shape)
+    if out is None:  # laid out as a call without mods lays it out
+        out = torch.empty_like(q) if out_shape == tuple(q.shape) else q.new_empty(out_shape)
     else:
         _check_out(out, out_shape, q)
         check_out("out", out, {"q": q, "k": k, "v": v}, may_be=("q",))
@@ -572,7 +572,9 @@ def _attention_op(
     if plan is None:
         plan = _plan_for(q, k, v, spec, window_left, window_right, scale, softcap)
         _op_plans.put(key, plan)
-    out = q.new_empty(plan.out_shape)
+    # Laid out as an eager call's (and the fake's): empty_like(q) when it has q's shape, so code that views the
+    # result by q's layout works in training and compiled as it does in eager inference.
+    out = torch.empty_like(q) if plan.out_like_q else q.new_empty(plan.out_shape)
     # A custom op returns tensors only: an empty one stands for "no LSE".
     lse = q.new_empty(plan.lse_shape if plan.lse_shape is not None else (0,), dtype=torch.float32)
     if plan.launches:
@@ -584,8 +586,9 @@ def _attention_op(
 @_attention_op.register_fake
 def _(q, k, v, head_dim_v, mask, has_softcap, return_lse, scale, softcap, window_left, window_right,
       deterministic=False):
-    batch, heads, n_q, _ = q.shape
-    out = q.new_empty(batch, heads, n_q, head_dim_v)
+    batch, heads, n_q, dim = q.shape
+    # As the op lays it out: q's layout when it has q's shape.
+    out = torch.empty_like(q) if head_dim_v == dim else q.new_empty(batch, heads, n_q, head_dim_v)
     return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
 
 
@@ -613,8 +616,8 @@ def _attention_mods_op(
 @_attention_mods_op.register_fake
 def _(q, k, v, mod_tensors, score_tensors, score_mod, mask_mod, head_dim_v, mask, has_softcap, return_lse, scale,
       softcap, window_left, window_right, deterministic):
-    batch, heads, n_q, _ = q.shape
-    out = q.new_empty(batch, heads, n_q, head_dim_v)
+    batch, heads, n_q, dim = q.shape
+    out = torch.empty_like(q) if head_dim_v == dim else q.new_empty(batch, heads, n_q, head_dim_v)  # as the op's
     return out, q.new_empty((batch, heads, n_q) if return_lse else (0,), dtype=torch.float32)
 
 
