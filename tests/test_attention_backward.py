@@ -427,6 +427,46 @@ def test_explain_backward_of_a_deterministic_call_names_the_config_it_runs(devic
         tilegen.explain(q, k, v, backward=True, deterministic=1)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("api", ["dense", "varlen"])
+def test_use_deterministic_algorithms_takes_the_deterministic_backward(api, compiled, device, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) a call with deterministic=False runs the deterministic backward,
+    as SDPA's flash backward does there (it reads the flag): a tuned row's atomic dQ ran regardless."""
+    import tilegen.ops.attention_grad as grad_module
+    from tilegen import dispatch
+
+    case = Case(40, dtype="fp32", head_dim=16, causal=True)
+    q, k, v = leaf_inputs(case, device)
+    layout = "dense"
+    if api == "varlen":
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+    spec = grad_module.backward_spec(torch.float32, 16, 16, 1, "causal", False, layout)
+    info = device_info(torch.device(device))
+    dispatch._tables[(spec, info)] = dispatch.Table(spec, info, {64: (CONFIGS["atomic-dq"], "tuned.sqlite")})
+    ran = []
+    real = grad_module.deterministic_config
+    monkeypatch.setattr(grad_module, "deterministic_config", lambda *args: ran.append(real(*args)) or ran[-1])
+    cu = torch.tensor([0, 40], dtype=torch.int32, device=device)
+
+    def loss(q, k, v):
+        if api == "dense":
+            return tilegen.attention(q, k, v, causal=True).square().sum()
+        return tilegen.varlen_attention(q, k, v, cu, cu, 40, 40, causal=True).square().sum()
+
+    torch._dynamo.reset()
+    call = torch.compile(loss, fullgraph=True, backend="aot_eager") if compiled else loss
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    call(q, k, v).backward()
+    assert not ran  # the row's atomics; a compiled graph then retraces for the flag (Dynamo guards on it)
+    torch.use_deterministic_algorithms(True)
+    try:
+        call(q, k, v).backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert ran and ran[-1].atomic_dq == 0
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_a_failed_row_falls_back_to_an_atomic_row_with_its_own_fp32_sum(dtype, device, caplog):
     """A tuned row that fails is skipped and the next one runs in the same call; when that one adds dQ by atomics,

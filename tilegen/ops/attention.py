@@ -87,7 +87,8 @@ def attention(
             in the input dtype, on the input device, any strides; ``q`` itself (in place), but
             nothing else that shares memory with itself, ``q``, ``k`` or ``v``. Not when an input
             requires grad (a result written in place cannot be differentiated).
-        deterministic: the backward gives the same bits on every run (no atomic adds), at some speed.
+        deterministic: the backward gives the same bits on every run (no atomic adds), at some speed; always so
+            under ``torch.use_deterministic_algorithms(True)``, as SDPA's flash backward is (without mods).
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the scaled logit
             before the softmax; ``mask_mod(b, h, q_idx, kv_idx) -> bool`` ANDs into the mask (``causal``
             and ``window`` still apply). Traced once per function (``tilegen.mods``: the supported
@@ -522,6 +523,8 @@ def _differentiable(q, k, v, causal, window, softcap, scale, return_lse, out, de
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
     checked before the forward runs."""
     attention_grad.check_training_args(out, deterministic)
+    # As SDPA's flash backward, which reads it: under torch.use_deterministic_algorithms(True), no atomics.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, True)
     check_grid("q", q.shape[0] * q.shape[1], "(batch, head) pairs of the backward")

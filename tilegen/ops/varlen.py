@@ -76,7 +76,8 @@ def varlen_attention(
         causal, window, softcap, scale, return_lse, out: as in ``tilegen.attention``, per
             sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
             to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
-        deterministic: the backward gives the same bits on every run (no atomic adds).
+        deterministic: the backward gives the same bits on every run (no atomic adds); always so under
+            ``torch.use_deterministic_algorithms(True)`` (without mods).
         score_mod, mask_mod: as in ``tilegen.attention`` (differentiable too), with ``b`` the sequence and
             ``q_idx``/``kv_idx`` positions within it; captured tensors indexed by them are range-checked
             against ``max_seqlen_q``/``max_seqlen_k``.
@@ -340,6 +341,8 @@ def _differentiable(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, 
     """A call that trains: through the custom op, whose autograd runs the backward; every argument is
     checked before the forward runs. Reads no table (the op plans), so ``torch.compile`` traces it."""
     attention_grad.check_training_args(out, deterministic)
+    # As SDPA's flash backward, which reads it: under torch.use_deterministic_algorithms(True), no atomics.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     check_bool("return_lse", return_lse)  # the forward below always makes the LSE, for the backward
     spec, left, right, scale, softcap = _checked_ragged(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap,
                                                         scale, True)
