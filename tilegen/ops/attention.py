@@ -46,7 +46,7 @@ from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad, refuse_tangents, transformed)
+                                  empty_like_template, off_eager, refuse_grad, refuse_tangents, transformed)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -109,7 +109,7 @@ def attention(
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
-    if torch._C._is_any_autocast_enabled():  # as SDPA: the region's dtype, before anything reads q, k and v
+    if _autocasting():  # as SDPA: the region's dtype, before anything reads q, k and v
         q, k, v = _autocast(q, k, v)
     try:
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
@@ -124,7 +124,7 @@ def attention(
     if type(deterministic) is not bool:
         raise TypeError(f"deterministic: expected a bool, got {deterministic!r}")
     # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
-    if torch.compiler.is_compiling() or transformed():
+    if off_eager():
         spec, left, right, scale, softcap = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)
         # The spec travels as plain fields: Dynamo traces these, not JSON encoding.
         result, lse = torch.ops.tilegen.attention_fwd(
@@ -170,6 +170,11 @@ def attention(
         # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
     return (out, lse) if return_lse else out
+
+
+# Whether an autocast region is open where the kernels run: CUDA's alone where they run compiled (a third of the cost
+# of asking every device type, on every call), any device's under the interpreter, whose tensors are the CPU's.
+_autocasting = torch._C._is_any_autocast_enabled if interpreting() else torch._C.is_autocast_enabled
 
 
 def _autocast(q, k, v):

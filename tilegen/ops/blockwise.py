@@ -27,7 +27,7 @@ from tilegen import dispatch
 from tilegen.dtypes import SPEC_DTYPES
 from tilegen.families.blockwise_ffn.spec import BlockwiseFFNSpec
 from tilegen.ir import SpecError
-from tilegen.ops.tensors import check_device, check_out, refuse_grad, transformed
+from tilegen.ops.tensors import check_device, check_out, off_eager, refuse_grad
 
 __all__ = ["blockwise_ffn", "ffn_table"]
 
@@ -107,7 +107,7 @@ def blockwise_ffn(
         refuse_grad("tilegen.blockwise_ffn", x=x, w_norm=w_norm, w_gate=w_gate, w_up=w_up, w_down=w_down,
                     b_norm=b_norm, out=out)
     # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
-    if torch.compiler.is_compiling() or transformed():
+    if off_eager():
         result = torch.ops.tilegen.blockwise_ffn(x, w_norm, w_up, w_down, w_gate, b_norm, norm, float(eps))
         return result if out is None else out.copy_(result)  # the op allocates its output
     if out is None:

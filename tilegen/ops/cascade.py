@@ -42,7 +42,7 @@ from tilegen.families.attention_fwd.masks import score_scalars
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, page_dtypes
 from tilegen.ops.planned import Planner
-from tilegen.ops.tensors import check_bool, check_device, check_out, refuse_grad, transformed
+from tilegen.ops.tensors import check_bool, check_device, check_out, off_eager, refuse_grad
 
 __all__ = ["CascadeAttention", "CascadeLevel", "cascade_levels"]
 
@@ -169,7 +169,7 @@ class CascadeAttention(Planner):
         """Attend ``q`` ``[tokens, heads_q, head_dim]`` over the planned levels of ``cache``'s pages;
         ``(out, lse)`` when planned with ``return_lse`` (LSE fp32 ``[tokens, heads_q]``, natural log)."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
-        if torch.compiler.is_compiling() or transformed():
+        if off_eager():
             return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:

@@ -37,7 +37,7 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops.kv_cache import PagedKVCache, check_heads_q, check_max_seqlen_k, check_run_cache, page_dtypes
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
-from tilegen.ops.tensors import check_bool, check_device, check_grid, check_out, refuse_grad, transformed
+from tilegen.ops.tensors import check_bool, check_device, check_grid, check_out, off_eager, refuse_grad
 from tilegen.ops.varlen import paged_mods
 
 __all__ = ["PagedDecode"]
@@ -171,7 +171,7 @@ class PagedDecode(Planner):
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Decode ``q`` ``[batch, heads_q, head_dim]`` against one layer's ``cache``; ``(out, lse)`` with LSE."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
-        if torch.compiler.is_compiling() or transformed():
+        if off_eager():
             return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:

@@ -19,7 +19,7 @@ from tilegen.families.merge_states import MergeStatesSpec
 from tilegen.families.merge_states.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, check_out, refuse_grad, transformed, writable
+from tilegen.ops.tensors import check_device, check_out, off_eager, refuse_grad, writable
 
 __all__ = ["explain_merge", "merge_states"]
 
@@ -60,7 +60,7 @@ def merge_states(
     custom op ``tilegen::merge_states``, so ``fullgraph=True`` traces it.
     """
     # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
-    if torch.compiler.is_compiling() or transformed():
+    if off_eager():
         _check(o_a, lse_a, o_b, lse_b, out, out_lse)
         if torch.is_grad_enabled() and (o_a.requires_grad or lse_a.requires_grad or o_b.requires_grad
                                         or lse_b.requires_grad or (out is not None and out.requires_grad)

@@ -19,7 +19,7 @@ from tilegen.families.rope import RopeSpec
 from tilegen.families.rope.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, check_out, refuse_grad, transformed, writable
+from tilegen.ops.tensors import check_device, check_out, off_eager, refuse_grad, writable
 
 __all__ = ["apply_rope", "explain_rope"]
 
@@ -52,7 +52,7 @@ def apply_rope(
     given ``out`` is then copied into), so ``fullgraph=True`` traces it.
     """
     # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
-    if torch.compiler.is_compiling() or transformed():
+    if off_eager():
         _check(x, cos, sin, out)
         if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad
                                         or (out is not None and out.requires_grad)):

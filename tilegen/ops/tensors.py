@@ -10,7 +10,8 @@ import torch.autograd.forward_ad as _fwad
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "first_overlap", "refuse_grad", "refuse_tangents", "transformed", "writable"]
+           "empty_like_template", "first_overlap", "refuse_grad", "off_eager", "refuse_tangents", "transformed",
+           "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -79,14 +80,27 @@ def refuse_tangents(op: str, /, **tensors: object) -> None:
                                       "differentiate in reverse mode (backward, torch.func.vjp)")
 
 
+# Bound once: every eager call asks these, and each attribute chain costs as much as the C call it reaches.
+_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
 def transformed() -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, jvp) or a ``FakeTensorMode`` is active: the tensors are then
     wrappers or fakes without storage that a kernel could be launched on, so calls take their custom op (a vmap by
     torch's per-sample fallback, fakes by its fake implementation). Not for traced code: Dynamo need not know
     these functions, and its calls take the custom ops anyway."""
     # The stack's length first: without any dispatch mode (the hot paths' case) it costs half the FAKE lookup.
-    return torch._C._are_functorch_transforms_active() or (torch._C._len_torch_dispatch_stack() > 0 and (
-        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None))
+    return _functorch_active() or (_dispatch_modes() > 0 and _dispatch_mode(_FAKE) is not None)
+
+
+def off_eager() -> bool:
+    """Whether a call takes its custom op rather than launching: under ``torch.compile`` (Dynamo traces the op) or
+    ``transformed()``. One call for the hot paths, which asked ``torch.compiler.is_compiling()`` alone before."""
+    return _compiling() or _functorch_active() or (_dispatch_modes() > 0 and _dispatch_mode(_FAKE) is not None)
 
 
 def writable(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -49,7 +49,7 @@ from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
 from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_distinct, check_grid, check_out,
-                                  empty_like_template, refuse_grad, refuse_tangents, transformed)
+                                  empty_like_template, off_eager, refuse_grad, refuse_tangents, transformed)
 
 __all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
@@ -95,7 +95,7 @@ def varlen_attention(
         return _differentiable(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window,
                                softcap, scale, return_lse, out, deterministic)
     # Under vmap or a FakeTensorMode the tensors have no storage to launch on: the custom op, as under compile.
-    if torch.compiler.is_compiling() or transformed():
+    if off_eager():
         return _compiled(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, softcap,
                          scale, return_lse, out, deterministic)
     if type(deterministic) is not bool:
@@ -163,8 +163,7 @@ def padded_call(call: tuple | None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         strides = (q.stride(), k.stride(), v.stride())
         key = (q.shape, k.shape, v.shape, strides, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, call)
-        planned = _padded_plans.get(key, False) if (call is not None and plain and not torch.compiler.is_compiling()
-                                                    and not transformed()) else None
+        planned = _padded_plans.get(key, False) if (call is not None and plain and not off_eager()) else None
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: varlen_attention says which
         key, planned = None, None
     if planned is False:
@@ -560,7 +559,7 @@ class PagedAttention(Planner):
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
-        if torch.compiler.is_compiling() or transformed():
+        if off_eager():
             return self._compiled_run(q, cache, out)
         plan = self._plan
         if plan is None:
