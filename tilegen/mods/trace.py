@@ -1035,11 +1035,12 @@ class _ValuesRead(TorchDispatchMode):
         return reader
 
     def __enter__(self):
+        entered = super().__enter__()
         for name in self._READERS:
             # Restored as found: most are torch._C.TensorBase's, inherited, not torch.Tensor's own.
             self._readers[name] = vars(torch.Tensor).get(name)
             setattr(torch.Tensor, name, self._watched(getattr(torch.Tensor, name)))
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc):
         try:

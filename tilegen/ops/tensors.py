@@ -10,7 +10,7 @@ import torch.autograd.forward_ad as _fwad
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "first_overlap", "refuse_grad", "off_eager", "refuse_tangents", "transformed",
+           "empty_like_template", "first_overlap", "off_eager", "refuse_grad", "refuse_tangents", "transformed",
            "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
