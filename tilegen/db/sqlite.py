@@ -64,17 +64,19 @@ def explain_error(error: Exception, path: Path, readonly: bool) -> DatabaseError
 FORGED_VIEWS = "SELECT name FROM sqlite_master WHERE type = 'view' AND name LIKE 'tg\\_%' ESCAPE '\\'"
 
 
-def refuse_special(path: Path) -> None:
+def refuse_special(path: Path) -> os.stat_result | None:
     """``DatabaseError`` for a path that exists but is no regular file (a pipe, a device, a socket): opening one
-    would block or read without end; and for one whose lookup fails (see ``lookup_error``)."""
+    would block or read without end; and for one whose lookup fails (see ``lookup_error``). Else the path's
+    ``stat``, for the caller to read what it needs of it, or ``None`` when nothing is there."""
     try:
-        mode = path.stat().st_mode
+        found = path.stat()
     except OSError as e:
         if lookup_error(e):
             raise DatabaseError(f"cannot reach the tilegen database {path}: {e.strerror or e}") from None
-        return
-    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        return None
+    if not stat.S_ISREG(found.st_mode) and not stat.S_ISDIR(found.st_mode):
         raise DatabaseError(f"not a tilegen database: {path} is not a regular file")
+    return found
 
 
 def lookup_error(error: OSError) -> bool:
@@ -119,14 +121,11 @@ _READ_STEPS = 50_000_000
 def read_tuned(path: Path, spec_hash: str, template_hash: str, gpu_key: str) -> list[dict]:
     """The tuned rows of one variant on one GPU, every Triton's (the reader chooses among them), read-only,
     any known revision: ``TUNED_FIELDS`` of each as stored, unchecked (SQLite lets a column hold any type)."""
-    refuse_special(path)
-    if path.is_dir():  # SQLite's own word for one is "disk I/O error"
+    found = refuse_special(path)  # nothing there: the connection below says so
+    if found is not None and stat.S_ISDIR(found.st_mode):  # SQLite's own word for one is "disk I/O error"
         raise DatabaseError(f"not a tilegen database: {path} is a folder; give the database file")
-    try:
-        if path.stat().st_size == 0:  # an empty file is a database with no rows yet, as tune and db take it
-            return []
-    except OSError:  # the connection below says what is wrong
-        pass
+    if found is not None and found.st_size == 0:  # a database with no rows yet, as tune and db take it
+        return []
     try:
         conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:

@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import stat
 from datetime import datetime
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -133,8 +134,9 @@ class TuningDB:
         self.path = Path(target).expanduser()
         self.url = None
         self.location = str(self.path)
-        refuse_special(self.path)  # before is_file, which raises OSError for a path it cannot look up
-        if readonly and not self.path.is_file():
+        # Its stat, not is_file, which raises OSError for a path it cannot look up.
+        found = refuse_special(self.path)
+        if readonly and (found is None or not stat.S_ISREG(found.st_mode)):
             raise DatabaseError(f"no tilegen database at {self.path}")
         if not readonly:
             try:
