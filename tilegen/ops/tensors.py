@@ -70,7 +70,7 @@ def refuse_tangents(op: str, /, **tensors: object) -> None:
     """Raise ``NotImplementedError`` naming ``op`` and the first of ``tensors`` that carries a forward-mode tangent
     (``torch.autograd.forward_ad``, ``torch.func.jvp``, ``jacfwd``); else return. No op has a forward-mode derivative,
     and a custom op, or a kernel launched on the primal, drops the tangent silently (None, or zeros under jvp).
-    Reads one module global unless a dual level is open, so hot paths call it every time."""
+    Hot paths read ``_fwad._current_level`` themselves first and call it only while a dual level is open."""
     if _fwad._current_level < 0:
         return
     for name, t in tensors.items():
