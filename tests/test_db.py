@@ -385,20 +385,27 @@ def test_an_unusable_location_is_refused_naming_the_path(tmp_path, where):
         TuningDB(path)
 
 
-def test_a_path_the_system_cannot_look_up_costs_dispatch_its_rows_and_an_open_one_line(tmp_path, monkeypatch, caplog):
-    """A database path whose lookup itself fails (a folder this user may not enter; here a name past the file
-    system's limit, which fails the same way for root too): dispatch serves the shipped rows with one warning
-    instead of raising from every op, and an open raises ``DatabaseError`` naming the file."""
+def _the_shipped_rows_beside(user_db, tmp_path, monkeypatch, caplog) -> str:
+    """Dispatch's rows with ``TILEGEN_DB`` at ``user_db`` beside a shipped file of one row: they must be the shipped
+    file's, with one warning, which is returned."""
     shipped = tmp_path / "shipped.sqlite"
     with TuningDB(shipped) as db:
         record(db, 64, 1.0)
-    unreachable = tmp_path / ("x" * 300 + ".sqlite")
     monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
-    monkeypatch.setenv("TILEGEN_DB", str(unreachable))
+    monkeypatch.setenv("TILEGEN_DB", str(user_db))
     with caplog.at_level(logging.WARNING, logger="tilegen.db"):
         rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
     assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped)}
     (warning,) = [r.getMessage() for r in caplog.records]
+    return warning
+
+
+def test_a_path_the_system_cannot_look_up_costs_dispatch_its_rows_and_an_open_one_line(tmp_path, monkeypatch, caplog):
+    """A database path whose lookup itself fails (a folder this user may not enter; here a name past the file
+    system's limit, which fails the same way for root too): dispatch serves the shipped rows with one warning
+    instead of raising from every op, and an open raises ``DatabaseError`` naming the file."""
+    unreachable = tmp_path / ("x" * 300 + ".sqlite")
+    warning = _the_shipped_rows_beside(unreachable, tmp_path, monkeypatch, caplog)
     assert str(unreachable) in warning and "File name too long" in warning
     for readonly in (False, True):
         with pytest.raises(DatabaseError, match=f"cannot reach the tilegen database {re.escape(str(unreachable))}: "
@@ -407,16 +414,9 @@ def test_a_path_the_system_cannot_look_up_costs_dispatch_its_rows_and_an_open_on
 
 
 def test_dispatch_says_a_tilegen_db_naming_a_folder_is_one(tmp_path, monkeypatch, caplog):
-    shipped, folder = tmp_path / "shipped.sqlite", tmp_path / "databases"
-    with TuningDB(shipped) as db:
-        record(db, 64, 1.0)
+    folder = tmp_path / "databases"
     folder.mkdir()
-    monkeypatch.setattr(env, "shipped_db_path", lambda: shipped)
-    monkeypatch.setenv("TILEGEN_DB", str(folder))
-    with caplog.at_level(logging.WARNING, logger="tilegen.db"):
-        rows = tuned_rows(SPEC, CPU_INTERPRETER, KEY["template_hash"], KEY["triton_version"])
-    assert {bucket: source for bucket, (_, source) in rows.items()} == {64: str(shipped)}
-    (warning,) = [r.getMessage() for r in caplog.records]
+    warning = _the_shipped_rows_beside(folder, tmp_path, monkeypatch, caplog)
     assert f"{folder} is a folder" in warning, warning  # not SQLite's "disk I/O error"
 
 
