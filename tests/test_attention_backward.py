@@ -459,12 +459,15 @@ def test_use_deterministic_algorithms_takes_the_deterministic_backward(api, comp
     torch.use_deterministic_algorithms(False)
     call(q, k, v).backward()
     assert not ran  # the row's atomics; a compiled graph then retraces for the flag (Dynamo guards on it)
+    explained = (lambda: tilegen.explain(q, k, v, causal=True, backward=True).config) if api == "dense" else None
+    assert explained is None or explained().atomic_dq == 1
     torch.use_deterministic_algorithms(True)
     try:
         call(q, k, v).backward()
+        assert ran and ran[-1].atomic_dq == 0
+        assert explained is None or explained().atomic_dq == 0  # as the call runs
     finally:
         torch.use_deterministic_algorithms(previous)
-    assert ran and ran[-1].atomic_dq == 0
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -167,6 +167,48 @@ def test_varlen_gradients_per_sequence(deterministic, device):
         assert _error(g, r) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("api", ["dense", "varlen"])
+def test_use_deterministic_algorithms_with_mods(api, compiled, device, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) a call with mods runs the backward without atomics, as a call
+    without mods does; a learned captured tensor, whose gradient only atomics sum, is refused there as torch
+    refuses its own nondeterministic ops (a warning under warn_only, and the backward with atomics)."""
+    import tilegen.ops.attention_grad as grad_module
+
+    ran = []
+    real = grad_module.deterministic_config
+    monkeypatch.setattr(grad_module, "deterministic_config", lambda *args: ran.append(real(*args)) or ran[-1])
+    n, cu = 17, torch.tensor([0, 17], dtype=torch.int32, device=device)
+    q, k, v = _leaves([(1, 2, n, D), (1, 1, n, D), (1, 1, n, D)], torch.float32, device, 11)
+    slopes = torch.rand(2, device=device)
+    if api == "varlen":
+        q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+
+    def loss(q, k, v, mod):
+        if api == "dense":
+            return tilegen.attention(q, k, v, causal=True, score_mod=mod).square().sum()
+        return tilegen.varlen_attention(q, k, v, cu, cu, n, n, causal=True, score_mod=mod).square().sum()
+
+    torch._dynamo.reset()
+    call = torch.compile(loss, fullgraph=True, backend="aot_eager") if compiled else loss
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        call(q, k, v, library.alibi(slopes)).backward()
+        assert not ran
+        torch.use_deterministic_algorithms(True)
+        call(q, k, v, library.alibi(slopes)).backward()
+        assert len(ran) == 1 and ran[0].atomic_dq == 0
+        learned = slopes.clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="use_deterministic_algorithms.*requires_grad=False"):
+            call(q, k, v, library.alibi(learned)).backward()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="captured tensors.*runs with atomics"):
+            call(q, k, v, library.alibi(learned)).backward()
+        assert len(ran) == 1 and learned.grad is not None and torch.isfinite(learned.grad).all()
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
 @pytest.mark.parametrize("rank", [3, 4])
 def test_a_captured_tensor_of_three_or_four_dims_takes_its_gradient_at_each_element(rank, device):
     """The gradient's flat offset nests each dimension in the one before it (((i0 n1 + i1) n2 + i2) n3 + i3): every

@@ -27,9 +27,10 @@ import torch
 
 from tilegen.mods.builtin import builtin_of
 from tilegen.mods.grad import check_differentiable as _check_differentiable
+from tilegen.mods.grad import warned_of_atomics as _warned_of_atomics
 from tilegen.mods.trace import TracedMod, fetch, locate, number_paths, traced
 
-__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH", "compiles_mods"]
+__all__ = ["Entry", "entries", "bind", "check_differentiable", "MIN_TORCH", "compiles_mods", "warned_of_atomics"]
 
 MIN_TORCH = "2.13"
 
@@ -103,3 +104,10 @@ def check_differentiable(score_mod: str | None, wanted: tuple[int, ...] = ()) ->
     """``tilegen.mods.grad.check_differentiable`` at trace time: a ``ModGradError`` names the operation when the
     graph is made, as an eager call raises it before its forward runs."""
     _check_differentiable(score_mod, wanted)
+
+
+@torch.compiler.assume_constant_result
+def warned_of_atomics() -> bool:
+    """``tilegen.mods.grad.warned_of_atomics`` at trace time: Dynamo has no rule for the flag's ``warn_only``, and
+    traced code emits no warning."""
+    return _warned_of_atomics()

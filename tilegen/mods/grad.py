@@ -12,10 +12,26 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
+
+import torch
 
 from tilegen.mods.lower import ModGraph, _is_number, followed, lower_mod, mod_ref, parse, positions
 
-__all__ = ["ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values"]
+__all__ = ["ATOMICS", "ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values",
+           "warned_of_atomics"]
+
+ATOMICS = ("the gradients of a score mod's captured tensors are accumulated with atomic adds, in no fixed order, "
+           "which torch.use_deterministic_algorithms(True)")
+
+
+def warned_of_atomics() -> bool:
+    """Under ``torch.use_deterministic_algorithms(True, warn_only=True)``: warns that a captured tensor's gradient
+    is summed by atomic adds, and returns True; False where the flag forbids them."""
+    if not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
+    warnings.warn(f"tilegen: {ATOMICS} warns of; the backward runs with atomics", stacklevel=5)
+    return True
 
 _FLOATS = ("float32", "float16", "bfloat16")
 

@@ -88,7 +88,8 @@ def attention(
             nothing else that shares memory with itself, ``q``, ``k`` or ``v``. Not when an input
             requires grad (a result written in place cannot be differentiated).
         deterministic: the backward gives the same bits on every run (no atomic adds), at some speed; always so
-            under ``torch.use_deterministic_algorithms(True)``, as SDPA's flash backward is (without mods).
+            under ``torch.use_deterministic_algorithms(True)``, as SDPA's flash backward is (with mods, a captured
+            tensor that requires grad is then refused: its gradient is summed by atomic adds).
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, applied to the scaled logit
             before the softmax; ``mask_mod(b, h, q_idx, kv_idx) -> bool`` ANDs into the mask (``causal``
             and ``window`` still apply). Traced once per function (``tilegen.mods``: the supported
@@ -232,6 +233,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     launch = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
     if trains:
         attention_grad.check_training_args(out, deterministic)
+        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
         bwd = attention_grad.mod_backward_spec(spec, "dense", mods, deterministic)
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
@@ -270,7 +272,7 @@ def _mod_choice(spec, q, k) -> dispatch.Choice:
 def _compiled_with_mods(q, k, v, spec, mods, left, right, scale, softcap, return_lse, out, deterministic):
     """A call with mods under ``torch.compile``: the ``tilegen::attention_mods_fwd`` custom op, which launches as an
     eager call does, differentiable through ``tilegen::attention_mods_bwd`` (``attention_grad.attach_mods``)."""
-    trains = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
+    trains, deterministic = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
     score_count = len(mods.tensors) - len(mods.mask_tensors)
     result, lse = torch.ops.tilegen.attention_mods_fwd(
         q, k, v, list(mods.tensors), score_count, mods.score_mod, mods.mask_mod, spec.dv, spec.mask, spec.softcap,
@@ -486,8 +488,9 @@ def _check_out(out, shape, q) -> None:
 def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, return_lse=False,
             backward=False, deterministic=False, score_mod=None, mask_mod=None) -> dispatch.Choice:
     """Which config a call with these arguments runs, and where it comes from (tuned row or default);
-    ``backward=True``: the config its backward runs (with ``deterministic=True``, a dQ kernel of its own in place
-    of a row's atomics, as such a call runs it). A call that trains (an input requires grad, grad mode on)
+    ``backward=True``: the config its backward runs (with ``deterministic=True`` or under
+    ``torch.use_deterministic_algorithms(True)``, a dQ kernel of its own in place of a row's atomics, as such a
+    call runs it). A call that trains (an input requires grad, grad mode on)
     runs the forward that also writes the LSE its backward reads: that variant's config is the one shown.
     With mods, the mod spec's (or, for a mod that is a built-in option, the built-in's)."""
     check_bool("backward", backward)
@@ -504,7 +507,8 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
         spec = prepare_call(q, k, v, causal, window, softcap, scale, return_lse)[0]
         bwd = attention_grad.backward_spec(q.dtype, spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                                            "dense")
-        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]), deterministic)
+        return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]),
+                                               deterministic or torch.are_deterministic_algorithms_enabled())
     return _plan(q, k, v, causal, window, softcap, scale, return_lse).choice
 
 
@@ -519,6 +523,7 @@ def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward,
                        backward=backward, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
     mods, spec, _ = _eager_mods(spec, q, k, v, score_mod, mask_mod, _mod_ranges(q, k, left, right))
     if backward:
+        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
         bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, deterministic)
         return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]), deterministic)
     return _mod_choice(spec, q, k)

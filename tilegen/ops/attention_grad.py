@@ -32,13 +32,14 @@ from tilegen.dtypes import SPEC_DTYPES, TORCH_DTYPES
 from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_bwd.config import deterministic as deterministic_config
 from tilegen.mods.blocks import backward_tables
-from tilegen.mods.grad import check_differentiable, grad_tensors
+from tilegen.mods.grad import ATOMICS, check_differentiable, grad_tensors, warned_of_atomics
 from tilegen.mods.trace import ModCall, wants_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_bool
 
 __all__ = ["attach_dense", "attach_ragged", "attach_ragged_mods", "apply_with_mods", "backward_spec",
-           "check_compiled_mods", "check_training_args", "explain_backward", "mod_backward_spec", "run_with_mods"]
+           "check_compiled_mods", "check_training_args", "deterministic_with_mods", "explain_backward",
+           "mod_backward_spec", "run_with_mods"]
 
 
 @memoized
@@ -59,19 +60,36 @@ def mod_backward_spec(spec, layout: str, mods: ModCall, deterministic: bool) -> 
     return with_mod_fields(bwd, spec.score_mod, spec.mask_mod)
 
 
-def check_compiled_mods(q, k, v, mods, out, deterministic) -> bool:
-    """A compiled call with mods (``tilegen.mods.compiled``): whether it trains, its training arguments checked and
-    its score mod's derivative formed at trace time when it does, ``deterministic`` checked when it does not."""
+def check_compiled_mods(q, k, v, mods, out, deterministic) -> tuple[bool, bool]:
+    """A compiled call with mods (``tilegen.mods.compiled``): whether it trains, and the backward's
+    ``deterministic`` (``deterministic_with_mods``); its training arguments checked and its score mod's derivative
+    formed at trace time when it trains, ``deterministic`` checked when it does not."""
     trains = wants_grad(q, k, v, mods.tensors)
     if trains:
         check_training_args(out, deterministic)
         from tilegen.mods import compiled  # imports Dynamo: only a compiled call gets here
 
         compiled.check_differentiable(mods.score_mod, _wanted(mods))
-        _check_deterministic(mods, deterministic)
-    else:
-        check_bool("deterministic", deterministic)
-    return trains
+        return True, deterministic_with_mods(mods, deterministic, compiled.warned_of_atomics)
+    check_bool("deterministic", deterministic)
+    return False, deterministic
+
+
+def deterministic_with_mods(mods: ModCall, deterministic: bool, warned_of_atomics=warned_of_atomics) -> bool:
+    """Whether the backward of a call with mods runs without atomics: when asked, or under
+    ``torch.use_deterministic_algorithms(True)`` as a call without mods does. A captured tensor that requires grad
+    gets its gradient from atomic adds: refused when asked for by the argument, and under the global switch refused
+    as torch refuses its own nondeterministic ops (a warning under ``warn_only=True``, the backward then as fast as
+    it comes)."""
+    _check_deterministic(mods, deterministic)
+    if deterministic or not torch.are_deterministic_algorithms_enabled():
+        return deterministic
+    if not _wanted(mods):
+        return True
+    if not warned_of_atomics():
+        raise RuntimeError(f"tilegen: {ATOMICS} forbids; freeze the captured tensors (requires_grad=False) or call "
+                           "torch.use_deterministic_algorithms(True, warn_only=True)")
+    return False
 
 
 def _check_deterministic(mods: ModCall, deterministic: bool) -> None:

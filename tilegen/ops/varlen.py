@@ -77,7 +77,7 @@ def varlen_attention(
             sequence, with causal aligned bottom-right (query ``i`` of a sequence sees keys up
             to ``i + n_k - n_q``). ``lse`` is fp32 ``[total_q, heads_q]``.
         deterministic: the backward gives the same bits on every run (no atomic adds); always so under
-            ``torch.use_deterministic_algorithms(True)`` (without mods).
+            ``torch.use_deterministic_algorithms(True)`` (as in ``tilegen.attention``, mods included).
         score_mod, mask_mod: as in ``tilegen.attention`` (differentiable too), with ``b`` the sequence and
             ``q_idx``/``kv_idx`` positions within it; captured tensors indexed by them are range-checked
             against ``max_seqlen_q``/``max_seqlen_k``.
@@ -275,6 +275,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if wants_grad(q, k, v, mods.tensors):
         attention_grad.check_training_args(out, deterministic)
         spec = spec.replace(return_lse=True)  # the backward reads it
+        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
         bwd = attention_grad.mod_backward_spec(spec, "ragged", mods, deterministic)
         fixed = {key: plan.launch_args[key] for key in ("scale", "softcap", "window_left", "window_right")}
 
@@ -304,7 +305,7 @@ def _compiled_with_mods(q, k, v, cu_q, cu_k, max_q, max_k, checked, mods, return
     and launches as an eager call does, differentiable through ``tilegen::varlen_attention_mods_bwd``
     (``attention_grad.attach_ragged_mods``). ``checked``: ``_checked_ragged``'s spec and launch values."""
     spec, left, right, scale, softcap = checked
-    trains = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
+    trains, deterministic = attention_grad.check_compiled_mods(q, k, v, mods, out, deterministic)
     if env.debug():
         _check_offsets(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     result, lse = torch.ops.tilegen.varlen_attention_mods_fwd(
