@@ -95,6 +95,42 @@ def test_ragged_hypothesis_batches(lengths, extra, causal, group, device):
     _check(out, lse, ref, ref_lse, torch.float32)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_autocast_runs_in_its_dtype_as_the_dense_call_does(compiled, device):
+    """In an autocast region fp32 (or mixed) inputs run in the region's dtype, the result coming out in it, as
+    tilegen.attention and SDPA do, the padded form too; an fp32 leaf gets an fp32 gradient through the cast. The
+    ragged calls ignored autocast (an fp32 result) and refused mixed dtypes."""
+    gen = torch.Generator().manual_seed(12)
+    lengths = [9, 0, 17]
+    cu = torch.tensor([0, 9, 9, 26], dtype=torch.int32, device=device)
+    q, k, v = (torch.randn(26, 2, 16, generator=gen).to(device).requires_grad_() for _ in range(3))
+    call = tilegen.varlen_attention
+    padded = (torch.randn(2, 2, 9, 16, generator=gen).to(device) for _ in range(3))
+    padded = [t.requires_grad_() for t in padded]
+    cu_padded = torch.tensor([0, 5, 18], dtype=torch.int32, device=device)
+    call_padded = varlen_attention_padded
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+        call_padded = torch.compile(call_padded, fullgraph=True, backend="aot_eager")
+    for dtype in (torch.bfloat16, torch.float16):
+        for inputs in ((q, k, v), (q.to(dtype), k, v)):
+            want = tilegen.varlen_attention(*(t.detach().to(dtype) for t in inputs), cu, cu, max(lengths),
+                                            max(lengths), causal=True)
+            with torch.autocast(torch.device(device).type, dtype=dtype):
+                got = call(*inputs, cu, cu, max(lengths), max(lengths), causal=True)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        want = varlen_attention_padded(*(t.detach().to(dtype) for t in padded), cu_padded, cu_padded, 9, 9)
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            got_padded = call_padded(*padded, cu_padded, cu_padded, 9, 9)
+        assert got_padded.dtype == dtype
+        torch.testing.assert_close(got_padded, want, rtol=0, atol=0)
+    for leaf, out in ((v, got), (padded[2], got_padded)):
+        (grad,) = torch.autograd.grad(out.float().sum(), leaf)
+        assert grad.dtype == torch.float32 and grad.abs().max() > 0
+
+
 def test_a_strided_q_after_a_contiguous_one_gets_a_contiguous_output(device):
     """The plan, made by the contiguous call, is reused by the strided one (the same key but for strides): its
     output is laid out as new_empty lays it out, not as q is."""

@@ -45,8 +45,9 @@ from tilegen.dispatch import launcher_for
 from tilegen.ops import attention_grad
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
-from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, check_bool, check_distinct, check_grid, check_out,
-                                  empty_like_template, off_eager, refuse_grad, refuse_tangents, transformed)
+from tilegen.ops.tensors import (MAX_GRID_YZ, NO_BACKWARD, autocast_inputs, autocasting, check_bool, check_distinct,
+                                  check_grid, check_out, empty_like_template, off_eager, refuse_grad, refuse_tangents,
+                                  transformed)
 
 __all__ = ["attention", "attention_seq_major", "explain", "prepare_call", "run_with_config"]
 # Lengths past this could overflow the kernel's int32 index arithmetic around the diagonal.
@@ -110,8 +111,8 @@ def attention(
     Example:
         >>> out = tilegen.attention(q, k, v, causal=True)  # doctest: +SKIP
     """
-    if _autocasting():  # as SDPA: the region's dtype, before anything reads q, k and v
-        q, k, v = _autocast(q, k, v)
+    if autocasting():  # as SDPA: the region's dtype, before anything reads q, k and v
+        q, k, v = autocast_inputs(q, k, v)
     try:
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
@@ -171,26 +172,6 @@ def attention(
         # under which its launches are replayed (tilegen.triton_internals.launch.Replay). lse, when made here, is contiguous.
         plan.launch((q.stride(), k.stride(), v.stride(), out.stride()), q, k, v, out, out if lse is None else lse)
     return (out, lse) if return_lse else out
-
-
-# Whether an autocast region is open where the kernels run: CUDA's alone where they run compiled (a third of the cost
-# of asking every device type, on every call), any device's under the interpreter, whose tensors are the CPU's.
-_autocasting = torch._C._is_any_autocast_enabled if interpreting() else torch._C.is_autocast_enabled
-
-
-def _autocast(q, k, v):
-    """``q, k, v`` as SDPA takes them in an autocast region for their device: each floating tensor of another
-    dtype cast to the region's (so fp32 or mixed inputs run in bf16 or fp16, the result coming out in it, and an
-    fp32 leaf's gradient flows back through the cast); as given outside one, or when they are not tensors."""
-    try:
-        device = q.device.type
-    except AttributeError:  # not a tensor: the checks say which
-        return q, k, v
-    if not torch.is_autocast_enabled(device):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
-                 and t.dtype != torch.float64 else t for t in (q, k, v))
 
 
 def _compiled_mods():

@@ -9,7 +9,7 @@ import torch.autograd.forward_ad as _fwad
 
 from tilegen.env import interpreting
 
-__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "autocast_inputs", "autocasting", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
            "empty_like_template", "first_overlap", "off_eager", "refuse_grad", "refuse_tangents", "transformed",
            "writable"]
 
@@ -168,3 +168,23 @@ def first_overlap(t: torch.Tensor, others: dict[str, torch.Tensor | None], may_b
         if span is not None and there is not None and span[0] < there[1] and there[0] < span[1]:
             return other
     return None
+
+
+# Whether an autocast region is open where the kernels run: CUDA's alone where they run compiled (a third of the cost
+# of asking every device type, on every call), any device's under the interpreter, whose tensors are the CPU's.
+autocasting = torch._C._is_any_autocast_enabled if interpreting() else torch._C.is_autocast_enabled
+
+
+def autocast_inputs(q, k, v):
+    """``q, k, v`` as SDPA takes them in an autocast region for their device: each floating tensor of another
+    dtype cast to the region's (so fp32 or mixed inputs run in bf16 or fp16, the result coming out in it, and an
+    fp32 leaf's gradient flows back through the cast); as given outside one, or when they are not tensors."""
+    try:
+        device = q.device.type
+    except AttributeError:  # not a tensor: the checks say which
+        return q, k, v
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype
+                 and t.dtype != torch.float64 else t for t in (q, k, v))

@@ -48,8 +48,9 @@ from tilegen.ops.kv_cache import (_MAX_TOKENS, PagedKVCache, check_heads_q, chec
 from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.mods import absorb
 from tilegen.ops.planned import Planner, mod_tensor_names
-from tilegen.ops.tensors import (NO_BACKWARD, check_bool, check_device, check_distinct, check_grid, check_out,
-                                  empty_like_template, off_eager, refuse_grad, refuse_tangents, transformed)
+from tilegen.ops.tensors import (NO_BACKWARD, autocast_inputs, autocasting, check_bool, check_device, check_distinct,
+                                  check_grid, check_out, empty_like_template, off_eager, refuse_grad, refuse_tangents,
+                                  transformed)
 
 __all__ = ["varlen_attention", "varlen_attention_padded", "PagedAttention"]
 
@@ -81,7 +82,12 @@ def varlen_attention(
         score_mod, mask_mod: as in ``tilegen.attention`` (differentiable too), with ``b`` the sequence and
             ``q_idx``/``kv_idx`` positions within it; captured tensors indexed by them are range-checked
             against ``max_seqlen_q``/``max_seqlen_k``.
+
+    In an autocast region for the inputs' device, the inputs are cast to its dtype as ``tilegen.attention`` casts
+    them.
     """
+    if autocasting():
+        q, k, v = autocast_inputs(q, k, v)
     try:
         trains = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     except AttributeError:  # not tensors: the checks say which
@@ -159,6 +165,8 @@ def padded_call(call: tuple | None, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
     """``varlen_attention_padded`` with the key of its arguments past q, k and v made already (``call_key``;
     ``None``: none could be). A caller that makes many calls on one set of offsets (every layer of a transformers
     model) keys them once: the key is a quarter of the call's host time."""
+    if autocasting():  # as varlen_attention, before the plan's key reads the dtypes
+        q, k, v = autocast_inputs(q, k, v)
     try:
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         strides = (q.stride(), k.stride(), v.stride())
