@@ -9,9 +9,9 @@ import torch.autograd.forward_ad as _fwad
 
 from tilegen.env import interpreting
 
-__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "autocast_inputs", "autocasting", "check_bool", "check_device", "check_distinct", "check_grid", "check_out",
-           "empty_like_template", "first_overlap", "off_eager", "refuse_grad", "refuse_tangents", "transformed",
-           "writable"]
+__all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "autocast_inputs", "autocasting", "check_bool", "check_device",
+           "check_distinct", "check_grid", "check_out", "empty_like_template", "first_overlap", "off_eager",
+           "refuse_grad", "refuse_tangents", "transformed", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
