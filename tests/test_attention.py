@@ -498,6 +498,20 @@ def test_autocast_runs_in_its_dtype_as_sdpa_does(compiled, device):
     assert grad.dtype == torch.float32 and grad.abs().max() > 0
 
 
+
+def test_explain_in_an_autocast_region_shows_the_cast_call(device, monkeypatch):
+    """explain casts as the call does: in a bf16 region fp32 inputs run the bf16 spec's row, which explain showed the
+    fp32 spec's choice for."""
+    q = torch.randn(1, 2, 24, 16, device=device)
+    spec = prepare_call(q.bfloat16(), q.bfloat16(), q.bfloat16(), True, None, None, None, False)[0]
+    info = device_info(q.device)
+    row = Config(block_m=16, block_n=16, num_warps=2, num_stages=1)
+    monkeypatch.setitem(dispatch._tables, (spec, info), dispatch.Table(spec, info, {32: (row, "tuned.sqlite")}))
+    assert tilegen.explain(q, q, q, causal=True).config != row
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        assert tilegen.explain(q, q, q, causal=True).config == row
+
+
 @pytest.mark.parametrize("mods", [False, True], ids=["plain", "score-mod"])
 @pytest.mark.parametrize("dim_v", [16, 24])
 def test_the_output_is_laid_out_as_q_on_every_route(dim_v, mods, device):

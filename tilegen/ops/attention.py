@@ -473,7 +473,10 @@ def explain(q, k, v, *, causal=False, window=None, softcap=None, scale=None, ret
     ``torch.use_deterministic_algorithms(True)``, a dQ kernel of its own in place of a row's atomics, as such a
     call runs it). A call that trains (an input requires grad, grad mode on)
     runs the forward that also writes the LSE its backward reads: that variant's config is the one shown.
-    With mods, the mod spec's (or, for a mod that is a built-in option, the built-in's)."""
+    With mods, the mod spec's (or, for a mod that is a built-in option, the built-in's). In an autocast region, the
+    spec of the inputs cast as the call casts them."""
+    if autocasting():
+        q, k, v = autocast_inputs(q, k, v)
     check_bool("backward", backward)
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
