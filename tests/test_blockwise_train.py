@@ -60,6 +60,27 @@ def test_gradients_match_the_float64_reference(options, tokens, block, device):
     _against_reference(layer, x, 1e-4)
 
 
+def test_use_deterministic_algorithms_takes_the_backward_without_atomics(device, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the layer's attention backward runs without atomics, as
+    tilegen.attention's does; it passed deterministic=False whatever the flag said."""
+    import tilegen.ops.attention_grad as grad_module
+
+    ran = []
+    real = grad_module.deterministic_config
+    monkeypatch.setattr(grad_module, "deterministic_config", lambda *args: ran.append(real(*args)) or ran[-1])
+    layer = _layer(TINY, device, block=8)
+    x = torch.randn(17, TINY.d_model, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    layer(x).sum().backward()
+    assert not ran
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        layer(x).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert ran and all(config.atomic_dq == 0 for config in ran)
+
+
 def test_frozen_weights_get_no_gradient_sums_and_the_rest_stay_exact(device, monkeypatch):
     """Weights that want no gradient (a frozen backbone, adapters trained beside it) get no fp32 sum and no
     weight-gradient GEMM in the backward; x's gradient and the trained weights' stay exact."""

@@ -147,7 +147,8 @@ def _sequence_backward(x, dout, dx, w, config: LayerConfig, recorder: Recorder, 
                                                          kwargs.get("scale"), True)
         dq, dk, dv = torch.ops.tilegen.attention_bwd(
             as_heads(d_attn, hq), as_heads(q, hq), k, v, as_heads(attn, hq), recorder.lse[None, :, start:end], None,
-            spec.mask, spec.softcap, scale, softcap, left, right, False)
+            # As tilegen.attention's backward: no atomics under torch.use_deterministic_algorithms(True).
+            spec.mask, spec.softcap, scale, softcap, left, right, torch.are_deterministic_algorithms_enabled())
         # Added through a head-major view of the sums: a reshape of the transposed gradient would copy it first.
         dk_all[k0:k1].view(k1 - k0, hkv, hd).add_(dk[0].transpose(0, 1))
         dv_all[k0:k1].view(k1 - k0, hkv, hd).add_(dv[0].transpose(0, 1))
