@@ -72,6 +72,26 @@ def test_an_explicit_sliding_window_of_none_wins_over_the_module(device):
     assert _rel(out, full) < 1e-4
 
 
+def test_an_autocast_region_casts_every_path_as_sdpa_does(device):
+    """In an autocast region, fp32 inputs and the mixed ones a model's fp32 static cache hands over (bf16 queries,
+    fp32 keys and values) run in the region's dtype, as transformers' SDPA path and tilegen.attention run them, on
+    the unmasked path as on the padded one. The unmasked path ignored the region: an fp32 output, and the mixed
+    inputs refused."""
+    q, k, v = _qkv(device, n=9)
+    module = types.SimpleNamespace(is_causal=True)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=device)
+    mask[0, :3] = False
+    for dtype in (torch.bfloat16, torch.float16):
+        for inputs in ((q, k, v), (q.to(dtype), k, v)):
+            cast = [t.to(dtype) for t in inputs]
+            for attention_mask in (None, mask):
+                want, _ = tilegen_hf.attention_forward(module, *cast, attention_mask)
+                with torch.autocast(torch.device(device).type, dtype=dtype):
+                    got, _ = tilegen_hf.attention_forward(module, *inputs, attention_mask)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.fixture
 def _fresh_warnings():
     tilegen_hf._warned.clear()

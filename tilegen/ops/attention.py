@@ -303,7 +303,10 @@ def attention_seq_major(q, k, v, *, causal=False, window=None, softcap=None, sca
     layout transformers' attention functions return, and FlashAttention's. The kernel writes that layout
     directly (its launch takes the output through a transposing view, ``Replay``'s ``views``), where transposing
     the op's output would cost a dispatcher call, about a microsecond of host time a call. Under autograd or
-    ``torch.compile`` it is the op's output transposed (and made contiguous where it is not)."""
+    ``torch.compile`` it is the op's output transposed (and made contiguous where it is not). In an autocast region
+    the inputs are cast as ``attention`` casts them."""
+    if autocasting():  # as attention and varlen_attention_padded: before the plan's key reads the dtypes
+        q, k, v = autocast_inputs(q, k, v)
     try:
         plain = not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
         key = (
