@@ -417,3 +417,38 @@ def test_rope_and_merge_states_under_vmap_or_fake_tensors_take_their_ops(device)
     cos, sin, lse_a, lse_b = (torch.randn(5, n, generator=gen).to(device) for n in (D, D, 2, 2))
     _under_vmap_and_fake(lambda x, _: tilegen.apply_rope(x, cos, sin), x, None)
     _under_vmap_and_fake(lambda o, _: tilegen.merge_states(o, lse_a, o_b, lse_b)[0], x, None)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("op", [tilegen.PagedDecode, tilegen.PagedAttention, tilegen.CascadeAttention],
+                         ids=lambda op: op.__name__)
+def test_an_autocast_region_of_the_plans_dtype_casts_the_query(op, compiled, device):
+    """In an autocast region of the plan's dtype (the cache's) an fp32 query runs cast to it, as SDPA and
+    tilegen.attention cast their inputs there: the output is the cast query's run, bit for bit. The pages cannot be
+    cast, so a region of another dtype is refused naming q and the region. The runs refused an autocast model's
+    fp32 query as a dtype that differs from the plan's."""
+    gen = torch.Generator().manual_seed(20)
+    if op is tilegen.CascadeAttention:
+        cache = tree_cache(8, 2, torch.bfloat16, device, gen)
+        planner = op()
+        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
+        q = torch.randn(cache.batch, 4, 32, generator=gen).to(device)
+    else:
+        cache = make_cache([9, 20], 8, 1, D, torch.bfloat16, device, gen)
+        planner = op()
+        if op is tilegen.PagedAttention:
+            planner.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
+        else:
+            planner.plan(cache, heads_q=2)
+        q = torch.randn(3 if op is tilegen.PagedAttention else 2, 2, D, generator=gen).to(device)
+    run = _compiled(lambda q, cache: planner.run(q, cache)) if compiled else planner.run
+    want = planner.run(q.bfloat16(), cache)
+    region = torch.device(device).type
+    with torch.autocast(region, dtype=torch.bfloat16):
+        got = run(q, cache)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.nan_to_num(), want.nan_to_num())
+    with torch.autocast(region, dtype=torch.float16):
+        with pytest.raises(Exception) as caught:
+            run(q, cache)
+    assert "q: torch.float32" in str(caught.value) + str(caught.value.__cause__)
+    assert "autocast region of torch.float16" in str(caught.value) + str(caught.value.__cause__)

@@ -167,7 +167,8 @@ class CascadeAttention(Planner):
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
         """Attend ``q`` ``[tokens, heads_q, head_dim]`` over the planned levels of ``cache``'s pages;
-        ``(out, lse)`` when planned with ``return_lse`` (LSE fp32 ``[tokens, heads_q]``, natural log)."""
+        ``(out, lse)`` when planned with ``return_lse`` (LSE fp32 ``[tokens, heads_q]``, natural log). In an autocast
+        region of the plan's dtype, a query of another is cast to it, as SDPA casts its inputs."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
         if off_eager():
             return self._compiled_run(q, cache, out)
@@ -188,9 +189,8 @@ class CascadeAttention(Planner):
             raise ValueError(f"q: expected {list(shape)}, got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
-        if q.dtype != plan.q_dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
-                             f"{pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:  # cast in an autocast region of the plan's dtype
+            q = self._query_as_planned(q, plan.q_dtype, pages.device)
         out_shape = (plan.tokens, plan.heads_q, spec.dv)
         if out is None:
             out = q.new_empty(out_shape)

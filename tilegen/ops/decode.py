@@ -169,7 +169,8 @@ class PagedDecode(Planner):
         return self._plan.launch_args["num_splits"]
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
-        """Decode ``q`` ``[batch, heads_q, head_dim]`` against one layer's ``cache``; ``(out, lse)`` with LSE."""
+        """Decode ``q`` ``[batch, heads_q, head_dim]`` against one layer's ``cache``; ``(out, lse)`` with LSE. In an
+        autocast region of the plan's dtype, a query of another is cast to it, as SDPA casts its inputs."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
         if off_eager():
             return self._compiled_run(q, cache, out)
@@ -189,9 +190,8 @@ class PagedDecode(Planner):
         if env.debug():
             check_run_cache(cache, plan.max_seqlen_k)
         pages, v_pages = cache.k_pages, cache.v_pages
-        if q.dtype != plan.q_dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
-                             f"{pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:  # cast in an autocast region of the plan's dtype
+            q = self._query_as_planned(q, plan.q_dtype, pages.device)
         out_shape = plan.out_shape
         if out is None:
             out = torch.empty_like(q) if plan.out_like_q else q.new_empty(out_shape)

@@ -72,6 +72,19 @@ class Planner:
             raise NotImplementedError(f"{self.op.removesuffix('.run')}.plan: plan outside the compiled function "
                                       "(it reads the page table on the host, once per batch); run(...) compiles")
 
+    def _query_as_planned(self, q: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``q``, which ``run`` found of another dtype or device than the plan's ``dtype`` and the cache's ``device``,
+        cast to ``dtype`` in an autocast region of that dtype for its device, as SDPA casts its inputs there; else a
+        ``ValueError`` naming q. The pages, a cache, keep their dtype: only a region of the plan's can cast the query
+        to it, and one of another dtype is named. Called only on a mismatch, so a query of the plan's pays nothing."""
+        region = None
+        if q.device == device and q.is_floating_point() and torch.is_autocast_enabled(device.type):
+            region = torch.get_autocast_dtype(device.type)
+            if region == dtype and q.dtype != torch.float64:  # autocast leaves float64 as it is
+                return q.to(dtype)
+        note = f" (in an autocast region of {region}, which cannot cast the cache's pages)" if region else ""
+        raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {dtype} on the cache's {device}{note}")
+
     def _compiled_run(self, q: torch.Tensor, cache: PagedKVCache, out: torch.Tensor | None):
         """``run`` traced by Dynamo: what the graph can check, then the custom op (which checks the rest as an eager
         ``run`` does, and launches)."""
@@ -87,6 +100,9 @@ class Planner:
         if not isinstance(q, torch.Tensor):
             raise ValueError(f"q: expected a tensor, got {type(q).__name__}")
         pages, v_pages = cache.k_pages, cache.v_pages
+        if q.dtype != plan.q_dtype and q.device == pages.device and torch.is_autocast_enabled(q.device.type):
+            # As an eager run casts it, before the op, whose output the fake implementation gives q's dtype.
+            q = self._query_as_planned(q, plan.q_dtype, pages.device)
         mod_tensors = plan.mod_tensors
         # The eager run's test and names: an FP8 cache's scales go through the op too, with no backward either.
         if torch.is_grad_enabled() and (q.requires_grad or pages.requires_grad or v_pages.requires_grad

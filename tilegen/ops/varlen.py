@@ -566,7 +566,8 @@ class PagedAttention(Planner):
         )
 
     def run(self, q: torch.Tensor, cache: PagedKVCache, *, out: torch.Tensor | None = None):
-        """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``."""
+        """Attention of ``q`` ``[total_q, heads_q, head_dim]`` against one layer's ``cache``. In an autocast region
+        of the plan's dtype, a query of another is cast to it, as SDPA casts its inputs."""
         # Under vmap or a FakeTensorMode q has no storage to launch on: the custom op, as under compile.
         if off_eager():
             return self._compiled_run(q, cache, out)
@@ -599,9 +600,8 @@ class PagedAttention(Planner):
             raise ValueError("cache: has no pages, but the plan's page table lists some")
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[1:] != (plan.heads_q, spec.head_dim):
             raise ValueError(f"q: expected [total_q, {plan.heads_q}, {spec.head_dim}], got {_shape(q)}")
-        if q.dtype != plan.q_dtype or q.device != pages.device:
-            raise ValueError(f"q: {q.dtype} on {q.device} differs from the plan's {plan.q_dtype} on the cache's "
-                             f"{pages.device}")
+        if q.dtype != plan.q_dtype or q.device != pages.device:  # cast in an autocast region of the plan's dtype
+            q = self._query_as_planned(q, plan.q_dtype, pages.device)
         _check_rows("q", max_q, "cu_seqlens_q", cu_q.shape[0] - 1, "q", q.shape[0], planned=True)
         if env.debug():
             _check_planned_table(cache, plan, q.shape[0])
