@@ -87,3 +87,69 @@ def test_paged_attention_out_over_pages_refused(device):
     assert torch.equal(attn.run(q, cache, out=q), expected)
     with _raises("out: overlaps cache.k_pages in memory"):
         attn.run(q, cache, out=cache.k_pages.view(-1)[: q.numel()].view(q.shape))
+
+
+WRITERS = ["attention", "attention-score-mod", "attention-over-q", "varlen_attention", "PagedDecode", "PagedAttention",
+           "CascadeAttention", "merge_states", "apply_rope", "append_kv"]
+
+
+def _writers(device):
+    """``{name: (write, targets)}``: ``write()`` makes one call of an op that writes into the caller's ``targets``."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (_randn(gen, 1, 2, 9, 16, device=device) for _ in range(3))
+    dense_out = torch.empty_like(q)
+    lengths = [4, 5]
+    cu = _cu(lengths, device)
+    rows = [_randn(gen, 9, 2, 16, device=device) for _ in range(3)]
+    ragged_out = torch.empty_like(rows[0])
+    cache = make_cache([9, 20], 8, 1, 16, torch.float32, device, gen)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=2)
+    decode_q, decode_out = _randn(gen, 2, 2, 16, device=device), torch.empty(2, 2, 16, device=device)
+    attn = tilegen.PagedAttention()
+    attn.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
+    paged_q, paged_out = _randn(gen, 3, 2, 16, device=device), torch.empty(3, 2, 16, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=2)
+    cascade_out = torch.empty(2, 2, 16, device=device)
+    o_a, o_b = _randn(gen, 5, 2, 16, device=device), _randn(gen, 5, 2, 16, device=device)
+    lse_a, lse_b = _randn(gen, 5, 2, device=device), _randn(gen, 5, 2, device=device)
+    merged, merged_lse = torch.empty_like(o_a), torch.empty_like(lse_a)
+    x, cos, sin = _randn(gen, 6, 2, 16, device=device), *(_randn(gen, 6, 16, device=device) for _ in range(2))
+    new_k, new_v = _randn(gen, 2, 1, 16, device=device), _randn(gen, 2, 1, 16, device=device)
+    from tilegen.mods import library
+
+    alibi = library.alibi(torch.ones(2, device=device))
+    writers = [
+        ("attention", lambda: tilegen.attention(q, k, v, causal=True, out=dense_out), [dense_out]),
+        ("attention-score-mod", lambda: tilegen.attention(q, k, v, score_mod=alibi, out=dense_out), [dense_out]),
+        ("attention-over-q", lambda: tilegen.attention(q, k, v, out=q), [q]),
+        ("varlen_attention", lambda: tilegen.varlen_attention(*rows, cu, cu, 5, 5, out=ragged_out), [ragged_out]),
+        ("PagedDecode", lambda: decode.run(decode_q, cache, out=decode_out), [decode_out]),
+        ("PagedAttention", lambda: attn.run(paged_q, cache, out=paged_out), [paged_out]),
+        ("CascadeAttention", lambda: cascade.run(decode_q, cache, out=cascade_out), [cascade_out]),
+        ("merge_states", lambda: tilegen.merge_states(o_a, lse_a, o_b, lse_b, out=merged, out_lse=merged_lse),
+         [merged, merged_lse]),
+        ("apply_rope", lambda: tilegen.apply_rope(x, cos, sin, out=x), [x]),
+        ("append_kv", lambda: tilegen.append_kv(cache, new_k, new_v, _cu([1, 1], device)),
+         [cache.k_pages, cache.v_pages]),
+    ]
+    assert [name for name, _, _ in writers] == WRITERS
+    return {name: (write, targets) for name, write, targets in writers}
+
+
+@pytest.mark.parametrize("name", WRITERS)
+def test_a_write_into_the_callers_tensor_counts_in_its_version(name, device):
+    """Every op that writes into a tensor of the caller's (``out=``, in place, the cache's pages) counts the write in
+    its version counter, as torch's in-place ops do: a graph that saved the tensor for its backward refuses to run on
+    the overwritten values, where it silently took them (the kernels write through pointers, which autograd does not
+    see)."""
+    write, targets = _writers(device)[name]
+    weight = torch.ones((), device=device, requires_grad=True)
+    saved = [weight * t for t in targets]  # mul saves each target for the weight's gradient
+    versions = [t._version for t in targets]
+    write()
+    assert all(t._version > before for t, before in zip(targets, versions)), name
+    for product in saved:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            product.sum().backward()

@@ -23,7 +23,7 @@ from tilegen.families.kv_append.spec import MAX_HEAD_DIM
 from tilegen.ir import SpecError
 from tilegen.ops.kv_cache import _MAX_TOKENS, PagedKVCache
 from tilegen.ops.memo import memoized
-from tilegen.ops.tensors import check_device, first_overlap, refuse_grad
+from tilegen.ops.tensors import check_device, count_writes, first_overlap, refuse_grad
 
 __all__ = ["append_kv", "explain_append"]
 
@@ -99,6 +99,7 @@ def append_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         k_pages, v_pages = cache.k_pages, cache.v_pages
         # Addresses change from call to call, so this is not part of the plan.
         _check_apart(k, v, k_pages, v_pages)
+        count_writes((k_pages, v_pages))
         # The plan fixes the shapes and dtypes the launcher reads, but for the page table's length, which
         # grows with the cache (the kernel clamps page ids into it); that and the strides complete the replay key.
         indices = cache.indices

@@ -10,8 +10,8 @@ import torch.autograd.forward_ad as _fwad
 from tilegen.env import interpreting
 
 __all__ = ["MAX_GRID_YZ", "NO_BACKWARD", "autocast_inputs", "autocasting", "check_bool", "check_device",
-           "check_distinct", "check_grid", "check_out", "empty_like_template", "first_overlap", "off_eager",
-           "refuse_grad", "refuse_tangents", "transformed", "writable"]
+           "check_distinct", "check_grid", "check_out", "count_writes", "empty_like_template", "first_overlap",
+           "off_eager", "refuse_grad", "refuse_tangents", "transformed", "writable"]
 
 #: What the refusal of an ``out`` that requires grad says is missing, for ops that otherwise differentiate.
 NO_BACKWARD = "a result written into `out` cannot be differentiated"
@@ -143,13 +143,23 @@ def check_out(name: str, out: torch.Tensor, inputs: dict[str, torch.Tensor | Non
     Spans are compared, so a view interleaved with an input (every other element each) is
     refused too, though the two share no element. Only tensors of one storage can overlap, so
     most calls pay for reading each tensor's storage address and no more (3 µs in all for
-    ``out`` and three inputs on the 2-core CPU machine)."""
+    ``out`` and three inputs on the 2-core CPU machine).
+
+    Checked, ``out`` has the write the caller makes next counted in its version (``count_writes``)."""
     check_distinct(name, out)
     other = first_overlap(out, inputs, may_be)
     if other is not None:
         allowed = " or ".join(may_be)
         raise ValueError(f"{name}: overlaps {other} in memory; pass " + (f"{allowed} itself, or " if allowed else "")
                          + "a tensor of its own")
+    count_writes((out,))
+
+
+#: Counts a write into each of a tuple of tensors in their version counters, as torch's in-place ops count theirs:
+#: the kernels write through pointers, which autograd does not see, so a graph that saved such a tensor for its
+#: backward would silently run on the overwritten values, where it now refuses them. A C call (a fraction of a µs);
+#: a tensor made under torch.inference_mode, which has no counter, is skipped.
+count_writes = torch._C._increment_version
 
 
 def first_overlap(t: torch.Tensor, others: dict[str, torch.Tensor | None], may_be: tuple[str, ...] = ()) -> str | None:
