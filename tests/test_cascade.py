@@ -89,6 +89,26 @@ def test_decode_over_derived_levels(page_size, group, dtype, device):
     _check(out, lse, ref, ref_lse, dtype)
 
 
+def test_levels_and_plan_keep_their_host_tables_off_the_default_device(device):
+    """``cascade_levels`` and ``plan`` build their tables on the host whatever the default device (``with
+    torch.device(...)``, ``torch.set_default_device``), then move them to the cache's: they were built on the default
+    device, so a plan under a GPU default went to it and back, and one under "meta" failed (no data to copy back).
+    The run made in such a context is the run made outside it."""
+    gen = torch.Generator().manual_seed(21)
+    cache = tree_cache(8, 2, torch.float32, device, gen)
+    q = _randn(gen, cache.batch, 4, DIM, dtype=torch.float32, device=device)
+    cascade = tilegen.CascadeAttention()
+    cascade.plan(cache, tilegen.cascade_levels(cache), heads_q=4, return_lse=True)
+    want = cascade.run(q, cache)
+    with torch.device("meta"):
+        levels = tilegen.cascade_levels(cache)
+        cascade.plan(cache, levels, heads_q=4, return_lse=True)
+        got = cascade.run(q, cache)
+    assert all(t.device == cache.indptr.device for level in levels for t in dataclasses.astuple(level))
+    for g, w in zip(got, want):
+        assert g.device == w.device and torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
 def test_derived_levels_share_only_what_is_shared(device):
     gen = torch.Generator().manual_seed(3)
     cache = tree_cache(8, 1, torch.float32, device, gen)

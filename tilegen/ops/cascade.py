@@ -309,8 +309,8 @@ def cascade_levels(cache: PagedKVCache, qo_lens: Sequence[int] | torch.Tensor | 
     levels.append((q_ptr, own_kv, own_pages, own_last))
     device = cache.indptr.device
 
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32).to(device)
+    def ints(values):  # on the host, not the default device (torch.set_default_device), then on the cache's
+        return torch.tensor(values, dtype=torch.int32, device="cpu").to(device)
 
     return [CascadeLevel(ints(qo), ints(kv), ints(pages), ints(lasts)) for qo, kv, pages, lasts in levels]
 

@@ -106,8 +106,9 @@ def schedule(levels: list[HostLevel], tokens: int, *, q_per_kv: int, kv_heads: i
                               int(own)))
     # Shared tiles first (the first launch takes them), long chunks first, so short items fill in behind.
     items.sort(key=lambda it: (it[8], -(it[6] - it[5])))
-    work = torch.tensor(items, dtype=torch.int32).reshape(-1, WORK_COLS)
-    counts = torch.tensor(count, dtype=torch.int64)
+    # On the host whatever the default device (torch.set_default_device): the schedule is read here, then moved.
+    work = torch.tensor(items, dtype=torch.int32, device="cpu").reshape(-1, WORK_COLS)
+    counts = torch.tensor(count, dtype=torch.int64, device="cpu")
     state_base = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     max_states = int(counts.max()) if tokens else 0
     direct = bool(tokens) and bool((counts == 1).all())
