@@ -57,6 +57,30 @@ def test_decode_matches_reference(page_size, group, splits, device):
 
 
 @pytest.mark.parametrize("splits", [1, 2])
+def test_a_plan_under_another_default_dtype_makes_the_same_buffers_and_run(splits, device):
+    """Under torch.set_default_dtype(torch.float64) a plan's buffers are the fp32 ones it makes otherwise (an unsplit
+    plan's placeholders took the default dtype, a float64 pointer in the kernel's signature), and its run is the run
+    made outside."""
+    gen = torch.Generator().manual_seed(31 + splits)
+    cache = make_cache(_contexts(16), 16, 2, 32, torch.bfloat16, device, gen)
+    q = torch.randn(cache.batch, 8, 32, generator=gen).to(device=device, dtype=torch.bfloat16)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, return_lse=True, num_splits=splits)
+    want = decode.run(q, cache)
+    dtypes = (decode._plan.part_o.dtype, decode._plan.part_lse.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        decode.plan(cache, heads_q=8, return_lse=True, num_splits=splits)
+        got = decode.run(q, cache)
+    finally:
+        torch.set_default_dtype(previous)
+    assert (decode._plan.part_o.dtype, decode._plan.part_lse.dtype) == dtypes == (torch.float32, torch.float32)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
+@pytest.mark.parametrize("splits", [1, 2])
 def test_decode_reads_a_head_major_cache(splits, device):
     """Pages stored [num_pages, kv_heads, page_size, dim] (FlashInfer's HND layout), handed over as
     their [num_pages, page_size, kv_heads, dim] view: the kernel follows the strides, so each

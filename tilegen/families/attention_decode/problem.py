@@ -36,7 +36,8 @@ def decode_buffers(batch: int, rows: int, dv: int, num_splits: int, device) -> t
     ``[batch, num_splits, rows, dv]`` and ``[batch, num_splits, rows]`` (empty without splits:
     the kernel then writes the output directly)."""
     if num_splits == 1:
-        return torch.empty(0, device=device), torch.empty(0, device=device)
+        # fp32 as the split buffers are, not the default dtype (torch.set_default_dtype): the kernel's signature.
+        return torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.float32, device=device)
     return (torch.empty((batch, num_splits, rows, dv), dtype=torch.float32, device=device),
             torch.empty((batch, num_splits, rows), dtype=torch.float32, device=device))
 
