@@ -387,26 +387,30 @@ def _under_vmap_and_fake(run, q, cache, refused=None):
     assert isinstance(fake, FakeTensor) and (fake.shape, fake.dtype) == (want.shape, want.dtype)
 
 
+def _planned(op, dtype, device, seed):
+    """``(planner, q, cache)``: ``op`` planned over a small cache of ``dtype`` (a prefix tree for the cascade), and an
+    fp32 query for its run."""
+    gen = torch.Generator().manual_seed(seed)
+    planner = op()
+    if op is tilegen.CascadeAttention:
+        cache = tree_cache(8, 2, dtype, device, gen)
+        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
+        return planner, torch.randn(cache.batch, 4, 32, generator=gen).to(device), cache
+    cache = make_cache([9, 20], 8, 1, D, dtype, device, gen)
+    if op is tilegen.PagedAttention:
+        planner.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
+    else:
+        planner.plan(cache, heads_q=2)
+    return planner, torch.randn(3 if op is tilegen.PagedAttention else 2, 2, D, generator=gen).to(device), cache
+
+
 @pytest.mark.parametrize("op", [tilegen.PagedDecode, tilegen.PagedAttention, tilegen.CascadeAttention],
                          ids=lambda op: op.__name__)
 def test_a_run_under_vmap_or_fake_tensors_takes_the_op(op, device):
     """A run launched its plan on the tensors as given: under vmap torch's "Cannot access storage of
     BatchedTensorImpl", under a FakeTensorMode a failed storage assignment. Fakes now take tilegen::planned_run's fake
     implementation; vmap, for whose op torch makes no per-sample fallback, is refused by name."""
-    gen = torch.Generator().manual_seed(18)
-    if op is tilegen.CascadeAttention:
-        cache = tree_cache(8, 2, torch.float32, device, gen)
-        planner = op()
-        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
-        q = torch.randn(cache.batch, 4, 32, generator=gen).to(device)
-    else:
-        cache = make_cache([9, 20], 8, 1, D, torch.float32, device, gen)
-        planner = op()
-        if op is tilegen.PagedAttention:
-            planner.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
-        else:
-            planner.plan(cache, heads_q=2)
-        q = torch.randn(3 if op is tilegen.PagedAttention else 2, 2, D, generator=gen).to(device)
+    planner, q, cache = _planned(op, torch.float32, device, 18)
     message = rf"^{re.escape(planner.op)}: not supported under a torch\.func transform"
     _under_vmap_and_fake(lambda q, cache: planner.run(q, cache), q, cache, refused=message)
 
@@ -427,20 +431,7 @@ def test_an_autocast_region_of_the_plans_dtype_casts_the_query(op, compiled, dev
     tilegen.attention cast their inputs there: the output is the cast query's run, bit for bit. The pages cannot be
     cast, so a region of another dtype is refused naming q and the region. The runs refused an autocast model's
     fp32 query as a dtype that differs from the plan's."""
-    gen = torch.Generator().manual_seed(20)
-    if op is tilegen.CascadeAttention:
-        cache = tree_cache(8, 2, torch.bfloat16, device, gen)
-        planner = op()
-        planner.plan(cache, tilegen.cascade_levels(cache), heads_q=4)
-        q = torch.randn(cache.batch, 4, 32, generator=gen).to(device)
-    else:
-        cache = make_cache([9, 20], 8, 1, D, torch.bfloat16, device, gen)
-        planner = op()
-        if op is tilegen.PagedAttention:
-            planner.plan(_cu([2, 1], device), cache, heads_q=2, causal=True)
-        else:
-            planner.plan(cache, heads_q=2)
-        q = torch.randn(3 if op is tilegen.PagedAttention else 2, 2, D, generator=gen).to(device)
+    planner, q, cache = _planned(op, torch.bfloat16, device, 20)
     run = _compiled(lambda q, cache: planner.run(q, cache)) if compiled else planner.run
     want = planner.run(q.bfloat16(), cache)
     region = torch.device(device).type
