@@ -71,7 +71,10 @@ def varlen_attention(
         q: ``[total_q, heads_q, head_dim]``, the batch's queries packed sequence after sequence.
         k, v: ``[total_k, heads_kv, head_dim]`` and ``[total_k, heads_kv, head_dim_v]``.
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]``, on the inputs' device: sequence ``b``
-            owns rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Sequences of length 0 are allowed.
+            owns rows ``cu_seqlens[b]:cu_seqlens[b + 1]``. Sequences of length 0 are allowed. Rows past
+            the last offset belong to no sequence: no query reads such keys, and the output and LSE rows
+            of such queries are not written (as FlashAttention's varlen leaves them; their gradients are
+            zeros), since only the device knows where the last sequence ends.
         max_seqlen_q, max_seqlen_k: host ints, the longest sequence of each (size the grid
             and pick the tuned config without reading the GPU).
         causal, window, softcap, scale, return_lse, out: as in ``tilegen.attention``, per
