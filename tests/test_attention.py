@@ -537,6 +537,10 @@ def test_the_output_is_laid_out_as_q_on_every_route(dim_v, mods, device):
     expected = merged(q, k, v)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     torch.testing.assert_close(merged(*leaves), expected, rtol=0, atol=0)
+    from tilegen.mods import compiled as mods_compiled
+
+    if mods and not mods_compiled.compiles_mods():
+        return  # compiled calls with mods are refused by name before torch 2.13 (test_mods.py)
     torch._dynamo.reset()
     for inputs in ((q, k, v), leaves):
         got = torch.compile(merged, fullgraph=True, backend="aot_eager")(*inputs)

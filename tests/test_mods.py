@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import warnings
 
 import pytest
@@ -728,3 +729,27 @@ def test_explain_names_the_config_a_call_with_mods_runs(device, tmp_path, monkey
     assert tilegen.explain(q, k, v).config == default
     assert tilegen.explain(q, k, v, mask_mod=library.causal()) == tilegen.explain(q, k, v, causal=True)
     assert isinstance(tilegen.explain(q, k, v, score_mod=alibi, backward=True).config, BackwardConfig)
+
+
+def test_compiled_mods_on_an_older_torch_are_refused_by_name(device, monkeypatch):
+    """Where Dynamo cannot guard a graph on the mod function (torch before 2.13), a compiled call with mods is refused
+    naming the torch it needs, never a graph that serves another closure's constants. On torch 2.11 the check itself
+    failed inside Dynamo (it traced packaging's Version), so users met an internal error instead. Run under every
+    torch: a newer one is told it needs 99.0."""
+    from tilegen.mods import compiled as mods_compiled
+
+    if mods_compiled.compiles_mods():
+        monkeypatch.setattr(mods_compiled, "MIN_TORCH", "99.0")
+    needed = rf"score_mod/mask_mod under torch\.compile need torch {re.escape(mods_compiled.MIN_TORCH)} or later"
+    q, k, v = _inputs(1, 2, 1, 12, 12, torch.float32, device)
+    score_mod = library.alibi(torch.ones(2, device=device))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    rows = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    calls = {"tilegen.attention": (lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod), (q, k, v)),
+             "tilegen.varlen_attention": (lambda q, k, v: tilegen.varlen_attention(q, k, v, cu, cu, 7, 7,
+                                                                                   score_mod=score_mod), rows)}
+    for op, (call, inputs) in calls.items():
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as caught:
+            torch.compile(call, fullgraph=True, backend="eager")(*inputs)
+        assert re.search(rf"{re.escape(op)}: {needed}", str(caught.value) + str(caught.value.__cause__)), op

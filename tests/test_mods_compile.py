@@ -20,27 +20,6 @@ pytestmark = pytest.mark.skipif(not mods_compiled.compiles_mods(),
                                 reason=f"mods under torch.compile need torch {mods_compiled.MIN_TORCH}")
 
 
-def test_an_older_torch_is_refused_by_name(device, monkeypatch):
-    """Where Dynamo cannot guard a graph on the mod function, compiling a call with mods raises, naming the torch
-    it needs: never a graph that serves another closure's constants."""
-    monkeypatch.setattr(mods_compiled, "MIN_TORCH", "99.0")
-    q, k, v = _inputs(device)
-    compiled, _ = _compiled("eager", library.alibi(torch.ones(2, device=device)), None)
-    with pytest.raises(Exception) as caught:
-        compiled(q, k, v)
-    assert "tilegen.attention: score_mod/mask_mod under torch.compile need torch 99.0 or later" in (
-        str(caught.value) + str(caught.value.__cause__))
-    q, k, v, cu = _varlen(device)
-    score_mod = library.alibi(torch.ones(2, device=device))
-    torch._dynamo.reset()
-    varlen = torch.compile(lambda q, k, v: tilegen.varlen_attention(q, k, v, cu, cu, 12, 12, score_mod=score_mod),
-                           fullgraph=True, backend="eager")
-    with pytest.raises(Exception) as caught:
-        varlen(q, k, v)
-    assert "tilegen.varlen_attention: score_mod/mask_mod under torch.compile need torch 99.0" in (
-        str(caught.value) + str(caught.value.__cause__))
-
-
 def test_a_process_that_first_meets_mods_under_compile_imports_their_tracing_there(tmp_path):
     """``import tilegen`` leaves ``tilegen.mods.compiled`` (and the Dynamo its decorators import) to the first call
     under torch.compile, which imports it while Dynamo traces: that call compiles and equals the eager one."""

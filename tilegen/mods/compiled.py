@@ -67,14 +67,22 @@ def _trace(fn: Callable, kind: str) -> Entry:
                  number_paths(fn))
 
 
+@torch.compiler.assume_constant_result  # at trace time: Dynamo of torch 2.11 fails inside packaging's Version
+def _refusal(op: str) -> str:
+    """What an older torch's compiled call with mods is refused with; empty where it compiles them."""
+    if compiles_mods():
+        return ""
+    return (f"{op}: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch {torch.__version__}'s "
+            "Dynamo does not guard a graph on the mod function itself, so a second mod of the same code would reuse "
+            "the first's. Call it eagerly, or outside the compiled function")
+
+
 def entries(score_mod, mask_mod, op: str = "tilegen.attention") -> tuple[Entry | None, Entry | None]:
     """The mods' entries, read at trace time; Dynamo guards on the functions' identity. ``op`` names the caller in
     the refusal an older torch gets."""
-    if not compiles_mods():
-        raise NotImplementedError(
-            f"{op}: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
-            f"{torch.__version__}'s Dynamo does not guard a graph on the mod function itself, so a second mod of the "
-            "same code would reuse the first's. Call it eagerly, or outside the compiled function")
+    refusal = _refusal(op)
+    if refusal:
+        raise NotImplementedError(refusal)
     found = []
     for fn, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
         if fn is None:
