@@ -72,9 +72,9 @@ def _refusal(op: str) -> str:
     """What an older torch's compiled call with mods is refused with; empty where it compiles them."""
     if compiles_mods():
         return ""
-    return (f"{op}: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch {torch.__version__}'s "
-            "Dynamo does not guard a graph on the mod function itself, so a second mod of the same code would reuse "
-            "the first's. Call it eagerly, or outside the compiled function")
+    return (f"{op}: score_mod/mask_mod under torch.compile need torch {MIN_TORCH} or later; torch "
+            f"{torch.__version__}'s Dynamo does not guard a graph on the mod function itself, so a second mod of the "
+            "same code would reuse the first's. Call it eagerly, or outside the compiled function")
 
 
 def entries(score_mod, mask_mod, op: str = "tilegen.attention") -> tuple[Entry | None, Entry | None]:
