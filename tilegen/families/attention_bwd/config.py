@@ -235,18 +235,18 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # T5's relative bias (bf16, 4 x 4096, 32/8 heads, d128, the H200): M32-N64 dK/dV and M64-N32 dQ with 4 warps
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
         return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2, tma=tma))]
-    if dim <= 64 and spec.layout == "dense" and spec.score_mod is None and has_wgmma(device) and (
-            wgmma_unsupported(spec) is None):
-        # d64 (bf16, 32/8 heads, 4k and 16k, an H100, backward alone): the warp-specialized Gluon dK/dV kernel over
-        # 128 query rows a block, 2 stages, ran 325 / 384 TFLOP/s causal and 415 / 428 full, against 305 / 344 and
-        # 374 / 378 for the Triton kernels below (64-row blocks and 3 stages: 296 / 344, 383 / 398; cuDNN 355 / 431,
-        # 419 / 451). It had lost to them before its LSE and Delta came by TMA (BENCHMARKS.md).
-        return [(None, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
     if dim <= 64:
-        # Elsewhere (ragged batches, score mods, GPUs before Hopper) the Triton kernels.
-        if spec.mask == "none":
-            return [(None, Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma))]
-        return [(None, Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))]
+        # The Triton kernels, but for long sequences of dense batches without a score mod on Hopper (below).
+        triton_kernels = Config(64, 64, 4, 3, 128 if spec.mask == "none" else 64, 64, 8 if spec.mask == "none" else 4,
+                                3, tma=tma)
+        if spec.layout == "dense" and spec.score_mod is None and has_wgmma(device) and wgmma_unsupported(spec) is None:
+            # d64 (bf16, 32/8 heads, 4k and 16k, an H100, backward alone): the warp-specialized Gluon dK/dV kernel
+            # over 128 query rows a block, 2 stages, ran 325 / 384 TFLOP/s causal and 415 / 428 full, against 305 / 344
+            # and 374 / 378 for the Triton kernels (64-row blocks and 3 stages: 296 / 344, 383 / 398; cuDNN 355 /
+            # 431, 419 / 451). At 1k the Triton kernels led the Gluon one with dQ by reductions by 14-31% on the H200,
+            # and the 128-row one was not measured there: up to 2k they stay (BENCHMARKS.md).
+            return [(2048, triton_kernels), (None, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
+        return [(None, triton_kernels)]
     if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
         # A score mod (ALiBi, bf16, 4 x 4096, 32/8 heads, the H200, backward alone): without a mask the
         # warp-specialized kernel adding dQ by TMA reductions 6.25 ms against 7.05 for it with the dQ kernel and 6.53
