@@ -30,7 +30,7 @@ def warned_of_atomics() -> bool:
     is summed by atomic adds, and returns True; False where the flag forbids them."""
     if not torch.is_deterministic_algorithms_warn_only_enabled():
         return False
-    warnings.warn(f"tilegen: {ATOMICS} warns of; the backward runs with atomics", stacklevel=5)
+    warnings.warn(f"tilegen: {ATOMICS} warns of; the backward runs with atomics", stacklevel=6)
     return True
 
 _FLOATS = ("float32", "float16", "bfloat16")

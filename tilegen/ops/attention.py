@@ -214,8 +214,7 @@ def _with_mods(q, k, v, causal, window, softcap, scale, return_lse, out, determi
     launch = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right}
     if trains:
         attention_grad.check_training_args(out, deterministic)
-        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
-        bwd = attention_grad.mod_backward_spec(spec, "dense", mods, deterministic)
+        bwd, deterministic = attention_grad.mod_backward_spec(spec, "dense", mods, deterministic)
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
             return attention_grad.run_with_mods(bwd, mods, wants, dout, q, k, v, out, lse, dlse, None, None, n_q, n_k,
@@ -510,8 +509,8 @@ def _explain_mods(q, k, v, causal, window, softcap, scale, return_lse, backward,
                        backward=backward, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
     mods, spec, _ = _eager_mods(spec, q, k, v, score_mod, mask_mod, _mod_ranges(q, k, left, right))
     if backward:
-        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
-        bwd = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods, deterministic)
+        bwd, deterministic = attention_grad.mod_backward_spec(spec.replace(return_lse=True), "dense", mods,
+                                                              deterministic)
         return attention_grad.explain_backward(bwd, q.device, max(q.shape[2], k.shape[2]), deterministic)
     return _mod_choice(spec, q, k)
 

@@ -38,8 +38,7 @@ from tilegen.ops.memo import memoized, with_mod_fields
 from tilegen.ops.tensors import check_bool
 
 __all__ = ["attach_dense", "attach_ragged", "attach_ragged_mods", "apply_with_mods", "backward_spec",
-           "check_compiled_mods", "check_training_args", "deterministic_with_mods", "explain_backward",
-           "mod_backward_spec", "run_with_mods"]
+           "check_compiled_mods", "check_training_args", "explain_backward", "mod_backward_spec", "run_with_mods"]
 
 
 @memoized
@@ -49,15 +48,15 @@ def backward_spec(dtype: torch.dtype, head_dim: int, head_dim_v: int, q_per_kv: 
                             q_per_kv=q_per_kv, mask=mask, softcap=softcap, dtype=SPEC_DTYPES[dtype], layout=layout)
 
 
-def mod_backward_spec(spec, layout: str, mods: ModCall, deterministic: bool) -> AttentionBwdSpec:
-    """The backward of a forward spec with mods; a ``ModGradError`` names an operation of the score mod whose
-    derivative cannot be formed (with respect to the score, or to a captured tensor that requires grad), before
-    anything runs."""
+def mod_backward_spec(spec, layout: str, mods: ModCall, deterministic: bool) -> tuple[AttentionBwdSpec, bool]:
+    """The backward of a forward spec with mods, and whether it runs without atomics (``deterministic_with_mods``);
+    a ``ModGradError`` names an operation of the score mod whose derivative cannot be formed (with respect to the
+    score, or to a captured tensor that requires grad), before anything runs."""
     check_differentiable(spec.score_mod, _wanted(mods))
-    _check_deterministic(mods, deterministic)
+    deterministic = deterministic_with_mods(mods, deterministic)
     bwd = backward_spec(TORCH_DTYPES[spec.dtype], spec.head_dim, spec.dv, spec.q_per_kv, spec.mask, spec.softcap,
                         layout)
-    return with_mod_fields(bwd, spec.score_mod, spec.mask_mod)
+    return with_mod_fields(bwd, spec.score_mod, spec.mask_mod), deterministic
 
 
 def check_compiled_mods(q, k, v, mods, out, deterministic) -> tuple[bool, bool]:

@@ -286,8 +286,7 @@ def _with_mods(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, scale
     if wants_grad(q, k, v, mods.tensors):
         attention_grad.check_training_args(out, deterministic)
         spec = spec.replace(return_lse=True)  # the backward reads it
-        deterministic = attention_grad.deterministic_with_mods(mods, deterministic)
-        bwd = attention_grad.mod_backward_spec(spec, "ragged", mods, deterministic)
+        bwd, deterministic = attention_grad.mod_backward_spec(spec, "ragged", mods, deterministic)
         fixed = {key: plan.launch_args[key] for key in ("scale", "softcap", "window_left", "window_right")}
 
         def backward(dout, dlse, q, k, v, out, lse, wants):
