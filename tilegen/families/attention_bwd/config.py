@@ -237,8 +237,8 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2, tma=tma))]
     if dim <= 64:
         # The Triton kernels, but for long sequences of dense batches without a score mod on Hopper (below).
-        triton_kernels = Config(64, 64, 4, 3, 128 if spec.mask == "none" else 64, 64, 8 if spec.mask == "none" else 4,
-                                3, tma=tma)
+        triton_kernels = (Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma) if spec.mask == "none"
+                          else Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))
         if spec.layout == "dense" and spec.score_mod is None and has_wgmma(device) and wgmma_unsupported(spec) is None:
             # d64 (bf16, 32/8 heads, 4k and 16k, an H100, backward alone): the warp-specialized Gluon dK/dV kernel
             # over 128 query rows a block, 2 stages, ran 325 / 384 TFLOP/s causal and 415 / 428 full, against 305 / 344
