@@ -132,8 +132,9 @@ class PagedKVCache:
 
     def _scales_require_grad(self) -> bool:
         """Whether an FP8 cache's scales require grad (an nn.Parameter does): the ops have no backward for them
-        either. Short-circuits on a cache without scales, as it runs inline on every call."""
-        return bool(self._scales) and (self._scales[0].requires_grad or self._scales[1].requires_grad)
+        either. Short-circuits on a cache without scales, as it runs inline on every call; len, not bool, of the
+        tuple: torch 2.11's Dynamo traces no bool of a tuple."""
+        return len(self._scales) != 0 and (self._scales[0].requires_grad or self._scales[1].requires_grad)
 
     def _named_tensors(self) -> dict[str, torch.Tensor | None]:
         """The tensors an op reads from this cache that could require grad, by the names its errors give them."""
