@@ -20,7 +20,7 @@ import sys
 
 import fake_cuda  # before tilegen's kernels: the fake driver and the recording launcher
 import torch
-from fake_cuda import JIT_RUNS, LAUNCHES
+from fake_cuda import JIT_FUSION, JIT_RUNS, LAUNCHES
 
 import tilegen
 from tilegen import dispatch, env
@@ -38,9 +38,10 @@ def _checked_call(self, key, *args):
     got = LAUNCHES[start:]
     del LAUNCHES[start:]
     given = [self.views[i](a) if i in self.views else a for i, a in enumerate(args)]
-    runs = JIT_RUNS[0]
+    runs, fusion = JIT_RUNS[0], len(JIT_FUSION)
     self.launcher.jit(*given, **self.kwargs)
     JIT_RUNS[0] = runs  # the reference launch is not the op's
+    del JIT_FUSION[fusion:]
     want = LAUNCHES[start:]
     del LAUNCHES[start:]
     assert got == want, f"direct launches differ from the JIT's:\n{got}\n{want}"
@@ -52,9 +53,11 @@ launch.Replay.__call__ = _checked_call
 
 
 def jit_runs(call) -> int:
-    """How many launches of ``call`` went through JITFunction.run."""
-    before = JIT_RUNS[0]
+    """How many launches of ``call`` went through JITFunction.run; each must have passed tilegen's compile
+    options (``launch.OPTIONS``), not left them to Triton's defaults."""
+    before, fusion = JIT_RUNS[0], len(JIT_FUSION)
     call()
+    assert all(f is True for f in JIT_FUSION[fusion:]), f"JIT runs without enable_fp_fusion=True: {JIT_FUSION[fusion:]}"
     return JIT_RUNS[0] - before
 
 
@@ -194,7 +197,8 @@ def case_small_ops() -> None:
 def case_jit_only() -> None:
     """TILEGEN_DIRECT_LAUNCH=0: every launch through the JIT."""
     fresh(direct=False)
-    assert dispatch.launcher_for(_spec()).direct is dispatch.launcher_for(_spec()).jit
+    # The generated launcher's own code, its kernels passing tilegen's compile options.
+    assert dispatch.launcher_for(_spec()).direct.__code__ is dispatch.launcher_for(_spec()).jit.__code__
     for _ in range(3):
         assert jit_runs(lambda: tilegen.attention(bf16(1, 8, 16, 64), bf16(1, 8, 16, 64), bf16(1, 8, 16, 64))) == 1
     fresh()
@@ -225,7 +229,8 @@ def unrecognised() -> None:
 
     launch.Replay.__call__ = _replay_call  # launches counted as made, not compared (and removed) by _checked_call
     fresh()
-    assert dispatch.launcher_for(_spec()).direct is dispatch.launcher_for(_spec()).jit
+    # The generated launcher's own code, its kernels passing tilegen's compile options.
+    assert dispatch.launcher_for(_spec()).direct.__code__ is dispatch.launcher_for(_spec()).jit.__code__
     decode = tilegen.PagedDecode()
     decode.plan(_cache(), heads_q=8, num_splits=3, return_lse=True)
     prefill = tilegen.PagedAttention()

@@ -25,6 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 LAUNCHES: list[tuple] = []
 JIT_RUNS = [0]
+#: Each JIT run's ``enable_fp_fusion`` option (None where the launch left it to Triton's default).
+JIT_FUSION: list = []
 UNKNOWN_TRITON = os.environ.get("FAKE_CUDA_UNKNOWN_TRITON") == "1"
 
 _jit_run = jit.JITFunction.run
@@ -32,6 +34,7 @@ _jit_run = jit.JITFunction.run
 
 def _counting_run(self, *args, **kwargs):
     JIT_RUNS[0] += 1
+    JIT_FUSION.append(kwargs.get("enable_fp_fusion"))
     return _jit_run(self, *args, **kwargs)
 
 

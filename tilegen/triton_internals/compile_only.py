@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from tilegen.triton_internals import gate
+from tilegen.triton_internals.launch import OPTIONS
 
 __all__ = ["KERNEL_CALLS", "always_compile", "answer_without_cuda", "enable", "support"]
 
@@ -42,7 +43,8 @@ def enable() -> None:
     def warmup_item(self, grid):
         def run(*args, **kwargs):
             KERNEL_CALLS[0] += 1
-            return self.run(*args, grid=grid, warmup=True, **kwargs)
+            # With the options the launches of the worker that finds these kernels pass (launch.OPTIONS).
+            return self.run(*args, grid=grid, warmup=True, **{**OPTIONS, **kwargs})
 
         return run
 

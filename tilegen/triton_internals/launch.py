@@ -58,6 +58,11 @@ __all__ = ["DirectKernel", "Launcher", "Replay", "replayable", "support"]
 
 log = logging.getLogger("tilegen.launch")
 
+#: Compile options every launch of a generated kernel passes, so that no Triton default decides them. FMA
+#: contraction on: the shipped rows were tuned with it, Triton 3.9 warns on every launch that leaves it to the
+#: default, and Triton 3.10 turns that default off (it would change the kernels' speed and rounding).
+OPTIONS = {"enable_fp_fusion": True}
+
 #: Entries kept per kernel or replay before the table starts over (shapes that never repeat
 #: would otherwise grow it without bound).
 _LIMIT = 512
@@ -195,7 +200,7 @@ class DirectKernel:
                 entry.launch(grid, state[0].get_current_stream(state[1]), entry.arguments(args, kwargs))
                 return entry
         warmup.wait()  # the JIT's first call would otherwise redo the warm-up's work beside it
-        kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **{**OPTIONS, **kwargs})
         if key is None:
             return None
         entry = self._check(state, kernel, args, kwargs)
@@ -271,7 +276,7 @@ class DirectKernel:
             if getattr(type(backend), name, None) is not getattr(BaseBackend, name):
                 return self._break(f"the {type(backend).__name__} backend specializes arguments its own way")
         # The options JITFunction.run adds before binding, read as it reads them.
-        options = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug}
+        options = {**OPTIONS, **kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug}
         for name in self.variant.options:
             options[name] = getattr(knobs.compilation, name)
         bound, specialization, options = binder(*args, **options)
@@ -340,6 +345,19 @@ def _agrees(param, arg, spec) -> bool:
     return arg is None and spec == ("constexpr", None)
 
 
+class _WithOptions:
+    """A kernel that launches through the JIT, with ``OPTIONS`` unless the launch names them."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+        return lambda *args, **kwargs: launch(*args, **{**OPTIONS, **kwargs})
+
+
 class Launcher:
     """A generated module's ``launch``: through the JIT (``jit``), or with its kernels launched
     directly (``direct``, the same signature, also named ``launch``); ``replay`` makes a plan's recorder."""
@@ -352,19 +370,22 @@ class Launcher:
         self._kernels: dict[str, DirectKernel] = {}
         self._lock = threading.Lock()
         self._sink: list | None = None
-        if self.reason is not None:
-            warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
-            return
         from triton.runtime.jit import JITFunction
 
-        variant = gate.internals()
         launch = self.jit
         names = _names(launch.__code__)  # nested code too: a kernel called from a comprehension is captured
-        for name, value in vars(module).items():
-            # Gluon kernels too (a JITFunction subclass with the same run): their launches are captured
-            # like the others, and go through the JIT where no fingerprint describes their arguments.
-            if name in names and isinstance(value, JITFunction):
-                self._kernels[name] = DirectKernel(value, variant)
+        # Gluon kernels too (a JITFunction subclass with the same run): their launches are captured like the
+        # others, and go through the JIT where no fingerprint describes their arguments.
+        kernels = {name: value for name, value in vars(module).items()
+                   if name in names and isinstance(value, JITFunction)}
+        if self.reason is not None:
+            warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
+            if not env.interpreting():  # the interpreter compiles nothing
+                self.direct = _rebind(launch, {name: _WithOptions(kernel) for name, kernel in kernels.items()})
+            return
+        variant = gate.internals()
+        for name, value in kernels.items():
+            self._kernels[name] = DirectKernel(value, variant)
         self.direct = _rebind(launch, self._kernels)
         self._capture = _rebind(launch, {name: _Capture(self, kernel) for name, kernel in self._kernels.items()})
         self._replayable = replayable(module)
