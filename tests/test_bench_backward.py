@@ -27,6 +27,7 @@ runner = CliRunner()
     (["--dtype", "fp8"], "invalid choice: 'fp8'"),
     (["--smoke", "--memory"], "--memory: measures the CUDA allocator's peaks"),
     (["--smoke", "--peers", "tilegen,cudnn"], "--peers: without a GPU (--smoke) only tilegen, math run"),
+    (["--rounds", "0"], "--rounds: expected at least 1, got 0"),
 ])
 def test_bad_arguments_fail_in_one_line_before_any_work(args, message):
     result = runner.invoke(app, ["bench", "backward", *args])
@@ -84,6 +85,28 @@ def test_a_tilegen_run_that_does_not_run_is_told_apart_from_a_wrong_gradient(mon
     row = bench.bench_cell(bench.Cell(33, 16, 2, 2, False, "fp32", batch=1), ["tilegen", "math"], "cpu", smoke=True)
     assert not row["check"]["passed"] and row["tilegen"]["error"].startswith("did not run: RuntimeError: out of")
     assert "bwd_ms" in row["math"]
+
+
+def test_rounds_take_turns_in_a_rotating_order_and_report_each_peers_median(monkeypatch):
+    calls, times = [], iter([(3.0, 1.0), (2.0, 5.0), (4.0, 2.0), (1.0, 6.0), (5.0, 3.0), (6.0, 4.0)])
+
+    def timed(fn, q, k, v, dout, smoke):
+        calls.append(fn.__name__)
+        return next(times)
+
+    def tilegen(q, k, v):
+        return _math(q, k, v)
+
+    def math(q, k, v):
+        return _math(q, k, v)
+
+    monkeypatch.setattr(bench, "_peers", lambda cell, names, det: {"tilegen": tilegen, "math": math})
+    monkeypatch.setattr(bench, "_times", timed)
+    row = bench.bench_cell(bench.Cell(33, 16, 2, 2, False, "fp32", batch=1), ["tilegen", "math"], "cpu", smoke=True,
+                           rounds=3)
+    assert calls == ["tilegen", "math", "math", "tilegen", "tilegen", "math"]
+    assert row["tilegen"]["bwd_ms_rounds"] == [1.0, 6.0, 3.0] and row["tilegen"]["bwd_ms"] == 3.0
+    assert row["tilegen"]["fwd_bwd_ms"] == 3.0 and row["math"]["bwd_ms"] == 4.0 and row["math"]["fwd_bwd_ms"] == 4.0
 
 
 def test_the_smoke_run_checks_and_times_tilegens_backward(tmp_path):

@@ -31,6 +31,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -164,20 +165,23 @@ def _ms(fn, smoke: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def _times(fn, q, k, v, dout, smoke: bool, fwd: float, bwd: float) -> dict:
+def _times(fn, q, k, v, dout, smoke: bool) -> tuple[float, float]:
+    """(forward+backward ms, backward-alone ms)."""
     fn(q, k, v).backward(dout)  # warm-up (compiles flex, tilegen's kernels); a peer missing here fails
     q.grad = k.grad = v.grad = None
     fwd_bwd_ms = _ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), smoke)
     out = fn(q, k, v)
     bwd_ms = _ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), smoke)
     del out
-    return {"fwd_bwd_ms": fwd_bwd_ms, "fwd_bwd_tflops": (fwd + bwd) / fwd_bwd_ms * 1e-9,
-            "bwd_ms": bwd_ms, "bwd_tflops": bwd / bwd_ms * 1e-9}
+    return fwd_bwd_ms, bwd_ms
 
 
-def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bool = False, configs=()) -> dict:
+def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bool = False, configs=(),
+               rounds: int = 1) -> dict:
     """One cell: each peer's times, tilegen's gradients checked first; with ``configs`` (attention_bwd configs),
-    tilegen again under each of them as a peer named ``tilegen <config>``, each checked as well."""
+    tilegen again under each of them as a peer named ``tilegen <config>``, each checked as well. With several
+    ``rounds`` the peers take turns, the order rotating each round (a drift of the GPU's clocks within a cell, as
+    after the fp32 reference of the checks, then weighs on each alike); a figure is the median of its rounds."""
     from tilegen.bench import forced_config
 
     q, k, v, dout = _inputs(cell, device)
@@ -197,19 +201,35 @@ def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bo
             except Exception as e:  # e.g. no backward yet: the cell fails, the run goes on
                 row[key] = {"error": _error(e), "passed": False}
     fwd, bwd = cell.forward_flops, 2.5 * cell.forward_flops
+    timed = {}
     for name, fn, config in runs:
         checked = row.get("check" if config is None else f"check {config}", {}) if name.startswith("tilegen") else {}
         if checked and not checked["passed"]:
             # A config that did not run (out of shared memory, say) is no wrong gradient: say which it was.
             row[name] = {"error": f"did not run: {checked['error']}" if "error" in checked
                          else "failed the gradient check"}
-            continue
-        try:
-            with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
-                row[name] = _times(fn, q, k, v, dout, smoke, fwd, bwd)
-        except Exception as e:  # a peer missing on this GPU/torch (or out of memory) is n/a, not fatal
-            row[name] = {"error": _error(e)}
-        gc.collect()
+        else:
+            timed[name] = (fn, config, [])
+    order = list(timed)
+    for r in range(rounds if order else 0):  # none to time when every peer failed its check
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name not in timed:
+                continue
+            fn, config, found = timed[name]
+            try:
+                with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
+                    found.append(_times(fn, q, k, v, dout, smoke))
+            except Exception as e:  # a peer missing on this GPU/torch (or out of memory) is n/a, not fatal
+                row[name] = {"error": _error(e)}
+                del timed[name]
+            gc.collect()
+    for name, (_, _, found) in timed.items():
+        fwd_bwd_ms = statistics.median(f for f, _ in found)
+        bwd_ms = statistics.median(b for _, b in found)
+        row[name] = {"fwd_bwd_ms": fwd_bwd_ms, "fwd_bwd_tflops": (fwd + bwd) / fwd_bwd_ms * 1e-9,
+                     "bwd_ms": bwd_ms, "bwd_tflops": bwd / bwd_ms * 1e-9}
+        if rounds > 1:
+            row[name]["bwd_ms_rounds"] = [b for _, b in found]
     return row
 
 
@@ -402,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time tilegen under each of these attention_bwd configs, a JSON list of knob "
                              "objects ([{\"block_m1\": 64, \"block_n1\": 128, ..., \"wgmma\": 2}, ...]): each a peer "
                              "of its own, its gradients checked first")
+    parser.add_argument("--rounds", type=int, default=1, help="time the peers of a cell in this many rounds, taking "
+                        "turns in a rotating order; each figure the median of its rounds (default 1)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.ragged and args.memory:
         parser.error("--ragged: times the backward; leave out --memory")
     on_gpu = torch.cuda.is_available()
@@ -451,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(ragged_cell(cell, device, smoke, args.deterministic))
         else:
             rows.append(memory_cell(cell, names, args.deterministic) if args.memory
-                        else bench_cell(cell, names, device, smoke, args.deterministic, configs))
+                        else bench_cell(cell, names, device, smoke, args.deterministic, configs, args.rounds))
         print(json.dumps(rows[-1]), flush=True)
         if on_gpu:
             torch.cuda.empty_cache()
