@@ -3,6 +3,7 @@
     python -m tilegen.bench.backward                      # the issue's grid (or: tilegen bench backward)
     python -m tilegen.bench.backward --out results/       # also backward.md, backward.json and backward.png there
     python -m tilegen.bench.backward --dims 128 --heads 32/8 --masks causal --seqlens 4096 --peers tilegen,cudnn
+    python -m tilegen.bench.backward --rounds 3           # each figure the median of 3 rounds, peers taking turns
     python -m tilegen.bench.backward --memory             # peak memory of one forward+backward at 64k tokens
     python -m tilegen.bench.backward --smoke              # tiny shapes, fp32, the interpreter without a GPU
 
@@ -180,8 +181,8 @@ def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bo
                rounds: int = 1) -> dict:
     """One cell: each peer's times, tilegen's gradients checked first; with ``configs`` (attention_bwd configs),
     tilegen again under each of them as a peer named ``tilegen <config>``, each checked as well. With several
-    ``rounds`` the peers take turns, the order rotating each round (a drift of the GPU's clocks within a cell, as
-    after the fp32 reference of the checks, then weighs on each alike); a figure is the median of its rounds."""
+    ``rounds`` the peers take turns, the order rotating each round (a drift of the GPU's clocks within a cell then
+    weighs on each alike); a figure is the median of its rounds."""
     from tilegen.bench import forced_config
 
     q, k, v, dout = _inputs(cell, device)
