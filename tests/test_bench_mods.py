@@ -64,3 +64,34 @@ def test_the_config_sweep_runs_each_config_it_names_and_reports_one_that_fails(b
     assert isinstance(rows[1]["us"], str) and "Error" in rows[1]["us"]
     assert str(family.config_type(**small)) in {str(c.config) for c in seen}
     assert family.default_rule is rule
+
+
+def test_the_backward_columns_take_turns_over_checked_providers_and_report_medians(monkeypatch):
+    """``--rounds``: every provider whose gradients agree with Flex's is timed once a round, the order rotating,
+    each column the median of its rounds; one whose gradients disagree is reported wrong and not timed."""
+    made, order, times = {}, [], {"flex": iter([3.0, 1.0, 2.0]), "tilegen": iter([1.0, 5.0, 4.0])}
+
+    def timed(fn):
+        fn()  # the backward it times, on the graph of one provider's output
+        (name,) = {made[id(c.cell_contents)] for c in fn.__closure__ if id(c.cell_contents) in made}
+        order.append(name)
+        return next(times[name])
+
+    monkeypatch.setattr(bench, "_bench", timed)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 17, 16, generator=gen) for _ in range(3))
+
+    def provider(name, wrong=False):
+        def fn(q, k, v):
+            out = (q @ k.transpose(-1, -2)).softmax(-1) @ (v * 2 if wrong else v)
+            made[id(out)] = name
+            return out
+        return fn
+
+    row = {}
+    bench._backward_row(row, 1e9, provider("flex"), provider("tilegen"), provider("builtin", wrong=True), q, k, v,
+                        rounds=3)
+    assert order == ["flex", "tilegen", "tilegen", "flex", "flex", "tilegen"]
+    assert row["flex bwd us"] == 2000.0 and row["tilegen bwd us"] == 4000.0
+    assert row["builtin bwd us"].startswith("wrong: relative error")
+    assert row["flex / tilegen bwd"] == 0.5 and row["tilegen bwd error vs flex"] < 1e-6

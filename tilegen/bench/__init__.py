@@ -32,6 +32,26 @@ def parse_head_dims(item: str) -> tuple[int, int | None] | None:
     return int(dims[0]), int(dims[1]) if len(dims) == 2 else None
 
 
+def take_turns(timers: dict, rounds: int) -> tuple[dict[str, list], dict[str, Exception]]:
+    """Each of ``timers`` (name -> a function of no argument that times its provider once) called once a round for
+    ``rounds`` rounds, the order rotating each round, so that a drift of the GPU's clocks within a case weighs on
+    every provider alike. Returns each provider's results by round, and the exception of each that raised (it is
+    not called again)."""
+    found: dict[str, list] = {name: [] for name in timers}
+    failed: dict[str, Exception] = {}
+    order = list(timers)
+    for r in range(rounds if order else 0):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name in failed:
+                continue
+            try:
+                found[name].append(timers[name]())
+            except Exception as e:  # a peer missing on this GPU/torch (or out of memory) is n/a, not fatal
+                failed[name] = e
+                del found[name]
+    return found, failed
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend; ``None`` where matplotlib is not
     installed (the benchmarks' plots are optional)."""

@@ -22,6 +22,7 @@ through, which for causal is within 1/N of the usual 4*B*H*N*N*D/2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import triton
 
 import tilegen
 from tilegen import dispatch
-from tilegen.bench import parse_head_dims, pyplot, require_gpu, whole_numbers
+from tilegen.bench import parse_head_dims, pyplot, require_gpu, take_turns, whole_numbers
 from tilegen.device import device_info
 from tilegen.families import family_of
 from tilegen.families.attention_fwd.problem import attention_flops
@@ -217,6 +218,10 @@ def _error(e: Exception, width: int = 120) -> str:
     return f"{type(e).__name__}: {message[0][:width] if message else ''}"
 
 
+def _time(fn, q, k, v) -> float:
+    return triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+
+
 def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, configs=()) -> dict:
     """One case: every provider's error against SDPA flash (memory-efficient for a narrower V), then its time;
     ``configs`` (attention_fwd configs) are more providers, ``tilegen <config>``, each the generated kernel under
@@ -238,20 +243,10 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
             times[name] = []
         except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
             row[name] = {"error": _error(e)}
-    # With several rounds the providers take turns, the order rotating each round, so that a drift of the
-    # GPU's clocks within a case weighs on all of them alike; a figure is the median of its rounds.
-    names = list(times)
-    for r in range(rounds if names else 0):  # none to time when every provider failed its check
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if name not in times:
-                continue
-            fn = providers[name]
-            try:
-                times[name].append(
-                    triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median"))
-            except Exception as e:
-                row[name] = {"error": _error(e)}
-                del times[name]
+    # With several rounds the providers take turns (take_turns); a figure is the median of its rounds.
+    times, failed = take_turns({name: functools.partial(_time, providers[name], q, k, v) for name in times}, rounds)
+    for name, e in failed.items():
+        row[name] = {"error": _error(e)}
     for name, rounds_ms in times.items():
         ms = statistics.median(rounds_ms)
         row[name].update(ms=ms, tflops=flops / ms * 1e-9)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 import triton
 
 import tilegen
-from tilegen.bench import pyplot, whole_numbers
+from tilegen.bench import pyplot, take_turns, whole_numbers
 from tilegen.bench.attention import _error, _rel_err, peers
 from tilegen.env import interpreting
 from tilegen.families.attention_fwd.spec import SUPPORTED_HEAD_DIMS
@@ -177,12 +178,21 @@ def _times(fn, q, k, v, dout, smoke: bool) -> tuple[float, float]:
     return fwd_bwd_ms, bwd_ms
 
 
+def _timed(fn, config, q, k, v, dout, smoke: bool) -> tuple[float, float]:
+    from tilegen.bench import forced_config
+
+    try:
+        with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
+            return _times(fn, q, k, v, dout, smoke)
+    finally:
+        gc.collect()
+
+
 def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bool = False, configs=(),
                rounds: int = 1) -> dict:
     """One cell: each peer's times, tilegen's gradients checked first; with ``configs`` (attention_bwd configs),
     tilegen again under each of them as a peer named ``tilegen <config>``, each checked as well. With several
-    ``rounds`` the peers take turns, the order rotating each round (a drift of the GPU's clocks within a cell then
-    weighs on each alike); a figure is the median of its rounds."""
+    ``rounds`` the peers take turns (``tilegen.bench.take_turns``); a figure is the median of its rounds."""
     from tilegen.bench import forced_config
 
     q, k, v, dout = _inputs(cell, device)
@@ -202,7 +212,7 @@ def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bo
             except Exception as e:  # e.g. no backward yet: the cell fails, the run goes on
                 row[key] = {"error": _error(e), "passed": False}
     fwd, bwd = cell.forward_flops, 2.5 * cell.forward_flops
-    timed = {}
+    timers = {}
     for name, fn, config in runs:
         checked = row.get("check" if config is None else f"check {config}", {}) if name.startswith("tilegen") else {}
         if checked and not checked["passed"]:
@@ -210,21 +220,11 @@ def bench_cell(cell: Cell, names, device, smoke: bool = False, deterministic: bo
             row[name] = {"error": f"did not run: {checked['error']}" if "error" in checked
                          else "failed the gradient check"}
         else:
-            timed[name] = (fn, config, [])
-    order = list(timed)
-    for r in range(rounds if order else 0):  # none to time when every peer failed its check
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            if name not in timed:
-                continue
-            fn, config, found = timed[name]
-            try:
-                with forced_config("attention_bwd", config) if config is not None else contextlib.nullcontext():
-                    found.append(_times(fn, q, k, v, dout, smoke))
-            except Exception as e:  # a peer missing on this GPU/torch (or out of memory) is n/a, not fatal
-                row[name] = {"error": _error(e)}
-                del timed[name]
-            gc.collect()
-    for name, (_, _, found) in timed.items():
+            timers[name] = functools.partial(_timed, fn, config, q, k, v, dout, smoke)
+    found_by_name, failed = take_turns(timers, rounds)
+    for name, e in failed.items():
+        row[name] = {"error": _error(e)}
+    for name, found in found_by_name.items():
         fwd_bwd_ms = statistics.median(f for f, _ in found)
         bwd_ms = statistics.median(b for _, b in found)
         row[name] = {"fwd_bwd_ms": fwd_bwd_ms, "fwd_bwd_tflops": (fwd + bwd) / fwd_bwd_ms * 1e-9,

@@ -4,6 +4,7 @@ FlexAttention with the same mod, and against tilegen's built-in variant where on
     python -m tilegen.bench.mods --out mods.json
     python -m tilegen.bench.mods --backward --out mods.json --plot mods.png
     python -m tilegen.bench.mods --mods alibi,alibi+causal --seqlen 16384
+    python -m tilegen.bench.mods --backward --rounds 3   # each figure the median of 3 rounds, providers taking turns
     python -m tilegen.bench.mods --mods alibi --configs '[{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "tma": 1, "wgmma": 2}]'
 
 bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128; the forward,
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import triton
 
 import tilegen
 from tilegen.families import relative_error
-from tilegen.bench import forced_config, pyplot, require_gpu
+from tilegen.bench import forced_config, pyplot, require_gpu, take_turns
 from tilegen.families.attention_fwd.reference import attention_reference
 from tilegen.mods import library
 
@@ -110,33 +112,48 @@ def _pairs(mask_mod, device="cuda") -> float:
 
 
 def _backward(fn, q, k, v, dout):
-    """The backward alone of ``fn(q, k, v)``: its gradients, and the median time of one more (ms)."""
+    """The backward alone of ``fn(q, k, v)``: its gradients, and a function of no argument that times one more
+    (the median, ms) on the same graph."""
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     out = fn(*inputs)
     grads = torch.autograd.grad(out, inputs, dout, retain_graph=True)
-    return grads, _bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+    return grads, lambda: _bench(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
 
 
-def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v) -> None:
+def _turns(row: dict, timers: dict, rounds: int, column: str) -> None:
+    """``row[f"{name} {column}"]``: each timer's median over ``rounds`` rounds, the providers taking turns
+    (``tilegen.bench.take_turns``), in µs; the exception of one that raised."""
+    found, failed = take_turns(timers, rounds)
+    for name, e in failed.items():
+        row[f"{name} {column}"] = f"{type(e).__name__}: {str(e)[:160]}"
+    for name, times in found.items():
+        row[f"{name} {column}"] = statistics.median(times) * 1e3
+
+
+def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v, rounds: int = 1) -> None:
     """The backward columns of ``row``: each provider's time, once its gradients agree with Flex's."""
     dout = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(1))
     try:
-        expected, t = _backward(flex, q, k, v, dout)
-        row["flex bwd us"] = t * 1e3
+        expected, timer = _backward(flex, q, k, v, dout)
     except Exception as e:  # reported; the others are then not checked
         row["flex bwd us"] = f"{type(e).__name__}: {str(e)[:300]}"
         return
+    timers = {"flex": timer}
     for key, fn in (("tilegen", tilegen_fn), ("builtin", builtin_fn)):
         if fn is None:
             continue
         try:
-            grads, t = _backward(fn, q, k, v, dout)
+            grads, timer = _backward(fn, q, k, v, dout)
         except Exception as e:  # a mod that fails is reported, the others still run
             row[f"{key} bwd us"] = f"{type(e).__name__}: {str(e)[:160]}"
             continue
         error = max(relative_error(g.float(), e.float())[0] for g, e in zip(grads, expected))
         row[f"{key} bwd error vs flex"] = error
-        row[f"{key} bwd us"] = t * 1e3 if error < 2e-2 else f"wrong: relative error {error:.2e} against FlexAttention"
+        if error < 2e-2:
+            timers[key] = timer
+        else:
+            row[f"{key} bwd us"] = f"wrong: relative error {error:.2e} against FlexAttention"
+    _turns(row, timers, rounds, "bwd us")
     for key in ("flex", "tilegen", "builtin"):
         t = row.get(f"{key} bwd us")
         if isinstance(t, float):
@@ -159,7 +176,8 @@ def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: boo
     def run():
         fn = lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)  # noqa: E731
         if backward:
-            return _backward(fn, q, k, v, dout)
+            grads, timer = _backward(fn, q, k, v, dout)
+            return grads, timer()
         out = fn(q, k, v)
         return (out,), _bench(lambda: fn(q, k, v))
 
@@ -184,7 +202,9 @@ def sweep(name, score_mod, mask_mod, q, k, v, configs: list[dict], backward: boo
     return rows
 
 
-def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) -> dict:
+def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False, rounds: int = 1) -> dict:
+    """One mod: each provider checked (tilegen and the built-in against Flex), then timed, forward and, with
+    ``backward``, backward alone; with several ``rounds`` the providers take turns, each figure the median."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flops = 4.0 * _pairs(mask_mod) * D * HQ
@@ -198,9 +218,10 @@ def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) ->
         kwargs["score_mod"] = score_mod
     if mask_mod is not None:
         kwargs["block_mask"] = create_block_mask(mask_mod, B, None, N, N, device="cuda")
+    timers = {}
     try:
         expected = flex(q, k, v, **kwargs)
-        row["flex us"] = _bench(lambda: flex(q, k, v, **kwargs)) * 1e3
+        timers["flex"] = lambda: _bench(lambda: flex(q, k, v, **kwargs))
     except Exception as e:  # reported; tilegen is then checked against the float32 reference instead
         row["flex us"] = f"{type(e).__name__}: {str(e)[:600]}"
         expected = attention_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod,
@@ -210,7 +231,8 @@ def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) ->
         error = relative_error(out.float(), expected.float())[0]
         row["error vs flex"] = error
         if error < 1e-2:
-            row["tilegen us"] = _bench(lambda: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)) * 1e3
+            timers["tilegen"] = lambda: _bench(lambda: tilegen.attention(q, k, v, score_mod=score_mod,
+                                                                         mask_mod=mask_mod))
         else:
             row["tilegen us"] = f"wrong: relative error {error:.2e} against FlexAttention"
     except Exception as e:  # a mod that fails is reported, the others still run
@@ -218,7 +240,8 @@ def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) ->
     if builtin is not None:
         out = tilegen.attention(q, k, v, **builtin)
         row["builtin error vs flex"] = relative_error(out.float(), expected.float())[0]
-        row["builtin us"] = _bench(lambda: tilegen.attention(q, k, v, **builtin)) * 1e3
+        timers["builtin"] = lambda: _bench(lambda: tilegen.attention(q, k, v, **builtin))
+    _turns(row, timers, rounds, "us")
     for key in ("flex", "tilegen", "builtin"):
         t = row.get(f"{key} us")
         if isinstance(t, float):
@@ -231,7 +254,8 @@ def case(name, score_mod, mask_mod, builtin, q, k, v, backward: bool = False) ->
     if backward:
         _backward_row(row, flops, lambda q, k, v: flex(q, k, v, **kwargs),
                       lambda q, k, v: tilegen.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod),
-                      None if builtin is None else lambda q, k, v: tilegen.attention(q, k, v, **builtin), q, k, v)
+                      None if builtin is None else lambda q, k, v: tilegen.attention(q, k, v, **builtin), q, k, v,
+                      rounds)
     return row
 
 
@@ -280,7 +304,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seqlen", type=int, default=N,
                         help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
                              "scale with it)")
+    parser.add_argument("--rounds", type=int, default=1, help="time the providers of a mod in this many rounds, "
+                        "taking turns in a rotating order; each figure the median of its rounds (default 1)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     chosen = [m for m in args.mods.split(",") if m] or list(NAMES)
     unknown = [m for m in chosen if m not in NAMES]
     if unknown:
@@ -315,7 +343,7 @@ def main(argv=None) -> None:
         return
     rows = []
     for name in chosen:
-        rows.append(case(name, *mods[name], q, k, v, backward=args.backward))
+        rows.append(case(name, *mods[name], q, k, v, backward=args.backward, rounds=args.rounds))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
