@@ -63,7 +63,7 @@ def ahead(processes: int) -> None:
 
 
 def launch() -> None:
-    from tilegen.codegen import module_for
+    from tilegen.dispatch import launcher_for
 
     built = [0]
     make_ir = compiler.ASTSource.make_ir
@@ -76,7 +76,7 @@ def launch() -> None:
     errors, launches = [], []
     start = time.perf_counter()
     for family, problem, configs in cases():
-        module = module_for(problem.spec)
+        module = launcher_for(problem.spec)  # what the worker measures through (tilegen.tuning.measure)
         inputs = problem.inputs(7)
         outputs = problem.outputs(inputs)
         for config in configs:

@@ -194,6 +194,19 @@ def case_small_ops() -> None:
         assert got == expected, f"{name}: {got} launches through the JIT, expected {expected}"
 
 
+def case_mods() -> None:
+    """A call with a score mod launches through the generated launcher's JIT path, on every call (its captured tensors
+    are arguments), with tilegen's compile options as every other launch."""
+    fresh()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) * 0.125
+
+    q, k, v = bf16(1, 4, 16, 64), bf16(1, 2, 16, 64), bf16(1, 2, 16, 64)
+    for _ in range(2):
+        assert jit_runs(lambda: tilegen.attention(q, k, v, causal=True, score_mod=bias)) == 1
+
+
 def case_jit_only() -> None:
     """TILEGEN_DIRECT_LAUNCH=0: every launch through the JIT."""
     fresh(direct=False)

@@ -95,3 +95,20 @@ def test_the_backward_columns_take_turns_over_checked_providers_and_report_media
     assert row["flex bwd us"] == 2000.0 and row["tilegen bwd us"] == 4000.0
     assert row["builtin bwd us"].startswith("wrong: relative error")
     assert row["flex / tilegen bwd"] == 0.5 and row["tilegen bwd error vs flex"] < 1e-6
+
+
+def test_a_provider_whose_backward_timing_raises_is_reported_and_the_row_completes(monkeypatch):
+    def timed(fn):
+        fn()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bench, "_bench", timed)
+    q, k, v = (torch.randn(1, 2, 17, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def attend(q, k, v):
+        return (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+    row = {}
+    bench._backward_row(row, 1e9, attend, attend, None, q, k, v, rounds=2)
+    assert row["flex bwd us"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert row["tilegen bwd us"].startswith("OutOfMemoryError") and "flex / tilegen bwd" not in row

@@ -34,8 +34,10 @@ SCRIPT = Path(__file__).with_name("compile_ahead_check.py")
 
 def _run(cache: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Triton's FP-fusion default turned off, as 3.10 turns it (from 3.9 on, where Triton reads this): the pool's
+    # compiles must pass the options the worker's launches pass (triton_internals.OPTIONS), or it finds none.
     env.update(TRITON_CACHE_DIR=str(cache / "triton"), TILEGEN_CACHE_DIR=str(cache / "tilegen"),
-               TILEGEN_DB=str(cache / "tuning.sqlite"))
+               TILEGEN_DB=str(cache / "tuning.sqlite"), TRITON_DEFAULT_FP_FUSION="0")
     done = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -269,9 +271,12 @@ def test_the_tune_command_hands_its_compile_ahead_option_to_the_tuner(tmp_path, 
     assert result.exit_code == 0, result.output
     assert options == [processes]
     # The command starts the pool itself, before it touches CUDA, and hands it over: the option's processes on a
-    # GPU, none under the interpreter.
+    # GPU, none under the interpreter or on a Triton whose internals compile-ahead does not know.
+    from tilegen.triton_internals import compile_only
+
     (pool,) = seen
-    assert isinstance(pool, compile_ahead.CompileAhead) and pool.processes == counted(processes)
+    expected = 0 if compile_only.support() is not None else counted(processes)
+    assert isinstance(pool, compile_ahead.CompileAhead) and pool.processes == expected
 
 
 @pytest.mark.parametrize("option, processes", [(None, 5), (0, 0), (3, 3)])

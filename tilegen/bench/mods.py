@@ -159,7 +159,7 @@ def _backward_row(row, flops, flex, tilegen_fn, builtin_fn, q, k, v, rounds: int
         if isinstance(t, float):
             row[f"{key} bwd TFLOP/s"] = 2.5 * flops / t / 1e6
     t = row.get("tilegen bwd us")
-    if isinstance(t, float):
+    if isinstance(t, float) and isinstance(row.get("flex bwd us"), float):
         row["flex / tilegen bwd"] = row["flex bwd us"] / t
         if isinstance(row.get("builtin bwd us"), float):
             row["builtin / tilegen bwd"] = row["builtin bwd us"] / t

@@ -34,8 +34,8 @@ import torch
 import triton
 
 import tilegen
-from tilegen.codegen import module_for
 from tilegen.device import device_info
+from tilegen.dispatch import launcher_for
 from tilegen.env import interpreting
 from tilegen.families import family_of
 from tilegen.families.kv_append import KVAppendSpec
@@ -97,7 +97,7 @@ def append_rows(*, kv_heads, dim, cases, max_prefix, device, on_gpu) -> list[dic
         spec = KVAppendSpec(head_dim=dim, page_size=PAGE_SIZE, dtype="bf16")
         family = family_of(spec)
         default = family.default_config(spec, device_info(), family.buckets.of(k.shape[0])).to_dict()
-        launch = module_for(spec).launch
+        launch = launcher_for(spec).jit  # through the JIT, with the compile options every launch passes
         args = (k, v, cu, cache.k_pages, cache.v_pages, cache.indptr, cache.indices, cache.last_page_len)
         k_flat = cache.k_pages.view(-1, kv_heads, dim)
         v_flat = cache.v_pages.view(-1, kv_heads, dim)

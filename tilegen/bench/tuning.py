@@ -49,6 +49,7 @@ from tilegen.cli.spec_args import presets
 from tilegen.codegen import module_for
 from tilegen.db import TuningDB
 from tilegen.device import device_info
+from tilegen.dispatch import launcher_for
 from tilegen.env import interpreting
 from tilegen.families import family_of
 from tilegen.ops.attention import prepare_call, run_with_config
@@ -230,7 +231,7 @@ def dispatch_overhead(spec, device, calls: int, repeats: int) -> dict:
     kwargs = _op_kwargs(problem)
     config = tilegen.explain(q, k, v, **kwargs).config
     call_spec, left, right, scale, softcap = prepare_call(q, k, v, scale=None, **kwargs)
-    launch = module_for(call_spec).launch
+    launch = launcher_for(call_spec).jit  # through the JIT, with the compile options every launch passes
     out = torch.empty((*q.shape[:3], call_spec.dv), device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32) if call_spec.return_lse else out
     launch_args = {"scale": scale, "softcap": softcap, "window_left": left, "window_right": right,

@@ -19,3 +19,9 @@ On a Triton whose internals are not recognised, each piece steps aside: every ke
 through the JIT, as plain Triton code would, the index is neither read nor written, the
 warm-up does nothing, and compile-ahead starts no process (saying so once in the log).
 """
+
+#: Compile options every launch of a generated kernel passes (``launch``: through the JIT or directly; compile-ahead's
+#: processes; the kernel index's records name them), so that no Triton default decides them. FMA contraction on: the
+#: shipped rows were tuned with it, Triton 3.9 warns on every launch that leaves it to the default, and Triton 3.10
+#: turns that default off (it would change the kernels' speed and rounding).
+OPTIONS = {"enable_fp_fusion": True}

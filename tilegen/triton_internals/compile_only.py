@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
-from tilegen.triton_internals import gate
-from tilegen.triton_internals.launch import OPTIONS
+from tilegen.triton_internals import OPTIONS, gate
 
 __all__ = ["KERNEL_CALLS", "always_compile", "answer_without_cuda", "enable", "support"]
 
@@ -43,7 +42,7 @@ def enable() -> None:
     def warmup_item(self, grid):
         def run(*args, **kwargs):
             KERNEL_CALLS[0] += 1
-            # With the options the launches of the worker that finds these kernels pass (launch.OPTIONS).
+            # With the options the launches of the worker that finds these kernels pass.
             return self.run(*args, grid=grid, warmup=True, **{**OPTIONS, **kwargs})
 
         return run

@@ -33,7 +33,7 @@ from typing import Any
 
 from tilegen import env
 from tilegen.files import UnsafeError, private_folder, read_private, warn_once, write_atomically
-from tilegen.triton_internals import gate
+from tilegen.triton_internals import OPTIONS, gate
 
 __all__ = ["decode", "encode", "load", "store"]
 
@@ -83,8 +83,9 @@ def _folder() -> Path | None:
 def _name(fn, device: int, fingerprint: Any) -> str:
     code = fn.fn.__code__
     source = hashlib.sha256(fn.src.encode()).hexdigest()
+    # With the compile options the launches pass: a record of a kernel compiled under others is not this one's.
     key = repr((_LAYOUT, _triton_identity(), _target(device), code.co_filename, fn.__name__, source,
-                fingerprint, _env_vars()))
+                fingerprint, _env_vars(), sorted(OPTIONS.items())))
     return f"{fn.__name__}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 

@@ -51,17 +51,12 @@ except ImportError:
     knobs = HookChain = driver = None
 
 from tilegen import env
-from tilegen.triton_internals import gate, kernel_index, warmup
+from tilegen.triton_internals import OPTIONS, gate, kernel_index, warmup
 from tilegen.triton_internals.gate import Variant
 
 __all__ = ["DirectKernel", "Launcher", "Replay", "replayable", "support"]
 
 log = logging.getLogger("tilegen.launch")
-
-#: Compile options every launch of a generated kernel passes, so that no Triton default decides them. FMA
-#: contraction on: the shipped rows were tuned with it, Triton 3.9 warns on every launch that leaves it to the
-#: default, and Triton 3.10 turns that default off (it would change the kernels' speed and rounding).
-OPTIONS = {"enable_fp_fusion": True}
 
 #: Entries kept per kernel or replay before the table starts over (shapes that never repeat
 #: would otherwise grow it without bound).
@@ -363,25 +358,25 @@ class Launcher:
     directly (``direct``, the same signature, also named ``launch``); ``replay`` makes a plan's recorder."""
 
     def __init__(self, module: types.ModuleType, direct: bool = True):
-        self.module = module
-        self.jit = module.launch
-        self.reason = support() if direct else "asked for launches through the JIT"
-        self.direct = self.jit
-        self._kernels: dict[str, DirectKernel] = {}
-        self._lock = threading.Lock()
-        self._sink: list | None = None
         from triton.runtime.jit import JITFunction
 
-        launch = self.jit
+        self.module = module
+        launch = module.launch
         names = _names(launch.__code__)  # nested code too: a kernel called from a comprehension is captured
         # Gluon kernels too (a JITFunction subclass with the same run): their launches are captured like the
         # others, and go through the JIT where no fingerprint describes their arguments.
         kernels = {name: value for name, value in vars(module).items()
                    if name in names and isinstance(value, JITFunction)}
+        # The launcher through the JIT, its kernels passing OPTIONS (the interpreter compiles nothing).
+        self.jit = launch if env.interpreting() else _rebind(
+            launch, {name: _WithOptions(kernel) for name, kernel in kernels.items()})
+        self.reason = support() if direct else "asked for launches through the JIT"
+        self.direct = self.jit
+        self._kernels: dict[str, DirectKernel] = {}
+        self._lock = threading.Lock()
+        self._sink: list | None = None
         if self.reason is not None:
             warmup.wait()  # every launch goes through the JIT, whose first call needs what the warm-up computes
-            if not env.interpreting():  # the interpreter compiles nothing
-                self.direct = _rebind(launch, {name: _WithOptions(kernel) for name, kernel in kernels.items()})
             return
         variant = gate.internals()
         for name, value in kernels.items():

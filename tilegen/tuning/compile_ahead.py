@@ -365,8 +365,8 @@ class _Bucket:
         self.index, self.problem, self._after = index, problem, after
         # The generated module, not the ops' Launcher (tilegen.dispatch.launcher_for) that the worker measures
         # through: nothing is launched here (Triton's JIT is patched to compile only, and direct launches are
-        # off), and the module's JIT launch compiles the very kernels, under the same cache keys, that the
-        # launcher's first launch of each config asks the JIT for.
+        # off), and the module's JIT launch (with the launcher's compile options: compile_only) compiles the very
+        # kernels, under the same cache keys, that the launcher's first launch of each config asks the JIT for.
         self.module = module_for(problem.spec)
         loaded = time.perf_counter()
         self.meta = self.real = None
