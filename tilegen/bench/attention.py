@@ -236,15 +236,15 @@ def bench_case(case: Case, only: set[str] | None = None, rounds: int = 1, config
     row = {"case": str(case), "seqlen": case.seqlen, "variant": case.variant, "batch": case.batch,
            "config": str(choice.config),
            "source": "default" if choice.source == "default" else f"tuned {choice.tuned_bucket}"}
-    times = {}
+    timers = {}
     for name, fn in providers.items():
         try:
             row[name] = {"rel_err": _rel_err(fn(q, k, v), ref)}
-            times[name] = []
+            timers[name] = functools.partial(_time, fn, q, k, v)
         except Exception as e:  # a peer missing on this GPU/torch is reported, not fatal
             row[name] = {"error": _error(e)}
     # With several rounds the providers take turns (take_turns); a figure is the median of its rounds.
-    times, failed = take_turns({name: functools.partial(_time, providers[name], q, k, v) for name in times}, rounds)
+    times, failed = take_turns(timers, rounds)
     for name, e in failed.items():
         row[name] = {"error": _error(e)}
     for name, rounds_ms in times.items():
