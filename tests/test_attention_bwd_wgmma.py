@@ -99,14 +99,19 @@ def test_offered_on_hopper_with_triton_36_only():
     if TRITON_36:
         assert feasible(D128, DKDV, HOPPER) is None and feasible(D128, BOTH, HOPPER) is None
         assert search_space(D128, HOPPER)["wgmma"] == [0, 1, 2, 3] and feasible(D128, WS, HOPPER) is None
-        # The default: the warp-specialized dK/dV kernel at d128 and at d64 past 2k (measured ahead at both; at d64
-        # over 128-row query blocks), the Triton kernels at d64 for a ragged batch or a score mod (not measured).
+        # The default: the warp-specialized dK/dV kernel at d128, at d64 with GQA, and at d64 multi-head past 2k
+        # (measured ahead at each; at d64 over 128-row query blocks), the Triton kernels at d64 for a ragged batch or a
+        # score mod (not measured).
         [(_, rule)] = default_rule(D128, HOPPER)
         assert rule.wgmma == 3 and feasible(D128, rule, HOPPER) is None
         d64 = D128.replace(head_dim=64)
-        [(short, triton_kernels), (longer, rule)] = default_rule(d64, HOPPER)
+        [(_, gqa_rule)] = default_rule(d64, HOPPER)
+        mha = d64.replace(q_per_kv=1)
+        [(short, triton_kernels), (longer, rule)] = default_rule(mha, HOPPER)
         assert (short, longer) == (2048, None) and not triton_kernels.wgmma  # up to 2k the Triton kernels
+        assert rule == gqa_rule
         assert (rule.wgmma, rule.block_m1) == (3, 128) and feasible(d64, rule, HOPPER) is None
+        assert feasible(mha, rule, HOPPER) is None
         for other in (d64.replace(layout="ragged"), ALIBI.replace(head_dim=64)):
             assert not any(c.wgmma for _, c in default_rule(other, HOPPER))
         # Head dims between 64 and 128 are read into 128 columns, and take d128's kernels.

@@ -244,8 +244,15 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
             # over 128 query rows a block, 2 stages, ran 325 / 384 TFLOP/s causal and 415 / 428 full, against 305 / 344
             # and 374 / 378 for the Triton kernels (64-row blocks and 3 stages: 296 / 344, 383 / 398; cuDNN 355 /
             # 431, 419 / 451). At 1k the Triton kernels led the Gluon one with dQ by reductions by 14-31% on the H200,
-            # and the 128-row one was not measured there: up to 2k they stay (BENCHMARKS.md).
-            return [(2048, triton_kernels), (None, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
+            # and the 128-row one was not measured there. Measured at 1k and 2k (an H100, backward alone, 16k tokens):
+            # with GQA 32/8 it led the Triton kernels there too (causal 238 / 292 against 233 / 276, full 367 / 395
+            # against 332 / 356), with 32/32 it trailed them at 1k (causal 210 against 235, full 322 against 330) and
+            # drew at 2k: a group's query heads share its key block's tile, multi-head calls keep the Triton kernels up
+            # to 2k (BENCHMARKS.md).
+            ws = Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
+            if spec.q_per_kv > 1:
+                return [(None, ws)]
+            return [(2048, triton_kernels), (None, ws)]
         return [(None, triton_kernels)]
     if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
         # A score mod (ALiBi, bf16, 4 x 4096, 32/8 heads, the H200, backward alone): without a mask the
