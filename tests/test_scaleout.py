@@ -46,7 +46,8 @@ _names = itertools.count()
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+           **extra}
     env.pop("TILEGEN_TUNE_INJECT", None)
     env.update(extra)
     return env

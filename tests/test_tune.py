@@ -44,8 +44,11 @@ pytestmark = pytest.mark.skipif(not device_info().is_interpreter, reason="CPU-in
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """This process's environment (interpreter, cache folder) with the checkout importable."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+    """This process's environment (interpreter, cache folder) with the checkout importable first; the rest of its
+    ``PYTHONPATH`` stays, so a subprocess imports the Triton and torch this process does (rows of another Triton
+    would be stale to the parent)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+            **extra}
 
 
 def _tune_cmd(db: Path, *args: str) -> list[str]:
