@@ -97,6 +97,42 @@ def test_library_mods_match_the_reference(name, device):
     _check(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kwargs)
 
 
+def _t5_bucket(relative_position: int, num_buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """T5's ``_relative_position_bucket`` for one offset, in Python floats, written apart from tilegen's."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if relative_position > 0 else 0
+        relative_position = abs(relative_position)
+    else:
+        relative_position = -min(relative_position, 0)
+    max_exact = num_buckets // 2
+    if relative_position < max_exact:
+        return bucket + relative_position
+    far = max_exact + int(math.log(relative_position / max_exact) / math.log(max_distance / max_exact)
+                          * (num_buckets - max_exact))
+    return bucket + min(far, num_buckets - 1)
+
+
+@pytest.mark.parametrize("num_buckets, max_distance, bidirectional", [(32, 128, True), (32, 128, False), (8, 16, True),
+                                                                       (16, 50, True), (10, 40, False)])
+def test_relative_bias_reads_t5_buckets_at_every_offset(num_buckets, max_distance, bidirectional):
+    # The mod reads buckets tabulated for offsets within max_distance: offsets far past it (and every one in
+    # between) must land where T5's formula puts them.
+    heads = 3
+    table = torch.randn(heads, num_buckets, dtype=torch.float64)
+    mod = library.relative_bias(table, num_buckets, max_distance, bidirectional)
+    positions = torch.arange(0, 1000, 7, dtype=torch.int32)
+    q_idx, kv_idx = positions[:, None], positions[None, :]
+    h = torch.arange(heads, dtype=torch.int32)[:, None, None]
+    score = torch.randn(heads, len(positions), len(positions), dtype=torch.float64)
+    got = mod(score, 0, h, q_idx, kv_idx)
+    buckets = torch.tensor([[_t5_bucket(k - q, num_buckets, max_distance, bidirectional) for k in positions.tolist()]
+                            for q in positions.tolist()])
+    assert buckets.min() == 0 and buckets.max() == num_buckets - 1  # every bucket is reached
+    assert torch.equal(got, score + table[h, buckets])
+
+
 def test_integer_floor_semantics_and_fully_masked_rows(device):
     """// and % floor as torch does on negative differences; rows the mask empties give 0 and -inf."""
 

@@ -312,7 +312,8 @@ def test_a_direct_launch_writes_every_gradient(device):
         module_for(spec).launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, acc, None, None, 33, 33,
                                 scale=D ** -0.5, softcap=0.0, window_left=66, window_right=66,
                                 block_m1=16, block_n1=32, num_warps1=4, num_stages1=1, block_m2=block, block_n2=block,
-                                num_warps2=4, num_stages2=1, atomic_dq=atomic_dq, mod_tensors=(table, *mm.tensors),
+                                num_warps2=4, num_stages2=1, atomic_dq=atomic_dq,
+                                mod_tensors=(*sm.tensors, *mm.tensors),
                                 mod_grads=[grad], mod_blocks_dkdv=tables[0], mod_blocks_dq=tables[1])
         assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
         assert grad.abs().sum() > 0
@@ -358,12 +359,13 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
     mask_mod = trace(library.document_mask(torch.zeros(64, dtype=torch.int64)), "mask_mod").canonical
     spec = AttentionBwdSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", score_mod=score_mod,
                             mask_mod=mask_mod)
-    pointers = {"sm_t0": "*fp32", "sm_t0_g": "*fp32", "mm_t0": "*i64", "RUN_COUNT": "*i32", "RUN_START": "*i32",
-                "RUN_END": "*i32", "RUN_FULL": "*i8", **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"),
+    # The bias's captured tensors: its bucket table (int32), then the learned table (its gradient sm_t1_g).
+    pointers = {"sm_t0": "*i32", "sm_t1": "*fp32", "sm_t1_g": "*fp32", "mm_t0": "*i64", "RUN_COUNT": "*i32",
+                "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8", **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"),
                 **dict.fromkeys(("DqAcc", "Delta", "Lse2"), "*fp32"),
                 **dict.fromkeys(("qk_scale", "softcap_scale", "sm_scale"), "fp32")}
     # Small tiles: a cold compile of 64x64 ones took 25-45 s, of these about 10 s (what a kernel without mods takes).
-    config = {"BLOCK_M": 32, "BLOCK_N": 32, "ATOMIC_DQ": True, "TMA": False, "SM_T0_G": True, "num_warps": 4}
+    config = {"BLOCK_M": 32, "BLOCK_N": 32, "ATOMIC_DQ": True, "TMA": False, "SM_T1_G": True, "num_warps": 4}
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "configs": [config], "kernel": "_dkdv"}
     compile_for_sm90(request, tmp_path, kernels=1)
 
