@@ -256,6 +256,20 @@ def test_import_with_replace_takes_the_files_rows_and_its_studies_trials(db, tmp
     assert [t.trial_number for t in db.trials_in_studies("other study")] == [0]
 
 
+def test_import_with_replace_keeps_the_fastest_of_the_files_own_rows_for_a_key(db, tmp_path):
+    """A file holding one key twice (exports of two re-tunes joined): the file wins over the stored row, and among its
+    own rows the faster, whichever comes last."""
+    record(db, 64, 1.0)
+    with TuningDB(tmp_path / "retune.sqlite") as retune:
+        record(retune, 64, 2.0)
+        exported = retune.export_json()
+    [row] = exported["tuned"]
+    for times in ((2.0, 3.0), (3.0, 2.0)):
+        joined = {**exported, "tuned": [{**row, "time_ms": t} for t in times]}
+        db.import_json(joined, replace=True)
+        assert {b: r.time_ms for b, r in db.best(**KEY).items()} == {64: 2.0}
+
+
 def test_import_numbers_a_rerun_studys_trials_after_the_imported_ones(db, tmp_path):
     """A study run again into a fresh file numbers its trials from 0 too: the import files its new measurements
     under the imported study, after the trials an earlier import filed there, leaves out what this database

@@ -355,7 +355,7 @@ class TuningDB:
             variant_ids = {
                 (v["spec_hash"], v["template_hash"]): _variant_id(session, **v) for v in sections["variants"]
             }
-            for entry in sections["tuned"]:
+            for entry in _fastest_per_key(sections["tuned"]) if replace else sections["tuned"]:
                 ids = _entry_ids(entry, gpu_ids, variant_ids)
                 key = dict(**ids, bucket=entry["bucket"], triton_version=entry["triton_version"])
                 values = {n: entry[n] for n in ("torch_version", "tilegen_version", "time_ms", "tflops", "gbps",
@@ -682,6 +682,18 @@ def _gpu_id(session: Session, gpu: dict[str, Any]) -> int:
             raise ValueError(f"refused tilegen export: gpus: {gpu['key']} has {field} {getattr(row, field)!r} here, "
                              f"the file claims {gpu[field]!r}")
     return row.id
+
+
+def _fastest_per_key(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fastest of an export's rows for each key, in their first order: with ``replace`` the file's rows win over
+    the stored ones, so without this the last of a key's rows (of two exports joined, say) would, whatever its
+    time."""
+    fastest: dict[tuple, dict[str, Any]] = {}
+    for entry in entries:
+        key = (entry["gpu_key"], entry["spec_hash"], entry["template_hash"], entry["bucket"], entry["triton_version"])
+        if key not in fastest or entry["time_ms"] < fastest[key]["time_ms"]:
+            fastest[key] = entry
+    return list(fastest.values())
 
 
 def _entry_ids(
