@@ -113,6 +113,38 @@ def test_the_padded_decoding_step_benchmark_runs_every_provider(monkeypatch):
     assert all(row[name] > 0 for name in ("integration", "integration-ragged", "sdpa-masked", "tilegen-dense"))
 
 
+def test_the_decode_benchmark_takes_turns_and_reports_each_providers_median(monkeypatch):
+    """The paged decode's case on the CPU (the interpreter, small heads) with --rounds: every provider that runs is
+    timed once a round, the order rotating, each GB/s from the median of its rounds; FP8 pages count their bytes."""
+    from tilegen.bench import decode as bench
+
+    monkeypatch.setattr(bench, "HQ", 4)
+    monkeypatch.setattr(bench, "HKV", 2)
+    monkeypatch.setattr(bench, "D", 16)
+    order = []
+    names = {}
+
+    def timed(fn):
+        name = names.setdefault(fn, f"p{len(names)}")
+        order.append(name)
+        return {"p0": [4.0, 1.0, 2.0]}.get(name, [1.0, 1.0, 1.0])[order.count(name) - 1]
+
+    monkeypatch.setattr(bench, "_bench", timed)
+    row = bench.case(2, 48, 16, ("fp8e4m3",), rounds=3, device="cpu")
+    assert row["rel_err"] < 1e-2 and row["dense_rel_err"] < 1e-2 and row["fp8e4m3_rel_err"] < 5e-2
+    timed_names = [n for n in ("tilegen-paged", "sdpa-flash", "sdpa-cudnn", "tilegen-paged-fp8e4m3", "tilegen-dense")
+                   if f"{n} rounds" in row]
+    assert "tilegen-paged" in timed_names and "tilegen-paged-fp8e4m3" in timed_names and "tilegen-dense" in timed_names
+    providers = len(timed_names)
+    assert len(order) == 3 * providers and order[0] != order[providers]  # each round once, the first rotating
+    gb = 2 * 2 * 2 * 48 * 16 * 2 / 1e9
+    assert row["tilegen-paged"] == pytest.approx(gb / 2.0 * 1e3)  # the median of 4, 1, 2 ms
+    assert row["tilegen-paged rounds"] == pytest.approx([gb / t * 1e3 for t in (4.0, 1.0, 2.0)])
+    assert row["tilegen-paged-fp8e4m3"] == pytest.approx(gb / 2 * 1e3)  # one byte a value, 1 ms
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "2", "--padded"])
+
+
 def test_rounds_alternate_the_providers_and_report_each_ones_median(monkeypatch):
     """With --rounds the providers of a case take turns, the order rotating, and each figure is the median of
     its rounds; a provider that fails while timed is reported as an error, not fatal."""

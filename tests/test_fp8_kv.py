@@ -342,11 +342,10 @@ def test_specs_keep_fp8_rows_apart():
 
 
 def test_bench_decode_fp8_case_and_arguments(monkeypatch, device):
-    """The benchmark's FP8 row on a small CPU case (timing stubbed): it reads FP8 bytes and agrees
-    with SDPA on the dequantized K and V; its argument checks run before any GPU work."""
+    """The benchmark's FP8 decode on a small CPU case: it reads FP8 bytes and agrees with SDPA on the dequantized
+    K and V; its argument checks run before any GPU work."""
     from tilegen.bench import decode as bench
 
-    monkeypatch.setattr(bench, "_bench", lambda fn: (fn(), 1.0)[1])
     monkeypatch.setattr(bench, "HQ", 4)
     monkeypatch.setattr(bench, "HKV", 1)
     monkeypatch.setattr(bench, "D", DIM)
@@ -357,9 +356,10 @@ def test_bench_decode_fp8_case_and_arguments(monkeypatch, device):
                                                   v[0].transpose(0, 1).reshape(3, 16, 1, DIM),
                                                   torch.tensor([[0, 1, 2]], dtype=torch.int32, device=device),
                                                   torch.tensor([48], device=device))
-    row = bench._fp8_case(q, k, v, cache, "fp8e4m3")
+    row, run, gb = bench._fp8_decode(q, k, v, cache, "fp8e4m3")
     assert row["fp8e4m3_rel_err"] < 1e-2
-    assert row["tilegen-paged-fp8e4m3"] == pytest.approx(2 * 48 * DIM / 1e9 * 1e3)  # one byte a value
+    assert gb == pytest.approx(2 * 48 * DIM / 1e9)  # one byte a value
+    assert torch.equal(run(), run())
     with pytest.raises(SystemExit):
         bench.main(["--kv-dtype", "fp4"])
     with pytest.raises(SystemExit):
