@@ -115,22 +115,34 @@ def _t5_bucket(relative_position: int, num_buckets: int, max_distance: int, bidi
 
 
 @pytest.mark.parametrize("num_buckets, max_distance, bidirectional", [(32, 128, True), (32, 128, False), (8, 16, True),
-                                                                       (16, 50, True), (10, 40, False)])
+                                                                       (16, 50, True), (10, 40, False), (7, 9, True)])
 def test_relative_bias_reads_t5_buckets_at_every_offset(num_buckets, max_distance, bidirectional):
-    # The mod reads buckets tabulated for offsets within max_distance: offsets far past it (and every one in
-    # between) must land where T5's formula puts them.
+    # The mod reads buckets tabulated for offsets within max_distance: every offset, far past it too, must land
+    # where T5's formula puts it, and the mod must read the table there.
+    offsets = torch.arange(-3 * max_distance, 3 * max_distance + 1, dtype=torch.int32)
+    expected = torch.tensor([_t5_bucket(r, num_buckets, max_distance, bidirectional) for r in offsets.tolist()])
+    assert torch.equal(library.relative_buckets(offsets, num_buckets, max_distance, bidirectional), expected)
+    assert expected.min() == 0 and expected.max() == num_buckets - 1 - (num_buckets % 2 if bidirectional else 0)
     heads = 3
     table = torch.randn(heads, num_buckets, dtype=torch.float64)
     mod = library.relative_bias(table, num_buckets, max_distance, bidirectional)
-    positions = torch.arange(0, 1000, 7, dtype=torch.int32)
-    q_idx, kv_idx = positions[:, None], positions[None, :]
+    q_idx = torch.arange(0, 2 * max_distance, dtype=torch.int32)[:, None]
+    kv_idx = torch.arange(0, 3 * max_distance, dtype=torch.int32)[None, :]
     h = torch.arange(heads, dtype=torch.int32)[:, None, None]
-    score = torch.randn(heads, len(positions), len(positions), dtype=torch.float64)
-    got = mod(score, 0, h, q_idx, kv_idx)
-    buckets = torch.tensor([[_t5_bucket(k - q, num_buckets, max_distance, bidirectional) for k in positions.tolist()]
-                            for q in positions.tolist()])
-    assert buckets.min() == 0 and buckets.max() == num_buckets - 1  # every bucket is reached
-    assert torch.equal(got, score + table[h, buckets])
+    score = torch.randn(heads, q_idx.shape[0], kv_idx.shape[1], dtype=torch.float64)
+    buckets = expected[kv_idx - q_idx + 3 * max_distance]
+    assert torch.equal(mod(score, 0, h, q_idx, kv_idx), score + table[h, buckets])
+
+
+def test_relative_bias_refuses_bad_arguments_by_name():
+    with pytest.raises(TypeError, match="relative_bias: max_distance: expected an int, got 128.0"):
+        library.relative_bias(torch.randn(2, 32), max_distance=128.0)
+    with pytest.raises(ValueError, match="relative_bias: needs num_buckets >= 4 and max_distance above"):
+        library.relative_bias(torch.randn(2, 32), max_distance=-1)
+    with pytest.raises(ValueError, match=r"relative_bias: table: expected a \[heads, num_buckets\] tensor of at least"):
+        library.relative_bias(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="relative_buckets: needs num_buckets >= 2"):
+        library.relative_buckets(torch.arange(3), 1, 16, False)
 
 
 def test_integer_floor_semantics_and_fully_masked_rows(device):

@@ -66,7 +66,8 @@ import importlib
 
 # The library's factories, imported on first use: the spec and its lowering import this package
 # (tilegen.mods.lower), and tracing brings torch.fx, which they need not load.
-_LIBRARY = ("alibi", "relative_bias", "document_mask", "prefix_lm", "sliding_window", "softcap", "causal")
+_LIBRARY = ("alibi", "relative_bias", "relative_buckets", "document_mask", "prefix_lm", "sliding_window", "softcap",
+            "causal")
 __all__ = list(_LIBRARY)
 
 

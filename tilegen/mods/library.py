@@ -30,11 +30,18 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
     The bucket is T5's (``_relative_position_bucket``): exact below half the buckets (per direction when
     bidirectional), logarithmic up to ``max_distance``, the last bucket beyond. Every distance of ``max_distance`` or
     more falls in the last bucket of its direction, so the buckets of the offsets from ``-max_distance`` to
-    ``max_distance`` are computed here once, by T5's formula on the table's device, and the mod reads them from that
-    table (captured, int32) at the offset clamped into it: per score a subtraction, a clamp and two gathers, where
-    the formula costs a logarithm, two divisions, two conversions and a dozen selects and compares (half the
-    instructions of the forward kernel, sm90 SASS).
+    ``max_distance`` are computed here once, by T5's formula (``relative_buckets``) on the table's device, and the mod
+    reads them from that int32 tensor (captured as ``buckets``) at the offset clamped into it: per score a
+    subtraction, a clamp and two gathers, where the formula costs a logarithm, two divisions, two conversions and a
+    dozen selects and compares (half the instructions of the forward kernel, sm90 SASS: docs/mods.md).
+
+    ``buckets`` stays on the device ``table`` is on when the mod is made: make the mod after moving the table (a
+    module's ``.cuda()`` moves its parameter, not ``buckets``).
     """
+    num_buckets, max_distance = _check_buckets("relative_bias", num_buckets, max_distance, bidirectional)
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < num_buckets:
+        raise ValueError(f"relative_bias: table: expected a [heads, num_buckets] tensor of at least {num_buckets} "
+                         f"buckets, got {tuple(table.shape) if isinstance(table, torch.Tensor) else type(table)}")
     buckets = relative_buckets(torch.arange(-max_distance, max_distance + 1, dtype=torch.int32, device=table.device),
                                num_buckets, max_distance, bidirectional)
 
@@ -47,11 +54,9 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
 def relative_buckets(relative: torch.Tensor, num_buckets: int = 32, max_distance: int = 128,
                      bidirectional: bool = True) -> torch.Tensor:
     """T5's bucket (int32) of each offset ``kv_idx - q_idx`` in ``relative`` (an integer tensor)."""
+    num_buckets, max_distance = _check_buckets("relative_buckets", num_buckets, max_distance, bidirectional)
     half = num_buckets // 2 if bidirectional else num_buckets
     exact = half // 2
-    if exact < 1 or max_distance <= exact:
-        raise ValueError(f"relative_bias: needs num_buckets >= {4 if bidirectional else 2} and max_distance above "
-                         f"the exact buckets ({exact}), got {num_buckets}, {max_distance}")
     if bidirectional:
         offset = (relative > 0).to(torch.int32) * half
         distance = torch.abs(relative)
@@ -62,6 +67,18 @@ def relative_buckets(relative: torch.Tensor, num_buckets: int = 32, max_distance
     log_ratio = torch.log(torch.clamp(distance, min=1).to(torch.float32) / exact) / math.log(max_distance / exact)
     far = torch.clamp(exact + (log_ratio * (half - exact)).to(torch.int32), max=half - 1)
     return (offset + torch.where(distance < exact, distance, far)).to(torch.int32)
+
+
+def _check_buckets(name: str, num_buckets, max_distance, bidirectional: bool) -> tuple[int, int]:
+    """``(num_buckets, max_distance)`` as ints, or an error naming ``name`` and the argument."""
+    for arg, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: {arg}: expected an int, got {value!r}")
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if exact < 1 or max_distance <= exact:
+        raise ValueError(f"{name}: needs num_buckets >= {4 if bidirectional else 2} and max_distance above the exact "
+                         f"buckets ({exact}), got {num_buckets}, {max_distance}")
+    return num_buckets, max_distance
 
 
 def document_mask(doc_ids: torch.Tensor):

@@ -1152,7 +1152,10 @@ def bind_traced(mods: list[TracedMod | None], device: torch.device, ranges: Call
             continue
         for name, t in zip(mod.names, mod.tensors):
             if t.device != device:
-                raise ValueError(f"{mod.kind}: captured tensor {name!r} is on {t.device}, the inputs on {device}")
+                # A tensor the mod's factory built (relative_bias's buckets) stays where it was made: name that too.
+                raise ValueError(f"{mod.kind}: captured tensor {name!r} is on {t.device}, the inputs on {device} (a "
+                                 "mod's captured tensors stay where they were when it was made: make it after moving "
+                                 "them)")
             if t.layout != torch.strided:  # a TracedMod made elsewhere than trace, or under torch.compile
                 raise ValueError(f"{mod.kind}: {_not_strided(name, t)}")
         mod.check_ranges(ranges)
