@@ -125,6 +125,23 @@ def test_offered_on_hopper_with_triton_36_only():
         assert "Triton 3.6" in feasible(D128, BOTH, HOPPER)
 
 
+@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+def test_d64_takes_the_warp_specialized_kernel_with_gqa_at_every_length_and_multi_head_past_2k(mask, monkeypatch):
+    """The rule itself, whatever Triton is installed (the Gluon kernels' availability stubbed as on Hopper with
+    Triton 3.6): measured at 1k and 2k, GQA led on the 128-row kernel and multi-head on the Triton kernels."""
+    from tilegen.families.attention_bwd import config as bwd_config
+
+    monkeypatch.setattr(bwd_config, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(bwd_config, "wgmma_unsupported", lambda spec: None)
+    gqa = AttentionBwdSpec(head_dim=64, q_per_kv=4, mask=mask, dtype="bf16")
+    [(longest, ws)] = default_rule(gqa, HOPPER)
+    assert longest is None and (ws.wgmma, ws.block_m1, ws.block_n1, ws.num_stages1) == (3, 128, 128, 2)
+    [(short, triton_kernels), (longer, rule)] = default_rule(gqa.replace(q_per_kv=1), HOPPER)
+    assert (short, longer) == (2048, None) and not triton_kernels.wgmma and rule == ws
+    for other in (gqa.replace(layout="ragged"), gqa.replace(dtype="fp32")):  # not measured: the Triton kernels
+        assert not any(c.wgmma for _, c in default_rule(other, HOPPER))
+
+
 def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch():
     atomic = Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)
     full = D128.replace(mask="none")

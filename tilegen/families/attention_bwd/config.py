@@ -236,7 +236,8 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
         return [(None, Config(32, 64, 4, 2, 64, 32, 4, 2, tma=tma))]
     if dim <= 64:
-        # The Triton kernels, but for long sequences of dense batches without a score mod on Hopper (below).
+        # The Triton kernels, but on Hopper for dense batches without a score mod: with GQA at every length,
+        # multi-head past 2k (below).
         triton_kernels = (Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma) if spec.mask == "none"
                           else Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))
         if spec.layout == "dense" and spec.score_mod is None and has_wgmma(device) and wgmma_unsupported(spec) is None:
@@ -265,8 +266,9 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None:
         # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
-        # three stages 0.5-2% ahead of two. At d64 it lost (BENCHMARKS.md). Head dims 72 ... 120, read into 128
-        # columns, take d128's configs: on an H100 d96 ran 5-22% faster than on the Triton kernels.
+        # three stages 0.5-2% ahead of two; at d64 its 64-row form lost, the 128-row one above leads (BENCHMARKS.md).
+        # Head dims 72 ... 120, read into 128 columns, take d128's configs: on an H100 d96 ran 5-22% faster than on
+        # the Triton kernels.
         if spec.mask == "none" and spec.layout == "dense":
             # Without a mask it also adds dQ by TMA reductions, five products a block pair where the dQ kernel made
             # it seven: 32/8 full 4k 465 against 425, 32/32 full 16k 473 against 453. Causal it lost (16k 366
