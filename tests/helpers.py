@@ -48,6 +48,13 @@ LAYOUTS = (
 )
 
 
+def checkout_pythonpath() -> str:
+    """``PYTHONPATH`` for a subprocess: the checkout first, then this process's own, so that it imports the torch and
+    Triton this process does (a suite run with another Triton on ``PYTHONPATH``: rows it tunes would be another
+    Triton's to the parent)."""
+    return os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH"))))
+
+
 def sizeable_weights(module: torch.nn.Module) -> None:
     """Norm weights near 1 and projections of unit gain, in place: a decoder layer whose every weight's gradient is
     sizeable, and whose output is not small beside bf16's rounding of its input (nn.Linear's init makes it so)."""

@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from helpers import checkout_pythonpath
+
 from tilegen.env import interpreting
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not interpreting(), reason="runs CPU tensors under the interpreter")
 
 
@@ -29,14 +29,14 @@ def test_a_first_call_reads_its_rows_without_importing_sqlalchemy_or_dynamo(tmp_
         assert "torch._dynamo" not in sys.modules
         """
     )
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
+    environment = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.slow
 def test_the_cold_start_benchmark_runs(tmp_path):
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
+    environment = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "TILEGEN_DB": str(tmp_path / "none.sqlite")}
     done = subprocess.run([sys.executable, "-m", "tilegen.bench.coldstart", "--runs", "1", "--ops",
                            "attention,varlen,decode"], env=environment, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

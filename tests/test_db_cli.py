@@ -18,6 +18,8 @@ import torch
 import triton
 from typer.testing import CliRunner
 
+from helpers import checkout_pythonpath
+
 from tilegen import AttentionSpec, dispatch
 from tilegen.cli import app
 from tilegen.codegen.render import template_hash
@@ -28,7 +30,6 @@ from tilegen.families.attention_fwd import FAMILY as ATTENTION_FWD
 from tilegen.families.attention_fwd import Config
 from tilegen.families.attention_fwd.reference import attention_reference
 
-REPO = Path(__file__).resolve().parents[1]
 SPEC = AttentionSpec(head_dim=64, mask="causal", dtype="fp16")
 OTHER_SPEC = AttentionSpec(head_dim=128, dtype="bf16")
 CURRENT = dict(template_hash=template_hash(ATTENTION_FWD), triton_version=triton.__version__)
@@ -363,7 +364,7 @@ def test_db_errors_end_in_one_line_and_exit_2(populated, case):
 
 
 def _tilegen(*args: str, db: Path) -> subprocess.Popen:
-    environment = {**os.environ, "PYTHONPATH": str(REPO), "TILEGEN_DB": str(db)}
+    environment = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "TILEGEN_DB": str(db)}
     return subprocess.Popen(
         [sys.executable, "-m", "tilegen", *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,

@@ -24,6 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from helpers import checkout_pythonpath
+
 import tilegen
 from tilegen import AttentionSpec, dispatch
 from tilegen.cli import app
@@ -419,7 +421,8 @@ def test_a_full_disk_during_a_tune_ends_in_one_line_and_leaves_no_trial_running(
     script = tmp_path / "full.py"
     script.write_text(_FULL)
     db = tmp_path / "t.sqlite"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FULL_TABLE": table, "FULL_AFTER": str(after), "FULL_AS": kind}
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "FULL_TABLE": table, "FULL_AFTER": str(after),
+           "FULL_AS": kind}
     done = subprocess.run([sys.executable, str(script), str(db)], capture_output=True, text=True, env=env,
                           timeout=600, cwd=tmp_path)
     assert done.returncode == 2, done.stderr

@@ -7,17 +7,17 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from helpers import checkout_pythonpath
+
 from tilegen.env import interpreting
 from tilegen.triton_internals.interpreter import mend_interpreter, patch_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (no GPU)")
 
 
@@ -80,7 +80,7 @@ def test_setting_triton_interpret_after_import_says_what_to_do():
         """
     )
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    environment["PYTHONPATH"] = str(REPO)
+    environment["PYTHONPATH"] = checkout_pythonpath()
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "TRITON_INTERPRET=1 was set after triton was imported" in done.stderr

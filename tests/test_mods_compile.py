@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import checkout_pythonpath
+
 import tilegen
 from tilegen.families import relative_error
 from tilegen.families.attention_fwd.reference import attention_reference
@@ -26,7 +28,6 @@ def test_a_process_that_first_meets_mods_under_compile_imports_their_tracing_the
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     script = """
 import sys, torch, tilegen
@@ -42,7 +43,7 @@ assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 assert "tilegen.mods.compiled" in sys.modules
 print("ok")
 """
-    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TRITON_INTERPRET": "1",
+    environment = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "TRITON_INTERPRET": "1",
                    "TILEGEN_DB": str(tmp_path / "none.sqlite")}
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import triton
 
+from helpers import checkout_pythonpath
+
 from tilegen import AttentionSpec
 from tilegen.cli.spec_args import resolve_spec
 from tilegen.codegen.render import template_hash
@@ -46,8 +48,7 @@ _names = itertools.count()
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-           **extra}
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), **extra}
     env.pop("TILEGEN_TUNE_INJECT", None)
     env.update(extra)
     return env

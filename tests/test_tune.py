@@ -27,6 +27,8 @@ import pytest
 import triton
 from typer.testing import CliRunner
 
+from helpers import checkout_pythonpath
+
 from tilegen.cli import app
 from tilegen.cli.spec_args import presets
 from tilegen.codegen.render import template_hash
@@ -47,8 +49,7 @@ def _env(**extra: str) -> dict[str, str]:
     """This process's environment (interpreter, cache folder) with the checkout importable first; the rest of its
     ``PYTHONPATH`` stays, so a subprocess imports the Triton and torch this process does (rows of another Triton
     would be stale to the parent)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-            **extra}
+    return {**os.environ, "PYTHONPATH": checkout_pythonpath(), **extra}
 
 
 def _tune_cmd(db: Path, *args: str) -> list[str]:
