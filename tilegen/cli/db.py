@@ -238,8 +238,9 @@ def import_(
         "the whole file.",
     ),
     replace: bool = typer.Option(
-        False, "--replace", help="The file's rows win whatever their times, and each study it holds trials of "
-        "replaces the stored one: for a re-tune measured another way, whose times do not compare with those here.",
+        False, "--replace", help="The file's rows win whatever their times (of its own rows for one bucket, the "
+        "fastest), and each study it holds trials of replaces the stored one: for a re-tune measured another way, "
+        "whose times do not compare with those here.",
     ),
 ) -> None:
     """Merge an export in (FILE.json `-` reads stdin): per bucket the faster config wins; trials already here

@@ -338,8 +338,9 @@ class TuningDB:
         import that took one of them had its next write refused (the tune ended, its trial lost). A trial the
         study or its imported twin already holds (the same config, status and time) is not added again; one
         whose number the imported study holds for another measurement (a study run again elsewhere) is added
-        after its last. With ``replace`` the export's rows win whatever their times (their trial counts too),
-        and each study it holds trials of loses the trials stored here first, its own and those imported: a
+        after its last. With ``replace`` the export's rows win whatever their times (their trial counts too; of
+        its own rows for one key, the fastest), and each study it holds trials of loses the trials stored here
+        first, its own and those imported: a
         re-tune whose times are not comparable with the stored ones (measured another way) replaces them, rows
         and trials alike.
         Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
