@@ -25,12 +25,12 @@ of its rounds: a drift of the GPU's clocks within a case then weighs on every pr
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import dataclasses
 import json
 import math
 import re
 import statistics
+from collections.abc import Callable
 
 import torch
 import triton

@@ -340,9 +340,8 @@ class TuningDB:
         whose number the imported study holds for another measurement (a study run again elsewhere) is added
         after its last. With ``replace`` the export's rows win whatever their times (their trial counts too; of
         its own rows for one key, the fastest), and each study it holds trials of loses the trials stored here
-        first, its own and those imported: a
-        re-tune whose times are not comparable with the stored ones (measured another way) replaces them, rows
-        and trials alike.
+        first, its own and those imported: a re-tune whose times are not comparable with the stored ones
+        (measured another way) replaces them, rows and trials alike.
         Every row is marked with ``provenance`` ("imported", or "pulled" from a server). A malformed document raises ``ValueError``
         before anything is written, as does a row that fails ``tilegen.db.validate`` (a config
         its kernel cannot run, a time that is not positive, a bucket its family never gives),

@@ -248,8 +248,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
             # and the 128-row one was not measured there. Measured at 1k and 2k (an H100, backward alone, 16k tokens):
             # with GQA 32/8 it led the Triton kernels there too (causal 238 / 292 against 233 / 276, full 367 / 395
             # against 332 / 356), with 32/32 it trailed them at 1k (causal 210 against 235, full 322 against 330) and
-            # drew at 2k: a group's query heads share its key block's tile, multi-head calls keep the Triton kernels up
-            # to 2k (BENCHMARKS.md).
+            # drew at 2k: so multi-head calls keep the Triton kernels up to 2k (BENCHMARKS.md).
             ws = Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
             if spec.q_per_kv > 1:
                 return [(None, ws)]
