@@ -361,7 +361,8 @@ def test_the_dkdv_kernel_with_mods_compiles_for_an_h200(tmp_path):
                             mask_mod=mask_mod)
     # The bias's captured tensors: its bucket table (int32), then the learned table (its gradient sm_t1_g).
     pointers = {"sm_t0": "*i32", "sm_t1": "*fp32", "sm_t1_g": "*fp32", "mm_t0": "*i64", "RUN_COUNT": "*i32",
-                "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8", **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"),
+                "RUN_START": "*i32", "RUN_END": "*i32", "RUN_FULL": "*i8",
+                **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"),
                 **dict.fromkeys(("DqAcc", "Delta", "Lse2"), "*fp32"),
                 **dict.fromkeys(("qk_scale", "softcap_scale", "sm_scale"), "fp32")}
     # Small tiles: a cold compile of 64x64 ones took 25-45 s, of these about 10 s (what a kernel without mods takes).
