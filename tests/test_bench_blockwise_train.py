@@ -40,6 +40,38 @@ def test_the_smoke_training_step_checks_tilegen_against_the_unfused_layer(tmp_pa
     assert rows["transformers"]["status"] in ("ok", "n/a")
 
 
+def test_the_training_steps_take_turns_and_report_each_providers_median(monkeypatch):
+    """With the steps stubbed: one timed step of each provider a round, the order rotating, each time the median of
+    its rounds; a provider whose timed step runs out of memory is marked so, the others still timed."""
+    order = []
+    times = {"unfused": [3.0, 1.0, 2.0], "tilegen": [5.0, 4.0, 6.0]}
+
+    def made(name, config, w, device):
+        def step(x, dout, keep=False):
+            return torch.zeros(1) if keep else None
+        step.provider = name
+        return step, {}
+
+    def timed(step, x, dout, runs):
+        order.append(step.provider)
+        if step.provider == "transformers":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return times[step.provider].pop(0)
+
+    monkeypatch.setattr(blockwise, "_train_step", made)
+    monkeypatch.setattr(blockwise, "_peak_run", lambda step, x, dout: (None, None, 0.0))
+    monkeypatch.setattr(blockwise, "_time_ms", timed)
+    monkeypatch.setattr(blockwise, "_grads", lambda x, params: {"input": torch.zeros(1)})
+    monkeypatch.setattr(blockwise, "_loss", lambda out, dout: 1.0)
+    monkeypatch.setattr(blockwise, "_errors", lambda a, b, x: (0.0, 0.0))
+    rows = blockwise.train_sweep(blockwise.SMOKE_LAYER, [8], 3, torch.device("cpu"),
+                                 ("unfused", "transformers", "tilegen"))
+    assert order == ["unfused", "transformers", "tilegen", "tilegen", "unfused", "tilegen", "unfused"]
+    by_name = {r["provider"]: r for r in rows}
+    assert by_name["unfused"]["time_ms"] == 2.0 and by_name["tilegen"]["time_ms"] == 5.0
+    assert by_name["transformers"]["status"] == "oom" and "time_ms" not in by_name["transformers"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--train"], "run it on a GPU, or pass --smoke"),
     (["--smoke", "--train", "--runs", "0"], "--runs: expected at least 1"),

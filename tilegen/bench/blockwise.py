@@ -38,8 +38,11 @@ backward), all on the same weights. A warm-up step creates the ``.grad`` buffers
 the unfused layer at the sweep's shortest length (output, input gradient and each weight gradient
 within 1e-2 relative; the loss reported, not gated: a random-signed sum can be near zero); the
 measured steps accumulate into those buffers, so the peak is above the input, ``dout``, the weights and
-their gradients. The longest trainable sequence doubles from twice the longest length until out of
-memory or ``--fit-budget-s`` (real steps: the allocation replay does not cover the backward).
+their gradients. The timed steps take turns: ``--runs`` rounds, one step of each provider a round in a rotating
+order, each time the median of its rounds (a drift of the GPU's clocks within a length weighs on every provider
+alike; the providers' weights, gradients and inputs stay allocated meanwhile). The longest trainable sequence
+doubles from twice the longest length until out of memory or ``--fit-budget-s`` (real steps: the allocation replay
+does not cover the backward).
 ``--blocks 2048,4096`` adds tilegen with each of those query blocks (``tilegen block=2048``, ...): the
 sweep behind the training forward's block cap (``tilegen.layers.train.MAX_TRAINING_BLOCK``).
 """
@@ -62,7 +65,7 @@ import torch.nn.functional as F
 import triton
 
 import tilegen
-from tilegen.bench import pyplot
+from tilegen.bench import pyplot, take_turns
 from tilegen.env import interpreting
 from tilegen.layers import LayerConfig, reference_layer
 from tilegen.layers.op import explain_layer, layer_spec
@@ -404,18 +407,21 @@ def _grads(x, params) -> dict[str, torch.Tensor]:
 
 
 def train_sweep(config, lengths, runs, device, providers=TRAIN_PROVIDERS) -> list[dict]:
-    """Per length and provider: a checked warm-up step, the measured step's peak, the median step time."""
+    """Per length and provider: a checked warm-up step and the measured step's peak; then the providers' timed steps
+    taking turns, ``runs`` rounds in a rotating order (``take_turns``: a drift of the GPU's clocks within a length
+    weighs on every provider alike), each time the median of its rounds."""
     w = _weights(config, device)
     rows, ref = [], None
     for n in lengths:
         dout = _input(config, n, device, seed=2)
+        measured = {}  # provider -> (its row, its step, its input): timed once every provider's peak is taken
+        length_rows = []
         for name in providers:
             row = {"provider": name, "tokens": n}
+            length_rows.append(row)
             made = _train_step(name, config, w, device)
             if made is None:
                 row.update(status="n/a", note="transformers is not installed")
-                rows.append(row)
-                print(json.dumps(row), flush=True)
                 continue
             step, params = made
             x = _input(config, n, device).requires_grad_()
@@ -434,20 +440,30 @@ def train_sweep(config, lengths, runs, device, providers=TRAIN_PROVIDERS) -> lis
                         row["correct"] = bool(row["error"] < TOLERANCE and max(errors.values()) < TOLERANCE)
                 out = None
                 _, peak, _ = _peak_run(step, x, dout)
-                row.update(status="ok", peak_gb=None if peak is None else peak / 1e9,
-                           time_ms=_time_ms(step, x, dout, runs))
+                row.update(status="ok", peak_gb=None if peak is None else peak / 1e9)
                 row.setdefault("correct", None)  # checked at the shortest length only
+                measured[name] = (row, step, x)
             except Exception as error:
                 if not _is_oom(error):
                     raise
                 row.update(status="oom")
+            del made, params, step, x  # a provider measured keeps its step and input in ``measured``
+            gc.collect()
+        found, failed = take_turns({name: (lambda step=step, x=x: _time_ms(step, x, dout, 1))
+                                    for name, (_, step, x) in measured.items()}, runs)
+        for name, (row, _, _) in measured.items():
+            if name in found:
+                row["time_ms"] = statistics.median(found[name])
+            elif _is_oom(failed[name]):
+                row.update(status="oom")
+            else:
+                raise failed[name]
+        for row in length_rows:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "grad_errors"}), flush=True)
             if row.get("correct") is False:
-                print(json.dumps({"provider": name, "grad_errors": row["grad_errors"]}), flush=True)
-            del step, params, made, x
-            gc.collect()
-        del dout
+                print(json.dumps({"provider": row["provider"], "grad_errors": row["grad_errors"]}), flush=True)
+        del dout, measured, found, failed
         ref = None  # checked at the shortest length only
         gc.collect()
     return rows
@@ -546,7 +562,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="write the memory plot here (default: --out with .png)")
     parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k; --train: 16k..64k)")
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median); with "
+                        "--train the providers' steps take turns, one each a round, in a rotating order")
     parser.add_argument("--fit-budget-s", type=float, default=40.0, help="fit-search seconds per provider")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
