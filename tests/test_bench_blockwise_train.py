@@ -72,6 +72,32 @@ def test_the_training_steps_take_turns_and_report_each_providers_median(monkeypa
     assert by_name["transformers"]["status"] == "oom" and "time_ms" not in by_name["transformers"]
 
 
+def test_the_inference_runs_take_turns_and_report_each_providers_median(monkeypatch):
+    """The inference sweep, its runs stubbed: one timed run of each provider a round, the order rotating."""
+    order = []
+    times = {name: [float(i + 1), 9.0, 0.5] for i, name in enumerate(blockwise.PROVIDERS)}
+
+    def provider(name, config, chunk):
+        def run(x, w):
+            return x
+        run.provider = name
+        return run
+
+    def timed(run, x, w, runs):
+        order.append(run.provider)
+        return times[run.provider].pop(0)
+
+    monkeypatch.setattr(blockwise, "_provider", provider)
+    monkeypatch.setattr(blockwise, "_peak_run", lambda run, x, w: (x, None, 0.0))
+    monkeypatch.setattr(blockwise, "_time_ms", timed)
+    names = [p for p in blockwise.PROVIDERS if p != "tilegen"]
+    monkeypatch.setattr(blockwise, "PROVIDERS", tuple(names))
+    rows = blockwise.sweep(blockwise.SMOKE_LAYER, [8], 1, 3, torch.device("cpu"))
+    k = len(names)
+    assert order == [names[(r + i) % k] for r in range(3) for i in range(k)]
+    assert [r["time_ms"] for r in rows] == [float(i + 1) for i in range(k)]  # the median of i + 1, 9 and 0.5
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--train"], "run it on a GPU, or pass --smoke"),
     (["--smoke", "--train", "--runs", "0"], "--runs: expected at least 1"),

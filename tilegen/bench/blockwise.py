@@ -13,21 +13,22 @@ RMSNorm, RoPE), bf16, causal, one sequence. Providers, each run on the same inpu
   generated blockwise FFN kernels), with the ``blockwise_layer`` family's tuned (else default)
   query block, inside which the FFN runs its own tuned (else default) fusion block.
 
-For each length of the sweep (default 4k..64k tokens): every provider's output is checked
-against the unfused one first (relative Frobenius error of the output and of the layer's own
-contribution ``out - x``, both below 1e-2); then its peak memory above the input and weights
+For each length of the sweep (default 4k..64k tokens): every provider's output is checked against
+the unfused one first (relative Frobenius error of the output and of the layer's own contribution
+``out - x``, both below 1e-2); then its peak memory above the input and weights
 (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
-before the call; the output counts) and its time (median of ``--runs`` timed runs after one
-warm-up, CUDA events). Then the longest sequence that fits: lengths double from twice the sweep's
-longest until a run fails with out-of-memory, then bisect between the longest that ran
-(``fits_up_to``) and the shortest that did not (``oom_at``) to 1/16 of the length, within
-``--fit-budget-s`` per provider. These runs replay the layer's allocations with attention's
-arithmetic skipped (a causal layer at millions of tokens takes minutes per run): every tensor is
-allocated as in a real run, so the peak is the same (``replay_check`` sets a replay's peak beside
-the real run's at the sweep's longest length); ``projected_max_tokens`` is a straight-line fit of
-peak memory against length, for comparison. Results go to
-``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default: ``--out`` with
-``.png``). Exit status 1 when tilegen's output (with ``--train``, or a gradient) disagrees.
+before the call; the output counts) and its time (median of ``--runs`` timed runs after one warm-up,
+CUDA events; the providers take turns, one run each a round in a rotating order). Then the longest
+sequence that fits: lengths double from twice the sweep's longest until a run fails with
+out-of-memory, then bisect between the longest that ran (``fits_up_to``) and the shortest that did
+not (``oom_at``) to 1/16 of the length, within ``--fit-budget-s`` per provider. These runs replay
+the layer's allocations with attention's arithmetic skipped (a causal layer at millions of tokens
+takes minutes per run): every tensor is allocated as in a real run, so the peak is the same
+(``replay_check`` sets a replay's peak beside the real run's at the sweep's longest length);
+``projected_max_tokens`` is a straight-line fit of peak memory against length, for comparison.
+Results go to ``--out`` (JSON) and a plot of peak memory against length to ``--plot`` (default:
+``--out`` with ``.png``). Exit status 1 when tilegen's output (with ``--train``, or a gradient)
+disagrees.
 
 ``--train`` measures one training step instead: forward, then backward of ``loss = (out * dout).sum()``
 (``out.backward(dout)``, ``dout`` fixed and random) to the input and every weight, at 16k, 32k and 64k
@@ -194,22 +195,25 @@ def _is_oom(error: BaseException) -> bool:
 
 
 def sweep(config, lengths, chunk, runs, device) -> list[dict]:
+    """Per length and provider: a checked warm-up run and its peak; then the providers' timed runs taking turns,
+    ``runs`` rounds in a rotating order (``take_turns``), each time the median of its rounds."""
     w = _weights(config, device)
     rows = []
     for n in lengths:
         x = _input(config, n, device)
         ref = None
+        measured = {}  # provider -> (its row, its run): timed once every provider is checked
+        length_rows = []
         for name in PROVIDERS:
             run = _provider(name, config, chunk)
             row = {"provider": name, "tokens": n}
+            length_rows.append(row)
             try:
                 out, peak, _ = _peak_run(run, x, w)  # also the warm-up (compiles the kernels)
             except Exception as error:  # a provider that fails is reported, not fatal
                 if not _is_oom(error):
                     raise
                 row.update(status="oom")
-                rows.append(row)
-                print(json.dumps(row), flush=True)
                 gc.collect()
                 continue
             if ref is None and name == "unfused":
@@ -223,15 +227,26 @@ def sweep(config, lengths, chunk, runs, device) -> list[dict]:
                 row["error"] < TOLERANCE and row["delta_error"] < TOLERANCE)
             if name != "unfused":
                 del out
-            row.update(status="ok", peak_gb=None if peak is None else peak / 1e9, time_ms=_time_ms(run, x, w, runs))
+            row.update(status="ok", peak_gb=None if peak is None else peak / 1e9)
             if name == "tilegen":
                 # The FFN is called on one query block's rows at a time: its bucket is the block's.
                 row["query_block"] = block = explain_layer(x, w, config).config.block_q
                 _, ffn_spec = layer_spec(config, DTYPE).parts()
                 row["fusion_block"] = ffn_table(ffn_spec, x.device).choose(min(block, n)).config.block_tokens
+            measured[name] = (row, run)
+        found, failed = take_turns({name: (lambda run=run: _time_ms(run, x, w, 1))
+                                    for name, (_, run) in measured.items()}, runs)
+        for name, (row, _) in measured.items():
+            if name in found:
+                row["time_ms"] = statistics.median(found[name])
+            elif _is_oom(failed[name]):
+                row.update(status="oom")
+            else:
+                raise failed[name]
+        for row in length_rows:
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del x, ref
+        del x, ref, measured, found, failed
         gc.collect()
     return rows
 
@@ -562,8 +577,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="write the memory plot here (default: --out with .png)")
     parser.add_argument("--lengths", default=None, help="comma-separated sweep lengths (default 4k..64k; --train: 16k..64k)")
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median); with "
-                        "--train the providers' steps take turns, one each a round, in a rotating order")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per provider and length (median); the "
+                        "providers take turns, one run each a round, in a rotating order")
     parser.add_argument("--fit-budget-s", type=float, default=40.0, help="fit-search seconds per provider")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that the script runs (no GPU needed)")
