@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,20 @@ def _time_ms(run, x, w, runs: int) -> float:
     return statistics.median(times)
 
 
+def _time_in_turns(measured: dict[str, tuple[dict, Callable[[], float]]], runs: int) -> None:
+    """Each provider's ``row["time_ms"]``: its timer (one run, ms) called once a round for ``runs`` rounds, the
+    providers taking turns in a rotating order (``take_turns``), the median of its rounds; a provider whose run ran
+    out of memory is marked so, any other error raised."""
+    found, failed = take_turns({name: timer for name, (_, timer) in measured.items()}, runs)
+    for name, (row, _) in measured.items():
+        if name in found:
+            row["time_ms"] = statistics.median(found[name])
+        elif _is_oom(failed[name]):
+            row.update(status="oom")
+        else:
+            raise failed[name]
+
+
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -202,7 +217,7 @@ def sweep(config, lengths, chunk, runs, device) -> list[dict]:
     for n in lengths:
         x = _input(config, n, device)
         ref = None
-        measured = {}  # provider -> (its row, its run): timed once every provider is checked
+        measured = {}  # provider -> (its row, a timed run): timed once every provider is checked
         length_rows = []
         for name in PROVIDERS:
             run = _provider(name, config, chunk)
@@ -233,20 +248,12 @@ def sweep(config, lengths, chunk, runs, device) -> list[dict]:
                 row["query_block"] = block = explain_layer(x, w, config).config.block_q
                 _, ffn_spec = layer_spec(config, DTYPE).parts()
                 row["fusion_block"] = ffn_table(ffn_spec, x.device).choose(min(block, n)).config.block_tokens
-            measured[name] = (row, run)
-        found, failed = take_turns({name: (lambda run=run: _time_ms(run, x, w, 1))
-                                    for name, (_, run) in measured.items()}, runs)
-        for name, (row, _) in measured.items():
-            if name in found:
-                row["time_ms"] = statistics.median(found[name])
-            elif _is_oom(failed[name]):
-                row.update(status="oom")
-            else:
-                raise failed[name]
+            measured[name] = (row, lambda run=run: _time_ms(run, x, w, 1))
+        _time_in_turns(measured, runs)
         for row in length_rows:
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del x, ref, measured, found, failed
+        del x, ref, measured
         gc.collect()
     return rows
 
@@ -429,7 +436,7 @@ def train_sweep(config, lengths, runs, device, providers=TRAIN_PROVIDERS) -> lis
     rows, ref = [], None
     for n in lengths:
         dout = _input(config, n, device, seed=2)
-        measured = {}  # provider -> (its row, its step, its input): timed once every provider's peak is taken
+        measured = {}  # provider -> (its row, a timed step): timed once every provider's peak is taken
         length_rows = []
         for name in providers:
             row = {"provider": name, "tokens": n}
@@ -457,28 +464,20 @@ def train_sweep(config, lengths, runs, device, providers=TRAIN_PROVIDERS) -> lis
                 _, peak, _ = _peak_run(step, x, dout)
                 row.update(status="ok", peak_gb=None if peak is None else peak / 1e9)
                 row.setdefault("correct", None)  # checked at the shortest length only
-                measured[name] = (row, step, x)
+                measured[name] = (row, lambda step=step, x=x: _time_ms(step, x, dout, 1))
             except Exception as error:
                 if not _is_oom(error):
                     raise
                 row.update(status="oom")
-            del made, params, step, x  # a provider measured keeps its step and input in ``measured``
+            del made, params, step, x  # a provider measured keeps its step and input in its timer
             gc.collect()
-        found, failed = take_turns({name: (lambda step=step, x=x: _time_ms(step, x, dout, 1))
-                                    for name, (_, step, x) in measured.items()}, runs)
-        for name, (row, _, _) in measured.items():
-            if name in found:
-                row["time_ms"] = statistics.median(found[name])
-            elif _is_oom(failed[name]):
-                row.update(status="oom")
-            else:
-                raise failed[name]
+        _time_in_turns(measured, runs)
         for row in length_rows:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "grad_errors"}), flush=True)
             if row.get("correct") is False:
                 print(json.dumps({"provider": row["provider"], "grad_errors": row["grad_errors"]}), flush=True)
-        del dout, measured, found, failed
+        del dout, measured
         ref = None  # checked at the shortest length only
         gc.collect()
     return rows
