@@ -42,8 +42,8 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] < num_buckets:
         raise ValueError(f"relative_bias: table: expected a [heads, num_buckets] tensor of at least {num_buckets} "
                          f"buckets, got {tuple(table.shape) if isinstance(table, torch.Tensor) else type(table)}")
-    buckets = relative_buckets(torch.arange(-max_distance, max_distance + 1, dtype=torch.int32, device=table.device),
-                               num_buckets, max_distance, bidirectional)
+    buckets = _buckets(torch.arange(-max_distance, max_distance + 1, dtype=torch.int32, device=table.device),
+                       num_buckets, max_distance, bidirectional)
 
     def relative_bias_mod(score, b, h, q_idx, kv_idx):
         return score + table[h, buckets[torch.clamp(kv_idx - q_idx, -max_distance, max_distance) + max_distance]]
@@ -54,7 +54,12 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
 def relative_buckets(relative: torch.Tensor, num_buckets: int = 32, max_distance: int = 128,
                      bidirectional: bool = True) -> torch.Tensor:
     """T5's bucket (int32) of each offset ``kv_idx - q_idx`` in ``relative`` (an integer tensor)."""
-    num_buckets, max_distance = _check_buckets("relative_buckets", num_buckets, max_distance, bidirectional)
+    return _buckets(relative, *_check_buckets("relative_buckets", num_buckets, max_distance, bidirectional),
+                    bidirectional)
+
+
+def _buckets(relative: torch.Tensor, num_buckets: int, max_distance: int, bidirectional: bool) -> torch.Tensor:
+    """``relative_buckets`` of arguments checked already."""
     half = num_buckets // 2 if bidirectional else num_buckets
     exact = half // 2
     if bidirectional:
