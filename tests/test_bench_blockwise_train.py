@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import checkout_pythonpath
 
 from tilegen.bench import blockwise
 
@@ -17,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": checkout_pythonpath()}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke path is the CPU interpreter's")
