@@ -74,6 +74,11 @@ def _library_cases(device):
         ("relative-bias-fp32", library.relative_bias(table, 8, 16), None, 1, 4, 2, 33, 33, torch.float32, {}),
         ("relative-bias-uni-bf16", library.relative_bias(table_uni, 8, 16, False), None, 2, 2, 2, 1, 17,
          torch.bfloat16, {}),
+        # Distances of 5 and more share a bucket: whole blocks far from the diagonal read one bias, above it and below.
+        ("relative-bias-far-blocks-fp32", library.relative_bias(table, 8, 5), None, 1, 4, 2, 100, 100, torch.float32,
+         {}),
+        ("relative-bias-far-blocks-causal-bf16", library.relative_bias(table_uni, 6, 4), None, 1, 2, 1, 70, 130,
+         torch.bfloat16, {"causal": True}),
         ("document-fp32", None, library.document_mask(docs), 1, 2, 1, 33, 33, torch.float32, {}),
         ("document-batched-bf16", None, library.document_mask(docs_batched), 2, 2, 2, 17, 17, torch.bfloat16, {}),
         ("prefix-lm-fp32", None, library.prefix_lm(prefix), 2, 2, 1, 17, 33, torch.float32, {}),
@@ -218,6 +223,79 @@ def test_varlen_applies_mods_per_sequence(dtype, device):
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse), ~seen)
     assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+def test_varlen_t5_bias_reads_one_value_in_blocks_far_from_the_diagonal(device):
+    """Sequences longer than a block and T5 buckets that end at distance 3: blocks of every sequence lie wholly past
+    the clamp on either side of the diagonal (each reads one bias), others straddle it, one sequence is empty."""
+    lengths = [100, 0, 3, 70]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lengths), heads, D, generator=gen).to(device) for heads in (4, 2, 2))
+    score_mod = library.relative_bias(torch.randn(4, 8, generator=gen).to(device), 8, 3)
+    out = torch.full_like(q, math.nan)
+    _, lse = tilegen.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), out=out, return_lse=True,
+                                      score_mod=score_mod)
+    bounds = cu.tolist()
+    ref, ref_lse = varlen_reference(q, [k[a:b] for a, b in zip(bounds, bounds[1:])],
+                                    [v[a:b] for a, b in zip(bounds, bounds[1:])], cu.cpu(), score_mod=score_mod)
+    assert not torch.isnan(out).any()
+    assert relative_error(out, ref)[0] < TOL[torch.float32]
+    seen = torch.isfinite(ref_lse)
+    assert (lse.double()[seen] - ref_lse[seen]).abs().max() < 1e-4
+
+
+def test_a_gather_through_a_clamp_of_both_positions_reads_one_value_where_the_clamp_holds_a_block():
+    """The lowering finds the gathers whose index follows the positions only through an integer clamp of both to
+    constant bounds, and reads them once per block where the block's every offset lies past a bound; a clamp of one
+    position (a row or column load already), of the score, or with bounds that cross, keeps the plain gather."""
+    from tilegen.mods.lower import _saturating_gathers, lower_mod, parse
+
+    table, wide, ends = torch.randn(4, 8), torch.randn(4, 80), torch.tensor([0, 2], dtype=torch.int32)
+    t5 = trace(library.relative_bias(table, 8, 5), "score_mod").canonical
+    assert sorted(_saturating_gathers(parse(t5)).items()) == [("v3", "v1"), ("v4", "v1")]
+    lines = lower_mod(t5, "sm").lines
+    assert "v1_below = tl.max(v0) <= -5" in lines and "v1_above = tl.min(v0) >= 5" in lines
+    assert lines.count("if v1_below | v1_above:") == 2
+
+    def one_side(score, b, h, q_idx, kv_idx):  # a bound on one side: blocks far below the diagonal
+        return score + wide[h, torch.clamp(q_idx - kv_idx, max=3) + 70]
+
+    lowered = lower_mod(trace(one_side, "score_mod").canonical, "sm").lines
+    assert any(line.startswith("if ") and "_above" in line and "_below" not in line for line in lowered)
+
+    def column(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx, 0, 7)]
+
+    def of_the_score(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp((score > 0).int() + kv_idx - q_idx, -3, 3) + 3]
+
+    def crossed(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, 3, -3) + 3]
+
+    def bound_by_a_tensor(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, ends[b], ends[b] + 5)]
+
+    for fn in (column, of_the_score, crossed, bound_by_a_tensor):
+        text = trace(fn, "score_mod").canonical
+        assert _saturating_gathers(parse(text)) == {}, fn.__name__
+        assert not any(line.startswith("if ") for line in lower_mod(text, "sm").lines), fn.__name__
+
+
+@pytest.mark.parametrize("fn", ["one_side", "crossed"])
+def test_a_clamped_gather_matches_the_reference_on_blocks_past_its_bound(fn, device):
+    """One bound only, and bounds that cross (torch's clamp then gives the upper one everywhere), on blocks far
+    from the diagonal."""
+    table = torch.randn(2, 80, generator=torch.Generator().manual_seed(6)).to(device)
+
+    def one_side(score, b, h, q_idx, kv_idx):  # q_idx - kv_idx from -69 up: the index from 1 to 73
+        return score + table[h, torch.clamp(q_idx - kv_idx, max=3) + 70]
+
+    def crossed(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, 3, -3) + 4]
+
+    q, k, v = _inputs(1, 2, 1, 90, 70, torch.float32, device)
+    _check(q, k, v, score_mod={"one_side": one_side, "crossed": crossed}[fn])
 
 
 def _spec(score_mod=None, mask_mod=None):

@@ -79,6 +79,7 @@ def _cases(device):
     slopes = torch.rand(4, generator=g).to(device).requires_grad_()
     table = torch.randn(4, 8, generator=g).to(device).requires_grad_()
     slopes2 = torch.rand(2, generator=g).to(device).requires_grad_()
+    table2 = torch.randn(2, 8, generator=g).to(device).requires_grad_()
     docs = torch.tensor([0] * 5 + [1] * 20 + [2] * 8, device=device)
     # (id, score_mod, mask_mod, captured tensors that take a gradient, batch, heads_q, heads_kv, n_q, n_k, dtype,
     # kwargs)
@@ -88,6 +89,9 @@ def _cases(device):
          [table], 1, 4, 1, 33, 33, torch.float32, {}),
         ("alibi-learned-causal-bf16", library.alibi(slopes2), None, [slopes2], 2, 2, 1, 33, 17,
          torch.bfloat16, {"causal": True}),
+        # Buckets that end at distance 3: blocks far from the diagonal read one bias, and its gradient sums there.
+        ("relative-bias-learned-far-blocks-fp32", library.relative_bias(table2, 8, 3), None, [table2], 1, 2, 1, 70, 70,
+         torch.float32, {}),
         ("prefix-lm-one-query-fp16", None, library.prefix_lm(torch.tensor([5, 0], dtype=torch.int32, device=device)),
          [], 2, 2, 2, 1, 33, torch.float16, {}),
         ("sliding-global-causal-fp32", None, library.sliding_window(4, global_tokens=2), [], 1, 2, 1, 33, 17,

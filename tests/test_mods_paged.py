@@ -46,10 +46,14 @@ def _prefill_mods(name, device):
         "alibi-causal-fp32": (library.alibi(slopes), None, True, torch.float32, None),
         "document-causal-bf16": (None, library.document_mask(docs), True, torch.bfloat16, None),
         "alibi-sliding-fp8": (library.alibi(slopes), library.sliding_window(5), False, torch.bfloat16, "e4m3"),
+        # Buckets that end at distance 2: blocks of keys far from a request's queries read one bias.
+        "t5-far-blocks-fp32": (library.relative_bias(torch.randn(4, 4, generator=gen).to(device), 4, 2), None, True,
+                               torch.float32, None),
     }[name]
 
 
-@pytest.mark.parametrize("name", ["alibi-causal-fp32", "document-causal-bf16", "alibi-sliding-fp8"])
+@pytest.mark.parametrize("name", ["alibi-causal-fp32", "document-causal-bf16", "alibi-sliding-fp8",
+                                  "t5-far-blocks-fp32"])
 def test_paged_prefill_applies_mods_at_the_queries_positions(name, device):
     score_mod, mask_mod, causal, dtype, fp8 = _prefill_mods(name, device)
     gen = torch.Generator().manual_seed(7)
@@ -98,6 +102,20 @@ def test_paged_decode_applies_mods_at_the_last_position(dtype, splits, device):
     _, lse = decode.run(q, cache, out=out)
     ref, ref_lse = paged_reference(q, cache, one_each, score_mod=score_mod, mask_mod=mask_mod, paged_positions=True)
     _check(out, lse, ref, ref_lse, dtype)
+
+
+def test_paged_decode_t5_bias_reads_one_value_in_blocks_far_from_the_query(device):
+    gen = torch.Generator().manual_seed(12)
+    cache = make_cache([1, 17, 257, 0], 16, 2, D, torch.float32, device, gen)
+    score_mod = library.relative_bias(torch.randn(8, 8, generator=gen).to(device), 8, 3)
+    q = torch.randn(cache.batch, 8, D, generator=gen).to(device)
+    decode = tilegen.PagedDecode()
+    decode.plan(cache, heads_q=8, return_lse=True, num_splits=2, q_dtype=torch.float32, score_mod=score_mod)
+    out = torch.full_like(q, math.nan)
+    _, lse = decode.run(q, cache, out=out)
+    ref, ref_lse = paged_reference(q, cache, torch.arange(cache.batch + 1, dtype=torch.int32), score_mod=score_mod,
+                                   paged_positions=True)
+    _check(out, lse, ref, ref_lse, torch.float32)
 
 
 def test_a_mod_means_the_same_in_prefill_and_decode(device):

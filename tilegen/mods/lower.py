@@ -98,6 +98,37 @@ def gathers_per_score(text: str | None) -> bool:
     return any(op == "getitem" and followed(follows, args[1:]) == {"q", "k"} for _, _, op, args in graph.values)
 
 
+def _saturating_gathers(graph: ModGraph) -> dict[str, str]:
+    """The gathers whose index follows the positions only through an integer clamp of them to constant bounds
+    (T5's ``table[h, buckets[clamp(kv_idx - q_idx, -d, d) + d]]``), each with that clamp's name: where the clamp
+    holds its operand at a bound, such a gather reads one value for the whole block."""
+    follows = positions(graph)
+    found: dict[str, str] = {}
+    for clamp, dtype, op, args in graph.values:
+        if (op != "clamp" or dtype not in _INT_RANGE or _is_number(args[0]) or follows[args[0]] != {"q", "k"}
+                or _depends_on(graph, args[0], "score") or any(not (_is_number(b) or b == "None") for b in args[1:])
+                or args[1:] == ("None", "None")
+                or ("None" not in args[1:] and number_value(args[1]) > number_value(args[2]))):
+            continue
+        held = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}), "score": frozenset({"q", "k"})}
+        for name, _, _, value_args in graph.values:
+            held[name] = frozenset() if name == clamp else followed(held, value_args)
+        for name, _, value_op, value_args in graph.values:
+            index = value_args[1:]
+            if (value_op == "getitem" and name not in found and followed(follows, index)
+                    and not followed(held, index) and any(_depends_on(graph, i, clamp) for i in index)):
+                found[name] = clamp
+    return found
+
+
+def _depends_on(graph: ModGraph, name: str, source: str) -> bool:
+    """Whether value ``name`` of the graph is computed from ``source`` (a value or a role)."""
+    if name == source:
+        return True
+    args = next((a for n, _, _, a in graph.values if n == name), ())
+    return any(_depends_on(graph, a, source) for a in args if not _is_number(a))
+
+
 def positions(graph) -> dict[str, frozenset[str]]:
     """The positions each value of a parsed mod follows: ``"q"`` (the query's), ``"k"`` (the key's), both, or
     neither (``h``, a constant). The score differs at every (query, key), as a value of both positions does."""
@@ -332,7 +363,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
     lines: list[str] = []
 
     def ref(a: str) -> str:
-        return mod_ref(a, prefix)
+        return renamed.get(a) or mod_ref(a, prefix)
 
     def converted(x: str, kind: str) -> str:
         """Operand ``x`` as torch converts it to the computation type ``kind``; a number as it is."""
@@ -397,7 +428,8 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             return kind, "float64" if kind == "float64" else "float32"  # Triton divides in float32
         return kind, kind
 
-    for name, dtype, op, args in graph.values:
+    def expression(dtype: str, op: str, args: tuple[str, ...]) -> str:
+        """The code of one value."""
         a = [ref(x) for x in args]
         if op in (*_BINARY, "neg", "abs", "minimum", "maximum", "clamp", "floordiv", "mod", "where"):
             kind = compute_dtype(op, args, dtypes, dtype)
@@ -465,8 +497,55 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             expr = f"tl.load({t} + {' + '.join(offsets)}, mask=({' & '.join(masks)}) != 0, other=0)"
         else:  # parse admits no other op
             raise AssertionError(op)
-        lines.append(f"{name} = {expr}")
+        return expr
+
+    saturating = _saturating_gathers(graph)
+    renamed: dict[str, str] = {}  # a value's code name while a clamp is held at one of its bounds
+
+    def at_bound(name: str, clamp: str, side: int) -> str:
+        """The code name of value ``name`` with clamp ``clamp`` held at its bound ``side`` (1 low, 2 high): a
+        value of the block's uniform inputs, written once above its first use."""
+        held = f"{name}_at{side}"
+        if name != clamp and not _depends_on(graph, name, clamp):
+            return ref(name)
+        if held not in emitted:
+            emitted.add(held)
+            _, dtype, op, args = values[name]
+            if name == clamp:
+                expr = f"tl.full([], {args[side]}, tl.{dtype})"
+            else:
+                held_args = {x: at_bound(x, clamp, side) for x in args if x in values}
+                saved = dict(renamed)
+                renamed.update(held_args)
+                expr = expression(dtype, op, args)
+                renamed.clear()
+                renamed.update(saved)
+            lines.append(f"{held} = {expr}")
+        return held
+
+    values = {v[0]: v for v in graph.values}
+    emitted: set[str] = set()
+    for name, dtype, op, args in graph.values:
+        if name in saturating:
+            # A block whose every score the clamp holds at one bound (T5's clamped offset, in every block farther
+            # from the diagonal than its distance) reads that bound's one value: no gather of a whole block, which
+            # Triton stages through shared memory. Blocks near the diagonal gather as before.
+            clamp = saturating[name]
+            sides = [side for side in (1, 2) if values[clamp][3][side] != "None"]
+            held = [at_bound(name, clamp, side) for side in sides]
+            value = held[0] if len(held) == 1 else f"tl.where({clamp}_below, {held[0]}, {held[1]})"
+            lines += [f"if {' | '.join(f'{clamp}_' + ('below' if side == 1 else 'above') for side in sides)}:",
+                      f"    {name} = tl.broadcast({value}, {ref(values[clamp][3][0])})[0]", "else:",
+                      f"    {name} = {expression(dtype, op, args)}"]
+        else:
+            lines.append(f"{name} = {expression(dtype, op, args)}")
         dtypes[name] = dtype
+        if name in saturating.values():
+            x, low, high = (ref(args[0]), *args[1:])
+            if low != "None":
+                lines.append(f"{name}_below = tl.max({x}) <= {low}")
+            if high != "None":
+                lines.append(f"{name}_above = tl.min({x}) >= {high}")
     result = graph.result
     if graph.kind == "score_mod":
         r = f"tl.full([], {ref(result)}, tl.float32)" if _is_number(result) else f"{ref(result)}.to(tl.float32)"
