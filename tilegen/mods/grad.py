@@ -16,7 +16,8 @@ import warnings
 
 import torch
 
-from tilegen.mods.lower import ModGraph, _is_number, followed, lower_mod, mod_ref, parse, positions
+from tilegen.mods.lower import (ModGraph, _depends_on, _is_number, _saturating_gathers, followed, lower_mod, mod_ref,
+                                parse, positions)
 
 __all__ = ["ATOMICS", "ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values",
            "warned_of_atomics"]
@@ -149,6 +150,25 @@ def _tensor_tangents(graph: ModGraph, i: int, prefix: str) -> list[tuple[str, tu
     return [(site, index, *_tangents(graph, site, f"d{site}", prefix)) for site, index in sites]
 
 
+def _element(t: str, index: list[str], one: bool) -> tuple[str, str]:
+    """The offset into captured tensor ``t``'s contiguous gradient of the element at ``index`` (code; numbers as they
+    are), and the condition that it lies inside the tensor: a scalar offset where ``one`` element takes the block's
+    sum, else a block of the scores' shape, as the atomic's pointer must be."""
+    offset, inside = "", []
+    for dim, x in enumerate(index):
+        if dim:
+            offset = f"({offset}) * {t}_n{dim} + {x}"  # int64 from the first dimension on
+        elif one:
+            offset = x if _is_number(x) else f"{x}.to(tl.int64)"
+        else:
+            offset = f"({x} + tl.zeros(ds.shape, tl.int64))"
+        if not _is_number(x):
+            inside.append(f"({x} >= 0) & ({x} < {t}_n{dim})")
+        else:  # the host refuses a constant outside the tensor (TracedMod.check_ranges)
+            inside.append(f"({x} < {t}_n{dim})")
+    return offset, " & ".join(inside)
+
+
 def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]:
     """``_score_mod_bwd``'s extra parameters (``{prefix}_tK_g, {PREFIX}_TK_G, `` per floating captured tensor: its
     fp32 gradient, contiguous, and a constexpr that says whether this call wants it) and its body."""
@@ -161,6 +181,8 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
     # Which positions each value follows: a gather at an index that follows neither (slopes[h]) reads one element
     # for a whole score block; one computed from the score (table[(score > 0).int()]) an element per score.
     follows = positions(graph)
+    saturating = _saturating_gathers(graph)
+    values = {v[0]: v for v in graph.values}
     for i in grad_tensors(text):
         t = f"{prefix}_t{i}"
         flag = f"{prefix.upper()}_T{i}_G"
@@ -173,31 +195,32 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
         for site, index, lines, d_site in passes:
             if d_site is None:
                 continue
+            block += lines
             one = not followed(follows, index)
-            offset, inside = "", []
-            for dim, x in enumerate(index):
-                x_ref = mod_ref(x, prefix)
-                # int64 from the first dimension on; per score, a block of the scores' shape, as the atomic's pointer
-                # must be.
-                if dim:
-                    offset = f"({offset}) * {t}_n{dim} + {x_ref}"
-                elif one:
-                    offset = x_ref if _is_number(x) else f"{x_ref}.to(tl.int64)"
-                else:
-                    offset = f"({x_ref} + tl.zeros(ds.shape, tl.int64))"
-                if not _is_number(x):
-                    inside.append(f"({x_ref} >= 0) & ({x_ref} < {t}_n{dim})")
-                else:  # the host refuses a constant outside the tensor (TracedMod.check_ranges)
-                    inside.append(f"({x} < {t}_n{dim})")
+            offset, inside = _element(t, [mod_ref(x, prefix) for x in index], one)
             if one:
                 # One element for the whole block: its sum in one add, not an add per score on one address.
-                block += lines + [f"tl.atomic_add({t}_g + {offset}, tl.sum(tl.where(ds != 0, ds * {d_site}, 0.0)), "
-                                  f"mask={' & '.join(inside)}, sem=\"relaxed\")"]
-            else:
-                # Element by element into the contiguous fp32 gradient, where the forward's load read the tensor;
-                # only scores the loss reaches (ds is 0 where the masks drop a score).
-                block += lines + [f"tl.atomic_add({t}_g + {offset}, ds * {d_site}, "
-                                  f"mask=({' & '.join(inside)} & (ds != 0)) != 0, sem=\"relaxed\")"]
+                block.append(f"tl.atomic_add({t}_g + {offset}, tl.sum(tl.where(ds != 0, ds * {d_site}, 0.0)), "
+                             f"mask={inside}, sem=\"relaxed\")")
+                continue
+            # Element by element into the contiguous fp32 gradient, where the forward's load read the tensor; only
+            # scores the loss reaches (ds is 0 where the masks drop a score).
+            each = (f"tl.atomic_add({t}_g + {offset}, ds * {d_site}, mask=({inside} & (ds != 0)) != 0, "
+                    f"sem=\"relaxed\")")
+            if site not in saturating:
+                block.append(each)
+                continue
+            # Where the forward read one value for the block (its clamp at a bound), the block adds into that one
+            # element: its sum in one add, not an add per score on one address.
+            clamp = saturating[site]
+            sides = [side for side in (1, 2) if values[clamp][3][side] != "None"]
+            held = [f"{x}_at{sides[0]}" if len(sides) == 1 else f"tl.where({clamp}_below, {x}_at1, {x}_at2)"
+                    if x in values and (x == clamp or _depends_on(graph, x, clamp)) else mod_ref(x, prefix)
+                    for x in index]
+            offset, inside = _element(t, held, True)
+            block += [f"if {' | '.join(f'{clamp}_' + ('below' if side == 1 else 'above') for side in sides)}:",
+                      f"    tl.atomic_add({t}_g + {offset}, tl.sum(tl.where(ds != 0, ds * {d_site}, 0.0)), "
+                      f"mask={inside}, sem=\"relaxed\")", "else:", "    " + each]
         if block:
             body += [f"if {flag}:"] + ["    " + line for line in block]
     if d_score is None:

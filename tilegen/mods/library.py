@@ -33,7 +33,8 @@ def relative_bias(table: torch.Tensor, num_buckets: int = 32, max_distance: int 
     ``max_distance`` are computed here once, by T5's formula (``relative_buckets``) on the table's device, and the mod
     reads them from that int32 tensor (captured as ``buckets``) at the offset clamped into it: per score a
     subtraction, a clamp and two gathers, where the formula costs a logarithm, two divisions, two conversions and a
-    dozen selects and compares (half the instructions of the forward kernel, sm90 SASS: docs/mods.md).
+    dozen selects and compares; and a block of scores farther from the diagonal than ``max_distance`` reads one bias
+    for the whole block (the lowering's clamped gathers, docs/mods.md).
 
     ``buckets`` stays on the device ``table`` is on when the mod is made: make the mod after moving the table (a
     module's ``.cuda()`` moves its parameter, not ``buckets``).
