@@ -276,7 +276,10 @@ def test_a_gather_through_a_clamp_of_both_positions_reads_one_value_where_the_cl
     def bound_by_a_tensor(score, b, h, q_idx, kv_idx):
         return score + table[h, torch.clamp(kv_idx - q_idx, ends[b], ends[b] + 5)]
 
-    for fn in (column, of_the_score, crossed, bound_by_a_tensor):
+    def through_a_float(score, b, h, q_idx, kv_idx):  # compiled, a block's division is approximate: gathered
+        return score + table[h, (torch.clamp(kv_idx - q_idx, 5, 40).float() / 3.0 > 1.6666666).long()]
+
+    for fn in (column, of_the_score, crossed, bound_by_a_tensor, through_a_float):
         text = trace(fn, "score_mod").canonical
         assert _saturating_gathers(parse(text)) == {}, fn.__name__
         assert not any(line.startswith("if ") for line in lower_mod(text, "sm").lines), fn.__name__

@@ -127,6 +127,21 @@ def test_every_differentiable_operation(device):
     _check_dense(score_mod, None, [scale, bias], 1, 2, 1, 17, 33, torch.float32, device)
 
 
+@pytest.mark.parametrize("side", ["upper", "lower"])
+def test_a_learned_table_read_through_a_one_sided_clamp_takes_its_gradient(side, device):
+    """One bound, with the head or a number beside the clamped offset in the index, on blocks far enough from the
+    diagonal that the clamp holds them at the bound: such a block adds its sum into one element."""
+    table = torch.randn(2, 80, generator=torch.Generator().manual_seed(8)).to(device).requires_grad_()
+
+    def upper(score, b, h, q_idx, kv_idx):  # q_idx - kv_idx from -69 on: the index from 1 to 77
+        return score + table[h, torch.clamp(q_idx - kv_idx, max=7) + 70]
+
+    def lower(score, b, h, q_idx, kv_idx):
+        return score + table[1, torch.clamp(q_idx - kv_idx, min=-7) + 7] * (h + 1)
+
+    _check_dense({"upper": upper, "lower": lower}[side], None, [table], 1, 2, 1, 70, 70, torch.float32, device)
+
+
 def test_softcap_as_a_mod_has_the_builtin_softcap_gradients(device):
     q, k, v = _leaves([(1, 2, 17, D), (1, 1, 33, D), (1, 1, 33, D)], torch.float32, device, 3)
     builtin, dout, dlse = _grads(lambda: tilegen.attention(q, k, v, softcap=2.0, scale=1.5, return_lse=True),

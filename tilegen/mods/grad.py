@@ -214,8 +214,8 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
             # element: its sum in one add, not an add per score on one address.
             clamp = saturating[site]
             sides = [side for side in (1, 2) if values[clamp][3][side] != "None"]
-            held = [f"{x}_at{sides[0]}" if len(sides) == 1 else f"tl.where({clamp}_below, {x}_at1, {x}_at2)"
-                    if x in values and (x == clamp or _depends_on(graph, x, clamp)) else mod_ref(x, prefix)
+            held = [mod_ref(x, prefix) if x not in values or not _depends_on(graph, x, clamp)
+                    else f"{x}_at{sides[0]}" if len(sides) == 1 else f"tl.where({clamp}_below, {x}_at1, {x}_at2)"
                     for x in index]
             offset, inside = _element(t, held, True)
             block += [f"if {' | '.join(f'{clamp}_' + ('below' if side == 1 else 'above') for side in sides)}:",

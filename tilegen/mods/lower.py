@@ -113,10 +113,18 @@ def _saturating_gathers(graph: ModGraph) -> dict[str, str]:
         held = {"q_idx": frozenset({"q"}), "kv_idx": frozenset({"k"}), "score": frozenset({"q", "k"})}
         for name, _, _, value_args in graph.values:
             held[name] = frozenset() if name == clamp else followed(held, value_args)
+        # Integers between the clamp and the gather: compiled, the bound's value is folded exactly, where a float
+        # operation on the block would be approximate (a division by a reciprocal) and could read another element.
+        exact = {clamp}
+        for name, value_dtype, _, value_args in graph.values:
+            below = [a for a in value_args if not _is_number(a) and _depends_on(graph, a, clamp)]
+            if name != clamp and below and all(a in exact for a in below) and value_dtype in (*_INT_RANGE, "bool"):
+                exact.add(name)
         for name, _, value_op, value_args in graph.values:
             index = value_args[1:]
             if (value_op == "getitem" and name not in found and followed(follows, index)
-                    and not followed(held, index) and any(_depends_on(graph, i, clamp) for i in index)):
+                    and not followed(held, index) and any(i in exact for i in index)
+                    and not any(_depends_on(graph, i, clamp) and i not in exact for i in index)):
                 found[name] = clamp
     return found
 
