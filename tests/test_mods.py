@@ -603,9 +603,10 @@ def test_a_gather_by_both_positions_takes_a_tile_that_fits_the_h200():
     alibi = trace(library.alibi(torch.rand(8)), "score_mod").canonical
     document = trace(library.document_mask(torch.zeros(64, dtype=torch.int32)), "mask_mod").canonical
     assert gathers_per_score(bias) and not gathers_per_score(alibi) and not gathers_per_score(document)
-    tiles = [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
-        AttentionSpec(head_dim=128, score_mod=bias), h200)]
-    assert tiles[-1] == (64, 32, 3)
+    rule = FAMILY.default_rule(AttentionSpec(head_dim=128, score_mod=bias), h200)
+    assert (rule[-1][1].block_m, rule[-1][1].block_n, rule[-1][1].num_stages, rule[-1][1].tma) == (64, 32, 3, 1)
+    a100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 85_000_000_000, 166_912)
+    assert FAMILY.default_rule(AttentionSpec(head_dim=128, score_mod=bias), a100)[-1][1].tma == 0
     assert [(c.block_m, c.block_n, c.num_stages) for _, c in FAMILY.default_rule(
         AttentionSpec(head_dim=128, score_mod=alibi), h200)][-1] != (64, 32, 3)
 

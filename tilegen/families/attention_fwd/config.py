@@ -262,8 +262,11 @@ def default_rule(spec: AttentionSpec, device: DeviceInfo) -> list[tuple[int | No
         # A gather indexed by both positions is staged through shared memory a whole score tile at a time:
         # under Triton 3.6, T5's relative bias at d128 needs 288 KiB at BM128-BN128-s3 (the H200 has 227),
         # 128 KiB at BM128-BN64-s2. Small tiles win there (bf16, 4 x 4096, 32/8 heads, d128, on the H200):
-        # BM64-BN32-w4-s3 16.2 ms, BM128-BN64-w8-s2 18.8, BM128-BN32-w4-s2 19.9, BM64-BN64-w4-s2 21.1.
-        return [(256, Config(64, 32, 4, 2)), (None, Config(64, 32, 4, 3))]
+        # BM64-BN32-w4-s3 16.2 ms, BM128-BN64-w8-s2 18.8, BM128-BN32-w4-s2 19.9, BM64-BN64-w4-s2 21.1. Once blocks
+        # past T5's max_distance read one bias (the mods' clamped gathers), K and V by TMA: on an H100 BM64-BN32-s3
+        # took 3.60 ms with TMA, and 4.79 without in runs taking turns with Flex (BM128-BN128-w8-s2 with TMA 3.77,
+        # BM128-BN64-w8-s2 4.00).
+        return [(256, Config(64, 32, 4, 2)), (None, Config(64, 32, 4, 3, int(has_tma(device))))]
     # TMA from 512 keys on: on the H200 it matched or beat pointer loads at every shape tried (d128
     # causal 1k 348 against 298 TFLOP/s, 16k 499 against 478). Up to 256 keys it was never measured;
     # small calls keep pointers in the launcher anyway (TMA_MIN_WORK), as descriptors cost host time.
