@@ -131,10 +131,18 @@ def _saturating_gathers(graph: ModGraph) -> dict[str, str]:
 
 def _depends_on(graph: ModGraph, name: str, source: str) -> bool:
     """Whether value ``name`` of the graph is computed from ``source`` (a value or a role)."""
-    if name == source:
-        return True
-    args = next((a for n, _, _, a in graph.values if n == name), ())
-    return any(_depends_on(graph, a, source) for a in args if not _is_number(a))
+    return name == source or source in _sources(graph).get(name, ())
+
+
+@functools.lru_cache(maxsize=64)
+def _sources(graph: ModGraph) -> dict[str, frozenset[str]]:
+    """Every value's transitive operands (values, roles, captured tensors), in one pass over the graph: a walk of
+    the operands per question would revisit a value once per path to it, which doubles with every reuse."""
+    found: dict[str, frozenset[str]] = {}
+    for name, _, _, args in graph.values:
+        names = [a for a in args if not _is_number(a) and a != "None"]
+        found[name] = frozenset(names).union(*(found.get(a, frozenset()) for a in names))
+    return found
 
 
 def positions(graph) -> dict[str, frozenset[str]]:
