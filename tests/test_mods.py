@@ -653,6 +653,28 @@ def test_the_mod_kernels_compile_for_an_h200(family, tmp_path):
     compile_for_sm90(request, tmp_path, kernels=1)
 
 
+def test_t5_kernels_compile_for_an_h200(tmp_path):
+    """Blocks past T5's max_distance take a branch of their own (one bias for the block, chosen by a block reduction;
+    in the backward a learned table's gradient summed per block): the sm90 compiler must accept both kernels."""
+    import json
+
+    pytest.importorskip("triton.backends.nvidia")
+    from tilegen.families.attention_bwd import AttentionBwdSpec
+
+    bias = trace(library.relative_bias(torch.randn(4, 32)), "score_mod").canonical
+    tensors = {"sm_t0": "*i32", "sm_t1": "*fp32", "qk_scale": "fp32", "softcap_scale": "fp32", "Lse": "*fp32"}
+    forward = AttentionSpec(head_dim=64, q_per_kv=2, dtype="bf16", score_mod=bias)
+    compile_for_sm90({"spec": json.loads(forward.to_json()),
+                      "pointers": {**tensors, **dict.fromkeys(("Q", "K", "V", "Out"), "*bf16")},
+                      "configs": [{"BLOCK_M": 64, "BLOCK_N": 32, "TMA": False, "num_warps": 4}]}, tmp_path, kernels=1)
+    backward = AttentionBwdSpec(head_dim=64, q_per_kv=2, mask="causal", dtype="bf16", score_mod=bias)
+    pointers = {**tensors, **dict.fromkeys(("Q", "K", "V", "dOut", "dK", "dV"), "*bf16"), "sm_t1_g": "*fp32",
+                **dict.fromkeys(("DqAcc", "Delta", "Lse2"), "*fp32"), "CuQ": "*i32", "CuK": "*i32", "sm_scale": "fp32"}
+    compile_for_sm90({"spec": json.loads(backward.to_json()), "pointers": pointers, "kernel": "_dkdv",
+                      "configs": [{"BLOCK_M": 32, "BLOCK_N": 64, "ATOMIC_DQ": False, "TMA": False, "SM_T1_G": True,
+                                   "num_warps": 4}]}, tmp_path, kernels=1)
+
+
 @pytest.mark.parametrize("name,pointers", [
     ("bool-add", {}), ("uint8-add-int8", {"sm_t0": "*u8", "sm_t1": "*i8"}), ("uint8-floordiv-int32", {"sm_t0": "*u8"}),
     ("bf16-times-int32", {"sm_t0": "*bf16"}),
