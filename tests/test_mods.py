@@ -248,7 +248,8 @@ def test_varlen_t5_bias_reads_one_value_in_blocks_far_from_the_diagonal(device):
 def test_a_gather_through_a_clamp_of_both_positions_reads_one_value_where_the_clamp_holds_a_block():
     """The lowering finds the gathers whose index follows the positions only through an integer clamp of both to
     constant bounds, and reads them once per block where the block's every offset lies past a bound; a clamp of one
-    position (a row or column load already), of the score, or with bounds that cross, keeps the plain gather."""
+    position (a row or column load already), of the score, with bounds that cross or come from a tensor, or with float
+    work between it and the gather, keeps the plain gather."""
     from tilegen.mods.lower import _saturating_gathers, lower_mod, parse
 
     table, wide, ends = torch.randn(4, 8), torch.randn(4, 80), torch.tensor([0, 2], dtype=torch.int32)
