@@ -16,8 +16,8 @@ import warnings
 
 import torch
 
-from tilegen.mods.lower import (ModGraph, _depends_on, _is_number, _saturating_gathers, followed, lower_mod, mod_ref,
-                                parse, positions)
+from tilegen.mods.lower import (ModGraph, _at_bounds, _depends_on, _is_number, _saturating_gathers, followed, lower_mod,
+                                mod_ref, parse, positions)
 
 __all__ = ["ATOMICS", "ModGradError", "check_differentiable", "grad_tensors", "lower_score_mod_grad", "mod_grad_values",
            "warned_of_atomics"]
@@ -213,12 +213,11 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
             # Where the forward read one value for the block (its clamp at a bound), the block adds into that one
             # element: its sum in one add, not an add per score on one address.
             clamp = saturating[site]
-            sides = [side for side in (1, 2) if values[clamp][3][side] != "None"]
             held = [mod_ref(x, prefix) if x not in values or not _depends_on(graph, x, clamp)
-                    else f"{x}_at{sides[0]}" if len(sides) == 1 else f"tl.where({clamp}_below, {x}_at1, {x}_at2)"
-                    for x in index]
+                    else _at_bounds(clamp, values[clamp][3], lambda side, x=x: f"{x}_at{side}")[1] for x in index]
+            condition, _ = _at_bounds(clamp, values[clamp][3], str)
             offset, inside = _element(t, held, True)
-            block += [f"if {' | '.join(f'{clamp}_' + ('below' if side == 1 else 'above') for side in sides)}:",
+            block += [f"if {condition}:",
                       f"    tl.atomic_add({t}_g + {offset}, tl.sum(tl.where(ds != 0, ds * {d_site}, 0.0)), "
                       f"mask={inside}, sem=\"relaxed\")", "else:", "    " + each]
         if block:

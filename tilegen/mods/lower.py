@@ -98,6 +98,7 @@ def gathers_per_score(text: str | None) -> bool:
     return any(op == "getitem" and followed(follows, args[1:]) == {"q", "k"} for _, _, op, args in graph.values)
 
 
+@functools.lru_cache(maxsize=64)  # asked by the forward's lowering and again by the backward's
 def _saturating_gathers(graph: ModGraph) -> dict[str, str]:
     """The gathers whose index follows the positions only through an integer clamp of them to constant bounds
     (T5's ``table[h, buckets[clamp(kv_idx - q_idx, -d, d) + d]]``), each with that clamp's name: where the clamp
@@ -127,6 +128,16 @@ def _saturating_gathers(graph: ModGraph) -> dict[str, str]:
                     and not any(_depends_on(graph, i, clamp) and i not in exact for i in index)):
                 found[name] = clamp
     return found
+
+
+def _at_bounds(clamp: str, args: tuple[str, ...], at) -> tuple[str, str]:
+    """For a saturating clamp (``_saturating_gathers``) of arguments ``args``: the condition that the block sits at one
+    of its bounds (the flags ``lower_mod`` writes after the clamp), and the value ``at(side)`` of that bound's side
+    (1 the lower, 2 the upper)."""
+    sides = [side for side in (1, 2) if args[side] != "None"]
+    held = [at(side) for side in sides]
+    value = held[0] if len(held) == 1 else f"tl.where({clamp}_below, {held[0]}, {held[1]})"
+    return " | ".join(f"{clamp}_" + ("below" if side == 1 else "above") for side in sides), value
 
 
 def _depends_on(graph: ModGraph, name: str, source: str) -> bool:
@@ -530,12 +541,10 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             if name == clamp:
                 expr = f"tl.full([], {args[side]}, tl.{dtype})"
             else:
-                held_args = {x: at_bound(x, clamp, side) for x in args if x in values}
-                saved = dict(renamed)
-                renamed.update(held_args)
+                # The operands' held values first: their own renaming is over before this one begins.
+                renamed.update({x: at_bound(x, clamp, side) for x in args if x in values})
                 expr = expression(dtype, op, args)
                 renamed.clear()
-                renamed.update(saved)
             lines.append(f"{held} = {expr}")
         return held
 
@@ -547,11 +556,8 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             # from the diagonal than its distance) reads that bound's one value: no gather of a whole block, which
             # Triton stages through shared memory. Blocks near the diagonal gather as before.
             clamp = saturating[name]
-            sides = [side for side in (1, 2) if values[clamp][3][side] != "None"]
-            held = [at_bound(name, clamp, side) for side in sides]
-            value = held[0] if len(held) == 1 else f"tl.where({clamp}_below, {held[0]}, {held[1]})"
-            lines += [f"if {' | '.join(f'{clamp}_' + ('below' if side == 1 else 'above') for side in sides)}:",
-                      f"    {name} = tl.broadcast({value}, {ref(values[clamp][3][0])})[0]", "else:",
+            condition, value = _at_bounds(clamp, values[clamp][3], lambda side: at_bound(name, clamp, side))
+            lines += [f"if {condition}:", f"    {name} = tl.broadcast({value}, {ref(values[clamp][3][0])})[0]", "else:",
                       f"    {name} = {expression(dtype, op, args)}"]
         else:
             lines.append(f"{name} = {expression(dtype, op, args)}")
