@@ -685,14 +685,15 @@ def test_varlen_gradients_match_reference(mask, device):
         check_grads(grads, refs, torch.float32, what=f"sequence {b}: ")
 
 
-def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3, tail=0):
+def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3, tail=0, window=None):
     """One direct launch of ``spec`` (ragged) with ``config`` over sequences of ``lens_q`` queries and ``lens_k``
     keys, into NaN-poisoned gradients, each sequence's rows against the float64 reference of that sequence alone.
     ``tail`` rows past the last sequence, which no sequence owns, hold NaN in Q, dO, K and V (a packed buffer's
-    unwritten capacity)."""
+    unwritten capacity). ``window``: a window spec's ``(left, right)``."""
     heads_kv, d = heads_q // spec.q_per_kv, spec.head_dim
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     causal = spec.mask == "causal"
+    masks = {"causal": causal, "window": window}
     gen = torch.Generator().manual_seed(seed)
     def packed(rows, heads):
         return torch.cat([torch.randn(rows, heads, d, generator=gen), torch.full((tail, heads, d), math.nan)])
@@ -709,12 +710,13 @@ def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, de
     out, lse = torch.zeros_like(q), torch.full((q.shape[0], heads_q), -math.inf, device=device)
     for qs, qe, ks, ke in spans:
         if qe > qs and ke > ks:
-            o, l = attention_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke), causal=causal)
+            o, l = attention_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke), **masks)
             out[qs:qe], lse[qs:qe] = o[0].transpose(0, 1).to(torch_dtype), l[0].T.float()
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
     dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=device)
-    wl, wr = launch_window(spec.mask, None, 0 if causal else None, max(lens_q), max(lens_k))
+    left, right = window if window is not None else (None, 0 if causal else None)
+    wl, wr = launch_window(spec.mask, left, right, max(lens_q), max(lens_k))
     module_for(spec).launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, dq_acc, cu_q, cu_k, max(lens_q),
                             max(lens_k), scale=d ** -0.5, softcap=0.0, window_left=wl, window_right=wr,
                             **config.to_dict())
@@ -726,11 +728,11 @@ def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, de
             assert all((g == 0).all() for g in grads[1:]), f"sequence {b}: dk, dv"
         else:
             refs = attention_backward_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke),
-                                                as_dense(dout, qs, qe), causal=causal)
+                                                as_dense(dout, qs, qe), **masks)
             check_grads(grads, refs, torch_dtype, what=f"sequence {b}: ")
 
 
-@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("mask", ["causal", "none", "window"])
 @pytest.mark.parametrize("config", [Config(16, 32, 4, 1, 32, 16, 4, 1, tma=1), Config(32, 16, 4, 1, 32, 16, 4, 1,
                                                                                      atomic_dq=1, tma=1)], ids=str)
 def test_ragged_launch_through_tma_descriptors(mask, config, device):
@@ -738,10 +740,12 @@ def test_ragged_launch_through_tma_descriptors(mask, config, device):
     sequence reads the next one's rows, or rows no sequence owns, which the masks must leave out (lengths that end
     mid-block, an empty sequence, one without keys, more keys than queries)."""
     spec = AttentionBwdSpec(head_dim=32, q_per_kv=2, mask=mask, dtype="fp32", layout="ragged")
-    ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device)
+    window = (6, 2) if mask == "window" else None
+    ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device,
+                                    window=window)
     # Rows no sequence owns hold NaN: a block reaching into them must not carry it into any gradient (0 x NaN).
     ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device,
-                                    tail=9)
+                                    tail=9, window=window)
 
 
 # --------------------------------------------------------------------------- against SDPA on a GPU

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 import triton
-from helpers import Case, compile_for_sm90, gluon_descriptor, param
+from helpers import Case, compile_for_sm90, effective_mask, gluon_descriptor, param
 from test_attention_backward import _direct_inputs, _launch, check_grads, ragged_launch_matches_reference
 
 from tilegen.codegen import module_for
@@ -50,8 +50,6 @@ ALIBI = D128.replace(score_mod=_alibi())
 
 
 @pytest.mark.parametrize("spec,reason", [
-    (AttentionBwdSpec(head_dim=128, mask="window"), "mask='window'"),
-    (AttentionBwdSpec(head_dim=128, mask="window", layout="ragged"), "mask='window'"),
     (AttentionBwdSpec(head_dim=128, softcap=True), "softcap"),
     (AttentionBwdSpec(head_dim=48), "head dims 48/48"),
     (AttentionBwdSpec(head_dim=136), "head dims 136/136: the Gluon kernels take equal ones from 64 to 128"),
@@ -125,7 +123,7 @@ def test_offered_on_hopper_with_triton_36_only():
         assert "Triton 3.6" in feasible(D128, BOTH, HOPPER)
 
 
-@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
 def test_d64_takes_the_warp_specialized_kernel_with_gqa_at_every_length_and_multi_head_past_2k(mask, monkeypatch):
     """The rule itself, whatever Triton is installed (the Gluon kernels' availability stubbed as on Hopper with
     Triton 3.6): measured at 1k and 2k, GQA led on the 128-row kernel and multi-head on the Triton kernels."""
@@ -138,8 +136,8 @@ def test_d64_takes_the_warp_specialized_kernel_with_gqa_at_every_length_and_mult
     assert longest is None and (ws.wgmma, ws.block_m1, ws.block_n1, ws.num_stages1) == (3, 128, 128, 2)
     [(short, triton_kernels), (longer, rule)] = default_rule(gqa.replace(q_per_kv=1), HOPPER)
     assert (short, longer) == (2048, None) and not triton_kernels.wgmma and rule == ws
-    for other in (gqa.replace(layout="ragged"), gqa.replace(dtype="fp32")):  # not measured: the Triton kernels
-        assert not any(c.wgmma for _, c in default_rule(other, HOPPER))
+    for other in (gqa.replace(layout="ragged"), gqa.replace(dtype="fp32"), gqa.replace(mask="window")):
+        assert not any(c.wgmma for _, c in default_rule(other, HOPPER))  # not measured: the Triton kernels
 
 
 def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch():
@@ -183,6 +181,55 @@ def test_a_score_mod_on_a_dense_batch_takes_the_gluon_kernels():
         for config in (DKDV, BOTH, WS):
             assert feasible(ALIBI, config, HOPPER) is None
         assert feasible(ALIBI.replace(mask="none"), ATOMIC_WS, HOPPER) is None
+
+
+def test_a_window_takes_the_gluon_dkdv_kernels_and_the_triton_dq_kernel():
+    window = D128.replace(mask="window")
+    assert wgmma_unsupported(window) is None and wgmma_unsupported(window.replace(layout="ragged")) is None
+    if not TRITON_36:
+        assert search_space(window, HOPPER)["wgmma"] == [0]
+        return
+    assert search_space(window, HOPPER)["wgmma"] == [0, 1, 3]
+    assert search_space(window.replace(layout="ragged"), HOPPER)["wgmma"] == [0, 3]
+    assert "a window runs the Gluon dK/dV kernels (wgmma 1 or 3) and the Triton dQ kernel" in feasible(
+        window, BOTH, HOPPER)
+    for config in (DKDV, WS, ATOMIC_WS):
+        assert feasible(window, config, HOPPER) is None
+    # Offered, not the default: not yet timed on a GPU.
+    for spec in (window, window.replace(head_dim=64), window.replace(layout="ragged"), ALIBI.replace(mask="window")):
+        assert not any(c.wgmma for _, c in default_rule(spec, HOPPER))
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+@pytest.mark.parametrize("config", [DKDV, WS], ids=str)
+def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monkeypatch):
+    """CPU tensors posing as CUDA ones, the kernels recorded, not run: the window's sides reach the Gluon dK/dV
+    kernel, and dQ is the Triton kernel's."""
+    from helpers import OnGpu
+
+    spec = D128.replace(mask="window", q_per_kv=1)
+    module = module_for(spec)
+    calls = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.setdefault(self.name, (args, kwargs))
+
+    q, k, v, out, dout, dq, dk, dv = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+                                      for _ in range(8))
+    lse, delta, lse2 = (torch.zeros(1, 2, 64).as_subclass(OnGpu) for _ in range(3))
+    for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
+        monkeypatch.setattr(module, name, Recorder(name))
+    module.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, torch.zeros(q.shape).as_subclass(OnGpu),
+                  None, None, 64, 64, scale=0.1, softcap=0.0, window_left=13, window_right=7, **config.to_dict())
+    kernel = {1: "_dkdv_wgmma", 3: "_dkdv_wgmma_ws"}[config.wgmma]
+    assert sorted(calls) == sorted(["_preprocess", kernel, "_dq"])
+    args, _ = calls[kernel]
+    at = next(i for i, a in enumerate(args) if isinstance(a, float) and a == 0.1) + 1  # after the softmax scale
+    assert args[at:at + 2] == (13, 7)
 
 
 def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
@@ -230,6 +277,11 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (D128.replace(head_dim=80, mask="none"), "_dkdv_wgmma_ws_atomic_stats", 64, 64, 3),
     (D128.replace(head_dim=96), "_dq_wgmma", 128, 64, 3),
     (ALIBI, "_dq_wgmma", 128, 64, 3),
+    # A window: the band's query blocks, masked at both edges.
+    (D128.replace(mask="window"), "_dkdv_wgmma", 128, 64, 2),
+    (D128.replace(mask="window"), "_dkdv_wgmma_ws_stats", 64, 64, 3),
+    (D128.replace(mask="window", layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
+    (ALIBI.replace(mask="window", head_dim=64), "_dkdv_wgmma_ws", 64, 64, 2),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -288,6 +340,13 @@ GPU_CASES = [
     param(Case(1000, dtype="bf16", head_dim=96, heads_q=8, heads_kv=2, causal=True)),
     param(Case(257, 300, dtype="fp16", head_dim=80, heads_q=4, heads_kv=4)),
     param(Case(1, 129, dtype="bf16", head_dim=120, heads_q=2, heads_kv=1, causal=True)),
+    # Windows: the band's query blocks masked at both edges (a causal one, Mistral's; two-sided; one side unbounded;
+    # rows that see no key).
+    param(Case(1000, dtype="bf16", head_dim=128, heads_q=4, heads_kv=1, window=(100, 0))),
+    param(Case(257, 300, dtype="fp16", head_dim=64, heads_q=4, heads_kv=2, window=(37, 5))),
+    param(Case(300, 100, dtype="bf16", head_dim=128, window=(16, 16))),
+    param(Case(1050, 900, dtype="bf16", head_dim=96, batch=2, heads_q=6, heads_kv=2, window=(None, 64))),
+    param(Case(129, 1000, dtype="bf16", head_dim=128, heads_q=8, heads_kv=2, window=(300, None))),
 ]
 
 
@@ -301,7 +360,7 @@ def test_gluon_kernels_match_reference(case, config, monkeypatch):
     if not has_wgmma(device_info(torch.cuda.current_device())):
         pytest.skip("the Gluon kernels need an sm90 GPU and Triton 3.6")
     spec = AttentionBwdSpec(head_dim=case.head_dim, q_per_kv=case.heads_q // case.heads_kv,
-                            mask="causal" if case.causal else "none", dtype=case.dtype)
+                            mask=effective_mask(case.causal, case.window), dtype=case.dtype)
     if feasible(spec, config, device_info(torch.cuda.current_device())) is not None:
         pytest.skip(feasible(spec, config, device_info(torch.cuda.current_device())))
     module = module_for(spec)
@@ -405,16 +464,16 @@ def test_a_score_mod_with_the_gluon_knob_runs_the_triton_kernels_off_the_gpu(dev
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mask,window", [("causal", None), ("none", None), ("window", (150, 0)), ("window", (40, 90))],
+                         ids=["causal", "full", "window-150-0", "window-40-90"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_ragged_batch_through_the_warp_specialized_kernel(causal, dtype, monkeypatch):
+def test_ragged_batch_through_the_warp_specialized_kernel(mask, window, dtype, monkeypatch):
     """A packed batch of odd lengths through the warp-specialized dK/dV kernel, whose tiles read past each sequence
     into the next (``ragged_launch_matches_reference``); the LSE and Delta by loads, not TMA copies (a block's rows
     past its sequence would bring the next one's)."""
     if not has_wgmma(device_info(torch.cuda.current_device())):
         pytest.skip("the Gluon kernels need an sm90 GPU and Triton 3.6")
-    spec = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal" if causal else "none", dtype=dtype,
-                            layout="ragged")
+    spec = AttentionBwdSpec(head_dim=128, q_per_kv=4, mask=mask, dtype=dtype, layout="ragged")
     module = module_for(spec)
     stats = []
     kernel = module._dkdv_wgmma_ws
@@ -424,7 +483,7 @@ def test_ragged_batch_through_the_warp_specialized_kernel(causal, dtype, monkeyp
 
     monkeypatch.setattr(module, "_dkdv_wgmma_ws", type("Spy", (), {"__getitem__": lambda self, grid: launch(grid)})())
     ragged_launch_matches_reference(spec, WS, [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7],
-                                    heads_q=8, device="cuda")
+                                    heads_q=8, device="cuda", window=window)
     assert stats == [False], "the launcher did not take the warp-specialized kernel, or took the TMA copies"
 
 

@@ -104,8 +104,11 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
 
 
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
-    # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows).
-    return [0, 3] if spec.layout == "ragged" else list(Config.choices["wgmma"])
+    # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows); a window
+    # the dK/dV kernels, its dQ by the Triton kernel.
+    if spec.layout == "ragged":
+        return [0, 3]
+    return [0, 1, 3] if spec.mask == "window" else list(Config.choices["wgmma"])
 
 
 def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
@@ -122,8 +125,6 @@ def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
         return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernels'"
     if spec.softcap:
         return "softcap: the Gluon kernels have none"
-    if spec.mask not in ("none", "causal"):
-        return f"mask={spec.mask!r}: the Gluon kernels have no window"
     if not 64 <= spec.head_dim <= 128 or spec.dv != spec.head_dim:
         # One between 64 and 128 is read into 128 columns, which TMA fills with zeros past the tensor's.
         return f"head dims {spec.head_dim}/{spec.dv}: the Gluon kernels take equal ones from 64 to 128"
@@ -148,6 +149,8 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
                "but the warp-specialized dK/dV kernel of a dense batch (wgmma=3), which may add it (atomic_dq=1)"
     if spec.layout == "ragged" and config.wgmma != 3:
         return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
+    if spec.mask == "window" and config.wgmma == 2:
+        return f"{knob}: a window runs the Gluon dK/dV kernels (wgmma 1 or 3) and the Triton dQ kernel"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
         return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
                f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
@@ -231,6 +234,9 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     # TMA for the streamed blocks lifted every cell of the issue's grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
     tma = int(has_tma(device))
+    # A window's Gluon dK/dV kernels are the tuner's to choose (it checks every candidate before timing it); its
+    # default keeps the Triton kernels, the Gluon ones not yet timed on a GPU.
+    gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and spec.mask != "window"
     if _gathers(spec):
         # T5's relative bias (bf16, 4 x 4096, 32/8 heads, d128, the H200): M32-N64 dK/dV and M64-N32 dQ with 4 warps
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
@@ -240,7 +246,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # multi-head past 2k (below).
         triton_kernels = (Config(64, 64, 4, 3, 128, 64, 8, 3, tma=tma) if spec.mask == "none"
                           else Config(64, 64, 4, 3, 64, 64, 4, 3, tma=tma))
-        if spec.layout == "dense" and spec.score_mod is None and has_wgmma(device) and wgmma_unsupported(spec) is None:
+        if spec.layout == "dense" and spec.score_mod is None and gluon:
             # d64 (bf16, 32/8 heads, 4k and 16k, an H100, backward alone): the warp-specialized Gluon dK/dV kernel
             # over 128 query rows a block, 2 stages, ran 325 / 384 TFLOP/s causal and 415 / 428 full, against 305 / 344
             # and 374 / 378 for the Triton kernels (64-row blocks and 3 stages: 296 / 344, 383 / 398; cuDNN 355 /
@@ -254,7 +260,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
                 return [(None, ws)]
             return [(2048, triton_kernels), (None, ws)]
         return [(None, triton_kernels)]
-    if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None and spec.score_mod is not None:
+    if dim > 64 and gluon and spec.score_mod is not None:
         # A score mod (ALiBi, bf16, 4 x 4096, 32/8 heads, the H200, backward alone): without a mask the
         # warp-specialized kernel adding dQ by TMA reductions 6.25 ms against 7.05 for it with the dQ kernel and 6.53
         # for the Triton kernels' default; causal the warp-specialized kernel 3.90 ms against 4.76 (BENCHMARKS.md).
@@ -262,7 +268,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         if spec.mask == "none":
             return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
         return [(None, Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3))]
-    if dim > 64 and has_wgmma(device) and wgmma_unsupported(spec) is None:
+    if dim > 64 and gluon:
         # The warp-specialized Gluon dK/dV kernel (bf16, 16k tokens, on the H200): d128 causal 1k 259 TFLOP/s
         # against 250 for the Triton kernels, causal 16k 433 against 419, GQA 32/8 full 4k 423 against 416;
         # three stages 0.5-2% ahead of two; at d64 its 64-row form lost, the 128-row one above leads (BENCHMARKS.md).
