@@ -200,15 +200,9 @@ def test_a_window_runs_the_gluon_dkdv_kernels_and_the_triton_dq_kernel_when_forc
     assert feasible(window.replace(layout="ragged"), WS, HOPPER) is None
 
 
-@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
-@pytest.mark.parametrize("config", [DKDV, WS], ids=str)
-def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monkeypatch):
-    """CPU tensors posing as CUDA ones, the kernels recorded, not run: the window's sides reach the Gluon dK/dV
-    kernel, and dQ is the Triton kernel's."""
-    from helpers import OnGpu
-
-    spec = D128.replace(mask="window", q_per_kv=1)
-    module = module_for(spec)
+def _record_launches(module, monkeypatch) -> dict:
+    """Every kernel of the backward's ``module`` replaced by a recorder: ``calls[name]`` is the first launch's
+    ``(args, kwargs)``, and nothing runs."""
     calls = {}
 
     class Recorder:
@@ -218,11 +212,24 @@ def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monk
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.setdefault(self.name, (args, kwargs))
 
+    for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
+        monkeypatch.setattr(module, name, Recorder(name))
+    return calls
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+@pytest.mark.parametrize("config", [DKDV, WS], ids=str)
+def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monkeypatch):
+    """CPU tensors posing as CUDA ones, the kernels recorded, not run: the window's sides reach the Gluon dK/dV
+    kernel, and dQ is the Triton kernel's."""
+    from helpers import OnGpu
+
+    spec = D128.replace(mask="window", q_per_kv=1)
+    module = module_for(spec)
     q, k, v, out, dout, dq, dk, dv = (torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
                                       for _ in range(8))
     lse, delta, lse2 = (torch.zeros(1, 2, 64).as_subclass(OnGpu) for _ in range(3))
-    for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
-        monkeypatch.setattr(module, name, Recorder(name))
+    calls = _record_launches(module, monkeypatch)
     module.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, torch.zeros(q.shape).as_subclass(OnGpu),
                   None, None, 64, 64, scale=0.1, softcap=0.0, window_left=13, window_right=7, **config.to_dict())
     kernel = {1: "_dkdv_wgmma", 3: "_dkdv_wgmma_ws"}[config.wgmma]
@@ -504,15 +511,6 @@ def test_the_lse_goes_by_tma_only_where_it_is_addressed_as_the_kernels_address_i
 
     spec = AttentionBwdSpec(head_dim=128, q_per_kv=1, mask="causal", dtype="bf16")
     module = module_for(spec)
-    calls = {}
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.setdefault(self.name, kwargs)
-
     lse = torch.zeros(lse_shape)
     if lse_view == "transposed":
         lse = lse.transpose(1, 2)  # [2, 4, 64] stored head-last
@@ -524,9 +522,8 @@ def test_the_lse_goes_by_tma_only_where_it_is_addressed_as_the_kernels_address_i
     scratch = [torch.empty(lse.shape).as_subclass(OnGpu) for _ in range(2)]  # contiguous, as plain callers make it
     if lse_view != "transposed":
         scratch = [torch.empty_like(lse).as_subclass(OnGpu) for _ in range(2)]
-    for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
-        monkeypatch.setattr(module, name, Recorder(name))
+    calls = _record_launches(module, monkeypatch)
     module.launch(q, k, v, out, dout, lse.as_subclass(OnGpu), None, dq, dk, dv, *scratch,
                   torch.zeros(q.shape).as_subclass(OnGpu), None, None, n_q, n_q, scale=0.1, softcap=0.0,
                   window_left=-1, window_right=0, **WS.to_dict())
-    assert calls["_dkdv_wgmma_ws"]["STATS"] is stats
+    assert calls["_dkdv_wgmma_ws"][1]["STATS"] is stats
