@@ -151,7 +151,7 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
     if spec.layout == "ragged" and config.wgmma != 3:
         return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if spec.mask == "window" and config.wgmma == 2:
-        return f"{knob}: a window runs the Gluon dK/dV kernels (wgmma 1 or 3) and the Triton dQ kernel"
+        return f"{knob}: a window has no Gluon dQ kernel (wgmma 1 or 3 run its Gluon dK/dV kernels)"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
         return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
                f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
