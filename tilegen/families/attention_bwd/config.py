@@ -104,8 +104,8 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
 
 
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
-    # A window's Gluon dK/dV kernels compile for sm90 but have not run on a GPU yet (their GPU tests, and
-    # .gpu-style timings, are owed): a forced config runs them, the search does not offer them.
+    # A window's Gluon dK/dV kernels compile for sm90 but have not run on a GPU yet (their GPU tests and timings are
+    # owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them, the search does not offer them.
     if spec.mask == "window":
         return [0]
     # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows).
