@@ -369,6 +369,8 @@ def test_the_tuning_benchmark_makes_its_out_folder(tmp_path, monkeypatch):
     ("mods", ["--mods", "alibi,alibbi"], "--mods: unknown alibbi; expected names from alibi, alibi+causal"),
     ("mods", ["--configs", "{"], "--configs: expected a JSON list of knob objects, got invalid JSON"),
     ("mods", ["--configs", "[1]"], "--configs: expected a JSON list of knob objects"),
+    ("mods", ["--head-dim", "100"], "--head-dim: expected a multiple of 8 from 16 to 256, got 100"),
+    ("mods", ["--head-dim", "264"], "--head-dim: expected a multiple of 8 from 16 to 256, got 264"),
 ])
 def test_a_gpu_benchmark_checks_its_flags_before_any_gpu_work(name, args, message):
     result = runner.invoke(app, ["bench", name, *args])

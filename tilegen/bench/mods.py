@@ -4,10 +4,11 @@ FlexAttention with the same mod, and against tilegen's built-in variant where on
     python -m tilegen.bench.mods --out mods.json
     python -m tilegen.bench.mods --backward --out mods.json --plot mods.png
     python -m tilegen.bench.mods --mods alibi,alibi+causal --seqlen 16384
+    python -m tilegen.bench.mods --mods window-1024 --backward --head-dim 64
     python -m tilegen.bench.mods --backward --rounds 3   # each figure the median of 3 rounds, providers taking turns
     python -m tilegen.bench.mods --mods alibi --configs '[{"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2, "tma": 1, "wgmma": 2}]'
 
-bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128; the forward,
+bf16, batch x 4096 tokens (16k tokens per call), 32 query / 8 KV heads, head dim 128 (``--head-dim``); the forward,
 and with ``--backward`` the backward alone too (``torch.autograd.grad(out, (q, k, v), dout)`` after one
 forward, for every provider; 2.5 times the forward's FLOPs), each provider's gradients checked against
 FlexAttention's first. Each mod of ``tilegen.mods`` (ALiBi, T5 relative bias,
@@ -290,7 +291,7 @@ def plot(rows: list[dict], path: str) -> str | None:
 
 def main(argv=None) -> None:
     # Every helper reads the shape from these module globals: one shape a run.
-    global B, N
+    global B, N, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mods", default="", help="comma-separated names (default: every one)")
     parser.add_argument("--backward", action="store_true", help="also time each provider's backward alone")
@@ -304,6 +305,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seqlen", type=int, default=N,
                         help=f"tokens per sequence, the batch {B * N} // seqlen (default {N}; the documents and prefixes "
                              "scale with it)")
+    parser.add_argument("--head-dim", type=int, default=D,
+                        help=f"head dim of Q, K and V: a multiple of 8 from 16 to 256 (default {D})")
     parser.add_argument("--rounds", type=int, default=1, help="time the providers of a mod in this many rounds, "
                         "taking turns in a rotating order; each figure the median of its rounds (default 1)")
     args = parser.parse_args(argv)
@@ -322,8 +325,10 @@ def main(argv=None) -> None:
             parser.error("--configs: expected a JSON list of knob objects ([{\"block_m\": 128, ...}, ...])")
     if args.seqlen < 1 or args.seqlen > B * N:
         parser.error(f"--seqlen: expected 1 to {B * N}, got {args.seqlen}")
+    if not 16 <= args.head_dim <= 256 or args.head_dim % 8:
+        parser.error(f"--head-dim: expected a multiple of 8 from 16 to 256, got {args.head_dim}")
     require_gpu("tilegen.bench.mods")
-    B, N = B * N // args.seqlen, args.seqlen
+    B, N, D = B * N // args.seqlen, args.seqlen, args.head_dim
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(B, HQ, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.bfloat16, generator=gen)
