@@ -49,6 +49,16 @@ def _alibi(heads: int = 8) -> str:
 ALIBI = D128.replace(score_mod=_alibi())
 
 
+def _document() -> str:
+    from tilegen.mods import library
+    from tilegen.mods.trace import trace
+
+    return trace(library.document_mask(torch.zeros(2, 64, dtype=torch.int32)), "mask_mod").canonical
+
+
+DOCUMENT = D128.replace(mask="none", mask_mod=_document())
+
+
 @pytest.mark.parametrize("spec,reason", [
     (AttentionBwdSpec(head_dim=128, softcap=True), "softcap"),
     (AttentionBwdSpec(head_dim=48), "head dims 48/48"),
@@ -159,8 +169,8 @@ def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch
 def test_a_score_mod_on_a_dense_batch_takes_the_gluon_kernels():
     """A score mod runs in the Gluon kernels (its scores and its derivative, as the Triton kernels apply them), by
     default on Hopper with Triton 3.6 (the warp-specialized kernel; adding dQ by TMA reductions without a mask), and
-    in every Gluon config the tuner may choose. A ragged batch, a mask mod and a gather by both positions stay the
-    Triton kernels'."""
+    in every Gluon config the tuner may choose. A ragged batch, a mask mod beside causal and a gather by both
+    positions stay the Triton kernels'."""
     from tilegen.mods import library
     from tilegen.mods.trace import trace
 
@@ -213,7 +223,8 @@ def _record_launches(module, monkeypatch) -> dict:
             return lambda *args, **kwargs: calls.setdefault(self.name, (args, kwargs))
 
     for name in ("_preprocess", "_dkdv_wgmma_ws", "_dkdv", "_dq", "_dq_scale", "_dkdv_wgmma", "_dq_wgmma"):
-        monkeypatch.setattr(module, name, Recorder(name))
+        if hasattr(module, name):  # a mask mod's module has no one-partition Gluon kernels
+            monkeypatch.setattr(module, name, Recorder(name))
     return calls
 
 
@@ -237,6 +248,41 @@ def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monk
     args, _ = calls[kernel]
     at = next(i for i, a in enumerate(args) if isinstance(a, float) and a == 0.1) + 1  # after the softmax scale
     assert args[at:at + 2] == (13, 7)
+
+
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+@pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "dq-reductions"])
+def test_a_mask_mods_launch_passes_its_block_table_to_the_warp_specialized_kernel(atomic, monkeypatch):
+    """CPU tensors posing as CUDA ones, the kernels recorded, not run: the mod's captured tensor and its transposed
+    table reach the warp-specialized dK/dV kernel; dQ is the Triton kernel's on the forward's table, or the
+    reductions'."""
+    from helpers import OnGpu
+
+    from tilegen.mods.blocks import block_table
+
+    spec = DOCUMENT.replace(q_per_kv=1)
+    config = ATOMIC_WS if atomic else WS
+    module = module_for(spec)
+    q, k, v, out, dout, dq, dk, dv = (torch.zeros(2, 2, 256, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+                                      for _ in range(8))
+    lse, delta, lse2 = (torch.zeros(2, 2, 256).as_subclass(OnGpu) for _ in range(3))
+    docs = (torch.arange(256) // 100).repeat(2, 1).to(torch.int32)
+    tables = [block_table(spec.mask_mod, [docs], 2, 2, 256, 256, m, n, "cpu", transposed)
+              for m, n, transposed in ((config.block_m1, config.block_n1, True),
+                                       (config.block_m2, config.block_n2, False))]
+    calls = _record_launches(module, monkeypatch)
+    module.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, torch.zeros(q.shape).as_subclass(OnGpu),
+                  None, None, 256, 256, scale=0.1, softcap=0.0, window_left=0, window_right=0,
+                  mod_tensors=[docs], mod_grads=[], mod_blocks_dkdv=tables[0],
+                  mod_blocks_dq=None if atomic else tables[1], **config.to_dict())
+    assert sorted(calls) == sorted(["_preprocess", "_dkdv_wgmma_ws"] + (["_dq_scale"] if atomic else ["_dq"]))
+    args, kwargs = calls["_dkdv_wgmma_ws"]
+    at = next(i for i, a in enumerate(args) if a is docs)
+    assert args[at:at + 5] == (docs, *docs.stride(), *docs.shape)
+    listed = args[at + 5:at + 11]
+    assert listed[0] is tables[0].count and listed[1] is tables[0].indices and listed[2] is tables[0].full
+    assert listed[3:] == (tables[0].stride_b, tables[0].stride_h, tables[0].indices.shape[1])
+    assert kwargs["ATOMIC_DQ"] == atomic
 
 
 def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
@@ -289,6 +335,10 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (D128.replace(mask="window"), "_dkdv_wgmma_ws_stats", 64, 64, 3),
     (D128.replace(mask="window", layout="ragged"), "_dkdv_wgmma_ws", 64, 64, 3),
     (ALIBI.replace(mask="window", head_dim=64), "_dkdv_wgmma_ws", 64, 64, 2),
+    # A mask mod: its block table's query blocks, the mod evaluated in those it does not keep whole.
+    (DOCUMENT, "_dkdv_wgmma_ws_stats", 64, 64, 3),
+    (DOCUMENT.replace(q_per_kv=1), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
+    (DOCUMENT.replace(head_dim=64), "_dkdv_wgmma_ws", 64, 128, 2),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -324,7 +374,9 @@ def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed,
                     "dQ": f"*{dt}"}
         blocks = {"BLOCK_M": held, "BLOCK_N": streamed}
     pointers.update({"Delta": "*fp32", "Lse2": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32", "CuQ": "*i32",
-                     "CuK": "*i32", "sm_t0": "*fp32"})  # the ALiBi slopes (an argument of the mod's kernels only)
+                     "CuK": "*i32", "sm_t0": "*fp32",  # the ALiBi slopes (an argument of the mod's kernels only)
+                     # the document ids, and the mask mod's block table
+                     "mm_t0": "*i32", "BlkCount": "*i32", "BlkIndex": "*i32", "BlkFull": "*i8"})
     request = {"spec": json.loads(spec.to_json()), "pointers": pointers, "kernel": kernel, "ptxas": True,
                "configs": [{**blocks, "STAGES": stages, "num_warps": 4 if kernel.endswith("_ws") else held // 16}]}
     out = compile_for_sm90(request, tmp_path, kernels=1)
@@ -409,10 +461,11 @@ def test_a_score_mod_through_the_gluon_kernels(config, mask, grads, monkeypatch,
     assert runs == (["_dkdv"] if grads else gluon), runs
 
 
-def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) -> list[str]:
+def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path, mod=("score_mod", "make_alibi"),
+                                    n: int = 1024) -> list[str]:
     """One trial of the tuner's (``Problem``: NaN-poisoned gradients, checked against the reference's autograd
-    through the mod) of an ALiBi spec with ``config``; with ``grads``, a gradient wanted for the slopes. Returns the
-    kernels the launcher ran."""
+    through the mod) of an ALiBi spec with ``config``; with ``grads``, a gradient wanted for the slopes. ``mod``
+    names another (kind, factory of test_mods_tune's MODS). Returns the kernels the launcher ran."""
     import json
     import types
 
@@ -425,8 +478,9 @@ def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) 
     # The tuner finds a mod by import path: the tuning tests' ALiBi factory.
     (tmp_path / "tune_mods.py").write_text(MODS)
     _importable(tmp_path, monkeypatch)
-    monkeypatch.setenv(sources.ENV, json.dumps({"score_mod": "tune_mods:make_alibi"}))
-    spec = D128.replace(mask=mask, score_mod=sources.canonical_text("tune_mods:make_alibi", "score_mod"))
+    kind, path = mod[0], f"tune_mods:{mod[1]}"
+    monkeypatch.setenv(sources.ENV, json.dumps({kind: path}))
+    spec = D128.replace(mask=mask, **{kind: sources.canonical_text(path, kind)})
     module = module_for(spec)
     # The spies see launches through the JIT: a direct launch calls the compiled kernel past the module's names
     # (on the GPU; the interpreter launches through the JIT anyway).
@@ -439,10 +493,10 @@ def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) 
                                runs.append(name) or kernel[grid]})
         monkeypatch.setattr(module, name, spy())
     on_gpu = torch.cuda.is_available()
-    problem = Problem.for_bucket(spec, 1024, on_gpu=on_gpu, batch=2, heads_q=8)
+    problem = Problem.for_bucket(spec, n, on_gpu=on_gpu, batch=2, heads_q=8)
     inputs = problem.inputs(0)
     outputs = problem.outputs(inputs)
-    slopes = torch.zeros_like(inputs[-1].tensors[0], dtype=torch.float32)
+    slopes = torch.zeros_like(inputs[-1].tensors[0], dtype=torch.float32) if kind == "score_mod" else None
     launcher = launcher_for(spec)
     if grads:  # the trial's launch, with a gradient asked for the slopes
         launcher = types.SimpleNamespace(launch=lambda *a, **kw: launcher_for(spec).launch(*a, **{**kw,
@@ -453,10 +507,46 @@ def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path) 
         launcher_for.cache_clear()  # later tests launch directly again
     if on_gpu:
         torch.cuda.synchronize()
-    assert (slopes.abs().sum() > 0) == grads
+    assert slopes is None or (slopes.abs().sum() > 0) == grads
     error, _ = problem.check(inputs, outputs)
     assert error < 1e-2, error
     return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WS, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3), ATOMIC_WS], ids=str)
+@pytest.mark.parametrize("mod", ["make_documents", "near"])
+@pytest.mark.parametrize("n", [1024, 1000, 129])
+def test_a_mask_mod_through_the_warp_specialized_dkdv_kernel(config, mod, n, monkeypatch, tmp_path):
+    """A mask mod (documents of 7 tokens, one-position gathers; a window with a sink, no tensors; GQA 4) through the
+    warp-specialized dK/dV kernel, walking the mod's transposed block table, as the tuner runs a trial; lengths that
+    are not multiples of a block leave the LSE's rows to the global loads."""
+    device = device_info(torch.cuda.current_device())
+    infeasible = feasible(DOCUMENT, config, device)
+    if not has_wgmma(device) or infeasible is not None:
+        pytest.skip(f"the Gluon kernels need an sm90 GPU and Triton 3.6; {infeasible}")
+    runs = _score_mod_through_the_launcher(config, "none", False, monkeypatch, tmp_path, mod=("mask_mod", mod), n=n)
+    assert runs == ["_dkdv_wgmma_ws"], runs
+
+
+def test_a_mask_mod_runs_the_warp_specialized_dkdv_kernel_alone_and_only_when_forced():
+    """Neither the search nor the default takes it before its GPU tests have run; a mask mod beside a built-in mask,
+    on a ragged batch or beside a score mod stays the Triton kernels'."""
+    for spec in (DOCUMENT, DOCUMENT.replace(head_dim=64), DOCUMENT.replace(q_per_kv=1)):
+        assert wgmma_unsupported(spec) is None
+        assert search_space(spec, HOPPER)["wgmma"] == [0]
+        assert not any(c.wgmma for _, c in default_rule(spec, HOPPER))
+    for spec in (DOCUMENT.replace(mask="causal"), DOCUMENT.replace(layout="ragged"),
+                 DOCUMENT.replace(score_mod=ALIBI.score_mod)):
+        assert "mask_mod: the Gluon kernels take a mask mod on dense batches, as the only mask" in wgmma_unsupported(
+            spec)
+    if not TRITON_36:
+        return
+    for config in (WS, ATOMIC_WS):
+        assert feasible(DOCUMENT, config, HOPPER) is None
+    for config in (DKDV, BOTH):
+        assert "a mask mod runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)" in feasible(
+            DOCUMENT, config, HOPPER)
 
 
 def test_a_score_mod_with_the_gluon_knob_runs_the_triton_kernels_off_the_gpu(device, monkeypatch, tmp_path):

@@ -104,9 +104,10 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
 
 
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
-    # A window's Gluon dK/dV kernels compile for sm90 but have not run on a GPU yet (their GPU tests and timings are
-    # owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them, the search does not offer them.
-    if spec.mask == "window":
+    # A window's Gluon dK/dV kernels and a mask mod's warp-specialized one compile for sm90 but have not run on a GPU
+    # yet (their GPU tests and timings are owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them,
+    # the search does not offer them.
+    if spec.mask == "window" or spec.mask_mod is not None:
         return [0]
     # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows).
     return [0, 3] if spec.layout == "ragged" else list(Config.choices["wgmma"])
@@ -117,8 +118,9 @@ def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
     warp-specialized dK/dV kernel, ``wgmma=3``)."""
     if spec.layout not in ("dense", "ragged"):
         return f"layout={spec.layout!r}: the Gluon kernels read TMA descriptors of dense or ragged batches"
-    if spec.mask_mod is not None:
-        return "mask_mod: the Gluon kernels take no mask mod"
+    if spec.mask_mod is not None and (spec.layout != "dense" or spec.mask != "none" or spec.score_mod is not None):
+        # Its block table replaces the built-in masks' closed-form ranges in the warp-specialized dK/dV kernel.
+        return "mask_mod: the Gluon kernels take a mask mod on dense batches, as the only mask and without a score mod"
     if spec.score_mod is not None and spec.layout != "dense":
         return "score_mod: the Gluon kernels take a score mod on dense batches only"
     if gathers_per_score(spec.score_mod):
@@ -152,6 +154,8 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
         return f"{knob}: a ragged batch runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if spec.mask == "window" and config.wgmma == 2:
         return f"{knob}: a window has no Gluon dQ kernel (wgmma 1 or 3 run its Gluon dK/dV kernels)"
+    if spec.mask_mod is not None and config.wgmma != 3:
+        return f"{knob}: a mask mod runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
         return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
                f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
@@ -235,8 +239,8 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     # TMA for the streamed blocks lifted every cell of the issue's grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
     tma = int(has_tma(device))
-    # A window keeps the Triton kernels: its Gluon dK/dV kernels have not run on a GPU yet (_wgmma_choices).
-    gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and spec.mask != "window"
+    # A window and a mask mod keep the Triton kernels too: their Gluon dK/dV kernels have not run on a GPU yet.
+    gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and spec.mask != "window" and spec.mask_mod is None
     if _gathers(spec):
         # T5's relative bias (bf16, 4 x 4096, 32/8 heads, d128, the H200): M32-N64 dK/dV and M64-N32 dQ with 4 warps
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
