@@ -34,10 +34,10 @@ WS = Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
 ATOMIC_WS = Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)
 
 
-def _mod_text(mod) -> str:
+def _mod_text(mod, kind: str = "score_mod") -> str:
     from tilegen.mods.trace import trace
 
-    return trace(mod, "score_mod").canonical
+    return trace(mod, kind).canonical
 
 
 def _alibi(heads: int = 8) -> str:
@@ -285,6 +285,32 @@ def test_a_mask_mods_launch_passes_its_block_table_to_the_warp_specialized_kerne
     assert kwargs["ATOMIC_DQ"] == atomic
 
 
+@pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
+def test_a_mask_mods_launch_refuses_a_warp_specialized_kernel_of_other_keys(monkeypatch):
+    """A direct launch (which feasible's checks do not guard) of the warp-specialized kernel over other than 128 keys
+    is refused before any kernel runs, its table matching or not."""
+    from helpers import OnGpu
+
+    from tilegen.mods.blocks import block_table
+
+    spec = DOCUMENT.replace(q_per_kv=1)
+    config = Config(64, 64, 4, 3, 128, 64, 8, 3, tma=1, wgmma=3)
+    module = module_for(spec)
+    q, k, v, out, dout, dq, dk, dv = (torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+                                      for _ in range(8))
+    lse, delta, lse2 = (torch.zeros(1, 2, 256).as_subclass(OnGpu) for _ in range(3))
+    docs = (torch.arange(256) // 100).view(1, -1).to(torch.int32)
+    tables = [block_table(spec.mask_mod, [docs], 1, 2, 256, 256, m, n, "cpu", t) for m, n, t in ((64, 64, True),
+                                                                                                  (128, 64, False))]
+    calls = _record_launches(module, monkeypatch)
+    with pytest.raises(ValueError, match="holds 128 keys in two warpgroups"):
+        module.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2,
+                      torch.zeros(q.shape).as_subclass(OnGpu), None, None, 256, 256, scale=0.1, softcap=0.0,
+                      window_left=0, window_right=0, mod_tensors=[docs], mod_grads=[], mod_blocks_dkdv=tables[0],
+                      mod_blocks_dq=tables[1], **config.to_dict())
+    assert not calls
+
+
 def test_a_ragged_batch_is_offered_the_warp_specialized_dkdv_kernel_alone():
     ragged = D128.replace(layout="ragged")
     assert wgmma_unsupported(ragged) is None
@@ -339,6 +365,8 @@ def test_falls_back_to_the_triton_kernels_off_the_gpu(device):
     (DOCUMENT, "_dkdv_wgmma_ws_stats", 64, 64, 3),
     (DOCUMENT.replace(q_per_kv=1), "_dkdv_wgmma_ws_atomic", 64, 64, 3),
     (DOCUMENT.replace(head_dim=64), "_dkdv_wgmma_ws", 64, 128, 2),
+    (D128.replace(mask="none", mask_mod=_mod_text(lambda b, h, q_idx, kv_idx: (q_idx // 64 >= kv_idx // 64)
+                                                  & ((q_idx + b) % 5 != 1), "mask_mod")), "_dkdv_wgmma_ws", 64, 64, 3),
 ], ids=lambda x: x.name if isinstance(x, AttentionBwdSpec) else str(x))
 def test_compiles_for_sm90_with_asynchronous_wgmma(spec, kernel, held, streamed, stages, tmp_path):
     pytest.importorskip("triton.backends.nvidia")
@@ -515,12 +543,12 @@ def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [WS, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3), ATOMIC_WS], ids=str)
-@pytest.mark.parametrize("mod", ["make_documents", "near"])
+@pytest.mark.parametrize("mod", ["make_documents", "near", "chunks"])
 @pytest.mark.parametrize("n", [1024, 1000, 129])
 def test_a_mask_mod_through_the_warp_specialized_dkdv_kernel(config, mod, n, monkeypatch, tmp_path):
-    """A mask mod (documents of 7 tokens, one-position gathers; a window with a sink, no tensors; GQA 4) through the
-    warp-specialized dK/dV kernel, walking the mod's transposed block table, as the tuner runs a trial; lengths that
-    are not multiples of a block leave the LSE's rows to the global loads."""
+    """A mask mod (documents of 7 tokens, one-position gathers; a window with a sink, no tensors; chunks, integer //
+    and % by numbers; GQA 4) through the warp-specialized dK/dV kernel, walking the mod's transposed block table, as
+    the tuner runs a trial; lengths that are not multiples of a block leave the LSE's rows to the global loads."""
     device = device_info(torch.cuda.current_device())
     infeasible = feasible(DOCUMENT, config, device)
     if not has_wgmma(device) or infeasible is not None:

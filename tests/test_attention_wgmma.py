@@ -497,16 +497,21 @@ def test_the_gluon_kernels_with_a_score_mod_compile_for_sm90(spec, tmp_path):
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernel is written against Triton 3.6's API")
-@pytest.mark.parametrize("head_dim,dtype", [(128, "bf16"), (64, "fp16")])
-def test_the_warp_specialized_kernel_with_a_mask_mod_compiles_for_sm90(head_dim, dtype, tmp_path):
+@pytest.mark.parametrize("head_dim,dtype,mod", [(128, "bf16", "documents"), (64, "fp16", "documents"),
+                                               (128, "bf16", "chunks")])
+def test_the_warp_specialized_kernel_with_a_mask_mod_compiles_for_sm90(head_dim, dtype, mod, tmp_path):
     """The warp-specialized kernel walking a document mask's block table (gathers of document ids by each position,
-    in the steps the table marks partial) compiles for sm90, its wgmma kept asynchronous."""
+    in the steps the table marks partial) compiles for sm90, its wgmma kept asynchronous; so does a mod whose
+    integer // and % by numbers make those numbers scalars (a cast: Gluon's tl.full asks for a layout)."""
     pytest.importorskip("triton.backends.nvidia")
     from tilegen.mods import library
     from tilegen.mods.trace import trace
 
     documents = trace(library.document_mask(torch.zeros(64, dtype=torch.int32)), "mask_mod").canonical
-    spec = AttentionSpec(head_dim=head_dim, q_per_kv=4, dtype=dtype, mask_mod=documents, return_lse=True)
+    chunks = trace(lambda b, h, q_idx, kv_idx: (q_idx // 64 >= kv_idx // 64) & ((q_idx + b) % 5 != 1),
+                   "mask_mod").canonical
+    spec = AttentionSpec(head_dim=head_dim, q_per_kv=4, dtype=dtype, return_lse=True,
+                         mask_mod=documents if mod == "documents" else chunks)
     for block_n, stages, constants in ((128, 2, {"PINGPONG": False, "TMA_STORE": True}),
                                        (64, 3, {"PINGPONG": True, "TMA_STORE": False})):
         out = gluon_descriptor(64, head_dim, dtype) if constants["TMA_STORE"] else f"*{dtype}"
@@ -696,6 +701,8 @@ def _mask_mod_cases():
         ("prefix-lm-d128", library.prefix_lm(prefix), 2, 4, 1, 1000, 1100, 128, torch.bfloat16),
         ("sliding-global-d64", library.sliding_window(100, global_tokens=17), 1, 11, 11, 1050, 900, 64, torch.float16),
         ("causal-one-row-d96", library.causal(), 1, 2, 2, 1, 300, 96, torch.bfloat16),
+        ("chunks-d128", lambda b, h, q_idx, kv_idx: (q_idx // 64 >= kv_idx // 64) & ((q_idx + b) % 5 != 1), 2, 4, 2,
+         1000, 1000, 128, torch.bfloat16),
     ]
 
 
@@ -703,7 +710,7 @@ def _mask_mod_cases():
 @pytest.mark.parametrize("config", [WS, WS_PINGPONG, Config(128, 64, 8, 2, tma=1, wgmma=2),
                                     Config(128, 64, 8, 3, tma=1, wgmma=3)], ids=str)
 @pytest.mark.parametrize("name", ["document-d128-gqa", "document-batched-d64", "prefix-lm-d128", "sliding-global-d64",
-                                  "causal-one-row-d96"])
+                                  "causal-one-row-d96", "chunks-d128"])
 def test_gluon_kernel_with_a_mask_mod_matches_reference(name, config, monkeypatch):
     """The warp-specialized kernel walking a mask mod's block table (empty blocks skipped, whole ones unmasked, the
     mod evaluated on the others), against the float64 reference with the same mod, into a poisoned output."""

@@ -85,6 +85,12 @@ def parse(text: str) -> ModGraph:
     return ModGraph(kind, tuple(tensors), tuple(values), result)
 
 
+def _scalar(value: str, dtype: str) -> str:
+    """A number as a scalar of ``dtype``: a cast, which Triton's and Gluon's kernels both take (Gluon's ``tl.full``
+    asks for a layout, even for a scalar)."""
+    return f"tl.cast({value}, tl.{dtype})"
+
+
 def gathers_per_score(text: str | None) -> bool:
     """Whether the mod reads a captured tensor at an index that depends on both the query and the key
     position (T5's relative bias: ``table[h, bucket(kv_idx - q_idx)]``): a gather of a whole score tile,
@@ -433,7 +439,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
         # the operands exactly, and the caller rounds the result to them once.
         helpers.add(f"float_{op}")
         fn = "_mod_floordiv_float" if op == "floordiv" else "_mod_remainder_float"
-        a = [f"tl.full([], {c}, tl.float32)" if _is_number(x) else f"{c}.to(tl.float32)" for c, x in zip(a, args)]
+        a = [_scalar(c, "float32") if _is_number(x) else f"{c}.to(tl.float32)" for c, x in zip(a, args)]
         return f"{fn}({a[0]}, {a[1]})"
 
     def triton_type(op: str, operands: list[tuple[str, bool]]) -> tuple[str | None, str | None]:
@@ -470,7 +476,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             else:
                 if op in ("floordiv", "mod") and kind not in _FLOATS:
                     # The helpers take tensors: a Python number becomes a scalar of the result's type.
-                    operand_code = [f"tl.full([], {ref(x)}, tl.{kind})" if _is_number(x) else ref(x) for x in operands]
+                    operand_code = [_scalar(ref(x), kind) if _is_number(x) else ref(x) for x in operands]
                     types = [(kind if _is_number(x) else dtypes[x], False) for x in operands]
                 else:
                     operand_code = [ref(x) for x in operands]
@@ -503,7 +509,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             expr = f"{fn}({x})" + ("" if dtype == "float32" else f".to(tl.{dtype})")
         elif op == "to":
             if _is_number(args[0]):
-                expr = f"tl.full([], {a[0]}, tl.{args[1]})"
+                expr = _scalar(a[0], args[1])
             elif args[1] == "bool" or ("bfloat16" in (dtypes[args[0]], args[1]) and dtypes[args[0]] != args[1]):
                 expr = _to(a[0], dtypes[args[0]], args[1])
             else:
@@ -539,7 +545,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             emitted.add(held)
             _, dtype, op, args = values[name]
             if name == clamp:
-                expr = f"tl.full([], {args[side]}, tl.{dtype})"
+                expr = _scalar(args[side], dtype)
             else:
                 # The operands' held values first: their own renaming is over before this one begins.
                 renamed.update({x: at_bound(x, clamp, side) for x in args if x in values})
@@ -570,7 +576,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
                 lines.append(f"{name}_above = tl.min({x}) >= {high}")
     result = graph.result
     if graph.kind == "score_mod":
-        r = f"tl.full([], {ref(result)}, tl.float32)" if _is_number(result) else f"{ref(result)}.to(tl.float32)"
+        r = _scalar(ref(result), "float32") if _is_number(result) else f"{ref(result)}.to(tl.float32)"
         # A result that does not depend on the score still fills the block.
         lines.append(f"return tl.broadcast_to({r}, score.shape)")
     else:
