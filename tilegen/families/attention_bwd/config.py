@@ -239,7 +239,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     # TMA for the streamed blocks lifted every cell of the issue's grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
     tma = int(has_tma(device))
-    # A window and a mask mod keep the Triton kernels too: their Gluon dK/dV kernels have not run on a GPU yet.
+    # A window and a mask mod keep the Triton kernels: their Gluon dK/dV kernels have not run on a GPU yet.
     gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and spec.mask != "window" and spec.mask_mod is None
     if _gathers(spec):
         # T5's relative bias (bf16, 4 x 4096, 32/8 heads, d128, the H200): M32-N64 dK/dV and M64-N32 dQ with 4 warps
