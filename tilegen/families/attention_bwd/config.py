@@ -103,11 +103,15 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
                              block_n2=(16,), num_stages1=(1,), num_stages2=(1,))
 
 
+def _gluon_untimed(spec: AttentionBwdSpec) -> bool:
+    """A window's Gluon dK/dV kernels and a mask mod's warp-specialized one compile for sm90 but have not run on a GPU
+    yet (their GPU tests and timings are owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them,
+    neither the search nor the default rule takes them."""
+    return spec.mask == "window" or spec.mask_mod is not None
+
+
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
-    # A window's Gluon dK/dV kernels and a mask mod's warp-specialized one compile for sm90 but have not run on a GPU
-    # yet (their GPU tests and timings are owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them,
-    # the search does not offer them.
-    if spec.mask == "window" or spec.mask_mod is not None:
+    if _gluon_untimed(spec):
         return [0]
     # A ragged batch has the warp-specialized dK/dV kernel only (its descriptors find each sequence's rows).
     return [0, 3] if spec.layout == "ragged" else list(Config.choices["wgmma"])
@@ -239,8 +243,7 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
     # TMA for the streamed blocks lifted every cell of the issue's grid on the H200, by 5-8% (d128 causal 16k
     # 383 -> 415, d64 causal 1k 225 -> 238 TFLOP/s).
     tma = int(has_tma(device))
-    # A window and a mask mod keep the Triton kernels: their Gluon dK/dV kernels have not run on a GPU yet.
-    gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and spec.mask != "window" and spec.mask_mod is None
+    gluon = has_wgmma(device) and wgmma_unsupported(spec) is None and not _gluon_untimed(spec)
     if _gathers(spec):
         # T5's relative bias (bf16, 4 x 4096, 32/8 heads, d128, the H200): M32-N64 dK/dV and M64-N32 dQ with 4 warps
         # and 2 stages 31.5 ms; M64-N32/M32-N64 44.9; M64-N64 54.5; the mod-free default ran out of shared memory.
