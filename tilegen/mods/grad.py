@@ -182,7 +182,7 @@ def lower_score_mod_grad(text: str, prefix: str = "sm") -> tuple[str, list[str]]
     # for a whole score block; one computed from the score (table[(score > 0).int()]) an element per score.
     follows = positions(graph)
     saturating = _saturating_gathers(graph)
-    values = {v[0]: v for v in graph.values}
+    values = graph.by_name
     for i in grad_tensors(text):
         t = f"{prefix}_t{i}"
         flag = f"{prefix.upper()}_T{i}_G"

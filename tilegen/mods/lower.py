@@ -38,6 +38,10 @@ class ModGraph:
     values: tuple[tuple[str, str, str, tuple[str, ...]], ...]  # (name, dtype, op, args)
     result: str
 
+    @functools.cached_property
+    def by_name(self) -> dict[str, tuple[str, str, str, tuple[str, ...]]]:
+        return {v[0]: v for v in self.values}
+
 
 def parse(text: str) -> ModGraph:
     """The canonical text back as a graph; a ``ModSyntaxError`` says what is malformed."""
@@ -554,7 +558,7 @@ def lower_mod(text: str, prefix: str) -> LoweredMod:
             lines.append(f"{held} = {expr}")
         return held
 
-    values = {v[0]: v for v in graph.values}
+    values = graph.by_name
     emitted: set[str] = set()
     for name, dtype, op, args in graph.values:
         if name in saturating:
