@@ -9,6 +9,7 @@ run them against the float64 reference, into NaN-poisoned gradients.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -32,6 +33,7 @@ DKDV = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=1)
 BOTH = Config(64, 128, 8, 2, 128, 64, 8, 2, tma=1, wgmma=2)
 WS = Config(64, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
 ATOMIC_WS = Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3)
+ATOMIC_WS_2 = Config(64, 128, 8, 2, 64, 128, 8, 2, atomic_dq=1, tma=1, wgmma=3)
 
 
 def _mod_text(mod, kind: str = "score_mod") -> str:
@@ -146,8 +148,10 @@ def test_d64_takes_the_warp_specialized_kernel_with_gqa_at_every_length_and_mult
     assert longest is None and (ws.wgmma, ws.block_m1, ws.block_n1, ws.num_stages1) == (3, 128, 128, 2)
     [(short, triton_kernels), (longer, rule)] = default_rule(gqa.replace(q_per_kv=1), HOPPER)
     assert (short, longer) == (2048, None) and not triton_kernels.wgmma and rule == ws
-    for other in (gqa.replace(layout="ragged"), gqa.replace(dtype="fp32"), gqa.replace(mask="window")):
+    for other in (gqa.replace(layout="ragged"), gqa.replace(dtype="fp32")):
         assert not any(c.wgmma for _, c in default_rule(other, HOPPER))  # not measured: the Triton kernels
+    [(_, window)] = default_rule(gqa.replace(mask="window"), HOPPER)  # a window ran faster on 64-row blocks
+    assert (window.wgmma, window.block_m1, window.block_n1, window.num_stages1) == (3, 64, 128, 3)
 
 
 def test_the_warp_specialized_kernel_adds_dq_by_tma_reductions_for_a_dense_batch():
@@ -193,14 +197,17 @@ def test_a_score_mod_on_a_dense_batch_takes_the_gluon_kernels():
         assert feasible(ALIBI.replace(mask="none"), ATOMIC_WS, HOPPER) is None
 
 
-def test_a_window_runs_the_gluon_dkdv_kernels_and_the_triton_dq_kernel_when_forced():
-    """A window's Gluon dK/dV kernels run under a forced config; neither the search nor the default takes them
-    before their GPU tests have run."""
+def test_a_window_takes_the_gluon_dkdv_kernels_where_they_were_timed():
+    """A window's Gluon dK/dV kernels with the Triton dQ kernel: searched, and the default, on dense batches, where
+    they were timed; on ragged batches only under a forced config."""
     window = D128.replace(mask="window")
     assert wgmma_unsupported(window) is None and wgmma_unsupported(window.replace(layout="ragged")) is None
-    for spec in (window, window.replace(head_dim=64), window.replace(layout="ragged"), ALIBI.replace(mask="window")):
-        assert search_space(spec, HOPPER)["wgmma"] == [0]
-        assert not any(c.wgmma for _, c in default_rule(spec, HOPPER))
+    for spec in (window, window.replace(head_dim=96), window.replace(head_dim=64), ALIBI.replace(mask="window")):
+        assert search_space(spec, HOPPER)["wgmma"] == ([0, 1, 2, 3] if TRITON_36 else [0])
+        assert [c.wgmma for _, c in default_rule(spec, HOPPER)] == [3 if TRITON_36 else 0]
+        assert not any(c.atomic_dq for _, c in default_rule(spec, HOPPER))
+    assert search_space(window.replace(layout="ragged"), HOPPER)["wgmma"] == [0]
+    assert not any(c.wgmma for _, c in default_rule(window.replace(layout="ragged"), HOPPER))
     if not TRITON_36:
         return
     assert "a window has no Gluon dQ kernel (wgmma 1 or 3 run its Gluon dK/dV kernels)" in feasible(
@@ -254,8 +261,8 @@ def test_a_windows_launch_passes_its_sides_to_the_gluon_dkdv_kernel(config, monk
 @pytest.mark.parametrize("atomic", [False, True], ids=["dq-kernel", "dq-reductions"])
 def test_a_mask_mods_launch_passes_its_block_table_to_the_warp_specialized_kernel(atomic, monkeypatch):
     """CPU tensors posing as CUDA ones, the kernels recorded, not run: the mod's captured tensor and its transposed
-    table reach the warp-specialized dK/dV kernel; dQ is the Triton kernel's on the forward's table, or the
-    reductions'."""
+    table reach the warp-specialized dK/dV kernel, dQ the Triton kernel's on the forward's table; a direct launch
+    asking for dQ by reductions is refused before the dK/dV kernel (feasible refuses it for the search)."""
     from helpers import OnGpu
 
     from tilegen.mods.blocks import block_table
@@ -271,18 +278,25 @@ def test_a_mask_mods_launch_passes_its_block_table_to_the_warp_specialized_kerne
               for m, n, transposed in ((config.block_m1, config.block_n1, True),
                                        (config.block_m2, config.block_n2, False))]
     calls = _record_launches(module, monkeypatch)
-    module.launch(q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2, torch.zeros(q.shape).as_subclass(OnGpu),
-                  None, None, 256, 256, scale=0.1, softcap=0.0, window_left=0, window_right=0,
-                  mod_tensors=[docs], mod_grads=[], mod_blocks_dkdv=tables[0],
-                  mod_blocks_dq=None if atomic else tables[1], **config.to_dict())
-    assert sorted(calls) == sorted(["_preprocess", "_dkdv_wgmma_ws"] + (["_dq_scale"] if atomic else ["_dq"]))
+    launch = functools.partial(
+        module.launch, q, k, v, out, dout, lse, None, dq, dk, dv, delta, lse2,
+        torch.zeros(q.shape).as_subclass(OnGpu), None, None, 256, 256, scale=0.1, softcap=0.0, window_left=0,
+        window_right=0, mod_tensors=[docs], mod_grads=[], mod_blocks_dkdv=tables[0],
+        mod_blocks_dq=None if atomic else tables[1], **config.to_dict())
+    if atomic:
+        with pytest.raises(NotImplementedError, match="its dQ is the Triton kernel's"):
+            launch()
+        assert "_dkdv_wgmma_ws" not in calls
+        return
+    launch()
+    assert sorted(calls) == ["_dkdv_wgmma_ws", "_dq", "_preprocess"]
     args, kwargs = calls["_dkdv_wgmma_ws"]
     at = next(i for i, a in enumerate(args) if a is docs)
     assert args[at:at + 5] == (docs, *docs.stride(), *docs.shape)
     listed = args[at + 5:at + 11]
     assert listed[0] is tables[0].count and listed[1] is tables[0].indices and listed[2] is tables[0].full
     assert listed[3:] == (tables[0].stride_b, tables[0].stride_h, tables[0].indices.shape[1])
-    assert kwargs["ATOMIC_DQ"] == atomic
+    assert kwargs["ATOMIC_DQ"] is False
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")
@@ -544,7 +558,7 @@ def _score_mod_through_the_launcher(config, mask, grads, monkeypatch, tmp_path, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [WS, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3), ATOMIC_WS], ids=str)
+@pytest.mark.parametrize("config", [WS, Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)], ids=str)
 @pytest.mark.parametrize("mod", ["make_documents", "near", "chunks"])
 @pytest.mark.parametrize("n", [1024, 1000, 129])
 def test_a_mask_mod_through_the_warp_specialized_dkdv_kernel(config, mod, n, monkeypatch, tmp_path):
@@ -559,21 +573,22 @@ def test_a_mask_mod_through_the_warp_specialized_dkdv_kernel(config, mod, n, mon
     assert runs == ["_dkdv_wgmma_ws"], runs
 
 
-def test_a_mask_mod_runs_the_warp_specialized_dkdv_kernel_alone_and_only_when_forced():
-    """Neither the search nor the default takes it before its GPU tests have run; a mask mod beside a built-in mask,
-    on a ragged batch or beside a score mod stays the Triton kernels'."""
-    for spec in (DOCUMENT, DOCUMENT.replace(head_dim=64), DOCUMENT.replace(q_per_kv=1)):
+def test_a_mask_mod_takes_the_warp_specialized_dkdv_kernel_alone():
+    """Searched, and the default with the Triton dQ kernel; a mask mod beside a built-in mask, on a ragged batch or
+    beside a score mod stays the Triton kernels'."""
+    for spec in (DOCUMENT, DOCUMENT.replace(q_per_kv=1), DOCUMENT.replace(head_dim=64)):
         assert wgmma_unsupported(spec) is None
-        assert search_space(spec, HOPPER)["wgmma"] == [0]
-        assert not any(c.wgmma for _, c in default_rule(spec, HOPPER))
+        assert search_space(spec, HOPPER)["wgmma"] == ([0, 1, 2, 3] if TRITON_36 else [0])
+        assert [(c.wgmma, c.atomic_dq) for _, c in default_rule(spec, HOPPER)] == [(3 if TRITON_36 else 0, 0)]
     for spec in (DOCUMENT.replace(mask="causal"), DOCUMENT.replace(layout="ragged"),
                  DOCUMENT.replace(score_mod=ALIBI.score_mod)):
         assert "mask_mod: the Gluon kernels take a mask mod on dense batches, as the only mask" in wgmma_unsupported(
             spec)
     if not TRITON_36:
         return
-    for config in (WS, ATOMIC_WS):
-        assert feasible(DOCUMENT, config, HOPPER) is None
+    assert feasible(DOCUMENT, WS, HOPPER) is None
+    for config in (ATOMIC_WS, ATOMIC_WS_2):
+        assert "writes dQ by the Triton kernel (atomic_dq=0)" in feasible(DOCUMENT, config, HOPPER)
     for config in (DKDV, BOTH):
         assert "a mask mod runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)" in feasible(
             DOCUMENT, config, HOPPER)
@@ -612,9 +627,12 @@ def test_ragged_batch_through_the_warp_specialized_kernel(mask, window, dtype, m
         return lambda *args, **kwargs: stats.append(kwargs["STATS"]) or kernel[grid](*args, **kwargs)
 
     monkeypatch.setattr(module, "_dkdv_wgmma_ws", type("Spy", (), {"__getitem__": lambda self, grid: launch(grid)})())
-    ragged_launch_matches_reference(spec, WS, [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7],
-                                    heads_q=8, device="cuda", window=window)
-    assert stats == [False], "the launcher did not take the warp-specialized kernel, or took the TMA copies"
+    lens = [300, 0, 1, 1000, 129, 64, 7], [300, 5, 0, 1000, 129, 200, 7]
+    ragged_launch_matches_reference(spec, WS, *lens, heads_q=8, device="cuda", window=window)
+    # Rows no sequence owns hold NaN: the last sequence's last query block reads them, and must zero them before its
+    # products (0 x NaN).
+    ragged_launch_matches_reference(spec, WS, *lens, heads_q=8, device="cuda", window=window, tail=9)
+    assert stats == [False, False], "the launcher did not take the warp-specialized kernel, or took the TMA copies"
 
 
 @pytest.mark.skipif(not TRITON_36, reason="the Gluon kernels are written against Triton 3.6's API")

@@ -170,3 +170,25 @@ def test_dispatch_on_an_h200_finds_the_shipped_backward_rows(preset, tmp_path):
     assert sorted(rows) == [1024, 4096, 16384]
     for config, source in rows.values():
         assert source == str(env.shipped_db_path()) and family.feasible(spec, config, H200) is None
+
+
+@pytest.mark.parametrize("preset", ["train-llama", "train-llama-full", "train-d64-gqa"])
+def test_a_ragged_backward_takes_the_dense_rows_its_kernels_run(preset, tmp_path, monkeypatch):
+    """A packed batch's backward has no rows of its own: it is served the dense spec's where the ragged kernels run
+    their config, and its own default where they do not (the warp-specialized kernel adding dQ by reductions, the
+    shipped full-mask rows': served, the launch would fall to the Triton kernels with atomics)."""
+    from tilegen.families.attention_bwd import config as bwd_config
+
+    monkeypatch.setattr(bwd_config, "has_wgmma", lambda device: True)  # feasible's view of Hopper under Triton 3.6
+    dense = presets()[preset]
+    ragged = dense.replace(layout="ragged")
+    family = family_of(ragged)
+    shipped = tuned_rows(dense, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
+    rows = tuned_rows(ragged, H200, template_hash(family), SHIPPED_TRITON, user_db=tmp_path / "none.sqlite")
+    assert sorted(shipped) == [1024, 4096, 16384]
+    for bucket, (config, _) in shipped.items():
+        if family.feasible(ragged, config, H200) is None:
+            assert rows[bucket][0] == config and rows.tuned_for[bucket] == dense.name
+        else:
+            assert config.atomic_dq and config.wgmma == 3 and bucket not in rows
+    assert bool(rows) == (dense.mask == "causal")

@@ -402,6 +402,35 @@ def test_ragged_gluon_offsets_wrong_in_value_stay_inside_the_tensors(which, entr
     assert relative_error(out[good], ref[good])[0] < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [WS, WS_PINGPONG, WS_SHORT], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_a_sequence_reads_none_of_its_neighbours_nan(causal, config):
+    """A key block past a sequence's last key reads the next sequence's rows, or rows no sequence owns: NaN in those
+    (the second sequence's keys and values, 40 rows past the last) stays out of every other sequence's output."""
+    if has_no_gluon(LLAMA):
+        pytest.skip("the Gluon kernel needs an sm90 GPU and Triton 3.6")
+    gen = torch.Generator().manual_seed(5)
+    lens, tail = [100, 57, 300, 31], 40
+    q = torch.randn(sum(lens), 8, 128, generator=gen).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(sum(lens) + tail, 2, 128, generator=gen).to("cuda", torch.bfloat16) for _ in "kv")
+    cu = _cu(lens).tolist()
+    for t in (k, v):
+        t[cu[1]:cu[2]] = math.nan
+        t[cu[-1]:] = math.nan
+    out = torch.full_like(q, math.nan)
+    with forced_config("attention_varlen", config):
+        names = _gluon_ran(lambda: tilegen.varlen_attention(q, k, v, _cu(lens), _cu(lens), max(lens), max(lens),
+                                                            causal=causal, out=out))
+    assert any("_wgmma_ws" in n for n in names), names
+    ref, _ = varlen_reference(q, [k[a:b] for a, b in zip(cu, cu[1:])], [v[a:b] for a, b in zip(cu, cu[1:])],
+                              _cu(lens).cpu(), causal=causal)
+    for b in (0, 2, 3):
+        rows = slice(cu[b], cu[b + 1])
+        assert torch.isfinite(out[rows]).all(), f"sequence {b} read a neighbour's NaN"
+        assert relative_error(out[rows], ref[rows])[0] < 1e-2, f"sequence {b}"
+
+
 WINDOW_CASES = [
     # (query lengths, extra keys per sequence, window, query heads / KV heads, head dim, dtype)
     pytest.param([0, 1, 17, 257, 1000, 130], 0, (300, 0), (8, 2), 128, torch.bfloat16, id="bf16-d128-sliding"),

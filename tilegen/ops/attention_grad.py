@@ -127,8 +127,8 @@ _plans = dispatch.plan_cache()
 
 
 def _table(spec: AttentionBwdSpec, device: torch.device) -> dispatch.Table:
-    # A ragged call takes the dense spec's rows: the same kernels, batch offsets aside.
-    return dispatch.table_on(dataclasses.replace(spec, layout="dense"), device)
+    # A ragged call without rows of its own takes the dense spec's where the ragged kernels run them (rows_from).
+    return dispatch.table_on(spec, device)
 
 
 def _plan(spec: AttentionBwdSpec, device: torch.device, size: int, fixed: dict[str, Any], deterministic: bool) -> _Plan:

@@ -13,7 +13,7 @@ from tilegen.families.attention_bwd import config as _config
 from tilegen.families.attention_bwd.config import Config
 from tilegen.families.attention_bwd.lower import lower as _lower
 from tilegen.families.attention_bwd.problem import Problem
-from tilegen.families.attention_bwd.spec import AttentionBwdSpec
+from tilegen.families.attention_bwd.spec import AttentionBwdSpec, dense_rows
 from tilegen.families.base import Family
 from tilegen.families.buckets import PowerOfTwoBuckets
 
@@ -32,6 +32,7 @@ FAMILY = Family(
     feasible=_config.feasible,
     default_rule=_config.default_rule,
     problem_type=Problem,
+    rows_from=dense_rows,
     presets={
         "train-default": AttentionBwdSpec(head_dim=64, mask="causal", dtype="bf16"),
         "train-llama": AttentionBwdSpec(head_dim=128, q_per_kv=4, mask="causal", dtype="bf16"),

@@ -104,10 +104,10 @@ def search_space(spec: AttentionBwdSpec, device: DeviceInfo) -> dict[str, list[i
 
 
 def _gluon_untimed(spec: AttentionBwdSpec) -> bool:
-    """A window's Gluon dK/dV kernels and a mask mod's warp-specialized one compile for sm90 but have not run on a GPU
-    yet (their GPU tests and timings are owed: BENCHMARKS.md, "Score and mask mods"): a forced config runs them,
-    neither the search nor the default rule takes them."""
-    return spec.mask == "window" or spec.mask_mod is not None
+    """A window's Gluon dK/dV kernels were timed on dense batches (BENCHMARKS.md, "Score and mask mods"); on ragged
+    batches they pass their GPU tests but have not been timed against the Triton kernels: a forced config runs them
+    there, neither the search nor the default rule takes them."""
+    return spec.mask == "window" and spec.layout != "dense"
 
 
 def _wgmma_choices(spec: AttentionBwdSpec) -> list[int]:
@@ -160,6 +160,11 @@ def _wgmma_infeasible(spec: AttentionBwdSpec, config: Config, device: DeviceInfo
         return f"{knob}: a window has no Gluon dQ kernel (wgmma 1 or 3 run its Gluon dK/dV kernels)"
     if spec.mask_mod is not None and config.wgmma != 3:
         return f"{knob}: a mask mod runs the warp-specialized Gluon dK/dV kernel only (wgmma=3)"
+    if spec.mask_mod is not None and config.atomic_dq:
+        # On an H100 it stopped on an illegal memory access (2 stages; 3 asked for 239216 bytes of shared memory,
+        # 232448 there): not run until that is found.
+        return f"{knob}: a mask mod's warp-specialized kernel writes dQ by the Triton kernel (atomic_dq=0), not by " \
+               "reductions"
     if config.wgmma == 3 and (config.block_n1, config.num_warps1) != (128, 8):
         return f"{knob}: the warp-specialized Gluon dK/dV kernel holds 128 keys in two warpgroups (block_n1=128, " \
                f"num_warps1=8), not block_n1={config.block_n1}, num_warps1={config.num_warps1}"
@@ -263,6 +268,10 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
             # against 332 / 356), with 32/32 it trailed them at 1k (causal 210 against 235, full 322 against 330) and
             # drew at 2k: so multi-head calls keep the Triton kernels up to 2k (BENCHMARKS.md).
             ws = Config(128, 128, 8, 2, 128, 64, 8, 3, tma=1, wgmma=3)
+            if spec.mask == "window":
+                # A window of 1024 (4 x 4096, 32/8 heads, an H100): 64-row blocks with 3 stages 290 TFLOP/s, 128-row
+                # ones 277, the Triton kernels 264. A document mask: 249 on 128-row blocks, 236 on 64-row ones, 242.
+                ws = Config(64, 128, 8, 3, 128, 64, 8, 3, tma=1, wgmma=3)
             if spec.q_per_kv > 1:
                 return [(None, ws)]
             return [(2048, triton_kernels), (None, ws)]
@@ -281,11 +290,14 @@ def default_rule(spec: AttentionBwdSpec, device: DeviceInfo) -> list[tuple[int |
         # three stages 0.5-2% ahead of two; at d64 its 64-row form lost, the 128-row one above leads (BENCHMARKS.md).
         # Head dims 72 ... 120, read into 128 columns, take d128's configs: on an H100 d96 ran 5-22% faster than on
         # the Triton kernels.
-        if spec.mask == "none" and spec.layout == "dense":
+        if spec.mask == "none" and spec.layout == "dense" and spec.mask_mod is None:
             # Without a mask it also adds dQ by TMA reductions, five products a block pair where the dQ kernel made
             # it seven: 32/8 full 4k 465 against 425, 32/32 full 16k 473 against 453. Causal it lost (16k 366
             # against 438: BENCHMARKS.md).
             return [(None, Config(64, 128, 8, 3, 64, 128, 8, 3, atomic_dq=1, tma=1, wgmma=3))]
+        # A window or a mask mod (bf16, 4 x 4096, 32/8 heads, d128, an H100, backward alone) with the dQ kernel:
+        # window 1024 357 TFLOP/s against 268 for the Triton kernels (337 with dQ by reductions), a document mask
+        # 337 against 275, prefix-LM 426 against 361, a window with 64 global tokens 283 against 215.
         return [(None, Config(64, 128, 8, 3, 128, 64, 8, 3, tma=1, wgmma=3))]
     if spec.mask == "causal" and spec.score_mod is not None:
         # ALiBi, causal (bf16, 4 x 4096, 32/8 heads, d128, the H200): 2 stages 4.59 ms against 5.32 for 3. Without
