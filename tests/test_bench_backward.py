@@ -130,3 +130,18 @@ def test_ragged_lengths_pack_the_cells_tokens():
     cell = bench.Cell(1024, 64, 32, 8, True)
     lengths = bench.ragged_lengths(cell)
     assert sum(lengths) == 16384 and all(1 <= n < 7 * 1024 // 4 for n in lengths) and len(set(lengths)) > 1
+
+
+def test_the_ragged_smoke_run_times_forced_configs(tmp_path):
+    """--ragged --configs: the ragged backward again under each config, its gradients checked against the
+    dispatched config's first."""
+    configs = [{"block_m1": 16, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 32, "block_n2": 16,
+                "num_warps2": 4, "num_stages2": 1},
+               {"block_m1": 16, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 16, "block_n2": 32,
+                "num_warps2": 4, "num_stages2": 1, "atomic_dq": 1}]
+    code = bench.main(["--smoke", "--ragged", "--heads", "4/2", "--masks", "causal", "--seqlens", "33",
+                       "--configs", json.dumps(configs), "--out", str(tmp_path)])
+    assert code == 0
+    [row] = json.loads((tmp_path / "backward_ragged.json").read_text())["rows"]
+    forced = [row[key] for key in row if key.startswith("ragged ")]
+    assert len(forced) == 2 and all("bwd_ms" in f and f["error_vs_dispatched"] < 1e-4 for f in forced), row

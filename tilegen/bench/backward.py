@@ -245,9 +245,13 @@ def ragged_lengths(cell: Cell, seed: int = 0) -> list[int]:
     return lengths
 
 
-def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = False) -> dict:
+def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = False, configs=()) -> dict:
     """tilegen's backward over a packed batch of mixed lengths (``varlen_attention``) against its dense
-    backward at the same tokens (``attention``, B x N), in one run; TFLOP/s count the pairs each computes."""
+    backward at the same tokens (``attention``, B x N), in one run; TFLOP/s count the pairs each computes. With
+    ``configs`` (attention_bwd configs), the ragged backward again under each, its gradients checked against the
+    dispatched config's first."""
+    from tilegen.bench import forced_config
+
     lengths = ragged_lengths(cell)
     kwargs = {"deterministic": True} if deterministic else {}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -268,6 +272,20 @@ def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = F
     bwd_ragged = 2.5 * 4 * cell.heads_q * pairs * cell.head_dim
     ms = _ms(lambda: torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True), smoke)
     row["ragged"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9}
+    for config in configs:
+        try:
+            with forced_config("attention_bwd", config):
+                forced = tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal,
+                                                  **kwargs)
+                grads = torch.autograd.grad(forced, (pq, pk, pv), packed[3], retain_graph=True)
+                error = max(_rel_err(g, r) for g, r in zip(grads, got))
+                if not error < TOLERANCE:
+                    row[f"ragged {config}"] = {"error": f"gradients {error:.2e} from the dispatched config's"}
+                    continue
+                ms = _ms(lambda: torch.autograd.grad(forced, (pq, pk, pv), packed[3], retain_graph=True), smoke)
+            row[f"ragged {config}"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9, "error_vs_dispatched": error}
+        except Exception as e:  # out of shared memory, say: reported, the run goes on
+            row[f"ragged {config}"] = {"error": _error(e)}
     dense_out = tilegen.attention(q, k, v, causal=cell.causal, **kwargs)
     ms = _ms(lambda: torch.autograd.grad(dense_out, (q, k, v), dout, retain_graph=True), smoke)
     row["dense"] = {"bwd_ms": ms, "bwd_tflops": 2.5 * cell.forward_flops / ms * 1e-9}
@@ -422,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=None,
                         help="also time tilegen under each of these attention_bwd configs, a JSON list of knob "
                              "objects ([{\"block_m1\": 64, \"block_n1\": 128, ..., \"wgmma\": 2}, ...]): each a peer "
-                             "of its own, its gradients checked first")
+                             "of its own, its gradients checked first (with --ragged, the ragged backward under each)")
     parser.add_argument("--rounds", type=int, default=1, help="time the peers of a cell in this many rounds, taking "
                         "turns in a rotating order; each figure the median of its rounds (default 1)")
     args = parser.parse_args(argv)
@@ -456,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = [registry.get("attention_bwd").config_type.from_dict(c) for c in json.loads(args.configs)]
         except ValueError as e:
             parser.error(f"--configs: expected a JSON list of attention_bwd knob objects: {e}")
-        if args.memory or args.ragged:
-            parser.error("--configs times the dense backward: not with --memory or --ragged")
+        if args.memory:
+            parser.error("--configs times the backward: not with --memory")
     shown = list(names) + [f"tilegen {c}" for c in configs]
     if smoke and not on_gpu and not interpreting():
         # Triton picks the interpreter when it is imported, which `import tilegen` already did.
@@ -473,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for cell in cells:
         if args.ragged:
-            rows.append(ragged_cell(cell, device, smoke, args.deterministic))
+            rows.append(ragged_cell(cell, device, smoke, args.deterministic, configs))
         else:
             rows.append(memory_cell(cell, names, args.deterministic) if args.memory
                         else bench_cell(cell, names, device, smoke, args.deterministic, configs, args.rounds))
@@ -486,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['cell']:28} ragged {row['ragged']['bwd_tflops']:8.3g} ({row['ragged']['bwd_ms']:.3g} ms)  "
                   f"dense {row['dense']['bwd_tflops']:8.3g} ({row['dense']['bwd_ms']:.3g} ms)  ratio {row['ratio']:.2f}"
                   f"  check {'ok' if row['check']['passed'] else 'FAILED'}")
+            for config in configs:
+                found = row[f"ragged {config}"]
+                shown = f"{found['bwd_tflops']:8.3g} ({found['bwd_ms']:.3g} ms)" if "bwd_ms" in found else found["error"]
+                print(f"{'':28} ragged {shown}  {config}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "backward_ragged.json"), "w") as f:
