@@ -138,10 +138,13 @@ def test_the_ragged_smoke_run_times_forced_configs(tmp_path):
     configs = [{"block_m1": 16, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 32, "block_n2": 16,
                 "num_warps2": 4, "num_stages2": 1},
                {"block_m1": 16, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 16, "block_n2": 32,
-                "num_warps2": 4, "num_stages2": 1, "atomic_dq": 1}]
+                "num_warps2": 4, "num_stages2": 1, "atomic_dq": 1},
+               {"block_m1": 24, "block_n1": 32, "num_warps1": 4, "num_stages1": 1, "block_m2": 32, "block_n2": 16,
+                "num_warps2": 4, "num_stages2": 1}]  # feasible refuses it: reported, not timed
     code = bench.main(["--smoke", "--ragged", "--heads", "4/2", "--masks", "causal", "--seqlens", "33",
                        "--configs", json.dumps(configs), "--out", str(tmp_path)])
     assert code == 0
     [row] = json.loads((tmp_path / "backward_ragged.json").read_text())["rows"]
     forced = [row[key] for key in row if key.startswith("ragged ")]
-    assert len(forced) == 2 and all("bwd_ms" in f and f["error_vs_dispatched"] < 1e-4 for f in forced), row
+    assert len(forced) == 3 and all("bwd_ms" in f and f["error_vs_dispatched"] < 1e-4 for f in forced[:2]), row
+    assert forced[2] == {"error": "infeasible: block_m1=24: the template asserts a power of two and a multiple of 16"}

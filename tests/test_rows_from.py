@@ -130,3 +130,17 @@ def test_emit_tuned_says_whose_row_it_serves(files, monkeypatch):
     store(shipped, INFERENCE, 64, Config(32, 16, 4, 1), on=device_info())  # emit serves the device it runs on
     source = standalone_entry_point(TRAINING)
     assert f"{shipped} (tuned for {INFERENCE.name})" in source
+
+
+def test_a_ragged_backward_is_told_to_tune_the_dense_spec_whose_rows_serve_it():
+    """The tuner measures dense backward batches only: the command a ragged backward without rows is given tunes the
+    dense spec (``rows_from``), which the tuner takes; a spec the tuner measures keeps its own."""
+    from tilegen.families.attention_bwd import AttentionBwdSpec
+
+    dense = AttentionBwdSpec(head_dim=32, mask="causal", dtype="fp32")
+    ragged = dense.replace(layout="ragged")
+    with pytest.raises(NotImplementedError, match="dense spec's tuned rows"):
+        family_of(ragged).problem_type.for_bucket(ragged, 64, on_gpu=False)
+    assert dispatch.tune_command(ragged, 64) == dispatch.tune_command(dense, 64)
+    assert f"'{dense.to_json()}'" in dispatch.tune_command(dense, 64)
+    assert '"return_lse":true' in dispatch.tune_command(TRAINING, 64)

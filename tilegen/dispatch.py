@@ -160,7 +160,16 @@ class Table:
 
 def tune_command(spec: Spec, bucket: int) -> str:
     """The command that tunes ``spec`` at ``bucket``. A mod is named by its import path (a trial needs the function),
-    which only the caller knows: the command takes the spec without it and says where the path goes."""
+    which only the caller knows: the command takes the spec without it and says where the path goes. A spec the
+    tuner does not measure (a ragged backward) is served the rows of its family's ``rows_from``: the command tunes
+    that spec."""
+    family = family_of(spec)
+    kin = family.rows_from(spec) if family.rows_from is not None else ()
+    if kin:
+        try:
+            family.problem_type.for_bucket(spec, bucket, on_gpu=False)
+        except NotImplementedError:
+            spec = kin[0]
     mods = [kind for kind in ("score_mod", "mask_mod") if getattr(spec, kind, None) is not None]
     base = spec.replace(**dict.fromkeys(mods)) if mods else spec
     options = "".join(f" --{kind.replace('_', '-')} PKG.MODULE:FUNCTION" for kind in mods)

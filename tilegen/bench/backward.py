@@ -46,7 +46,10 @@ import triton
 import tilegen
 from tilegen.bench import pyplot, take_turns, whole_numbers
 from tilegen.bench.attention import _error, _rel_err, peers
+from tilegen.device import device_info
 from tilegen.env import interpreting
+from tilegen.families import family_of
+from tilegen.families.attention_bwd import AttentionBwdSpec
 from tilegen.families.attention_fwd.spec import SUPPORTED_HEAD_DIMS
 
 __all__ = ["main", "plot"]
@@ -272,7 +275,14 @@ def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = F
     bwd_ragged = 2.5 * 4 * cell.heads_q * pairs * cell.head_dim
     ms = _ms(lambda: torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True), smoke)
     row["ragged"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9}
+    spec = AttentionBwdSpec(head_dim=cell.head_dim, q_per_kv=cell.heads_q // cell.heads_kv,
+                            mask="causal" if cell.causal else "none", dtype=cell.dtype, layout="ragged")
     for config in configs:
+        # A config the ragged kernels do not run would be timed as the kernels its launch falls to.
+        refused = family_of(spec).feasible(spec, config, device_info())
+        if refused is not None:
+            row[f"ragged {config}"] = {"error": f"infeasible: {refused}"}
+            continue
         try:
             with forced_config("attention_bwd", config):
                 forced = tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal,

@@ -127,9 +127,10 @@ def wgmma_unsupported(spec: AttentionBwdSpec) -> str | None:
         return "mask_mod: the Gluon kernels take a mask mod on dense batches, as the only mask and without a score mod"
     if spec.score_mod is not None and spec.layout != "dense":
         return "score_mod: the Gluon kernels take a score mod on dense batches only"
-    if gathers_per_score(spec.score_mod):
-        # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of Q and dO fill.
-        return "score_mod: a gather by both positions (staged through shared memory) is the Triton kernels'"
+    for kind in ("score_mod", "mask_mod"):
+        if gathers_per_score(getattr(spec, kind)):
+            # Such a gather stages a score tile through shared memory, which the Gluon kernels' rings of Q and dO fill.
+            return f"{kind}: a gather by both positions (staged through shared memory) is the Triton kernels'"
     if spec.softcap:
         return "softcap: the Gluon kernels have none"
     if not 64 <= spec.head_dim <= 128 or spec.dv != spec.head_dim:

@@ -40,7 +40,7 @@ class Problem(forward.Problem):
                    heads_q: int | None = None) -> Problem:
         if spec.layout != "dense":
             raise NotImplementedError(f"layout={spec.layout!r}: the tuner measures the dense backward; a ragged "
-                                      "call takes the dense spec's tuned rows")
+                                      "call is served the dense spec's tuned rows where its kernels run them")
         shape = super().for_bucket(spec, bucket, on_gpu=on_gpu, batch=batch, heads_q=heads_q)
         # Odd under the interpreter: no block divides it.
         seq = shape.seq if on_gpu else max(1, min(bucket, _CPU_MAX_SEQ) - 1)

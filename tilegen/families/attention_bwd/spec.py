@@ -52,9 +52,10 @@ class AttentionBwdSpec(AttentionFields):
 
 
 def dense_rows(spec: AttentionBwdSpec) -> tuple:
-    """The spec whose tuned rows serve a ragged ``spec`` where it has none (``Family.rows_from``): the same kernels
-    on a dense batch, where ``feasible`` takes their config for the ragged one. A dense row the ragged kernels do not
-    run (the warp-specialized kernel adding dQ by reductions) leaves the ragged spec its own default rule: served
+    """The spec whose tuned rows serve a ragged ``spec`` (the tuner measures dense batches only: ``Family.rows_from``):
+    the same kernels on a dense batch, each row where ``feasible`` takes its config for the ragged one. A row the
+    ragged kernels do not run (the warp-specialized kernel adding dQ by reductions) is not served: where no bucket's
+    is, the ragged spec takes its own default rule; else, as any untuned bucket, the nearest served row. Served
     anyway, the launch would run the Triton kernels with atomics (261 TFLOP/s against 385 on the warp-specialized
     kernel with the dQ kernel, d128 32/8 full, an H100)."""
     return (spec.replace(layout="dense"),) if spec.layout == "ragged" else ()
