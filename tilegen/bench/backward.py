@@ -265,15 +265,22 @@ def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = F
     row = {"cell": str(cell), "batch": cell.b, "lengths": lengths}
     # A check: the first sequence's gradients against SDPA's math backend in fp32.
     first = slice(0, lengths[0])
-    out = tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal, **kwargs)
-    got = torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True)
+
+    def forward():
+        return tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal, **kwargs)
+
+    def backward(out):
+        return torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True)
+
+    out = forward()
+    got = backward(out)
     as_dense = lambda t: t[first].transpose(0, 1)[None]  # noqa: E731
     ref = reference(*(as_dense(t).detach().requires_grad_() for t in (pq, pk, pv)), as_dense(packed[3]), cell.causal)
     errors = {name: _rel_err(as_dense(g), r) for name, g, r in zip(("dq", "dk", "dv"), got, ref[1:])}
     row["check"] = {"errors": errors, "passed": max(errors.values()) < TOLERANCE}
     pairs = sum(n * (n + 1) // 2 if cell.causal else n * n for n in lengths)
     bwd_ragged = 2.5 * 4 * cell.heads_q * pairs * cell.head_dim
-    ms = _ms(lambda: torch.autograd.grad(out, (pq, pk, pv), packed[3], retain_graph=True), smoke)
+    ms = _ms(lambda: backward(out), smoke)
     row["ragged"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9}
     spec = AttentionBwdSpec(head_dim=cell.head_dim, q_per_kv=cell.heads_q // cell.heads_kv,
                             mask="causal" if cell.causal else "none", dtype=cell.dtype, layout="ragged")
@@ -285,14 +292,12 @@ def ragged_cell(cell: Cell, device, smoke: bool = False, deterministic: bool = F
             continue
         try:
             with forced_config("attention_bwd", config):
-                forced = tilegen.varlen_attention(pq, pk, pv, cu, cu, max(lengths), max(lengths), causal=cell.causal,
-                                                  **kwargs)
-                grads = torch.autograd.grad(forced, (pq, pk, pv), packed[3], retain_graph=True)
-                error = max(_rel_err(g, r) for g, r in zip(grads, got))
+                forced = forward()
+                error = max(_rel_err(g, r) for g, r in zip(backward(forced), got))
                 if not error < TOLERANCE:
                     row[f"ragged {config}"] = {"error": f"gradients {error:.2e} from the dispatched config's"}
                     continue
-                ms = _ms(lambda: torch.autograd.grad(forced, (pq, pk, pv), packed[3], retain_graph=True), smoke)
+                ms = _ms(lambda: backward(forced), smoke)
             row[f"ragged {config}"] = {"bwd_ms": ms, "bwd_tflops": bwd_ragged / ms * 1e-9, "error_vs_dispatched": error}
         except Exception as e:  # out of shared memory, say: reported, the run goes on
             row[f"ragged {config}"] = {"error": _error(e)}
@@ -516,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"  check {'ok' if row['check']['passed'] else 'FAILED'}")
             for config in configs:
                 found = row[f"ragged {config}"]
-                shown = f"{found['bwd_tflops']:8.3g} ({found['bwd_ms']:.3g} ms)" if "bwd_ms" in found else found["error"]
+                timed = "bwd_ms" in found
+                shown = f"{found['bwd_tflops']:8.3g} ({found['bwd_ms']:.3g} ms)" if timed else found["error"]
                 print(f"{'':28} ragged {shown}  {config}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
