@@ -204,8 +204,11 @@ def _direct_inputs(spec_case: Case, device):
 
 def _launch(spec, config, case, q, k, v, out, dout, lse, dlse):
     """One direct launch into NaN-poisoned gradients (an element left unwritten stays NaN)."""
+    if head_major:
+        lse = lse.t().contiguous().t()
+        assert lse.stride() == (1, q.shape[0])
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
+    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)  # lse's strides
     dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=q.device)
     n_q, n_k = q.shape[2], k.shape[2]
     left, right = case.window if case.window is not None else (None, 0 if case.causal else None)
@@ -685,11 +688,13 @@ def test_varlen_gradients_match_reference(mask, device):
         check_grads(grads, refs, torch.float32, what=f"sequence {b}: ")
 
 
-def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3, tail=0, window=None):
+def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, device, seed=3, tail=0, window=None,
+                                    head_major=False):
     """One direct launch of ``spec`` (ragged) with ``config`` over sequences of ``lens_q`` queries and ``lens_k``
     keys, into NaN-poisoned gradients, each sequence's rows against the float64 reference of that sequence alone.
     ``tail`` rows past the last sequence, which no sequence owns, hold NaN in Q, dO, K and V (a packed buffer's
-    unwritten capacity). ``window``: a window spec's ``(left, right)``."""
+    unwritten capacity). ``window``: a window spec's ``(left, right)``. ``head_major``: the LSE, Delta and the base-2
+    LSE as ``[heads, total]`` storage seen as ``[total, heads]``, as the backward op lays them out."""
     heads_kv, d = heads_q // spec.q_per_kv, spec.head_dim
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     causal = spec.mask == "causal"
@@ -712,8 +717,11 @@ def ragged_launch_matches_reference(spec, config, lens_q, lens_k, *, heads_q, de
         if qe > qs and ke > ks:
             o, l = attention_reference(as_dense(q, qs, qe), as_dense(k, ks, ke), as_dense(v, ks, ke), **masks)
             out[qs:qe], lse[qs:qe] = o[0].transpose(0, 1).to(torch_dtype), l[0].T.float()
+    if head_major:
+        lse = lse.t().contiguous().t()
+        assert lse.stride() == (1, q.shape[0])
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
+    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)  # lse's strides
     dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=device)
     left, right = window if window is not None else (None, 0 if causal else None)
     wl, wr = launch_window(spec.mask, left, right, max(lens_q), max(lens_k))
@@ -746,6 +754,34 @@ def test_ragged_launch_through_tma_descriptors(mask, config, device):
     # Rows no sequence owns hold NaN: a block reaching into them must not carry it into any gradient (0 x NaN).
     ragged_launch_matches_reference(spec, config, [17, 0, 1, 40, 5], [17, 3, 0, 40, 33], heads_q=4, device=device,
                                     tail=9, window=window)
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+def test_ragged_kernels_read_a_head_major_lse(mask, device):
+    """The layout the backward op gives a ragged call's LSE, Delta and base-2 LSE (``_stats_layout``): every kernel
+    reads them through their strides, rows of a head adjacent."""
+    spec = AttentionBwdSpec(head_dim=32, q_per_kv=2, mask=mask, dtype="fp32", layout="ragged")
+    ragged_launch_matches_reference(spec, Config(16, 32, 4, 1, 32, 16, 4, 1, tma=1), [17, 0, 1, 40, 5],
+                                    [17, 3, 0, 40, 33], heads_q=4, device=device, tail=9, head_major=True,
+                                    window=(6, 2) if mask == "window" else None)
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_the_backward_lays_the_lse_out_as_its_kernels_read_it(ragged):
+    from tilegen.ops.attention_grad import _stats_layout
+
+    shape = (37, 4) if ragged else (2, 4, 37)
+    lse, dlse = torch.randn(shape), torch.randn(shape)
+    if not ragged:  # a view the dense kernels cannot read with the scratch's contiguous strides
+        lse, dlse = torch.randn(2, 37, 4).transpose(1, 2), torch.randn(2, 37, 4).transpose(1, 2)
+    laid, dlaid = _stats_layout(lse, dlse, ragged)
+    assert torch.equal(laid, lse) and torch.equal(dlaid, dlse)
+    assert laid.stride() == dlaid.stride() == torch.empty_like(laid).stride()  # the scratch's, which empty_like keeps
+    if ragged:
+        assert laid.stride() == (1, 37)  # head-major: a head's rows adjacent
+        assert _stats_layout(laid, None, True)[0] is laid  # already so: no copy
+    else:
+        assert laid.is_contiguous()
 
 
 # --------------------------------------------------------------------------- against SDPA on a GPU
