@@ -204,11 +204,8 @@ def _direct_inputs(spec_case: Case, device):
 
 def _launch(spec, config, case, q, k, v, out, dout, lse, dlse):
     """One direct launch into NaN-poisoned gradients (an element left unwritten stays NaN)."""
-    if head_major:
-        lse = lse.t().contiguous().t()
-        assert lse.stride() == (1, q.shape[0])
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)  # lse's strides
+    delta, lse2 = torch.full_like(lse, math.nan), torch.full_like(lse, math.nan)
     dq_acc = torch.full(q.shape, math.nan, dtype=torch.float32, device=q.device)
     n_q, n_k = q.shape[2], k.shape[2]
     left, right = case.window if case.window is not None else (None, 0 if case.causal else None)
