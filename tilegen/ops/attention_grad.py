@@ -158,7 +158,7 @@ def _stats_layout(lse: torch.Tensor, dlse: torch.Tensor | None, ragged: bool):
     ``empty_like(lse)`` (Delta and the base-2 LSE) shares. Dense, contiguous ``[batch, heads, n]``. Ragged, head-major
     ``[heads, total]`` storage seen as ``[total, heads]``: a block's rows of one head are then adjacent, where
     token-major rows lie a head count apart, 64 scattered loads for a block (the ragged dK/dV kernel took 1.5x the
-    dense one's time with them, an H100, d128 causal GQA 32/8, 4 x 4096)."""
+    dense one's time with them, an H100, d128 causal GQA 32/8, 4 x 4096; the new layout is not yet timed)."""
     if ragged:
         if lse.stride(0) != 1 or lse.stride(1) != max(lse.shape[0], 1):
             lse = lse.t().contiguous().t()
